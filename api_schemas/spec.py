@@ -1,0 +1,226 @@
+"""ExperimentSpec: the one contract between the CLI, the service, the scheduler and the workers.
+
+Names follow the paper's symbols: ``teleport.batches`` is b, ``teleport.steps`` is t,
+``teleport.batch_size`` is n, ``teleport.lr`` is η (eta_tele), ``teleport.cap`` is CAP and
+``teleport.tau`` is τ of eq. 3. Every model forbids unknown fields, so a typo fails with the
+field's path instead of being ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ---------------------------------------------------------------------------- model
+
+
+class MLPModel(_Strict):
+    """Fully connected net: flatten, then ``hidden`` Linear+activation layers, then a Linear head."""
+
+    kind: Literal["mlp"] = "mlp"
+    hidden: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1024, 1024])
+    activation: Literal["relu", "leaky_relu", "tanh", "gelu"] = "relu"
+    negative_slope: float = Field(0.1, gt=0, lt=1, description="LeakyReLU slope (symmetry teleport needs it)")
+    bias: bool = True
+
+
+class CNNModel(_Strict):
+    """The paper's CIFAR net: 3x3 conv + ReLU + 2x2 max pooling per entry of ``channels``, then a head."""
+
+    kind: Literal["cnn"] = "cnn"
+    channels: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [16, 32, 64])
+    kernel_size: int = Field(3, ge=1)
+    pool: bool = True
+
+
+class ResNetModel(_Strict):
+    """The paper's Tiny-ImageNet residual net: stages of equal-width convs with skip connections."""
+
+    kind: Literal["resnet"] = "resnet"
+    channels: list[Annotated[int, Field(gt=0)]] = Field(
+        default_factory=lambda: [64, 64, 64, 128, 128, 128, 256, 256, 256]
+    )
+    batch_norm: bool = False
+
+
+class TransformerModel(_Strict):
+    """Encoder (classifier/regressor) or decoder-only causal LM with attention made of Linear Q/K/V/O.
+
+    ``d_model = heads * head_dim``. The head depends on the dataset's task: classification
+    averages over positions, regression reads the last position, language modelling is causal
+    and predicts every next token.
+    """
+
+    kind: Literal["transformer"] = "transformer"
+    heads: int = Field(2, ge=1)
+    head_dim: int = Field(64, ge=1)
+    layers: int = Field(2, ge=1)
+    mlp_ratio: int = Field(2, ge=1)
+    max_len: int = Field(1024, ge=1, description="positional embedding table size")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    pooling: Literal["mean", "last", "none"] | None = Field(
+        None, description="None picks by task: mean for classification, last for regression, none for LM"
+    )
+
+
+def _model_kind(value: object) -> str:
+    if isinstance(value, dict):
+        return str(value.get("kind", "mlp"))
+    return str(getattr(value, "kind", "mlp"))
+
+
+ModelSpec = Annotated[
+    Annotated[MLPModel, Tag("mlp")]
+    | Annotated[CNNModel, Tag("cnn")]
+    | Annotated[ResNetModel, Tag("resnet")]
+    | Annotated[TransformerModel, Tag("transformer")],
+    Discriminator(_model_kind, custom_error_type="model_kind",
+                  custom_error_message="model.kind must be one of mlp, cnn, resnet, transformer"),
+]
+
+
+# --------------------------------------------------------------------------- dataset
+
+DatasetName = Literal[
+    "digits",
+    "synthetic",
+    "mnist",
+    "fashion_mnist",
+    "cifar10",
+    "cifar100",
+    "tiny_imagenet",
+    "smnist",
+    "electricity",
+    "traffic",
+    "ptb",
+    "npz",
+]
+
+_NEEDS_ROOT = {"mnist", "fashion_mnist", "cifar10", "cifar100", "tiny_imagenet", "smnist", "electricity",
+               "traffic", "ptb"}
+
+
+class DatasetSpec(_Strict):
+    """Where the data lives. Offline formats only: IDX, CIFAR pickles, image folders, text matrices."""
+
+    name: DatasetName = "digits"
+    root: str | None = Field(None, description="directory holding the dataset's standard files")
+    path: str | None = Field(None, description="the .npz file for name=npz (arrays X and y)")
+    max_train: int | None = Field(None, ge=1, description="use only the first N training samples")
+    max_test: int | None = Field(None, ge=1, description="use only the first N test samples")
+    test_fraction: float = Field(0.2, gt=0, lt=1, description="held-out share where the data has no split")
+    seq_len: int | None = Field(None, ge=2, description="PTB tokens per sample (default 256), "
+                                                        "electricity/traffic window (default 168)")
+    horizon: int = Field(24, ge=1, description="electricity/traffic: predict the value this many steps later")
+    image_size: int | None = Field(None, ge=8, description="tiny_imagenet: resize side (default 64)")
+    normalize: bool = True
+
+    @model_validator(mode="after")
+    def _paths(self) -> DatasetSpec:
+        if self.name == "npz" and not self.path:
+            raise ValueError("dataset.path is required for name=npz: give the .npz file with arrays X and y")
+        if self.name in _NEEDS_ROOT and not self.root:
+            raise ValueError(f"dataset.root is required for name={self.name}: give the directory of its files")
+        return self
+
+
+# ------------------------------------------------------------------------- optimizer
+
+
+class OptimizerSpec(_Strict):
+    """The paper's four optimizers plus AdamW. ``momentum`` is used by name=momentum (SGD + momentum)."""
+
+    name: Literal["sgd", "momentum", "adagrad", "adam", "adamw"] = "sgd"
+    lr: float = Field(0.01, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+# -------------------------------------------------------------------------- training
+
+
+class TrainingSpec(_Strict):
+    epochs: int = Field(10, ge=1)
+    batch_size: int = Field(32, ge=1)
+    seed: int = 0
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps before the first teleport (paper: 40 for CNNs)")
+    max_steps_per_epoch: int | None = Field(None, ge=1, description="cap the batches per epoch (LM runs)")
+    target_loss: float | None = Field(None, description="report the first epoch whose train loss is below this")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["float32", "float64"] = "float32"
+    eval_batch_size: int = Field(1024, ge=1)
+
+
+# -------------------------------------------------------------------------- teleport
+
+
+class TeleportSpec(_Strict):
+    """When and how to teleport (paper Algorithm 1; eq. 3 for tau, eq. 5 for the update)."""
+
+    enabled: bool = True
+    method: Literal["nullspace", "symmetry"] = "nullspace"
+    epochs: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=lambda: [0, 1, 2, 3, 4], description="teleport before each of these epochs (0-based)"
+    )
+    batches: int = Field(32, ge=1, description="b: teleport batches per scheduled epoch")
+    steps: int = Field(8, ge=1, description="t: ascent steps per teleport batch")
+    batch_size: int = Field(32, ge=1, description="n: samples per teleport batch")
+    lr: float = Field(0.2, gt=0, description="eta_tele: teleport learning rate")
+    cap: float = Field(5.0, gt=0, description="CAP: stop ascent once ||grad L||^2 reaches this")
+    tau: float = Field(1.0, gt=0, le=1, description="eq. 3 threshold: kept share of ||R||_F^2")
+    loss_tol: float = Field(1e-3, ge=0, description="largest relative batch-loss rise a step may cause")
+    max_backoff: int = Field(6, ge=0, description="halvings of eta before a step is given up")
+    reset_optimizer: bool = Field(False, description="clear optimizer state (momentum, Adam moments) after teleport")
+    parallel: Literal["auto", "serial", "threads", "ray"] = "auto"
+
+    @model_validator(mode="after")
+    def _epochs_sorted(self) -> TeleportSpec:
+        if len(set(self.epochs)) != len(self.epochs):
+            raise ValueError("teleport.epochs has duplicates: list each epoch once")
+        object.__setattr__(self, "epochs", sorted(self.epochs))
+        return self
+
+
+# ------------------------------------------------------------------------- resources
+
+
+class ResourcesSpec(_Strict):
+    workers: int = Field(1, ge=1)
+    gpus_per_worker: float = Field(0, ge=0)
+    cpus_per_worker: float = Field(1, gt=0)
+
+
+# ---------------------------------------------------------------------------- spec
+
+
+class ExperimentSpec(_Strict):
+    """One training run: what to train, on what, how, and when to teleport."""
+
+    model: ModelSpec = Field(default_factory=MLPModel)
+    dataset: DatasetSpec = Field(default_factory=DatasetSpec)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    teleport: TeleportSpec = Field(default_factory=TeleportSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ExperimentSpec:
+        t = self.teleport
+        if t.enabled and t.method == "symmetry" and not isinstance(self.model, MLPModel):
+            raise ValueError("teleport.method=symmetry works only for model.kind=mlp: use method=nullspace")
+        if t.enabled and t.method == "symmetry" and self.model.activation != "leaky_relu":  # type: ignore[union-attr]
+            raise ValueError(
+                "teleport.method=symmetry needs a bijective activation: set model.activation=leaky_relu"
+            )
+        if t.enabled and any(e >= self.training.epochs for e in t.epochs):
+            raise ValueError(
+                f"teleport.epochs {t.epochs} must be < training.epochs={self.training.epochs}"
+            )
+        return self

@@ -1,0 +1,33 @@
+"""Teleportation with input null-space gradient projection (Wu, Dong, Aloui, Tarokh, ICML 2025).
+
+Pure PyTorch. The paper's three steps live in one module each:
+
+- ``capture``: per-layer input representation matrices R (eqs. 9-11);
+- ``bases``: SVD with the τ rule (eq. 3) and the projection π (eqs. 12-17);
+- ``nullspace``: projected gradient ascent on ½‖∇L‖² with CAP (eq. 5, Algorithm 1);
+
+plus ``symmetry``, the symmetry-teleport baseline of Zhao et al. for LeakyReLU MLPs.
+"""
+
+from teleport.bases import Basis, BasisExecutor, SerialExecutor, ThreadExecutor, compute_basis, project
+from teleport.capture import capture_inputs
+from teleport.nullspace import objective, teleport_batch, teleport_gradient
+from teleport.report import LayerReport, TeleportConfig, TeleportReport
+from teleport.symmetry import symmetry_teleport_batch
+
+__all__ = [
+    "Basis",
+    "BasisExecutor",
+    "LayerReport",
+    "SerialExecutor",
+    "TeleportConfig",
+    "TeleportReport",
+    "ThreadExecutor",
+    "capture_inputs",
+    "compute_basis",
+    "objective",
+    "project",
+    "symmetry_teleport_batch",
+    "teleport_batch",
+    "teleport_gradient",
+]

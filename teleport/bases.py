@@ -1,0 +1,128 @@
+"""Step 2: bases of each layer's input space by SVD with the τ rule (paper eq. 3), and the projection π.
+
+eq. 3:   k = min { k : ‖R_k‖²_F ≥ τ ‖R‖²_F },   ‖R_k‖²_F = σ_1² + ... + σ_k²
+
+The first k left singular vectors B = [u_1 .. u_k] span the "core" input space; the teleport
+update is projected onto its orthogonal complement (paper eqs. 12-17):
+
+    π(G) = G − (G B) Bᵀ          (G laid out as (C_o, d), rows of R are d)
+
+which is the paper's MLP form; its conv/attention forms ``G − B Bᵀ G`` are the same operator on
+the transposed layout. When the complement N is the smaller side, π(G) = (G N) Nᵀ instead.
+τ = 1 keeps the numerical rank: σ_i > max(d, N)·eps·σ_1, the rule ``torch.linalg.matrix_rank``
+uses, with eps of R's dtype so float32 inputs work.
+
+Two routes, picked by shape (both return the same subspace):
+- ``svd``:  thin SVD of R (d, N) when N < d — O(d N²);
+- ``gram``: eigh of R Rᵀ (d, d), accumulated in float64, when N ≥ d — O(d² N + d³).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import torch
+from torch import Tensor
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+@dataclass(frozen=True)
+class Basis:
+    """Orthonormal bases of one representation's kept span (d, k) and/or its complement (d, d−k).
+
+    Only the smaller of the two is needed to project; the thin-SVD route has only ``kept``.
+    """
+
+    dim: int
+    rank: int
+    captured_variance: float  # ‖R_k‖²_F / ‖R‖²_F
+    kept: Tensor | None
+    free: Tensor | None
+    route: str
+
+    @property
+    def free_dims(self) -> int:
+        return self.dim - self.rank
+
+
+def tau_rank(sq_singular: Tensor, tau: float, rank_tol: float) -> int:
+    """eq. 3 on descending σ²: the smallest k whose head holds τ of ‖R‖²_F, within the numerical rank."""
+    numerical = int((sq_singular > rank_tol).sum())
+    if tau >= 1.0 or numerical == 0:
+        return numerical
+    energy = torch.cumsum(sq_singular, 0)
+    k = int(torch.searchsorted(energy, tau * energy[-1]).item()) + 1
+    return min(k, numerical)
+
+
+def _rank_tol(sq_max: float, shape: tuple[int, int], dtype: torch.dtype) -> float:
+    """σ² threshold of the numerical rank: (max(d, N)·eps·σ_max)², eps of R's dtype."""
+    return (max(shape) * torch.finfo(dtype).eps) ** 2 * sq_max
+
+
+def compute_basis(rep: Tensor, tau: float = 1.0) -> Basis:
+    """SVD of R (d, N) with the τ rule, by the cheaper route for its shape."""
+    d, n = rep.shape
+    if n < d:
+        u, s, _ = torch.linalg.svd(rep, full_matrices=False)  # u: (d, N), s: (N,)
+        sq = s.double() ** 2
+        route, vectors = "svd", u
+    else:
+        r64 = rep.double()
+        lam, vecs = torch.linalg.eigh(r64 @ r64.T)  # ascending; (d,), (d, d)
+        sq, vectors = lam.flip(0).clamp_min(0), vecs.flip(1).to(rep.dtype)
+        route = "gram"
+    total = float(sq.sum())
+    if total == 0.0:  # an all-zero input: nothing to keep, every direction is free
+        return Basis(d, 0, 1.0, None, torch.eye(d, dtype=rep.dtype, device=rep.device), route)
+    k = tau_rank(sq, tau, _rank_tol(float(sq[0]), (d, n), rep.dtype))
+    captured = float(sq[:k].sum()) / total
+    kept = vectors[:, :k].contiguous()
+    free = vectors[:, k:].contiguous() if route == "gram" else None
+    # keep only the smaller side; projecting with it costs 2·C_o·d·min(k, d−k)
+    if free is not None and free.shape[1] <= k:
+        return Basis(d, k, captured, None, free, route)
+    return Basis(d, k, captured, kept, None, route)
+
+
+def project(grad: Tensor, basis: Basis) -> Tensor:
+    """π(G) for G laid out (C_o, d): remove the part of each row inside the kept input span."""
+    if basis.free is not None:
+        return (grad @ basis.free) @ basis.free.T  # (C_o, d−k) @ (d−k, d)
+    if basis.kept is None or basis.rank == 0:
+        return grad
+    return grad - (grad @ basis.kept) @ basis.kept.T  # (C_o, k) @ (k, d)
+
+
+# ------------------------------------------------------------------ executors
+
+
+class BasisExecutor(Protocol):
+    """Runs ``compute_basis`` over every layer's R; workers plug in Ray tasks or a GPU batch."""
+
+    def map(self, fn: Callable[[T], U], items: Sequence[T]) -> list[U]: ...
+
+
+class SerialExecutor:
+    """One layer after another, in this process (the default)."""
+
+    def map(self, fn: Callable[[T], U], items: Sequence[T]) -> list[U]:
+        return [fn(item) for item in items]
+
+
+class ThreadExecutor:
+    """Layers on a thread pool: torch's SVD/eigh release the GIL."""
+
+    def __init__(self, max_workers: int | None = None) -> None:
+        self.max_workers = max_workers
+
+    def map(self, fn: Callable[[T], U], items: Sequence[T]) -> list[U]:
+        if len(items) <= 1:
+            return [fn(item) for item in items]
+        with ThreadPoolExecutor(self.max_workers) as pool:
+            return list(pool.map(fn, items))

@@ -1,0 +1,71 @@
+"""What one teleport did: losses and ‖∇L‖² before/after, steps, time, and what each layer could move."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TeleportConfig:
+    """Hyperparameters of one teleport batch (paper symbols).
+
+    steps: t ascent steps; lr: η_tele; cap: CAP on ‖∇L‖²; tau: eq. 3 threshold;
+    loss_tol: largest relative rise of the batch loss a step may cause before it is backed off;
+    max_backoff: halvings of η tried before the teleport stops.
+    """
+
+    steps: int = 8
+    lr: float = 0.2
+    cap: float = 5.0
+    tau: float = 1.0
+    loss_tol: float = 1e-3
+    max_backoff: int = 6
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"teleport.steps must be >= 0, got {self.steps}")
+        if not self.lr > 0:
+            raise ValueError(f"teleport.lr must be > 0, got {self.lr}")
+        if not self.cap > 0:
+            raise ValueError(f"teleport.cap must be > 0, got {self.cap}")
+        if not 0 < self.tau <= 1:
+            raise ValueError(f"teleport.tau must be in (0, 1], got {self.tau}")
+        if self.loss_tol < 0 or self.max_backoff < 0:
+            raise ValueError("teleport.loss_tol and teleport.max_backoff must be >= 0")
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    """One layer (or one group of a grouped conv): input dim d, kept rank k, free directions d − k."""
+
+    name: str
+    kind: str
+    input_dim: int
+    rank: int
+    free: int
+    captured_variance: float
+
+
+@dataclass
+class TeleportReport:
+    loss_before: float
+    loss_after: float
+    grad_norm_sq_before: float
+    grad_norm_sq_after: float
+    steps: int
+    backoffs: int
+    stop_reason: str  # "steps" | "cap" | "loss_tol" | "no_free_directions"
+    seconds: float
+    method: str = "nullspace"
+    layers: list[LayerReport] = field(default_factory=list)
+    untouched: list[str] = field(default_factory=list)
+    heldout_loss_before: float | None = None
+    heldout_loss_after: float | None = None
+
+    @property
+    def free_directions(self) -> int:
+        return sum(layer.free for layer in self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,158 @@
+"""The baseline: symmetry teleport (Zhao et al. 2022/2023) for MLPs with a bijective activation.
+
+For each hidden layer m a group element g_m ∈ GL(d_m) acts on the pair of layers around it
+(row layout: H is (n, d), H̃ = [H, 1] carries the bias):
+
+    W̃_{m+1}[:, :d_m] ← W̃_{m+1}[:, :d_m] · g_m⁻¹
+    W̃_mᵀ            ← pinv(H̃'_{m-1}) · σ⁻¹( σ(Z_m) · g_mᵀ ),   H̃'_{m-1} the transformed input
+
+so every hidden activation becomes h_m · g_mᵀ and the output is unchanged — exactly when
+pinv(H̃') H̃' = I, i.e. when each transformed layer's augmented input (n, d+1) has full row rank
+n: the teleport batch may not exceed any such layer's input width + 1. With a larger batch the
+least-squares solve is only approximate and the loss moves (CAP and ``loss_tol`` then stop it).
+
+g = I + εM, gradient ascent on M at M = 0 of ½‖∇_W L‖², as in the paper's Section 2.1. Each step
+costs a pseudo-inverse per layer, O(d² n), and an inverse, O(d³).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from teleport.nullspace import LossFn, scalar, objective
+from teleport.report import LayerReport, TeleportConfig, TeleportReport
+
+
+def _mlp_layers(model: nn.Module) -> tuple[list[nn.Linear], float]:
+    layers = getattr(model, "layers", None)
+    slope = getattr(model, "negative_slope", None)
+    if layers is None or not all(isinstance(m, nn.Linear) for m in layers) or not slope:
+        raise ValueError(
+            "symmetry teleport needs an MLP with `.layers` (nn.Linear list) and a LeakyReLU "
+            "`.negative_slope`: set model.kind=mlp and model.activation=leaky_relu"
+        )
+    if any(m.bias is None for m in layers):
+        raise ValueError("symmetry teleport expects Linear layers with bias: set model.bias=true")
+    return list(layers), float(slope)
+
+
+def _augmented(layer: nn.Linear) -> Tensor:
+    return torch.cat([layer.weight, layer.bias.reshape(-1, 1)], dim=1)  # (d_out, d_in + 1)
+
+
+def _ones_col(h: Tensor) -> Tensor:
+    return torch.cat([h, h.new_ones(h.shape[0], 1)], dim=1)  # (n, d) -> (n, d + 1)
+
+
+def _inv_leaky(z: Tensor, slope: float) -> Tensor:
+    return torch.where(z > 0, z, z / slope)
+
+
+def _forward(weights: list[Tensor], x: Tensor, slope: float) -> Tensor:
+    h = x.flatten(1)
+    for i, w in enumerate(weights):
+        h = _ones_col(h) @ w.T
+        if i < len(weights) - 1:
+            h = F.leaky_relu(h, slope)
+    return h
+
+
+def transformed_weights(weights: list[Tensor], gs: list[Tensor], x: Tensor, slope: float) -> list[Tensor]:
+    """Apply g_1 .. g_{L-1} (one per hidden layer) to augmented weights [W | b], all at once."""
+    out: list[Tensor] = []
+    h_in = x.flatten(1)  # H'_{m-1}: the transformed input of layer m, (n, d)
+    h = x.flatten(1)  # the original activations
+    for m, w in enumerate(weights[:-1]):
+        z = _ones_col(h) @ w.T  # (n, d_m)
+        h = F.leaky_relu(z, slope)
+        target = _inv_leaky(h @ gs[m].T, slope)  # σ⁻¹(σ(Z_m) g_mᵀ)
+        out.append((torch.linalg.pinv(_ones_col(h_in)) @ target).T)
+        h_in = h @ gs[m].T
+    last = weights[-1]
+    out.append(torch.cat([last[:, :-1] @ torch.linalg.inv(gs[-1]), last[:, -1:]], dim=1))
+    return out
+
+
+def symmetry_teleport_batch(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: Tensor,
+    y: Tensor,
+    config: TeleportConfig | None = None,
+    holdout: tuple[Tensor, Tensor] | None = None,
+) -> TeleportReport:
+    """Symmetry teleport of an MLP in place on one batch; same CAP/back-off rules as the null-space one."""
+    config = config or TeleportConfig()
+    start = time.perf_counter()
+    layers, slope = _mlp_layers(model)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            heldout_before = None if holdout is None else scalar(loss_fn(model(holdout[0]), holdout[1]))
+        params = [p for p in model.parameters() if p.requires_grad]
+        cur = objective(model, loss_fn, x, y, params)
+        loss0, gn0 = scalar(cur.loss), scalar(cur.grad_norm_sq)
+        steps = backoffs = 0
+        reason, eta = "steps", config.lr
+        while steps < config.steps:
+            if scalar(cur.grad_norm_sq) >= config.cap:
+                reason = "cap"
+                break
+            base = [_augmented(m).detach() for m in layers]
+            ms = [torch.zeros(m.out_features, m.out_features, dtype=x.dtype, device=x.device,
+                              requires_grad=True) for m in layers[:-1]]
+            eye = [torch.eye(m.shape[0], dtype=x.dtype, device=x.device) for m in ms]
+            new_w = transformed_weights(base, [i + m for i, m in zip(eye, ms, strict=True)], x, slope)
+            loss = loss_fn(_forward(new_w, x, slope), y)
+            grads = torch.autograd.grad(loss, new_w, create_graph=True)
+            dms = torch.autograd.grad(0.5 * sum((g * g).sum() for g in grads), ms)
+            accepted = False
+            for _ in range(config.max_backoff + 1):
+                with torch.no_grad():
+                    gs = [i + eta * d for i, d in zip(eye, dms, strict=True)]
+                    for module, w in zip(layers, transformed_weights(base, gs, x, slope), strict=True):
+                        module.weight.copy_(w[:, :-1])
+                        module.bias.copy_(w[:, -1])
+                new = objective(model, loss_fn, x, y, params)
+                over_cap = scalar(new.grad_norm_sq) > config.cap
+                loss_up = scalar(new.loss) - loss0 > config.loss_tol * max(abs(loss0), 1e-12)
+                if not (over_cap or loss_up):
+                    cur, accepted = new, True
+                    steps += 1
+                    break
+                backoffs += 1
+                eta /= 2
+            if not accepted:
+                with torch.no_grad():
+                    for module, w in zip(layers, base, strict=True):
+                        module.weight.copy_(w[:, :-1])
+                        module.bias.copy_(w[:, -1])
+                cur = objective(model, loss_fn, x, y, params)
+                reason = "cap" if over_cap else "loss_tol"
+                break
+        n = x.shape[0]
+        reports = [LayerReport(f"layers.{i}", "symmetry", m.in_features + 1, min(n, m.in_features + 1),
+                               max(0, m.in_features + 1 - n), 1.0) for i, m in enumerate(layers[:-1])]
+        with torch.no_grad():
+            heldout_after = None if holdout is None else scalar(loss_fn(model(holdout[0]), holdout[1]))
+        return TeleportReport(
+            loss_before=loss0,
+            loss_after=scalar(cur.loss),
+            grad_norm_sq_before=gn0,
+            grad_norm_sq_after=scalar(cur.grad_norm_sq),
+            steps=steps,
+            backoffs=backoffs,
+            stop_reason=reason,
+            seconds=time.perf_counter() - start,
+            method="symmetry",
+            layers=reports,
+            heldout_loss_before=heldout_before,
+            heldout_loss_after=heldout_after,
+        )
+    finally:
+        model.train(was_training)
