@@ -10,7 +10,8 @@ update is projected onto its orthogonal complement (paper eqs. 12-17):
 which is the paper's MLP form; its conv/attention forms ``G − B Bᵀ G`` are the same operator on
 the transposed layout. When the complement N is the smaller side, π(G) = (G N) Nᵀ instead.
 τ = 1 keeps the numerical rank: σ_i > max(d, N)·eps·σ_1, the rule ``torch.linalg.matrix_rank``
-uses, with eps of R's dtype so float32 inputs work.
+uses, with eps of R's dtype so float32 inputs work (on the Gram route, σ_i² must also clear the
+float64 eigenvalue round-off, max(d, N)·eps64·σ_1²).
 
 Two routes, picked by shape (both return the same subspace):
 - ``svd``:  thin SVD of R (d, N) when N < d — O(d N²);
@@ -80,7 +81,10 @@ def compute_basis(rep: Tensor, tau: float = 1.0) -> Basis:
     total = float(sq.sum())
     if total == 0.0:  # an all-zero input: nothing to keep, every direction is free
         return Basis(d, 0, 1.0, None, torch.eye(d, dtype=rep.dtype, device=rep.device), route)
-    k = tau_rank(sq, tau, _rank_tol(float(sq[0]), (d, n), rep.dtype))
+    tol = _rank_tol(float(sq[0]), (d, n), rep.dtype)
+    if route == "gram":  # eigenvalues of a float64 Gram carry ~max(d, N)·eps64·λ_max of round-off
+        tol = max(tol, max(d, n) * torch.finfo(torch.float64).eps * float(sq[0]))
+    k = tau_rank(sq, tau, tol)
     captured = float(sq[:k].sum()) / total
     kept = vectors[:, :k].contiguous()
     free = vectors[:, k:].contiguous() if route == "gram" else None

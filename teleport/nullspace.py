@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from teleport.bases import Basis, BasisExecutor, SerialExecutor, compute_basis, project
 from teleport.capture import LayerInputs, capture_inputs, untouched_parameters
@@ -41,8 +42,13 @@ class Objective:
 
 
 def objective(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, params: list[Tensor]) -> Objective:
-    """L(W) and ‖∇_W L‖² over every trainable parameter (create_graph=True, for H·∇L)."""
-    loss = loss_fn(model(x), y)
+    """L(W) and ‖∇_W L‖² over every trainable parameter (create_graph=True, for H·∇L).
+
+    Fused attention kernels (flash, memory-efficient) have no double backward: the math kernel
+    of scaled_dot_product_attention is forced here.
+    """
+    with sdpa_kernel(SDPBackend.MATH):
+        loss = loss_fn(model(x), y)
     grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
     gn2 = sum(((g * g).sum() for g in grads if g is not None), loss.new_zeros(()))
     return Objective(loss, gn2)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from teleport.nullspace import LossFn, scalar, objective
+from teleport.nullspace import LossFn, objective, scalar
 from teleport.report import LayerReport, TeleportConfig, TeleportReport
 
 

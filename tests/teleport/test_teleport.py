@@ -1,0 +1,322 @@
+"""Invariants of the teleport core, in float64 on CPU: ΔL ≈ 0, ‖∇L‖² rises, U·R = 0, π² = π, CAP holds."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from teleport import (
+    SerialExecutor,
+    TeleportConfig,
+    ThreadExecutor,
+    capture_inputs,
+    compute_basis,
+    project,
+    symmetry_teleport_batch,
+    teleport_batch,
+)
+from teleport.capture import weight_matrix
+from teleport.nullspace import layer_bases, objective, teleport_gradient
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    """Invariants are checked in float64; the default dtype is restored for the other tests."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+class MLP(nn.Module):
+    def __init__(self, dims: list[int], slope: float = 0.1) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True))
+        self.negative_slope = slope
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.flatten(1)
+        for i, layer in enumerate(self.layers):
+            h = layer(h)
+            if i < len(self.layers) - 1:
+                h = F.leaky_relu(h, self.negative_slope)
+        return h
+
+
+class TinyTransformer(nn.Module):
+    """Embedding in, one pre-LN block with Linear Q/K/V/O, mean pooling, a head."""
+
+    def __init__(self, vocab: int = 11, d: int = 16, heads: int = 2, classes: int = 3) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, d)
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.embed(tokens)  # (B, T, d)
+        b, t, d = h.shape
+        a = self.ln1(h)
+        q, k, v = (p(a).view(b, t, self.heads, d // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        att = F.scaled_dot_product_attention(q, k, v)  # (B, nh, T, hs)
+        h = h + self.o(att.transpose(1, 2).reshape(b, t, d))
+        h = h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
+        return self.head(h.mean(1))
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(6, 8, 3, padding=1), nn.ReLU(),
+        nn.Flatten(), nn.Linear(8 * 4 * 4, 5),
+    )
+
+
+def make_case(kind: str, seed: int = 0) -> tuple[nn.Module, Tensor, Tensor]:
+    torch.manual_seed(seed)
+    if kind == "mlp":
+        return MLP([20, 48, 48, 5]), torch.randn(24, 20), torch.randint(0, 5, (24,))
+    if kind == "cnn":
+        return cnn(), torch.randn(12, 3, 8, 8), torch.randint(0, 5, (12,))
+    return TinyTransformer(), torch.randint(0, 11, (6, 5)), torch.randint(0, 3, (6,))
+
+
+CONFIG = TeleportConfig(steps=6, lr=0.5, cap=1e6, tau=1.0, loss_tol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "transformer"])
+def test_exact_nullspace_keeps_loss_and_raises_grad_norm(kind: str) -> None:
+    model, x, y = make_case(kind)
+    report = teleport_batch(model, F.cross_entropy, x, y, CONFIG)
+    assert abs(report.loss_after - report.loss_before) <= 1e-6 * abs(report.loss_before)
+    assert report.free_directions > 0
+    assert report.steps > 0 and report.stop_reason in {"steps", "cap"}
+    assert report.grad_norm_sq_after > report.grad_norm_sq_before * 1.01
+    with torch.no_grad():  # the report's numbers are the model's
+        assert F.cross_entropy(model(x), y).item() == pytest.approx(report.loss_after, rel=1e-12)
+
+
+def test_conv_layers_without_free_directions_are_reported_and_tau_below_one_opens_them() -> None:
+    model, x, y = make_case("cnn")
+    exact = teleport_batch(copy.deepcopy(model), F.cross_entropy, x, y, CONFIG)
+    convs = [layer for layer in exact.layers if layer.kind == "conv2d"]
+    assert convs and all(layer.free == 0 and layer.rank == layer.input_dim for layer in convs)
+    loose = teleport_batch(model, F.cross_entropy, x, y,
+                           TeleportConfig(steps=6, lr=0.5, cap=1e6, tau=0.95, loss_tol=0.05))
+    assert all(layer.free > 0 for layer in loose.layers if layer.kind == "conv2d")
+    assert loose.free_directions > exact.free_directions
+    assert loose.grad_norm_sq_after > loose.grad_norm_sq_before
+    assert loose.loss_after - loose.loss_before <= 0.05 * loose.loss_before  # the stated tolerance
+
+
+def test_first_layer_cannot_move_at_tau_one() -> None:
+    model, x, y = make_case("mlp")  # the batch (24) spans all 21 input directions of layer 0
+    first = model.layers[0].weight.detach().clone()
+    report = teleport_batch(model, F.cross_entropy, x, y, CONFIG)
+    assert report.layers[0].free == 0
+    assert torch.equal(model.layers[0].weight, first)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "transformer"])
+def test_projected_update_annihilates_each_layers_representation(kind: str) -> None:
+    model, x, y = make_case(kind)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with capture_inputs(model) as captured:
+        obj = objective(model, F.cross_entropy, x, y, params)
+    layers = layer_bases(captured, 0.9 if kind == "cnn" else 1.0, SerialExecutor())
+    all_grads = teleport_gradient(obj, [p for layer in layers for p in layer.params])
+    for layer in layers:
+        grads, all_grads = all_grads[: len(layer.params)], all_grads[len(layer.params) :]
+        update = layer.projected(grads)
+        u = update[0].reshape(update[0].shape[0], -1)
+        if len(update) == 2:
+            u = torch.cat([u, update[1].reshape(-1, 1)], dim=1)
+        rep = layer.inputs.representation(0)
+        kept = layer.bases[0]
+        if kept.free_dims == kept.dim:  # nothing kept: nothing to check
+            continue
+        # U·R = 0 in the kept span: exactly at τ=1; at τ<1 only the dropped σ's leak through
+        residual = (u @ rep).norm() / (u.norm() * rep.norm() + 1e-300)
+        assert residual < (1e-10 if kind != "cnn" else 0.35)
+        if kept.kept is not None:
+            assert (u @ kept.kept).abs().max() < 1e-10
+
+
+def test_projection_is_idempotent_and_orthogonal_for_both_forms() -> None:
+    torch.manual_seed(1)
+    for d, n in [(40, 10), (12, 200)]:  # thin-SVD route, Gram route
+        rep = torch.randn(d, 3) @ torch.randn(3, n)  # rank 3
+        basis = compute_basis(rep, 1.0)
+        assert basis.rank == 3
+        g = torch.randn(7, d)
+        once = project(g, basis)
+        assert torch.allclose(project(once, basis), once, atol=1e-12)
+        assert (once @ rep).abs().max() < 1e-9
+        assert torch.allclose((g - once) @ once.T, torch.zeros(7, 7), atol=1e-9)  # orthogonal split
+
+
+def test_both_routes_find_the_same_subspace_and_tau_rule() -> None:
+    torch.manual_seed(2)
+    rep = torch.randn(30, 30) @ torch.diag(torch.logspace(0, -3, 30)) @ torch.randn(30, 60)
+    for tau in [1.0, 0.999, 0.9]:
+        gram = compute_basis(rep, tau)  # N ≥ d
+        svd = compute_basis(rep[:, :29].contiguous(), tau)  # N < d: thin SVD
+        assert gram.route == "gram" and svd.route == "svd"
+        s2 = torch.linalg.svdvals(rep) ** 2
+        k = int((torch.cumsum(s2, 0) < tau * s2.sum() * (1 - 1e-12)).sum()) + 1
+        assert gram.rank == min(k, 30)
+        assert gram.captured_variance >= tau - 1e-12
+    # the same rank-r subspace whichever route finds it
+    low = torch.randn(25, 4) @ torch.randn(4, 50)
+    a, b = compute_basis(low, 1.0), compute_basis(low[:, :20].contiguous(), 1.0)
+    g = torch.randn(3, 25)
+    assert torch.allclose(project(g, a), project(g, b), atol=1e-9)
+
+
+def test_tau_below_one_keeps_fewer_directions_with_bounded_drift() -> None:
+    model, x, y = make_case("transformer")
+    ranks, rises, drifts = [], [], []
+    for tau in [1.0, 0.999, 0.99]:
+        m = copy.deepcopy(model)
+        r = teleport_batch(m, F.cross_entropy, x, y, TeleportConfig(steps=4, lr=0.5, cap=1e6, tau=tau,
+                                                                      loss_tol=0.01))
+        ranks.append(sum(layer.rank for layer in r.layers))
+        rises.append((r.loss_after - r.loss_before) / r.loss_before)
+        drifts.append(abs(rises[-1]))
+    assert ranks[0] > ranks[1] >= ranks[2]
+    assert drifts[0] < 1e-12
+    assert max(rises) <= 0.01  # the stated tolerance on a rise
+    assert max(drifts) <= 0.1  # and the loss may fall, but not by much: we stayed near the level set
+
+
+def test_float32_rank_tolerance_finds_the_exact_span() -> None:
+    torch.manual_seed(3)
+    rep = (torch.randn(64, 5) @ torch.randn(5, 300)).float()  # rank 5, float32 round-off
+    assert compute_basis(rep, 1.0).rank == 5
+    assert compute_basis(rep[:, :40].contiguous(), 1.0).rank == 5
+
+
+def test_cap_stops_ascent() -> None:
+    model, x, y = make_case("mlp")
+    start = teleport_batch(copy.deepcopy(model), F.cross_entropy, x, y, TeleportConfig(steps=1, cap=1e6))
+    cap = start.grad_norm_sq_before * 1.5
+    report = teleport_batch(model, F.cross_entropy, x, y, TeleportConfig(steps=50, lr=2.0, cap=cap))
+    assert report.stop_reason == "cap"
+    assert report.steps < 50
+    assert report.grad_norm_sq_after <= cap  # never overshoots
+    already = teleport_batch(model, F.cross_entropy, x, y, TeleportConfig(steps=5, cap=report.grad_norm_sq_after))
+    assert already.steps == 0 and already.stop_reason == "cap"
+
+
+def test_loss_tolerance_backs_off_steps() -> None:
+    model, x, y = make_case("cnn")
+    report = teleport_batch(model, F.cross_entropy, x, y,
+                            TeleportConfig(steps=5, lr=50.0, cap=1e9, tau=0.5, loss_tol=1e-4, max_backoff=3))
+    assert report.backoffs > 0
+    assert report.loss_after - report.loss_before <= 1e-4 * report.loss_before
+
+
+def test_representation_reproduces_each_layers_output() -> None:
+    """W̃ R equals the layer's output: the capture honours stride, padding modes, dilation and groups."""
+    torch.manual_seed(4)
+    layers = [
+        nn.Conv2d(4, 6, 3, stride=2, padding=2, dilation=2, groups=2, padding_mode="reflect"),
+        nn.Conv2d(4, 6, (3, 5), padding="same", bias=False),
+        nn.Conv1d(4, 6, 5, stride=2, padding=1, groups=2),
+        nn.Linear(4, 3),
+    ]
+    for layer in layers:
+        x = torch.randn(2, 4, 9, 9) if isinstance(layer, nn.Conv2d) else torch.randn(2, 4, 11)
+        if isinstance(layer, nn.Linear):
+            x = torch.randn(2, 5, 4)
+        with capture_inputs(layer) as captured:
+            out = layer(x)
+        entry = next(iter(captured.values()))
+        w = weight_matrix(layer)
+        rows = w.shape[0] // entry.groups
+        for g in range(entry.groups):
+            pred = w[g * rows : (g + 1) * rows] @ entry.representation(g)  # (C_o/g, n·L)
+            if isinstance(layer, nn.Linear):
+                ref = out.reshape(-1, 3).T
+            else:
+                ref = out[:, g * rows : (g + 1) * rows].reshape(2, rows, -1).transpose(0, 1).reshape(rows, -1)
+            assert torch.allclose(pred, ref, atol=1e-10)
+
+
+def test_shared_inputs_share_one_basis_and_norms_are_untouched() -> None:
+    model, x, y = make_case("transformer")
+    ln_before = model.ln1.weight.detach().clone()
+    emb_before = model.embed.weight.detach().clone()
+    report = teleport_batch(model, F.cross_entropy, x, y, CONFIG)
+    assert {"embed.weight", "ln1.weight", "ln1.bias", "ln2.weight"} <= set(report.untouched)
+    assert torch.equal(model.ln1.weight, ln_before) and torch.equal(model.embed.weight, emb_before)
+    by_name = {layer.name: layer for layer in report.layers}
+    assert by_name["q"] == type(by_name["q"])("q", "linear", 17, by_name["k"].rank, by_name["k"].free,
+                                              by_name["k"].captured_variance)
+
+
+def test_eval_mode_batchnorm_stats_untouched_and_mode_restored() -> None:
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(10, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 3))
+    x, y = torch.randn(16, 10), torch.randint(0, 3, (16,))
+    model.train()
+    model(torch.randn(64, 10))  # some running statistics
+    stats = (model[1].running_mean.clone(), model[1].running_var.clone(), int(model[1].num_batches_tracked))
+    report = teleport_batch(model, F.cross_entropy, x, y, CONFIG)
+    assert model.training
+    assert torch.equal(model[1].running_mean, stats[0]) and torch.equal(model[1].running_var, stats[1])
+    assert int(model[1].num_batches_tracked) == stats[2]
+    assert abs(report.loss_after - report.loss_before) <= 1e-6 * report.loss_before  # dropout was off
+    assert "1.weight" in report.untouched
+
+
+def test_thread_executor_matches_serial() -> None:
+    model, x, y = make_case("mlp")
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    ra = teleport_batch(a, F.cross_entropy, x, y, CONFIG, executor=SerialExecutor())
+    rb = teleport_batch(b, F.cross_entropy, x, y, CONFIG, executor=ThreadExecutor(2))
+    assert ra.layers == rb.layers
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.allclose(pa, pb, atol=1e-12)
+
+
+def test_heldout_loss_is_reported_and_may_drift() -> None:
+    model, x, y = make_case("mlp")
+    hx, hy = torch.randn(50, 20), torch.randint(0, 5, (50,))
+    report = teleport_batch(model, F.cross_entropy, x, y, CONFIG, holdout=(hx, hy))
+    assert report.heldout_loss_before is not None and report.heldout_loss_after is not None
+    assert report.heldout_loss_after != report.heldout_loss_before
+
+
+def test_symmetry_teleport_keeps_loss_when_batch_fits_the_widths() -> None:
+    """Loss-invariant when every transformed layer's augmented input (n, d+1) has full row rank n."""
+    torch.manual_seed(6)
+    model = MLP([20, 32, 32, 5])
+    x, y = torch.randn(16, 20), torch.randint(0, 5, (16,))  # n = 16 ≤ 21, 33
+    cfg = TeleportConfig(steps=4, lr=0.5, cap=1e6, loss_tol=1.0)
+    report = symmetry_teleport_batch(model, F.cross_entropy, x, y, cfg)
+    assert report.steps > 0
+    assert abs(report.loss_after - report.loss_before) <= 1e-6 * report.loss_before
+    assert report.grad_norm_sq_after > report.grad_norm_sq_before
+    # a batch wider than a layer's input: the least-squares solve is no longer exact and L moves
+    big_x, big_y = torch.randn(64, 20), torch.randint(0, 5, (64,))
+    moved = symmetry_teleport_batch(MLP([20, 32, 32, 5]), F.cross_entropy, big_x, big_y, cfg)
+    assert abs(moved.loss_after - moved.loss_before) > 1e-6 * moved.loss_before
+
+
+def test_symmetry_teleport_refuses_non_mlps() -> None:
+    with pytest.raises(ValueError, match="leaky_relu"):
+        symmetry_teleport_batch(cnn(), F.cross_entropy, torch.randn(2, 3, 8, 8), torch.zeros(2, dtype=torch.long))
+
+
+def test_config_validation_names_the_field() -> None:
+    with pytest.raises(ValueError, match="teleport.tau"):
+        TeleportConfig(tau=1.5)
+    with pytest.raises(ValueError, match="teleport.lr"):
+        TeleportConfig(lr=0)
