@@ -167,7 +167,7 @@ class TeleportSpec(_Strict):
     enabled: bool = True
     method: Literal["nullspace", "symmetry"] = "nullspace"
     epochs: list[Annotated[int, Field(ge=0)]] = Field(
-        default_factory=lambda: [0, 1, 2, 3, 4], description="teleport before each of these epochs (0-based)"
+        default_factory=lambda: [0, 1, 2, 3, 4], description="teleport before each of these epochs (0-based; ones past the run are ignored)"
     )
     batches: int = Field(32, ge=1, description="b: teleport batches per scheduled epoch")
     steps: int = Field(8, ge=1, description="t: ascent steps per teleport batch")
@@ -219,8 +219,9 @@ class ExperimentSpec(_Strict):
             raise ValueError(
                 "teleport.method=symmetry needs a bijective activation: set model.activation=leaky_relu"
             )
-        if t.enabled and any(e >= self.training.epochs for e in t.epochs):
+        if t.enabled and t.epochs and all(e >= self.training.epochs for e in t.epochs):
             raise ValueError(
-                f"teleport.epochs {t.epochs} must be < training.epochs={self.training.epochs}"
+                f"teleport.epochs {t.epochs}: none is < training.epochs={self.training.epochs}, so teleport "
+                "would never run: schedule an earlier epoch or set teleport.enabled=false"
             )
         return self

@@ -1,0 +1,36 @@
+"""The package walls of DESIGN.md, checked in a clean interpreter by looking at sys.modules."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+# package -> top-level modules it must never pull in (directly or through what it imports)
+FORBIDDEN = {
+    "teleport": ["ray", "redis", "fastapi", "pydantic", "api_schemas", "workers", "service", "matplotlib"],
+    "api_schemas": ["torch", "ray", "redis", "fastapi", "teleport", "workers", "service"],
+    "workers": ["fastapi", "service"],
+    "service": ["torch", "teleport", "workers"],
+}
+
+
+def loaded_top_level(module: str) -> set[str]:
+    code = f"import json, sys, {module}; print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}})))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    return set(json.loads(out.stdout))
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_imports_stay_inside_their_walls(package: str) -> None:
+    loaded = loaded_top_level(package)
+    assert package in loaded
+    leaked = sorted(set(FORBIDDEN[package]) & loaded)
+    assert not leaked, f"{package} imports {leaked}, which DESIGN.md's walls forbid"
+
+
+def test_service_cli_stays_inside_its_wall() -> None:
+    loaded = loaded_top_level("service.cli")
+    assert not {"torch", "teleport", "workers"} & loaded
