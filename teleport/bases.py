@@ -66,32 +66,58 @@ def _rank_tol(sq_max: float, shape: tuple[int, int], dtype: torch.dtype) -> floa
     return (max(shape) * torch.finfo(dtype).eps) ** 2 * sq_max
 
 
-def compute_basis(rep: Tensor, tau: float = 1.0) -> Basis:
-    """SVD of R (d, N) with the τ rule, by the cheaper route for its shape."""
+@dataclass(frozen=True)
+class Spectrum:
+    """σ² of R (descending, float64) and the matching left singular vectors, (d, m) in R's dtype."""
+
+    sq: Tensor
+    vectors: Tensor
+    cols: int  # N, the number of columns of R (over all ranks when distributed)
+    route: str
+
+
+def spectrum_of_gram(gram: Tensor, cols: int, dtype: torch.dtype) -> Spectrum:
+    """eigh of R Rᵀ (d, d), float64: σ² = eigenvalues, the eigenvectors are R's left singular vectors."""
+    lam, vecs = torch.linalg.eigh(gram)  # ascending; (d,), (d, d)
+    return Spectrum(lam.flip(0).clamp_min(0), vecs.flip(1).to(dtype), cols, "gram")
+
+
+def gram(rep: Tensor) -> Tensor:
+    r64 = rep.double()
+    return r64 @ r64.T  # (d, d)
+
+
+def spectrum(rep: Tensor) -> Spectrum:
+    """The cheaper route for R's shape: thin SVD when N < d, else the Gram matrix's eigh."""
     d, n = rep.shape
     if n < d:
         u, s, _ = torch.linalg.svd(rep, full_matrices=False)  # u: (d, N), s: (N,)
-        sq = s.double() ** 2
-        route, vectors = "svd", u
-    else:
-        r64 = rep.double()
-        lam, vecs = torch.linalg.eigh(r64 @ r64.T)  # ascending; (d,), (d, d)
-        sq, vectors = lam.flip(0).clamp_min(0), vecs.flip(1).to(rep.dtype)
-        route = "gram"
+        return Spectrum(s.double() ** 2, u, n, "svd")
+    return spectrum_of_gram(gram(rep), n, rep.dtype)
+
+
+def select_basis(spec: Spectrum, tau: float) -> Basis:
+    """Apply eq. 3 (and the numerical rank) to a spectrum; keep the smaller of span and complement."""
+    vectors, sq = spec.vectors, spec.sq
+    d = vectors.shape[0]
     total = float(sq.sum())
     if total == 0.0:  # an all-zero input: nothing to keep, every direction is free
-        return Basis(d, 0, 1.0, None, torch.eye(d, dtype=rep.dtype, device=rep.device), route)
-    tol = _rank_tol(float(sq[0]), (d, n), rep.dtype)
-    if route == "gram":  # eigenvalues of a float64 Gram carry ~max(d, N)·eps64·λ_max of round-off
-        tol = max(tol, max(d, n) * torch.finfo(torch.float64).eps * float(sq[0]))
+        return Basis(d, 0, 1.0, None, torch.eye(d, dtype=vectors.dtype, device=vectors.device), spec.route)
+    tol = _rank_tol(float(sq[0]), (d, spec.cols), vectors.dtype)
+    if spec.route == "gram":  # eigenvalues of a float64 Gram carry ~max(d, N)·eps64·λ_max of round-off
+        tol = max(tol, max(d, spec.cols) * torch.finfo(torch.float64).eps * float(sq[0]))
     k = tau_rank(sq, tau, tol)
     captured = float(sq[:k].sum()) / total
-    kept = vectors[:, :k].contiguous()
-    free = vectors[:, k:].contiguous() if route == "gram" else None
+    free = vectors[:, k:].contiguous() if spec.route == "gram" else None
     # keep only the smaller side; projecting with it costs 2·C_o·d·min(k, d−k)
     if free is not None and free.shape[1] <= k:
-        return Basis(d, k, captured, None, free, route)
-    return Basis(d, k, captured, kept, None, route)
+        return Basis(d, k, captured, None, free, spec.route)
+    return Basis(d, k, captured, vectors[:, :k].contiguous(), None, spec.route)
+
+
+def compute_basis(rep: Tensor, tau: float = 1.0) -> Basis:
+    """SVD of R (d, N) with the τ rule, by the cheaper route for its shape."""
+    return select_basis(spectrum(rep), tau)
 
 
 def project(grad: Tensor, basis: Basis) -> Tensor:

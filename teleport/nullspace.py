@@ -22,44 +22,72 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from teleport.bases import Basis, BasisExecutor, SerialExecutor, compute_basis, project
+from teleport.bases import Basis, BasisExecutor, SerialExecutor, compute_basis, project, select_basis
 from teleport.capture import LayerInputs, capture_inputs, untouched_parameters
+from teleport.distributed import Collective, all_reduce_list_, distributed_spectra
 from teleport.report import LayerReport, TeleportConfig, TeleportReport
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
 
-def scalar(t: Tensor) -> float:
-    return float(t.detach())
-
-
 @dataclass
 class Objective:
-    """L and ‖∇L‖² at the current weights, with the graph kept for the double backward."""
+    """L and ‖∇L‖² of the whole teleport batch, and this rank's gradient graph for the HVP.
 
-    loss: Tensor
-    grad_norm_sq: Tensor
+    ``local_grads`` are w_r·∇L_r with their graph (create_graph=True); ``global_grads`` are the
+    detached ∇L of the whole batch (the sum of every rank's w_r·∇L_r; the same tensors' values
+    in a single process).
+    """
+
+    loss: float
+    grad_norm_sq: float
+    local_grads: list[Tensor]
+    global_grads: list[Tensor]
 
 
-def objective(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, params: list[Tensor]) -> Objective:
-    """L(W) and ‖∇_W L‖² over every trainable parameter (create_graph=True, for H·∇L).
+def objective(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: Tensor,
+    y: Tensor,
+    params: list[Tensor],
+    comm: Collective | None = None,
+    share: float = 1.0,
+) -> Objective:
+    """L(W) and ‖∇_W L‖² over every trainable parameter, keeping the graph for H·∇L.
 
-    Fused attention kernels (flash, memory-efficient) have no double backward: the math kernel
-    of scaled_dot_product_attention is forced here.
+    ``share`` is this rank's weight n_r / N in the whole batch's mean loss. Fused attention
+    kernels (flash, memory-efficient) have no double backward: the math kernel of
+    scaled_dot_product_attention is forced here.
     """
     with sdpa_kernel(SDPBackend.MATH):
-        loss = loss_fn(model(x), y)
+        loss = loss_fn(model(x), y) * share
     grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
-    gn2 = sum(((g * g).sum() for g in grads if g is not None), loss.new_zeros(()))
-    return Objective(loss, gn2)
+    local = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+    total = [g.detach().clone() for g in local] + [loss.detach().reshape(1).clone()]
+    if comm is not None and comm.world_size > 1:
+        all_reduce_list_(comm, total)  # ∇L = Σ_r w_r ∇L_r, L = Σ_r w_r L_r: one collective
+    global_grads, loss_sum = total[:-1], total[-1]
+    gn2 = sum(float(g.double().pow(2).sum()) for g in global_grads)
+    return Objective(float(loss_sum), gn2, local, global_grads)
 
 
-def teleport_gradient(obj: Objective, weights: list[Tensor]) -> list[Tensor]:
-    """∇_W ½‖∇L‖² = H·∇L for the given weights (the second backward)."""
-    if not obj.grad_norm_sq.requires_grad:  # no second-order path at all (e.g. a linear model on MSE)
-        return [torch.zeros_like(w) for w in weights]
-    grads = torch.autograd.grad(0.5 * obj.grad_norm_sq, weights, allow_unused=True)
-    return [torch.zeros_like(w) if g is None else g for w, g in zip(weights, grads, strict=True)]
+def teleport_gradient(obj: Objective, weights: list[Tensor], params: list[Tensor],
+                      comm: Collective | None = None) -> list[Tensor]:
+    """∇_W ½‖∇L‖² = H·∇L for ``weights`` (a subset of ``params``): the second backward.
+
+    The backward of this rank's gradient graph against the global gradient gives w_r H_r·∇L;
+    summed over ranks it is the whole batch's H·∇L.
+    """
+    pairs = [(lg, gg) for lg, gg in zip(obj.local_grads, obj.global_grads, strict=True) if lg.requires_grad]
+    hvp: list[Tensor] = [torch.zeros_like(w) for w in weights]
+    if pairs:  # no pair: no second-order path at all (e.g. a linear model on MSE)
+        grads = torch.autograd.grad([lg for lg, _ in pairs], weights, grad_outputs=[gg for _, gg in pairs],
+                                    allow_unused=True)
+        hvp = [h if g is None else g for h, g in zip(hvp, grads, strict=True)]
+    if comm is not None and comm.world_size > 1:
+        all_reduce_list_(comm, hvp)
+    return hvp
 
 
 @dataclass
@@ -97,9 +125,12 @@ class _Layer:
 
 
 def layer_bases(
-    captured: dict[str, LayerInputs], tau: float, executor: BasisExecutor
+    captured: dict[str, LayerInputs], tau: float, executor: BasisExecutor, comm: Collective | None = None
 ) -> list[_Layer]:
-    """One basis per distinct representation (Q/K/V share theirs), computed through ``executor``."""
+    """One basis per distinct representation (Q/K/V share theirs), computed through ``executor``.
+
+    With a collective, the bases are those of the whole batch across ranks, identical on every rank.
+    """
     reps: list[Tensor] = []
     index: dict[int, int] = {}
     slots: list[list[int]] = []
@@ -112,8 +143,51 @@ def layer_bases(
                 reps.append(rep)
             ids.append(index[id(rep)])
         slots.append(ids)
-    bases = executor.map(lambda r: compute_basis(r, tau), reps)
+    if comm is not None and comm.world_size > 1:
+        bases = [select_basis(spec, tau) for spec in distributed_spectra(reps, comm, executor)]
+    else:
+        bases = executor.map(lambda r: compute_basis(r, tau), reps)
     return [_Layer(e, [bases[i] for i in ids]) for e, ids in zip(captured.values(), slots, strict=True)]
+
+
+def guarded_step(
+    move: Callable[[float], None],
+    restore: Callable[[], None],
+    evaluate: Callable[[], Objective],
+    loss0: float,
+    eta: float,
+    config: TeleportConfig,
+) -> tuple[Objective | None, float, int, str]:
+    """Take a step of size η, backing off (η/2) while it overshoots CAP or raises L beyond loss_tol.
+
+    Returns the objective after the accepted step (None when every try failed and ``restore`` put
+    the weights back), the η that worked (kept for the next step), the back-offs and, on failure,
+    why: "cap" or "loss_tol".
+    """
+    for attempt in range(config.max_backoff + 1):
+        move(eta)
+        new = evaluate()
+        over_cap = new.grad_norm_sq > config.cap
+        loss_up = new.loss - loss0 > config.loss_tol * max(abs(loss0), 1e-12)
+        if not (over_cap or loss_up):
+            return new, eta, attempt, "steps"
+        if attempt < config.max_backoff:
+            eta /= 2
+    restore()
+    return None, eta, config.max_backoff + 1, "cap" if over_cap else "loss_tol"
+
+
+def scalar(t: Tensor) -> float:
+    return float(t.detach())
+
+
+def _shard_share(n: int, comm: Collective | None, device: torch.device) -> float:
+    """w_r = n_r / N: this rank's weight in the whole batch's mean loss."""
+    if comm is None or comm.world_size == 1:
+        return 1.0
+    total = torch.tensor([float(n)], dtype=torch.float64, device=device)
+    comm.all_reduce_(total)
+    return n / float(total)
 
 
 def _heldout_loss(model: nn.Module, loss_fn: LossFn, holdout: tuple[Tensor, Tensor] | None) -> float | None:
@@ -131,12 +205,17 @@ def teleport_batch(
     config: TeleportConfig | None = None,
     executor: BasisExecutor | None = None,
     holdout: tuple[Tensor, Tensor] | None = None,
+    comm: Collective | None = None,
 ) -> TeleportReport:
     """Teleport ``model`` in place on one batch (Algorithm 1's inner loops for one of the b batches).
 
     Runs in eval mode (dropout off, BatchNorm on its running statistics, which are never changed)
     and restores the model's mode afterwards. ``holdout`` adds the loss on held-out data before
     and after, which — unlike the batch loss — is free to drift.
+
+    With ``comm`` (data-parallel ranks, see ``teleport.distributed``), (x, y) is this rank's shard
+    of the teleport batch; pass the bare module, not a DDP wrapper (DDP's hooks would all-reduce
+    inside the double backward). Every rank returns the same report and the same weights.
     """
     config = config or TeleportConfig()
     executor = executor or SerialExecutor()
@@ -145,13 +224,18 @@ def teleport_batch(
     model.eval()
     try:
         params = [p for p in model.parameters() if p.requires_grad]
+        share = _shard_share(x.shape[0], comm, x.device)
+
+        def evaluate() -> Objective:
+            return objective(model, loss_fn, x, y, params, comm, share)
+
         heldout_before = _heldout_loss(model, loss_fn, holdout)
         with capture_inputs(model) as captured:  # step 1: R per layer, from the same forward as L
-            cur = objective(model, loss_fn, x, y, params)
-        layers = layer_bases(captured, config.tau, executor)  # step 2
+            cur = evaluate()
+        layers = layer_bases(captured, config.tau, executor, comm)  # step 2
         for layer in layers:  # the bases are all that is needed of R from here on
             layer.inputs.chunks = []
-        loss0, gn0 = scalar(cur.loss), scalar(cur.grad_norm_sq)
+        loss0, gn0 = cur.loss, cur.grad_norm_sq
         weights = [p for layer in layers for p in layer.params]
         steps = backoffs = 0
         reason = "steps"
@@ -159,10 +243,10 @@ def teleport_batch(
         if not any(b.free_dims for layer in layers for b in layer.bases):
             reason = "no_free_directions"
         while reason == "steps" and steps < config.steps:  # step 3: t projected ascent steps
-            if scalar(cur.grad_norm_sq) >= config.cap:
+            if cur.grad_norm_sq >= config.cap:
                 reason = "cap"
                 break
-            grads = teleport_gradient(cur, weights)
+            grads = teleport_gradient(cur, weights, params, comm)
             direction: list[Tensor] = []
             i = 0
             for layer in layers:
@@ -170,30 +254,23 @@ def teleport_batch(
                 direction += layer.projected(grads[i : i + n])
                 i += n
             origin = [w.detach().clone() for w in weights]
-            for attempt in range(config.max_backoff + 1):
+
+            def move(step: float, origin: list[Tensor] = origin, direction: list[Tensor] = direction) -> None:
                 with torch.no_grad():
                     for w, w0, u in zip(weights, origin, direction, strict=True):
-                        w.copy_(w0 + eta * u)
-                new = objective(model, loss_fn, x, y, params)
-                over_cap = scalar(new.grad_norm_sq) > config.cap
-                loss_up = scalar(new.loss) - loss0 > config.loss_tol * max(abs(loss0), 1e-12)
-                if not (over_cap or loss_up):
-                    cur = new
-                    steps += 1
-                    break
-                backoffs += 1
-                if attempt == config.max_backoff:  # give the step up: back to where it started
-                    with torch.no_grad():
-                        for w, w0 in zip(weights, origin, strict=True):
-                            w.copy_(w0)
-                    reason = "cap" if over_cap else "loss_tol"
-                    break
-                eta /= 2
+                        w.copy_(w0 + step * u)
+
+            new, eta, tries, why = guarded_step(move, lambda: move(0.0), evaluate, loss0, eta, config)
+            backoffs += tries
+            if new is None:
+                reason = why
+                break
+            cur, steps = new, steps + 1
         return TeleportReport(
             loss_before=loss0,
-            loss_after=scalar(cur.loss),
+            loss_after=cur.loss,
             grad_norm_sq_before=gn0,
-            grad_norm_sq_after=scalar(cur.grad_norm_sq),
+            grad_norm_sq_after=cur.grad_norm_sq,
             steps=steps,
             backoffs=backoffs,
             stop_reason=reason,

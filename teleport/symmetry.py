@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from teleport.nullspace import LossFn, objective, scalar
+from teleport.nullspace import LossFn, Objective, guarded_step, objective, scalar
 from teleport.report import LayerReport, TeleportConfig, TeleportReport
 
 
@@ -42,6 +42,13 @@ def _mlp_layers(model: nn.Module) -> tuple[list[nn.Linear], float]:
 
 def _augmented(layer: nn.Linear) -> Tensor:
     return torch.cat([layer.weight, layer.bias.reshape(-1, 1)], dim=1)  # (d_out, d_in + 1)
+
+
+@torch.no_grad()
+def _write(layers: list[nn.Linear], weights: list[Tensor]) -> None:
+    for module, w in zip(layers, weights, strict=True):
+        module.weight.copy_(w[:, :-1])
+        module.bias.copy_(w[:, -1])
 
 
 def _ones_col(h: Tensor) -> Tensor:
@@ -95,12 +102,16 @@ def symmetry_teleport_batch(
         with torch.no_grad():
             heldout_before = None if holdout is None else scalar(loss_fn(model(holdout[0]), holdout[1]))
         params = [p for p in model.parameters() if p.requires_grad]
-        cur = objective(model, loss_fn, x, y, params)
-        loss0, gn0 = scalar(cur.loss), scalar(cur.grad_norm_sq)
+
+        def evaluate() -> Objective:
+            return objective(model, loss_fn, x, y, params)
+
+        cur = evaluate()
+        loss0, gn0 = cur.loss, cur.grad_norm_sq
         steps = backoffs = 0
         reason, eta = "steps", config.lr
         while steps < config.steps:
-            if scalar(cur.grad_norm_sq) >= config.cap:
+            if cur.grad_norm_sq >= config.cap:
                 reason = "cap"
                 break
             base = [_augmented(m).detach() for m in layers]
@@ -111,30 +122,19 @@ def symmetry_teleport_batch(
             loss = loss_fn(_forward(new_w, x, slope), y)
             grads = torch.autograd.grad(loss, new_w, create_graph=True)
             dms = torch.autograd.grad(0.5 * sum((g * g).sum() for g in grads), ms)
-            accepted = False
-            for _ in range(config.max_backoff + 1):
+
+            def move(step: float, base: list[Tensor] = base, dms: tuple[Tensor, ...] = dms,
+                     eye: list[Tensor] = eye) -> None:
                 with torch.no_grad():
-                    gs = [i + eta * d for i, d in zip(eye, dms, strict=True)]
-                    for module, w in zip(layers, transformed_weights(base, gs, x, slope), strict=True):
-                        module.weight.copy_(w[:, :-1])
-                        module.bias.copy_(w[:, -1])
-                new = objective(model, loss_fn, x, y, params)
-                over_cap = scalar(new.grad_norm_sq) > config.cap
-                loss_up = scalar(new.loss) - loss0 > config.loss_tol * max(abs(loss0), 1e-12)
-                if not (over_cap or loss_up):
-                    cur, accepted = new, True
-                    steps += 1
-                    break
-                backoffs += 1
-                eta /= 2
-            if not accepted:
-                with torch.no_grad():
-                    for module, w in zip(layers, base, strict=True):
-                        module.weight.copy_(w[:, :-1])
-                        module.bias.copy_(w[:, -1])
-                cur = objective(model, loss_fn, x, y, params)
-                reason = "cap" if over_cap else "loss_tol"
+                    gs = [i + step * d for i, d in zip(eye, dms, strict=True)]
+                    _write(layers, transformed_weights(base, gs, x, slope))
+
+            new, eta, tries, why = guarded_step(move, lambda b=base: _write(layers, b), evaluate, loss0, eta, config)
+            backoffs += tries
+            if new is None:
+                cur, reason = evaluate(), why
                 break
+            cur, steps = new, steps + 1
         n = x.shape[0]
         reports = [LayerReport(f"layers.{i}", "symmetry", m.in_features + 1, min(n, m.in_features + 1),
                                max(0, m.in_features + 1 - n), 1.0) for i, m in enumerate(layers[:-1])]
@@ -142,9 +142,9 @@ def symmetry_teleport_batch(
             heldout_after = None if holdout is None else scalar(loss_fn(model(holdout[0]), holdout[1]))
         return TeleportReport(
             loss_before=loss0,
-            loss_after=scalar(cur.loss),
+            loss_after=cur.loss,
             grad_norm_sq_before=gn0,
-            grad_norm_sq_after=scalar(cur.grad_norm_sq),
+            grad_norm_sq_after=cur.grad_norm_sq,
             steps=steps,
             backoffs=backoffs,
             stop_reason=reason,

@@ -130,7 +130,7 @@ def test_projected_update_annihilates_each_layers_representation(kind: str) -> N
     with capture_inputs(model) as captured:
         obj = objective(model, F.cross_entropy, x, y, params)
     layers = layer_bases(captured, 0.9 if kind == "cnn" else 1.0, SerialExecutor())
-    all_grads = teleport_gradient(obj, [p for layer in layers for p in layer.params])
+    all_grads = teleport_gradient(obj, [p for layer in layers for p in layer.params], params)
     for layer in layers:
         grads, all_grads = all_grads[: len(layer.params)], all_grads[len(layer.params) :]
         update = layer.projected(grads)
