@@ -167,7 +167,8 @@ class TeleportSpec(_Strict):
     enabled: bool = True
     method: Literal["nullspace", "symmetry"] = "nullspace"
     epochs: list[Annotated[int, Field(ge=0)]] = Field(
-        default_factory=lambda: [0, 1, 2, 3, 4], description="teleport before each of these epochs (0-based; ones past the run are ignored)"
+        default_factory=lambda: [0, 1, 2, 3, 4],
+        description="teleport before each of these epochs (0-based; ones past the run are ignored)",
     )
     batches: int = Field(32, ge=1, description="b: teleport batches per scheduled epoch")
     steps: int = Field(8, ge=1, description="t: ascent steps per teleport batch")

