@@ -146,7 +146,11 @@ class SerialExecutor:
 
 
 class ThreadExecutor:
-    """Layers on a thread pool: torch's SVD/eigh release the GIL."""
+    """Layers on a thread pool: torch's SVD/eigh release the GIL.
+
+    Each decomposition runs single-threaded while the pool is busy (torch's thread count is
+    process-wide): k BLAS-threaded SVDs on k cores oversubscribe them and run 10-20x slower.
+    """
 
     def __init__(self, max_workers: int | None = None) -> None:
         self.max_workers = max_workers
@@ -154,5 +158,9 @@ class ThreadExecutor:
     def map(self, fn: Callable[[T], U], items: Sequence[T]) -> list[U]:
         if len(items) <= 1:
             return [fn(item) for item in items]
-        with ThreadPoolExecutor(self.max_workers) as pool:
-            return list(pool.map(fn, items))
+        threads = torch.get_num_threads()
+        try:  # OpenMP's thread count is per calling thread: set it in each pool thread too
+            with ThreadPoolExecutor(self.max_workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+                return list(pool.map(fn, items))
+        finally:
+            torch.set_num_threads(threads)

@@ -1,10 +1,11 @@
 """Where each layer's basis is computed: in process (serial, threads) or as Ray tasks.
 
-DESIGN.md measured on 2 cores: a Ray task round trip is ~1.5 ms, numpy arrays travel near
-zero-copy while torch tensors are copied, and a per-layer SVD pays for a task only above about
-40 ms of work (≈ a 4096×256 thin SVD). So the Ray executor ships numpy arrays, and ``auto``
-sends a layer to Ray only when its estimated work is above that line; the rest run here while
-the tasks are in flight.
+Measured by benchmarks/parallel_bases.py on 2 cores (results/parallel_bases.json): threads with
+one BLAS thread each beat serial (2 BLAS threads on one SVD) by ~1.7-1.9x once there are two or
+more layers of ≥ ~1024×256; Ray tasks on the same node lose to threads (process hop, copies),
+and only add cores the process does not have, i.e. on a multi-node cluster. A Ray task round
+trip is ~1.5 ms and numpy arrays travel near zero-copy (torch tensors are copied), so the Ray
+executor ships numpy arrays. ``auto`` picks per call from the layers' estimated work.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from teleport import BasisExecutor, SerialExecutor, ThreadExecutor
 T = TypeVar("T")
 U = TypeVar("U")
 
-# d·N² (thin SVD) or d²·N + d³ (Gram + eigh) of a 4096×256 layer: ~40 ms here, the Ray break-even
-RAY_MIN_WORK = 4096 * 256 * 256
+# Estimated work (d·N² or d²·N + d³) from which a layer is worth a thread or a Ray task of its own:
+# a 256×256 thin SVD (1.7e7, ~4 ms) is as fast serially, a 1024×256 one (6.7e7, ~16 ms) gains.
+PARALLEL_MIN_WORK = 4e7
 
 
 def basis_work(rep: Tensor) -> float:
@@ -81,9 +83,35 @@ class RayTaskExecutor:
         return [local[i] if i in local else _to_torch(fetched[i], device) for i in range(len(items))]
 
 
+def _cluster_cpus() -> float:
+    import ray
+
+    return float(ray.cluster_resources().get("CPU", 0)) if ray.is_initialized() else 0.0
+
+
+class AutoExecutor:
+    """Per call: serial unless two or more layers are big enough to share out; then Ray tasks when
+    the Ray cluster has more CPUs than this machine (other nodes), else threads here."""
+
+    def __init__(self) -> None:
+        self.serial = SerialExecutor()
+        self.threads = ThreadExecutor(max_workers=os.cpu_count())
+        self.ray: RayTaskExecutor | None = None
+
+    def choose(self, items: Sequence[Tensor]) -> BasisExecutor:
+        if sum(basis_work(item) >= PARALLEL_MIN_WORK for item in items) < 2:
+            return self.serial
+        if _cluster_cpus() > (os.cpu_count() or 1):
+            self.ray = self.ray or RayTaskExecutor(min_work=PARALLEL_MIN_WORK)
+            return self.ray
+        return self.threads
+
+    def map(self, fn: Callable[[T], U], items: Sequence[T]) -> list[U]:
+        return self.choose(items).map(fn, items)  # type: ignore[arg-type]
+
+
 def make_executor(name: str) -> BasisExecutor:
-    """``teleport.parallel`` of the spec -> an executor. ``auto``: Ray tasks for big layers when a
-    Ray cluster is up in this process, else serial (threads only help with free cores)."""
+    """``teleport.parallel`` of the spec -> an executor."""
     if name == "serial":
         return SerialExecutor()
     if name == "threads":
@@ -91,7 +119,5 @@ def make_executor(name: str) -> BasisExecutor:
     if name == "ray":
         return RayTaskExecutor(min_work=0.0)
     if name == "auto":
-        import ray
-
-        return RayTaskExecutor(min_work=RAY_MIN_WORK) if ray.is_initialized() else SerialExecutor()
+        return AutoExecutor()
     raise ValueError(f"teleport.parallel={name!r}: use one of auto, serial, threads, ray")

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from teleport import SerialExecutor, TeleportConfig, compute_basis, teleport_batch
-from workers.executors import RAY_MIN_WORK, RayTaskExecutor, basis_work, make_executor
+from teleport import SerialExecutor, TeleportConfig, ThreadExecutor, compute_basis, teleport_batch
+from workers.executors import PARALLEL_MIN_WORK, AutoExecutor, RayTaskExecutor, basis_work, make_executor
 
 
 def reps() -> list[torch.Tensor]:
@@ -47,8 +47,11 @@ def test_teleport_through_ray_tasks_matches_serial(ray_local: object) -> None:
     assert a.grad_norm_sq_after == pytest.approx(b.grad_norm_sq_after, rel=1e-9)
 
 
-def test_auto_keeps_small_layers_in_process() -> None:
-    assert basis_work(torch.zeros(4096, 256)) >= RAY_MIN_WORK > basis_work(torch.zeros(1024, 32))
-    assert type(make_executor("auto")).__name__ in {"SerialExecutor", "RayTaskExecutor"}
+def test_auto_keeps_small_layers_serial_and_shares_big_ones() -> None:
+    assert basis_work(torch.zeros(1024, 256)) >= PARALLEL_MIN_WORK > basis_work(torch.zeros(256, 256))
+    auto = AutoExecutor()
+    assert isinstance(auto.choose([torch.zeros(256, 256)] * 8), SerialExecutor)
+    assert isinstance(auto.choose([torch.zeros(1024, 256), torch.zeros(64, 8)]), SerialExecutor)
+    assert isinstance(auto.choose([torch.zeros(1024, 256)] * 2), ThreadExecutor)  # no Ray cluster here
     with pytest.raises(ValueError, match="teleport.parallel"):
         make_executor("gpu")
