@@ -18,6 +18,7 @@ Only ``torch.distributed`` is used: Ray Train, torchrun or a hand-made process g
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -83,27 +84,44 @@ def _gather_columns(comm: Collective, rep: Tensor) -> Tensor:
     return torch.cat([p[:, :n] for p, n in zip(comm.all_gather(padded), sizes, strict=True)], dim=1)
 
 
+@dataclass(frozen=True)
+class Decomposition:
+    """One layer's whole-batch decomposition to compute: its Gram (d, d) in float64, or R (d, N)."""
+
+    matrix: Tensor
+    cols: int
+    gram: bool
+    dtype: torch.dtype  # R's dtype: the vectors come back in it
+
+    @property
+    def shape(self) -> tuple[int, int]:  # what executors size the work by
+        return (self.matrix.shape[0], self.cols)
+
+    @property
+    def device(self) -> torch.device:
+        return self.matrix.device
+
+    def run(self) -> Spectrum:
+        if self.gram:
+            return spectrum_of_gram(self.matrix, self.cols, self.dtype)
+        return spectrum(self.matrix)
+
+
 def distributed_spectra(reps: Sequence[Tensor], comm: Collective, executor: BasisExecutor) -> list[Spectrum]:
     """The whole batch's spectrum of every R, computed layer-parallel across ranks, identical on all."""
     device = reps[0].device if reps else torch.device("cpu")
     cols = torch.tensor([r.shape[1] for r in reps], device=device, dtype=torch.long)
     comm.all_reduce_(cols)
-    gathered: list[Tensor] = []  # per layer: the full Gram (float64) or the full column set
+    jobs: list[Decomposition] = []  # per layer: the full Gram (float64) or the full column set
     for rep, n in zip(reps, cols.tolist(), strict=True):
         if n >= rep.shape[0]:
             g = gram(rep)
             comm.all_reduce_(g)
-            gathered.append(g)
+            jobs.append(Decomposition(g, n, True, rep.dtype))
         else:
-            gathered.append(_gather_columns(comm, rep))
+            jobs.append(Decomposition(_gather_columns(comm, rep), n, False, rep.dtype))
     mine = [i for i in range(len(reps)) if i % comm.world_size == comm.rank]
-
-    def decompose(i: int) -> Spectrum:
-        if int(cols[i]) >= reps[i].shape[0]:
-            return spectrum_of_gram(gathered[i], int(cols[i]), reps[i].dtype)
-        return spectrum(gathered[i])
-
-    computed = dict(zip(mine, executor.map(decompose, mine), strict=True))
+    computed = dict(zip(mine, executor.map(Decomposition.run, [jobs[i] for i in mine]), strict=True))
     out = []
     for i, rep in enumerate(reps):
         d, n = rep.shape[0], int(cols[i])

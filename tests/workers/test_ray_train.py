@@ -1,0 +1,175 @@
+"""Ray Train DDP on a real local Ray cluster and a real Redis: training, distributed teleport, recovery."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from api_schemas import build_spec
+from workers.ray_train import build_trainer
+from workers.redis_sink import read_events
+
+pytestmark = pytest.mark.slow
+
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")  # DESIGN: 30 s -> 14 s for tiny runs
+
+
+def tiny_spec(model: dict, epochs: int = 3, **teleport: object) -> object:
+    return build_spec({
+        "model": model,
+        "dataset": {"name": "digits", "max_train": 256, "max_test": 128},
+        "optimizer": {"name": "sgd", "lr": 0.05},
+        "training": {"epochs": epochs, "batch_size": 32, "seed": 0},
+        "teleport": {"epochs": [0, 1], "batches": 2, "steps": 2, "batch_size": 16, "lr": 0.1, "cap": 50.0,
+                     **teleport},
+        "resources": {"workers": 2, "cpus_per_worker": 0.5},
+    })
+
+
+def metric_epochs(redis_url: str, job: str) -> list[dict]:
+    return [e["data"] for e in read_events(redis_url, job) if e["kind"] == "metric"]
+
+
+@pytest.mark.parametrize("model", [{"kind": "mlp", "hidden": [32, 32]}, {"kind": "cnn", "channels": [8, 16]}])
+def test_two_worker_ddp_trains_with_a_complete_ordered_stream(
+    ray_local: object, redis_server: str, tmp_path: Path, model: dict
+) -> None:
+    spec = tiny_spec(model)
+    job = f"ddp-{model['kind']}"
+    result = build_trainer(spec, name=job, storage_path=tmp_path, redis_url=redis_server, job_id=job).fit()
+    assert result.error is None
+    epochs = metric_epochs(redis_server, job)
+    assert [e["epoch"] for e in epochs] == [0, 1, 2]
+    assert epochs[-1]["train_loss"] < epochs[0]["train_loss"]
+    teleports = [e["data"] for e in read_events(redis_server, job) if e["kind"] == "teleport"]
+    assert [(t["epoch"], t["batch"]) for t in teleports] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert result.checkpoint is not None
+
+
+def _teleport_on_ranks(config: dict) -> None:
+    """A Ray Train worker: teleport its shard of one batch, then compare parameters across ranks."""
+    import ray.train
+    import torch.distributed as dist
+
+    from teleport import TeleportConfig, teleport_batch
+    from teleport.distributed import TorchDistributed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).double()
+    x, y = torch.randn(10, 12, dtype=torch.float64), torch.randint(0, 4, (10,))
+    rank = ray.train.get_context().get_world_rank()
+    idx = torch.tensor_split(torch.arange(10), 2)[rank]
+    report = teleport_batch(model, F.cross_entropy, x[idx], y[idx], TeleportConfig(steps=3, lr=0.3, cap=1e6),
+                            comm=TorchDistributed())
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(gathered, flat)
+    with torch.no_grad():
+        whole_loss = float(F.cross_entropy(model(x), y))
+    metrics = {"max_abs_diff": float((gathered[0] - gathered[1]).abs().max()), "steps": report.steps,
+               "loss_before": report.loss_before, "loss_after": report.loss_after,
+               "whole_loss": whole_loss, "params": flat.tolist()}
+    with tempfile.TemporaryDirectory() as tmp:  # Ray Train 2.60 keeps the metrics of checkpointed reports
+        Path(tmp, "done").write_text("1")
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp) if rank == 0 else None)
+
+
+def test_distributed_teleport_in_ray_train_keeps_replicas_bit_identical(ray_local: object, tmp_path: Path) -> None:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from teleport import TeleportConfig, teleport_batch
+
+    trainer = TorchTrainer(_teleport_on_ranks, scaling_config=ScalingConfig(num_workers=2,
+                                                                            resources_per_worker={"CPU": 0.5}),
+                           run_config=RunConfig(name="tele", storage_path=str(tmp_path)))
+    m = trainer.fit().metrics
+    assert m["max_abs_diff"] == 0.0 and m["steps"] == 3
+    assert abs(m["loss_after"] - m["loss_before"]) <= 1e-9 * m["loss_before"]
+    assert m["whole_loss"] == pytest.approx(m["loss_before"], rel=1e-12)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).double()
+    x, y = torch.randn(10, 12, dtype=torch.float64), torch.randint(0, 4, (10,))
+    teleport_batch(model, F.cross_entropy, x, y, TeleportConfig(steps=3, lr=0.3, cap=1e6))
+    single = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert torch.allclose(torch.tensor(m["params"], dtype=torch.float64), single, atol=1e-10)
+
+
+def test_killed_worker_resumes_from_checkpoint_with_every_epoch_once(
+    ray_local: object, redis_server: str, tmp_path: Path
+) -> None:
+    spec = tiny_spec({"kind": "mlp", "hidden": [64, 64]}, epochs=8)
+    job = "kill"
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    trainer = build_trainer(spec, name=job, storage_path=tmp_path / "storage", redis_url=redis_server, job_id=job,
+                            pid_dir=pids, max_failures=2)
+    outcome: dict = {}
+    runner = threading.Thread(target=lambda: outcome.setdefault("result", trainer.fit()))
+    runner.start()
+    deadline = time.monotonic() + 120
+    while len(metric_epochs(redis_server, job)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    victim = int((pids / "rank1.pid").read_text())
+    os.kill(victim, signal.SIGKILL)
+    runner.join(timeout=240)
+    assert not runner.is_alive()
+    assert outcome["result"].error is None
+    assert int((pids / "rank1.pid").read_text()) != victim  # a new worker process took over
+    assert [e["epoch"] for e in metric_epochs(redis_server, job)] == list(range(8))
+
+
+MULTINODE = textwrap.dedent("""
+    import json, os, sys
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    from ray.cluster_utils import Cluster
+    import ray, ray.train
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    os.environ["RAY_ADDRESS"] = cluster.address  # Ray's helper processes must not find another cluster
+    ray.init(address=cluster.address)
+
+    def where(config):
+        rank = ray.train.get_context().get_world_rank()
+        with open(os.path.join(config["out"], f"node{rank}"), "w") as f:
+            f.write(ray.get_runtime_context().get_node_id())
+        ray.train.report({})
+
+    trainer = TorchTrainer(where, train_loop_config={"out": sys.argv[1]}, scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1},
+                                                               placement_strategy="STRICT_SPREAD"),
+                           run_config=RunConfig(name="spread", storage_path=sys.argv[1]))
+    trainer.fit()
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU"))
+    print(json.dumps({"cpu_nodes": nodes}))
+    ray.shutdown()
+    cluster.shutdown()
+""")
+
+
+def test_head_and_two_nodes_place_one_worker_per_node(tmp_path: Path) -> None:
+    """ray.cluster_utils.Cluster with a 0-CPU head: two 1-CPU nodes can only hold the gang spread out."""
+    script = tmp_path / "multinode.py"
+    script.write_text(MULTINODE)
+    env = {**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
+                         timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cpu_nodes = json.loads(out.stdout.strip().splitlines()[-1])["cpu_nodes"]
+    placed = {(tmp_path / f"node{rank}").read_text() for rank in range(2)}
+    assert len(cpu_nodes) == 2 and placed == set(cpu_nodes)  # one worker on each of the two nodes

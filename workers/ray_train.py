@@ -1,0 +1,126 @@
+"""The spec as a Ray Train TorchTrainer: N DDP workers running the same loop as ``tlab run --local``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+from api_schemas import ExperimentSpec
+from workers.sinks import JsonlSink, MetricSink, NullSink
+
+
+def scaling_config(spec: ExperimentSpec) -> ScalingConfig:
+    """The gang: ``resources.workers`` ranks, each with its CPUs and (fractional) GPUs."""
+    r = spec.resources
+    per_worker: dict[str, float] = {"CPU": r.cpus_per_worker}
+    if r.gpus_per_worker > 0:
+        per_worker["GPU"] = r.gpus_per_worker
+    return ScalingConfig(num_workers=r.workers, use_gpu=r.gpus_per_worker > 0, resources_per_worker=per_worker)
+
+
+def _worker_sink(config: dict[str, Any], rank: int) -> MetricSink:
+    """Rank 0 writes the metrics (to the job's Redis stream, or to DIR/metrics.jsonl); the others don't."""
+    if rank != 0:
+        return NullSink()
+    if config.get("redis_url"):
+        from workers.redis_sink import RedisSink
+
+        return RedisSink(config["redis_url"], config["job_id"])
+    if config.get("out_dir"):
+        return JsonlSink(Path(config["out_dir"]) / "metrics.jsonl")
+    return NullSink()
+
+
+def train_worker(config: dict[str, Any]) -> None:
+    """What every Ray Train worker runs: build the context, then the one training loop."""
+    import ray.train
+
+    from workers.context import RayTrainContext
+    from workers.local import TrainingDiverged, train
+
+    if config.get("pid_dir"):  # lets tests (and operators) find a worker process to kill
+        rank = ray.train.get_context().get_world_rank()
+        Path(config["pid_dir"], f"rank{rank}.pid").write_text(str(os.getpid()))
+    spec = ExperimentSpec.model_validate(config["spec"])
+    ctx = RayTrainContext(_worker_sink(config, ray.train.get_context().get_world_rank()))
+    try:
+        train(spec, ctx)
+    except TrainingDiverged as err:
+        # it would diverge again from its last checkpoint: end the run as failed instead of a retry
+        ctx.save({"failed": str(err)}, {"failed": True, "reason": str(err)})
+    finally:
+        ctx.sink.close()
+
+
+def build_trainer(
+    spec: ExperimentSpec,
+    *,
+    name: str,
+    storage_path: str | Path,
+    redis_url: str | None = None,
+    job_id: str | None = None,
+    out_dir: str | Path | None = None,
+    max_failures: int = 3,
+    pid_dir: str | Path | None = None,
+) -> TorchTrainer:
+    """One place turns a spec into a TorchTrainer (scaling, storage, failures, checkpoints)."""
+    loop_config = {
+        "spec": spec.model_dump(mode="json"),
+        "redis_url": redis_url,
+        "job_id": job_id or name,
+        "out_dir": None if out_dir is None else str(out_dir),
+        "pid_dir": None if pid_dir is None else str(pid_dir),
+    }
+    return TorchTrainer(
+        train_worker,
+        train_loop_config=loop_config,
+        scaling_config=scaling_config(spec),
+        run_config=RunConfig(
+            name=name,
+            storage_path=str(storage_path),
+            failure_config=FailureConfig(max_failures=max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+        ),
+    )
+
+
+def run_on_ray(spec: ExperimentSpec, out_dir: str | Path, *, address: str | None = None) -> dict[str, Any]:
+    """``tlab run SPEC --ray --out DIR``: the spec as a TorchTrainer on a Ray cluster, same outputs as --local.
+
+    ``address`` (or ``RAY_ADDRESS``) names an existing cluster; without one a local cluster is
+    started for the run and stopped after it. Rank 0 writes DIR/metrics.jsonl, so DIR must be
+    visible to the node it runs on (always true for a local cluster).
+    """
+    import ray
+
+    from workers.local import run_label
+    from workers.plots import plot_curves, read_metrics
+
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("metrics.jsonl", "summary.json", "curves.png"):
+        (out / name).unlink(missing_ok=True)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=address or os.environ.get("RAY_ADDRESS") or None, log_to_driver=False,
+                 include_dashboard=False)
+    try:
+        result = build_trainer(spec, name=f"run-{out.name}", storage_path=out / "ray", out_dir=out).fit()
+    finally:
+        if started:
+            ray.shutdown()
+    summary = dict(result.metrics or {})
+    records = read_metrics(out / "metrics.jsonl")
+    if any(r.get("kind") == "epoch" for r in records):
+        plot_curves({run_label(spec): records}, out / "curves.png",
+                    title=f"{spec.dataset.name} · {spec.model.kind} · Ray × {spec.resources.workers}")
+    if summary.get("failed"):
+        raise RuntimeError(str(summary.get("reason")))
+    summary = {**summary, "out_dir": str(out), "spec": spec.model_dump(mode="json")}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
+    return summary
