@@ -151,8 +151,8 @@ MULTINODE = textwrap.dedent("""
             f.write(ray.get_runtime_context().get_node_id())
         ray.train.report({})
 
-    trainer = TorchTrainer(where, train_loop_config={"out": sys.argv[1]}, scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1},
-                                                               placement_strategy="STRICT_SPREAD"),
+    scaling = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}, placement_strategy="STRICT_SPREAD")
+    trainer = TorchTrainer(where, train_loop_config={"out": sys.argv[1]}, scaling_config=scaling,
                            run_config=RunConfig(name="spread", storage_path=sys.argv[1]))
     trainer.fit()
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU"))
