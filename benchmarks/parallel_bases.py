@@ -76,12 +76,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for the smoke test")
     args = parser.parse_args(argv)
-    if args.quick:
-        result = run([64, 128], [2, 4], repeats=1)
-    else:
-        result = run([256, 1024, 4096], [2, 4, 8, 16], repeats=3)
-    from benchmarks.common import write_result
+    from benchmarks.common import wait_for_quiet, write_result
 
+    if args.quick:
+        result = {**run([64, 128], [2, 4], repeats=1), "quick": True}
+    else:
+        wait_for_quiet()
+        result = run([256, 1024, 4096], [2, 4, 8, 16], repeats=3)
     write_result("parallel_bases", result)
     return result
 

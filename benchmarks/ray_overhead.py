@@ -1,0 +1,90 @@
+"""Ray Train overhead: the same spec per epoch under Ray Train (1 worker) vs the in-process runner.
+
+Both runs train the same digits MLP for the same epochs in one invocation; per-epoch time is the
+median of the epoch-to-epoch differences of the cumulative ``seconds`` in the epoch records
+(teleport epochs excluded, so the comparison is the training loop itself), and start-up is the
+wall time outside the epochs (Ray: cluster start, worker group, process group). Floor from
+issue 3: Ray per-epoch time ≤ 1.15x the in-process one.
+
+    python -m benchmarks.ray_overhead [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from api_schemas import build_spec
+from benchmarks.common import print_table, verdict, wait_for_quiet, write_result
+
+
+def per_epoch(records: list[dict[str, Any]], skip: set[int]) -> float:
+    epochs = [r for r in records if r.get("kind") == "epoch"]
+    deltas = [b["seconds"] - a["seconds"] for a, b in zip(epochs, epochs[1:], strict=False)
+              if b["epoch"] not in skip]
+    return statistics.median(deltas)
+
+
+def run(epochs: int, hidden: list[int], max_train: int | None) -> dict[str, Any]:
+    import ray
+
+    from workers.local import run_local
+    from workers.plots import read_metrics
+    from workers.ray_train import run_on_ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+    spec = build_spec({
+        "model": {"kind": "mlp", "hidden": hidden}, "dataset": {"name": "digits", "max_train": max_train},
+        "optimizer": {"name": "sgd", "lr": 0.05}, "training": {"epochs": epochs, "batch_size": 32},
+        "teleport": {"epochs": [0], "batches": 4, "steps": 4},
+        "resources": {"workers": 1, "cpus_per_worker": 2},
+    })
+    out = Path(tempfile.mkdtemp(prefix="tl-rayovh"))
+    results: dict[str, Any] = {}
+    start = time.perf_counter()
+    run_local(spec, out / "local", progress=False)
+    wall = time.perf_counter() - start
+    local = read_metrics(out / "local" / "metrics.jsonl")
+    results["local"] = {"wall": wall, "per_epoch": per_epoch(local, {0})}
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, configure_logging=False,
+             _temp_dir=tempfile.mkdtemp(prefix="tlrayb", dir="/tmp"))
+    try:
+        start = time.perf_counter()
+        run_on_ray(spec, out / "ray")
+        wall = time.perf_counter() - start
+    finally:
+        ray.shutdown()
+    remote = read_metrics(out / "ray" / "metrics.jsonl")
+    results["ray"] = {"wall": wall, "per_epoch": per_epoch(remote, {0})}
+    for r, recs in ((results["local"], local), (results["ray"], remote)):
+        last = [x for x in recs if x.get("kind") == "epoch"][-1]
+        r["epochs_seconds"] = last["seconds"]
+        r["startup"] = r["wall"] - last["seconds"]
+    ratio = results["ray"]["per_epoch"] / results["local"]["per_epoch"]
+    print_table(["runner", "per-epoch s", "start-up s", "wall s"],
+                [[k, f"{v['per_epoch']:.4f}", f"{v['startup']:.2f}", f"{v['wall']:.2f}"] for k, v in results.items()])
+    print(f"Ray Train / in-process per epoch: {ratio:.3f}x — floor ≤ 1.15x: {verdict(ratio <= 1.15)}")
+    return {"spec": spec.model_dump(mode="json"), "runs": results, "per_epoch_ratio": ratio}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    if args.quick:
+        result = {**run(3, [32], 200), "quick": True}
+    else:
+        wait_for_quiet()
+        result = run(12, [512, 512], None)
+    write_result("ray_overhead", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
