@@ -1,0 +1,132 @@
+"""Convergence on digits: MLP [1024, 1024], the paper's four optimizers, 3 seeds, teleport on vs off.
+
+The paper's MNIST row (η_prim = 2e-4, η_tele = 0.2, CAP = 5, n = 32, t = 8, τ = 1, teleport before
+epochs 0-4) on scikit-learn's bundled digits, the offline stand-in for MNIST. One change, stated
+in the output: digits has 1,438 training samples against MNIST's 60,000, so the paper's b = 32
+teleport batches (1,024 samples, 1.7 % of an MNIST epoch) become b = 4 (128 samples, 9 % of a
+digits epoch); b = 32 here would teleport on 70 % of the data before every scheduled epoch.
+
+Per optimizer and seed, with and without teleport: epochs and wall seconds to reach a target
+train loss, the final loss, and teleport's share of the run's time. Floors from issue 2: with
+SGD teleport reaches the target in at most a third of the baseline's epochs, and takes at most
+10 % of the run's time.
+
+    python -m benchmarks.convergence [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Any
+
+import torch
+
+from api_schemas import build_spec
+from benchmarks.common import print_table, verdict, wait_for_quiet, write_result
+
+TARGETS = {"sgd": 2.0, "momentum": 0.5, "adagrad": 0.3, "adam": 0.05}
+
+
+def one_run(optimizer: str, seed: int, teleport: bool, epochs: int, hidden: list[int], batches: int,
+            max_train: int | None) -> dict[str, Any]:
+    from workers.context import RunContext
+    from workers.local import train
+
+    spec = build_spec({
+        "model": {"kind": "mlp", "hidden": hidden},
+        "dataset": {"name": "digits", "max_train": max_train},
+        "optimizer": {"name": optimizer, "lr": 2e-4},
+        "training": {"epochs": epochs, "batch_size": 32, "seed": seed, "target_loss": TARGETS[optimizer]},
+        "teleport": {"enabled": teleport, "epochs": [0, 1, 2, 3, 4], "batches": batches, "steps": 8,
+                     "batch_size": 32, "lr": 0.2, "cap": 5.0, "tau": 1.0},
+    })
+    return train(spec, RunContext())
+
+
+def _mean_std(values: list[float | None]) -> tuple[float | None, float | None, int]:
+    got = [v for v in values if v is not None]
+    if not got:
+        return None, None, 0
+    return statistics.fmean(got), (statistics.stdev(got) if len(got) > 1 else 0.0), len(got)
+
+
+def _fmt(ms: tuple[float | None, float | None, int], seeds: int, digits: int = 3) -> str:
+    mean, std, n = ms
+    if mean is None:
+        return "not reached"
+    text = f"{mean:.{digits}g} ± {std:.2g}"
+    return text if n == seeds else f"{text} ({n}/{seeds})"
+
+
+def run(optimizers: list[str], seeds: int, epochs: int, hidden: list[int], batches: int,
+        max_train: int | None) -> dict[str, Any]:
+    torch.set_num_threads(1)  # as a 1-CPU worker runs; 2 busy cores punish 2 BLAS threads
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for opt in optimizers:
+        runs[opt] = {"teleport": [], "baseline": []}
+        for seed in range(seeds):
+            for teleport in (True, False):
+                summary = one_run(opt, seed, teleport, epochs, hidden, batches, max_train)
+                runs[opt]["teleport" if teleport else "baseline"].append(summary)
+                print(f"{opt:8s} seed {seed} {'teleport' if teleport else 'baseline':8s} "
+                      f"epochs to {TARGETS[opt]}: {summary['epochs_to_target']}  "
+                      f"final {summary['final_train_loss']:.4f}  {summary['seconds']:.1f} s "
+                      f"(teleport {summary['teleport_share']:.0%})", flush=True)
+    rows, table = [], {}
+    for opt, groups in runs.items():
+        stats = {}
+        for label, summaries in groups.items():
+            stats[label] = {
+                "epochs_to_target": _mean_std([s["epochs_to_target"] for s in summaries]),
+                "seconds_to_target": _mean_std([s["seconds_to_target"] for s in summaries]),
+                "final_train_loss": _mean_std([s["final_train_loss"] for s in summaries]),
+                "teleport_share": _mean_std([s["teleport_share"] for s in summaries]),
+                "share_to_target": _mean_std([
+                    s["teleport_seconds"] / s["seconds_to_target"] if s["seconds_to_target"] else None
+                    for s in summaries]),
+            }
+        tele_e, base_e = stats["teleport"]["epochs_to_target"][0], stats["baseline"]["epochs_to_target"][0]
+        speedup = base_e / tele_e if tele_e and base_e else None
+        table[opt] = {**stats, "epoch_speedup": speedup, "target": TARGETS[opt]}
+        for label in ("teleport", "baseline"):
+            s = stats[label]
+            rows.append([opt, label, TARGETS[opt], _fmt(s["epochs_to_target"], seeds),
+                         _fmt(s["seconds_to_target"], seeds), _fmt(s["final_train_loss"], seeds),
+                         _fmt(s["teleport_share"], seeds, 2) if label == "teleport" else "-",
+                         f"{speedup:.2f}x" if speedup and label == "teleport" else ""])
+    print()
+    print_table(["optimizer", "run", "target", "epochs to target", "seconds to target", "final train loss",
+                 "teleport share", "epoch speedup"], rows)
+    sgd = table.get("sgd")
+    floors = {}
+    if sgd:
+        floors["sgd_epochs_third"] = bool(sgd["epoch_speedup"] and sgd["epoch_speedup"] >= 3.0)
+        floors["sgd_teleport_share_10pct"] = bool(sgd["teleport"]["teleport_share"][0] is not None
+                                                  and sgd["teleport"]["teleport_share"][0] <= 0.10)
+        print(f"floor: SGD teleport reaches the target in ≤ 1/3 of the baseline's epochs: "
+              f"{verdict(floors['sgd_epochs_third'])} ({sgd['epoch_speedup'] or 0:.2f}x fewer)")
+        print(f"floor: teleport ≤ 10% of the SGD run's time ({epochs} epochs): "
+              f"{verdict(floors['sgd_teleport_share_10pct'])} ({sgd['teleport']['teleport_share'][0]:.1%}; "
+              f"of the time to target: {sgd['teleport']['share_to_target'][0] or 0:.1%})")
+    return {"epochs": epochs, "hidden": hidden, "teleport_batches": batches, "seeds": seeds, "targets": TARGETS,
+            "table": table, "floors": floors,
+            "runs": {o: {k: v for k, v in g.items()} for o, g in runs.items()}}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--optimizers", nargs="+", default=list(TARGETS))
+    args = parser.parse_args(argv)
+    if args.quick:
+        result = {**run(["sgd"], 1, 3, [32], 1, 200), "quick": True}
+    else:
+        wait_for_quiet()
+        result = run(args.optimizers, 3, 100, [1024, 1024], 4, None)
+    write_result("convergence", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""The in-process runner: records, outputs, seeds, divergence, builders, plots and the workers CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from matplotlib.image import imread
+from torch.utils.data import TensorDataset
+
+from api_schemas import ExperimentSpec, build_spec
+from api_schemas.spec import OptimizerSpec, TeleportSpec, TrainingSpec
+from teleport import TeleportConfig
+from workers import cli
+from workers.build import (
+    OPTIMIZER_NAMES,
+    build_optimizer,
+    reset_optimizer_state,
+    select_device,
+    teleport_config,
+)
+from workers.context import RunContext
+from workers.local import TrainingDiverged, evaluate, run_local, train
+from workers.models import build_model, loss_fn_for
+from workers.plots import plot_bands, plot_curves, read_metrics
+from workers.sinks import JsonlSink, MemorySink
+
+EPOCH_KEYS = {"kind", "epoch", "train_loss", "test_loss", "test_acc", "seconds", "teleport_seconds"}
+TELEPORT_KEYS = {"epoch", "batch", "loss_before", "loss_after", "grad_norm_sq_before", "grad_norm_sq_after",
+                 "steps", "seconds", "layers", "backoffs", "stop_reason", "untouched"}
+
+
+def tiny(epochs: int = 3, teleport: dict[str, Any] | None = None, **training: Any) -> ExperimentSpec:
+    """Digits, 300 training samples, a small MLP; teleport 2 batches x 2 steps before epochs 0 and 1."""
+    return build_spec({
+        "model": {"kind": "mlp", "hidden": [32, 32]},
+        "dataset": {"name": "digits", "max_train": 300, "max_test": 200},
+        "optimizer": {"name": "sgd", "lr": 0.1},
+        "training": {"epochs": epochs, "batch_size": 32, "seed": 0, "device": "cpu", **training},
+        "teleport": {"epochs": [0, 1], "batches": 2, "steps": 2, "batch_size": 32, "lr": 0.2, "cap": 50.0,
+                     **(teleport or {})},
+    })
+
+
+def coloured_pixels(png: Path) -> int:
+    """Pixels whose RGB channels differ clearly (curves), as opposed to white, black and grey (axes, text)."""
+    img = imread(png)[..., :3]  # (H, W, 3) floats in [0, 1]
+    return int(((img.max(axis=-1) - img.min(axis=-1)) > 0.25).sum())
+
+
+# ------------------------------------------------------------------------------- the run
+
+
+def test_tiny_run_writes_metrics_summary_and_curves(tmp_path: Path) -> None:
+    summary = run_local(tiny(), tmp_path, progress=False)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    kinds = [r["kind"] for r in records]
+    assert kinds[0] == "start" and kinds[-1] == "summary"
+    assert records[0]["params"] == summary["params"] > 0
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    teleports = [r for r in records if r["kind"] == "teleport"]
+    assert [r["epoch"] for r in epochs] == [0, 1, 2]
+    assert all(set(r) == EPOCH_KEYS for r in epochs)
+    assert [(t["epoch"], t["batch"]) for t in teleports] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(TELEPORT_KEYS <= set(t) for t in teleports)
+    assert all({"name", "free", "rank", "input_dim"} <= set(t["layers"][0]) for t in teleports)
+    # teleport runs before its epoch's training, so it comes right before that epoch's line
+    assert kinds.index("teleport") < kinds.index("epoch")
+    seconds = [r["seconds"] for r in epochs]
+    assert seconds == sorted(seconds) and 0 < epochs[-1]["teleport_seconds"] < seconds[-1]
+    assert epochs[-1]["train_loss"] < epochs[0]["train_loss"]
+    for t in teleports:  # loss kept on the teleport batch (tau = 1), ‖∇L‖² not lowered
+        assert t["loss_after"] == pytest.approx(t["loss_before"], rel=1e-3)
+        assert t["grad_norm_sq_after"] >= t["grad_norm_sq_before"] * (1 - 1e-4)
+
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["epochs"] == 3 and saved["final_train_loss"] == epochs[-1]["train_loss"]
+    assert saved["best_test_loss"] == min(r["test_loss"] for r in epochs)
+    assert saved["best_test_acc"] == max(r["test_acc"] for r in epochs)
+    assert saved["teleport_batches"] == 4 and 0 < saved["teleport_share"] < 1
+    assert ExperimentSpec.model_validate(saved["spec"]) == tiny()
+
+    png = tmp_path / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert coloured_pixels(png) > 500
+
+
+def test_same_seed_gives_the_same_run(tmp_path: Path) -> None:
+    def losses(seed: int, name: str) -> list[float]:
+        run_local(tiny(epochs=2, seed=seed), tmp_path / name, progress=False)
+        records = read_metrics(tmp_path / name / "metrics.jsonl")
+        return [r["train_loss"] for r in records if r["kind"] == "epoch"]
+
+    first = losses(0, "a")
+    assert losses(0, "b") == first
+    assert losses(1, "c") != first
+
+
+def test_a_rerun_in_the_same_directory_starts_a_fresh_metrics_file(tmp_path: Path) -> None:
+    spec = tiny(epochs=1, teleport={"enabled": False})
+    run_local(spec, tmp_path, progress=False)
+    run_local(spec, tmp_path, progress=False)
+    assert sum(r["kind"] == "epoch" for r in read_metrics(tmp_path / "metrics.jsonl")) == 1
+
+
+def test_nan_loss_stops_with_training_diverged_naming_the_epoch(tmp_path: Path) -> None:
+    spec = build_spec({**tiny(epochs=3).model_dump(), "optimizer": {"name": "sgd", "lr": 1e6},
+                       "teleport": {"enabled": False}})
+    with pytest.raises(TrainingDiverged, match=r"epoch 0\b.*optimizer\.lr"):
+        run_local(spec, tmp_path, progress=False)
+    last = read_metrics(tmp_path / "metrics.jsonl")[-1]
+    assert last["kind"] == "error" and last["epoch"] == 0 and "diverged" in last["message"]
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_warmup_comes_before_the_first_teleport_and_target_is_reported() -> None:
+    sink = MemorySink()
+    summary = train(tiny(epochs=2, warmup_steps=12, target_loss=100.0), RunContext(sink=sink))
+    kinds = [r["kind"] for r in sink.records]
+    assert kinds.index("warmup") < kinds.index("teleport")
+    assert next(r for r in sink.records if r["kind"] == "warmup")["steps"] == 12  # more than one pass of 10
+    assert summary["epochs_to_target"] == 1 and summary["seconds_to_target"] > 0
+    assert train(tiny(epochs=1, target_loss=1e-9), RunContext())["epochs_to_target"] is None
+
+
+def test_symmetry_teleport_and_optimizer_reset_run() -> None:
+    spec = build_spec({**tiny(epochs=2).model_dump(),
+                       "model": {"kind": "mlp", "hidden": [24], "activation": "leaky_relu"},
+                       "optimizer": {"name": "adam", "lr": 1e-3}})
+    spec = spec.model_copy(update={"teleport": spec.teleport.model_copy(
+        update={"method": "symmetry", "reset_optimizer": True, "batch_size": 24})})
+    sink = MemorySink()
+    train(spec, RunContext(sink=sink))
+    teleports = [r for r in sink.records if r["kind"] == "teleport"]
+    assert len(teleports) == 4 and {t["method"] for t in teleports} == {"symmetry"}
+
+
+def test_max_steps_per_epoch_caps_the_epoch() -> None:
+    sink = MemorySink()
+    train(tiny(epochs=1, max_steps_per_epoch=2, teleport={"enabled": False}), RunContext(sink=sink))
+    [epoch] = [r for r in sink.records if r["kind"] == "epoch"]
+    assert math.isfinite(epoch["train_loss"])
+
+
+def test_lm_evaluation_reports_perplexity() -> None:
+    model = build_model(build_spec({"model": {"kind": "transformer", "heads": 1, "head_dim": 8, "layers": 1},
+                                    "teleport": {"enabled": False}}).model,
+                        task="lm", input_shape=(6,), num_classes=11, output_dim=None)
+    tokens = torch.randint(0, 11, (10, 7), generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    ctx = RunContext()
+    loader = ctx.loader(data, 4, shuffle=False, seed=0, epoch=0)
+    metrics = evaluate(model, loader, loss_fn_for("lm"), "lm", ctx, torch.float32)
+    assert set(metrics) == {"test_loss", "test_ppl"}
+    assert metrics["test_ppl"] == pytest.approx(math.exp(metrics["test_loss"]))
+
+
+# ------------------------------------------------------------------------------ builders
+
+
+@pytest.mark.parametrize("name", OPTIMIZER_NAMES)
+def test_every_optimizer_builds_steps_and_resets(name: str) -> None:
+    spec = OptimizerSpec(name=name, lr=0.05, momentum=0.8, betas=(0.8, 0.9), weight_decay=1e-4)
+    layer = torch.nn.Linear(3, 2)
+    opt = build_optimizer(spec, layer.parameters())
+    expected = {"sgd": torch.optim.SGD, "momentum": torch.optim.SGD, "adagrad": torch.optim.Adagrad,
+                "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+    assert type(opt) is expected
+    group = opt.param_groups[0]
+    assert group["lr"] == 0.05 and group["weight_decay"] == 1e-4
+    if name in ("sgd", "momentum"):
+        assert group["momentum"] == (0.8 if name == "momentum" else 0)
+    if name in ("adam", "adamw"):
+        assert group["betas"] == (0.8, 0.9)
+    before = layer.weight.detach().clone()
+    layer(torch.ones(4, 3)).pow(2).sum().backward()
+    opt.step()
+    assert not torch.equal(before, layer.weight)
+    if name != "sgd":  # plain SGD keeps no state
+        assert opt.state
+    reset_optimizer_state(opt)
+    assert not opt.state
+    opt.step()  # and steps again from scratch
+
+
+def test_teleport_config_and_device_builders() -> None:
+    spec = TeleportSpec(steps=3, lr=0.5, cap=7.0, tau=0.9, loss_tol=1e-2, max_backoff=2)
+    assert teleport_config(spec) == TeleportConfig(steps=3, lr=0.5, cap=7.0, tau=0.9, loss_tol=1e-2,
+                                                   max_backoff=2)
+    assert select_device(TrainingSpec(device="cpu")) == torch.device("cpu")
+    assert select_device(TrainingSpec(device="auto")).type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="training.device"):
+            select_device(TrainingSpec(device="cuda"))
+
+
+# --------------------------------------------------------------------------------- plots
+
+
+def test_plots_overlay_runs_and_draw_seed_bands(tmp_path: Path) -> None:
+    def records(scale: float, teleport: bool) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for e in range(5):
+            if teleport and e < 2:
+                out.append({"kind": "teleport", "epoch": e, "batch": 0, "grad_norm_sq_before": 1.0,
+                            "grad_norm_sq_after": 2.0})
+            out.append({"kind": "epoch", "epoch": e, "train_loss": scale / (e + 1),
+                        "test_loss": scale / (e + 2)})
+        return out
+
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    for r in records(1.0, True):
+        sink.emit(r)
+    sink.close()
+    assert read_metrics(tmp_path / "m.jsonl") == records(1.0, True)
+    nan = {"kind": "epoch", "epoch": 5, "train_loss": float("nan"), "test_loss": 1.0}
+    with_nan = [*records(2.0, False), nan]
+    plot_curves({"teleport": records(1.0, True), "plain": with_nan}, tmp_path / "c.png", title="t")
+    plot_bands({"teleport": [records(1.0, True), records(1.2, True)],
+                "plain": [records(2.0, False), records(2.5, False)]}, tmp_path / "b.png")
+    for png in ("c.png", "b.png"):
+        assert coloured_pixels(tmp_path / png) > 500
+
+
+# ----------------------------------------------------------------------------------- CLI
+
+
+# --set takes every PATH=VALUE after it: keep it last, so callers can append more overrides
+FAST = ["--no-progress", "--set", "training.epochs=2", "dataset.max_train=200", "dataset.max_test=100",
+        "model.hidden=[16]", "teleport.batches=1", "teleport.steps=1", "teleport.epochs=[0]"]
+
+
+def test_compare_runs_both_variants_per_seed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["compare", "digits/teleport", "--seeds", "2", "--out", str(tmp_path), *FAST,
+                     "training.target_loss=5"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "nullspace teleport" in out and "no teleport" in out and "epochs to 5" in out
+    result = json.loads((tmp_path / "compare.json").read_text())
+    assert set(result["groups"]) == {"nullspace teleport", "no teleport"}
+    for group in result["groups"].values():
+        assert len(group["runs"]) == 2 and group["stats"]["final_train_loss"]["n"] == 2
+        assert group["stats"]["epochs_to_target"]["mean"] == 1
+    assert result["groups"]["no teleport"]["stats"]["teleport_share"]["mean"] == 0
+    assert coloured_pixels(tmp_path / "compare.png") > 500
+    seeds = [json.loads((tmp_path / "no-teleport" / f"seed{s}" / "summary.json").read_text())["spec"]
+             for s in range(2)]
+    assert [s["training"]["seed"] for s in seeds] == [0, 1]
+
+
+def test_cli_spec_errors_name_the_field_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["validate", "digits/teleport", "--set", "teleport.tau=2", "optimizer.nam=adam"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert any(line.startswith("error: teleport.tau:") for line in err)
+    assert any(line.startswith("error: optimizer.nam:") for line in err)
+    assert cli.main(["run", "no/such-preset", "--local"]) == 2
+    assert "tlab presets" in capsys.readouterr().err
+    assert cli.main(["run", "digits/teleport"]) == 2  # where to run must be said
+    assert "--local" in capsys.readouterr().err
+    assert cli.main(["validate", "digits/teleport", "--set", "training.epochs=4"]) == 0
+    assert "epochs: 4" in capsys.readouterr().out
+    assert cli.main(["presets"]) == 0
+    assert "digits/teleport" in capsys.readouterr().out
+
+
+def test_cli_reports_a_spec_that_does_not_fit_the_data(capsys: pytest.CaptureFixture[str],
+                                                         tmp_path: Path) -> None:
+    code = cli.main(["run", "digits/teleport", "--local", "--out", str(tmp_path), *FAST,
+                     "model={kind: transformer}"])
+    assert code == 2
+    assert "model.kind=transformer" in capsys.readouterr().err
+
+
+def test_cli_divergence_exits_1(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code = cli.main(["run", "digits/baseline", "--local", "--out", str(tmp_path), *FAST, "optimizer.lr=1e6",
+                     "model.hidden=[32,32]"])
+    assert code == 1
+    assert "diverged at epoch 0" in capsys.readouterr().err
+    assert np.isfinite(read_metrics(tmp_path / "metrics.jsonl")[0]["params"])

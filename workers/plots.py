@@ -1,0 +1,140 @@
+"""Loss curves from metric records: one run or several overlaid, and mean ± std bands over seeds.
+
+The x axis counts epochs trained (epoch record ``e`` sits at ``e + 1``), so a teleport scheduled
+before epoch ``e`` sits at ``x = e``, drawn as a dotted vertical line in the run's colour.
+Uses matplotlib's object API (no pyplot state): safe in threads and in workers without a display.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import LogFormatter, MaxNLocator
+
+Records = list[dict[str, Any]]
+PANELS = (("train_loss", "train loss"), ("test_loss", "test loss"))
+
+
+def read_metrics(path: str | Path) -> Records:
+    """The records of a ``metrics.jsonl`` file, in order (blank lines skipped)."""
+    with Path(path).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def epoch_series(records: Records, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(epochs trained, values) of ``key`` over the epoch records, finite values only."""
+    pts = [(r["epoch"] + 1, float(r[key])) for r in records
+           if r.get("kind") == "epoch" and isinstance(r.get(key), int | float) and math.isfinite(r[key])]
+    xs, ys = zip(*pts, strict=True) if pts else ((), ())
+    return np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+
+
+def teleport_epochs(records: Records) -> list[int]:
+    return sorted({int(r["epoch"]) for r in records if r.get("kind") == "teleport"})
+
+
+class PlainLogFormatter(LogFormatter):
+    """Log-axis labels as plain numbers (0.3, 2) rather than 3e-01; which ticks get labels is unchanged."""
+
+    def _num_to_string(self, x: float, vmin: float, vmax: float) -> str:
+        return f"{x:g}"
+
+
+def _color(i: int) -> str:
+    return f"C{i % 10}"
+
+
+def _finish(ax: Axes, ylabel: str, values: Sequence[np.ndarray]) -> None:
+    """Log y when the values are positive and span over 3x (losses), labels, grid, legend if labelled."""
+    flat = np.concatenate([v for v in values if v.size]) if any(v.size for v in values) else np.array([])
+    if flat.size and (flat > 0).all() and flat.max() > 3 * flat.min():
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(PlainLogFormatter())
+        ax.yaxis.set_minor_formatter(PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("epochs trained")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+
+
+def _mark_teleports(ax: Axes, epochs: list[int], color: str, label: str | None) -> None:
+    for j, e in enumerate(epochs):
+        ax.axvline(e, color=color, linestyle=":", linewidth=1.0, alpha=0.6, label=label if j == 0 else None)
+
+
+def plot_curves(runs: dict[str, Records], path: str | Path, title: str | None = None) -> Path:
+    """Train and test loss vs epoch (log y) for each run, teleport epochs marked; a third panel shows
+    ‖∇L‖² on the teleport batches before and after each teleport when there are any."""
+    tele = {label: [r for r in recs if r.get("kind") == "teleport"] for label, recs in runs.items()}
+    has_tele = any(tele.values())
+    fig = Figure(figsize=(5.0 * (3 if has_tele else 2), 4.0), layout="constrained")
+    axes = fig.subplots(1, 3 if has_tele else 2)
+    for ax, (key, name) in zip(axes, PANELS, strict=False):
+        plotted = []
+        for i, (label, recs) in enumerate(runs.items()):
+            xs, ys = epoch_series(recs, key)
+            ax.plot(xs, ys, color=_color(i), marker="o", markersize=3, linewidth=1.6, label=label)
+            legend = f"teleports ({label})" if key == "train_loss" else None
+            _mark_teleports(ax, teleport_epochs(recs), _color(i), legend)
+            plotted.append(ys)
+        _finish(ax, name, plotted)
+    if has_tele:
+        ax = axes[2]
+        plotted = []
+        for i, (label, recs) in enumerate(tele.items()):
+            if not recs:
+                continue
+            k = np.arange(len(recs))
+            before = np.array([r["grad_norm_sq_before"] for r in recs], dtype=float)
+            after = np.array([r["grad_norm_sq_after"] for r in recs], dtype=float)
+            ax.plot(k, before, color=_color(i), linestyle="--", marker=".", alpha=0.6,
+                    label=f"{label}: before")
+            ax.plot(k, after, color=_color(i), marker="^", markersize=4, label=f"{label}: after")
+            plotted += [before[np.isfinite(before)], after[np.isfinite(after)]]
+        _finish(ax, "‖∇L‖² on the teleport batch", plotted)
+        ax.set_xlabel("teleport batch (in order)")
+    if title:
+        fig.suptitle(title)
+    fig.savefig(path, dpi=110)
+    return Path(path)
+
+
+def band(runs: list[Records], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(epochs, mean, std) of ``key`` over seeds, on the epochs every seed reached."""
+    series = [dict(zip(*epoch_series(recs, key), strict=True)) for recs in runs]
+    common = sorted(set.intersection(*(set(s) for s in series))) if series else []
+    if not common:
+        return np.array([]), np.array([]), np.array([])
+    values = np.array([[s[e] for e in common] for s in series], dtype=float).reshape(len(series), len(common))
+    return np.asarray(common, dtype=float), values.mean(axis=0), values.std(axis=0)
+
+
+def plot_bands(groups: dict[str, list[Records]], path: str | Path, title: str | None = None) -> Path:
+    """Mean ± std over seeds of train and test loss for each group (the paper's figure style)."""
+    fig = Figure(figsize=(10.0, 4.0), layout="constrained")
+    axes = fig.subplots(1, 2)
+    for ax, (key, name) in zip(axes, PANELS, strict=True):
+        plotted = []
+        for i, (label, runs) in enumerate(groups.items()):
+            xs, mean, std = band(runs, key)
+            if not xs.size:
+                continue
+            lower = np.maximum(mean - std, mean * 1e-3)  # stays positive for the log scale
+            ax.fill_between(xs, lower, mean + std, color=_color(i), alpha=0.25, linewidth=0)
+            ax.plot(xs, mean, color=_color(i), linewidth=1.8, label=f"{label} (n={len(runs)})")
+            _mark_teleports(ax, teleport_epochs(runs[0]), _color(i), None)
+            plotted += [lower, mean + std]
+        _finish(ax, f"{name} (mean ± std)", plotted)
+    if title:
+        fig.suptitle(title)
+    fig.savefig(path, dpi=110)
+    return Path(path)
