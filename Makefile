@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: setup
-	$(BIN)/python -m workers.demo
+	$(BIN)/tlab compare digits/teleport --seeds 3 --out runs/demo --set training.target_loss=0.05
 
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider

@@ -10,18 +10,10 @@ import redis
 
 from api_schemas import keys
 from api_schemas.redis_scripts import XADD_ONCE
+from workers.sinks import identity
 
 # runner record kind -> stream/SSE event kind
 EVENT_KIND = {"epoch": "metric", "teleport": "teleport", "log": "log"}
-
-
-def identity(record: dict[str, Any]) -> str:
-    """What makes a record unique within a job ('' = not deduplicated)."""
-    if record.get("kind") == "epoch":
-        return f"epoch:{record['epoch']}"
-    if record.get("kind") == "teleport":
-        return f"teleport:{record['epoch']}:{record['batch']}"
-    return ""
 
 
 class RedisSink:

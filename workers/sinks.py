@@ -42,15 +42,37 @@ class MemorySink:
         pass
 
 
+def identity(record: dict[str, Any]) -> str:
+    """What makes a record unique within a run ('' = not deduplicated): a worker restarted from a
+    checkpoint redoes epochs, and each epoch and teleport batch must still be recorded once."""
+    if record.get("kind") == "epoch":
+        return f"epoch:{record['epoch']}"
+    if record.get("kind") == "teleport":
+        return f"teleport:{record['epoch']}:{record['batch']}"
+    return ""
+
+
 class JsonlSink:
-    """Appends one JSON line per record to ``path`` and flushes it, so a crash loses nothing written."""
+    """Appends one JSON line per record to ``path`` and flushes it, so a crash loses nothing written.
+
+    Epoch and teleport records already in the file (a resumed run redoing them) are not written again.
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._seen: set[str] = set()
+        if self.path.exists():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    self._seen.add(identity(json.loads(line)))
         self._file = self.path.open("a", encoding="utf-8")
 
     def emit(self, record: dict[str, Any]) -> None:
+        key = identity(record)
+        if key and key in self._seen:
+            return
+        self._seen.add(key)
         self._file.write(json.dumps(record, default=float) + "\n")
         self._file.flush()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from workers.redis_sink import RedisSink, read_events
 
 
@@ -34,3 +36,23 @@ def test_buffer_flushes_by_size(redis_server: str) -> None:
     sink.emit({"kind": "teleport", "epoch": 0, "batch": 1})
     assert len(read_events(redis_server, "job2")) == 2
     sink.close()
+
+
+def test_jsonl_sink_writes_each_epoch_once_across_a_resume(tmp_path: Path) -> None:
+    import json
+
+    from workers.sinks import JsonlSink
+
+    path = tmp_path / "metrics.jsonl"
+    first = JsonlSink(path)
+    for e in range(3):
+        first.emit({"kind": "epoch", "epoch": e, "train_loss": 1.0})
+    first.close()
+    resumed = JsonlSink(path)  # restarted from the epoch-1 checkpoint: redoes epoch 2
+    resumed.emit({"kind": "start"})
+    resumed.emit({"kind": "epoch", "epoch": 2, "train_loss": 0.5})
+    resumed.emit({"kind": "epoch", "epoch": 3, "train_loss": 0.4})
+    resumed.close()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [r.get("epoch") for r in lines if r["kind"] == "epoch"] == [0, 1, 2, 3]
+    assert sum(r["kind"] == "start" for r in lines) == 1
