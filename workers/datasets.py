@@ -244,9 +244,11 @@ def load_series(spec: DatasetSpec, seed: int) -> DataBundle:
     tr, te = slice(0, cut), slice(cut, count)
     xtr, ytr = x[tr][: spec.max_train], y[tr][: spec.max_train]
     xte, yte = x[te][: spec.max_test], y[te][: spec.max_test]
+    # x is a read-only view of ``series``; one window is already contiguous, so demand a writable copy
+    xtr, xte = np.require(xtr, requirements=["C", "W"]), np.require(xte, requirements=["C", "W"])
     return DataBundle(
-        TensorDataset(torch.from_numpy(np.ascontiguousarray(xtr)), torch.from_numpy(np.ascontiguousarray(ytr))),
-        TensorDataset(torch.from_numpy(np.ascontiguousarray(xte)), torch.from_numpy(np.ascontiguousarray(yte))),
+        TensorDataset(torch.from_numpy(xtr), torch.from_numpy(np.ascontiguousarray(ytr))),
+        TensorDataset(torch.from_numpy(xte), torch.from_numpy(np.ascontiguousarray(yte))),
         "regression", (window, series.shape[1]), None, series.shape[1], spec.name,
     )
 
