@@ -170,7 +170,7 @@ def load_cifar(spec: DatasetSpec, seed: int) -> DataBundle:
     files = train_files + (["test_batch"] if ten else ["test"])
     base = root / folder if (root / folder).is_dir() else root
     if not all((base / f).exists() for f in files):
-        raise _missing(spec.name, base, [f"{folder}/{f}" for f in files])
+        raise _missing(spec.name, base, files if base.name == folder else [f"{folder}/{f}" for f in files])
     label_key = b"labels" if ten else b"fine_labels"
 
     def read(names: list[str]) -> tuple[np.ndarray, np.ndarray]:
