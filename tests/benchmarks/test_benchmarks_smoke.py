@@ -1,0 +1,67 @@
+"""Smoke tests: each benchmark runs end to end on tiny sizes and writes well-formed results.
+
+No assertion here looks at a wall-time ratio: timings on a shared 2-core machine are not a test.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import fig5_scaling, run_all, step_cost
+
+
+@pytest.fixture()
+def results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("BENCH_RESULTS_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _load(path: Path) -> dict:
+    body = json.loads(path.read_text())
+    assert {"benchmark", "machine"} <= body.keys()
+    assert {"torch", "torch_threads", "cpu_count", "platform", "date"} <= body["machine"].keys()
+    return body
+
+
+def test_fig5_scaling_quick(results: Path) -> None:
+    threads = torch.get_num_threads()
+    fig5_scaling.main(["--quick", "--threads", "1"])
+    assert torch.get_num_threads() == threads  # the benchmark gives the thread count back
+    body = _load(results / "fig5_scaling.json")
+    assert body["benchmark"] == "fig5_scaling" and body["quick"] is True
+    assert body["machine"]["torch_threads"] == 1  # the threads it ran with
+    assert {"base", "sweeps", "rows", "slopes", "floors", "notes"} <= body.keys()
+    assert set(body["rows"]) == {"t", "d", "n", "l", "b"}
+    for factor, rows in body["rows"].items():
+        assert [r[factor] for r in rows] == body["sweeps"][factor]
+        for r in rows:
+            for method in ("symmetry", "nullspace"):
+                assert r[method]["seconds"] > 0
+                assert r[method]["steps_per_batch"] == [r["t"]] * r["b"]
+            assert r["ratio"] > 0
+        assert set(body["slopes"][factor]) == {"symmetry", "nullspace"}
+    assert {f["floor"].split(" in ")[-1] for f in body["floors"] if "linearly" in f["floor"]} == {"t", "l", "b"}
+
+
+def test_step_cost_quick(results: Path) -> None:
+    step_cost.main(["--quick", "--threads", "1"])
+    body = _load(results / "step_cost.json")
+    assert body["benchmark"] == "step_cost" and body["quick"] is True
+    assert set(body["models"]) == {"mlp", "cnn", "transformer"}
+    for r in body["models"].values():
+        assert r["steps"] == body["steps"]
+        for key in ("fwd_bwd_seconds", "overhead_seconds", "amortized_step_seconds", "ratio_amortized_step"):
+            assert r[key] > 0
+        assert r["step_excl_bases_seconds"] >= 0
+        assert {"fwd_bwd", "fwd_bwd_math_sdpa", "teleport_0", "teleport_t"} == set(r["seconds"])
+    assert len(body["floors"]) == 3
+
+
+def test_run_all_skips_missing(results: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert {"fig5_scaling", "step_cost"} <= set(run_all.discover())
+    assert run_all.main(["--quick", "--only", "no_such_benchmark"]) == 0
+    assert "skipped: benchmarks/no_such_benchmark.py does not exist" in capsys.readouterr().out
