@@ -21,6 +21,7 @@ from teleport import (
 )
 from teleport.capture import weight_matrix
 from teleport.nullspace import layer_bases, objective, teleport_gradient
+from workers import models
 
 
 @pytest.fixture(autouse=True)
@@ -32,19 +33,9 @@ def float64():
     torch.set_default_dtype(old)
 
 
-class MLP(nn.Module):
-    def __init__(self, dims: list[int], slope: float = 0.1) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True))
-        self.negative_slope = slope
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = x.flatten(1)
-        for i, layer in enumerate(self.layers):
-            h = layer(h)
-            if i < len(self.layers) - 1:
-                h = F.leaky_relu(h, self.negative_slope)
-        return h
+def MLP(dims: list[int]) -> nn.Module:  # noqa: N802 - reads like the class it builds
+    """The project's MLP with LeakyReLU (what symmetry teleport needs): dims = [in, *hidden, out]."""
+    return models.MLP(dims[0], dims[1:-1], dims[-1], activation="leaky_relu", negative_slope=0.1)
 
 
 class TinyTransformer(nn.Module):
