@@ -64,12 +64,15 @@ def objective(
         loss = loss_fn(model(x), y) * share
     grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
     local = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
-    total = [g.detach().clone() for g in local] + [loss.detach().reshape(1).clone()]
+    total = [g.detach() for g in local] + [loss.detach().reshape(1)]
     if comm is not None and comm.world_size > 1:
+        total = [t.clone() for t in total]  # reduced in place: never into the graph's own tensors
         all_reduce_list_(comm, total)  # ∇L = Σ_r w_r ∇L_r, L = Σ_r w_r L_r: one collective
     global_grads, loss_sum = total[:-1], total[-1]
-    gn2 = sum(float(g.double().pow(2).sum()) for g in global_grads)
-    return Objective(float(loss_sum), gn2, local, global_grads)
+    # one host sync for both numbers; squares summed in float64 without copying the gradients
+    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in global_grads])
+    gn2, loss_value = torch.stack([norms.pow(2).sum(), loss_sum[0].double()]).tolist()
+    return Objective(loss_value, gn2, local, global_grads)
 
 
 def teleport_gradient(obj: Objective, weights: list[Tensor], params: list[Tensor],
@@ -80,11 +83,11 @@ def teleport_gradient(obj: Objective, weights: list[Tensor], params: list[Tensor
     summed over ranks it is the whole batch's H·∇L.
     """
     pairs = [(lg, gg) for lg, gg in zip(obj.local_grads, obj.global_grads, strict=True) if lg.requires_grad]
-    hvp: list[Tensor] = [torch.zeros_like(w) for w in weights]
+    grads: tuple[Tensor | None, ...] = (None,) * len(weights)
     if pairs:  # no pair: no second-order path at all (e.g. a linear model on MSE)
         grads = torch.autograd.grad([lg for lg, _ in pairs], weights, grad_outputs=[gg for _, gg in pairs],
                                     allow_unused=True)
-        hvp = [h if g is None else g for h, g in zip(hvp, grads, strict=True)]
+    hvp = [torch.zeros_like(w) if g is None else g for w, g in zip(weights, grads, strict=True)]
     if comm is not None and comm.world_size > 1:
         all_reduce_list_(comm, hvp)
     return hvp
