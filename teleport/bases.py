@@ -153,14 +153,15 @@ class ThreadExecutor:
     """
 
     def __init__(self, max_workers: int | None = None) -> None:
-        self.max_workers = max_workers
+        self.max_workers = max_workers  # None: torch's thread budget of this process (a worker's CPUs)
 
     def map(self, fn: Callable[[T], U], items: Sequence[T]) -> list[U]:
-        if len(items) <= 1:
-            return [fn(item) for item in items]
         threads = torch.get_num_threads()
+        workers = self.max_workers or threads
+        if len(items) <= 1 or workers <= 1:
+            return [fn(item) for item in items]
         try:  # OpenMP's thread count is per calling thread: set it in each pool thread too
-            with ThreadPoolExecutor(self.max_workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            with ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
                 return list(pool.map(fn, items))
         finally:
             torch.set_num_threads(threads)

@@ -1,9 +1,9 @@
 """Where each layer's basis is computed: in process (serial, threads) or as Ray tasks.
 
 Measured by benchmarks/parallel_bases.py on 2 cores (results/parallel_bases.json): threads with
-one BLAS thread each beat serial (2 BLAS threads on one SVD) by ~1.7-1.9x once there are two or
-more layers of ≥ ~1024×256; Ray tasks on the same node lose to threads (process hop, copies),
-and only add cores the process does not have, i.e. on a multi-node cluster. A Ray task round
+one BLAS thread each beat serial (2 BLAS threads on one SVD) by 1.3-2.3x once there are several
+layers of ≥ 256×256; Ray tasks on the same node lose to threads (process hop, copies), and only
+add cores the process does not have, i.e. on a multi-node cluster. A Ray task round
 trip is ~1.5 ms and numpy arrays travel near zero-copy (torch tensors are copied), so the Ray
 executor ships numpy arrays. ``auto`` picks per call from the layers' estimated work.
 """
@@ -24,9 +24,10 @@ from teleport import BasisExecutor, SerialExecutor, ThreadExecutor
 T = TypeVar("T")
 U = TypeVar("U")
 
-# Estimated work (d·N² or d²·N + d³) from which a layer is worth a thread or a Ray task of its own:
-# a 256×256 thin SVD (1.7e7, ~4 ms) is as fast serially, a 1024×256 one (6.7e7, ~16 ms) gains.
-PARALLEL_MIN_WORK = 4e7
+# Estimated work (d·N² or d²·N + d³) from which a layer is worth a thread or a Ray task of its own.
+# benchmarks/results/parallel_bases.json: threads beat serial from 4 layers of 256×256 (1.7e7, ~4 ms
+# each) up, by 1.7-2.3x at 1024-4096 wide; two 256×256 layers tie. Far smaller layers stay serial.
+PARALLEL_MIN_WORK = 4e6
 
 
 def basis_work(rep: Tensor) -> float:
@@ -95,7 +96,7 @@ class AutoExecutor:
 
     def __init__(self) -> None:
         self.serial = SerialExecutor()
-        self.threads = ThreadExecutor(max_workers=os.cpu_count())
+        self.threads = ThreadExecutor()  # as many as this process's CPU budget (torch's thread count)
         self.ray: RayTaskExecutor | None = None
 
     def choose(self, items: Sequence[Tensor]) -> BasisExecutor:
@@ -115,7 +116,7 @@ def make_executor(name: str) -> BasisExecutor:
     if name == "serial":
         return SerialExecutor()
     if name == "threads":
-        return ThreadExecutor(max_workers=os.cpu_count())
+        return ThreadExecutor()
     if name == "ray":
         return RayTaskExecutor(min_work=0.0)
     if name == "auto":
