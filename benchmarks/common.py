@@ -65,18 +65,55 @@ def time_call(fn: Callable[[Any], object], setup: Callable[[], Any] | None = Non
 Timed = tuple[Callable[[Any], object], Callable[[], Any] | None]
 
 
+def spread(samples: Sequence[float]) -> float:
+    """Upper quartile over fastest sample: how unsteady a set of timings is (one outlier of 5+ is ignored)."""
+    ordered = sorted(samples)
+    return ordered[int(0.75 * (len(ordered) - 1) + 0.5)] / max(ordered[0], 1e-12)
+
+
+class Canary:
+    """A fixed matmul workload on torch's threads, timed around each measurement.
+
+    Its slowdown over its own quiet baseline (taken at construction) says how much of the machine
+    other processes took meanwhile: 1.0 when alone, 2-10 when someone else's tests hold the cores
+    (with 2 threads on 2 busy cores, torch's thread pool waits on preempted threads).
+    """
+
+    def __init__(self, size: int = 256, reps: int = 10) -> None:
+        self.a = torch.randn(size, size, generator=torch.Generator().manual_seed(0))
+        self.reps = reps
+        self.baseline = min(self._once() for _ in range(15))
+
+    def _once(self) -> float:
+        start = time.perf_counter()
+        for _ in range(self.reps):
+            torch.mm(self.a, self.a)
+        return time.perf_counter() - start
+
+    def slowdown(self) -> float:
+        times = [self._once() for _ in range(3)]
+        self.baseline = min(self.baseline, *times)  # the quietest moment seen so far is the baseline
+        return statistics.median(times) / self.baseline
+
+
 def time_interleaved(cases: dict[str, Timed], warmup: int = 1, repeats: int = 3, max_spread: float | None = None,
-                     retries: int = 0) -> dict[str, dict[str, Any]]:
+                     retries: int = 0, canary: Canary | None = None) -> dict[str, dict[str, Any]]:
     """Like ``time_call`` for several ``(fn, setup)`` cases, run in turn within each repeat.
 
     Interleaving puts every case under the same background load (a shared machine drifts over
-    seconds), so their ratios are fairer than timing one case's repeats after the other's. With
-    ``max_spread``, a measurement whose slowest/fastest sample ratio exceeds it for any case (a
-    burst of someone else's work) is taken again, up to ``retries`` times; the attempt with the
-    smallest worst spread is kept. Each case's result has ``spread`` and ``attempts``.
+    seconds), so their ratios are fairer than timing one case's repeats after the other's.
+
+    With ``max_spread``, an attempt is noisy when any case's ``spread`` (upper quartile / fastest)
+    exceeds it, or when the ``canary`` (timed before and after) ran more than ``max_spread`` times slower
+    than its quiet baseline. A noisy attempt is taken again, up to ``retries`` times after a pause;
+    the least noisy attempt is kept. Each case's result has ``spread``, ``contention`` (the canary's
+    worst slowdown, 1.0 without a canary) and ``attempts``.
     """
     best: dict[str, dict[str, Any]] | None = None
+    best_noise = math.inf
+    attempt = 0
     for attempt in range(1, retries + 2):
+        contention = canary.slowdown() if canary is not None else 1.0
         samples: dict[str, list[float]] = {name: [] for name in cases}
         values: dict[str, object] = {}
         for i in range(warmup + repeats):
@@ -87,13 +124,20 @@ def time_interleaved(cases: dict[str, Timed], warmup: int = 1, repeats: int = 3,
                 elapsed = time.perf_counter() - start
                 if i >= warmup:
                     samples[name].append(elapsed)
-        result = {name: {"median": statistics.median(s), "min": min(s), "spread": max(s) / max(min(s), 1e-12),
-                         "samples": s, "attempts": attempt, "value": values[name]} for name, s in samples.items()}
-        worst = max(r["spread"] for r in result.values())
-        if best is None or worst < max(r["spread"] for r in best.values()):
-            best = result
-        if max_spread is None or worst <= max_spread:
+        if canary is not None:
+            contention = max(contention, canary.slowdown())
+        result = {name: {"median": statistics.median(s), "min": min(s), "spread": spread(s),
+                         "contention": contention, "samples": s, "value": values[name]}
+                  for name, s in samples.items()}
+        noise = max([contention] + [r["spread"] for r in result.values()])
+        if noise < best_noise:
+            best, best_noise = result, noise
+        if max_spread is None or noise <= max_spread:
             break
+        if attempt <= retries:
+            print(f"    noisy measurement (spread/contention {noise:.2f} > {max_spread}); "
+                  f"retrying in {5 * attempt} s", flush=True)
+            time.sleep(5 * attempt)
     assert best is not None
     for r in best.values():
         r["attempts"] = attempt

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from benchmarks.common import (
+    Canary,
     loglog_slope,
     print_table,
     set_threads,
@@ -84,10 +85,11 @@ def symmetry_exact(point: dict[str, int]) -> bool:
     return point["n"] <= min(widths) + 1
 
 
-MAX_SPREAD, RETRIES = 1.5, 2  # re-measure a point whose slowest/fastest repeat differ by more than 1.5x
+MAX_SPREAD, RETRIES = 1.5, 2  # re-measure when repeats or the canary are >1.5x off
 
 
-def measure(point: dict[str, int], warmup: int, repeats: int, seed: int = 0) -> dict[str, Any]:
+def measure(point: dict[str, int], warmup: int, repeats: int, canary: Canary | None = None,
+            seed: int = 0) -> dict[str, Any]:
     """Seconds of one teleport (b batches × t steps) by each method at one (t, d, n, l, b)."""
     t, d, n, layers, b = (point[k] for k in FACTORS)
     gen = torch.Generator().manual_seed(seed)
@@ -105,7 +107,7 @@ def measure(point: dict[str, int], warmup: int, repeats: int, seed: int = 0) -> 
 
     load_before = os.getloadavg()[0]
     timings = time_interleaved({name: (teleport_all(fn), lambda: copy.deepcopy(model)) for name, fn in METHODS.items()},
-                               warmup=warmup, repeats=repeats, max_spread=MAX_SPREAD, retries=RETRIES)
+                               warmup=warmup, repeats=repeats, max_spread=MAX_SPREAD, retries=RETRIES, canary=canary)
     row: dict[str, Any] = {**point, "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
     for name, timing in timings.items():
         reports: list[TeleportReport] = timing["value"]
@@ -122,6 +124,8 @@ def measure(point: dict[str, int], warmup: int, repeats: int, seed: int = 0) -> 
                      "max_abs_loss_drift": drift}
     row["ratio"] = row["symmetry"]["seconds"] / row["nullspace"]["seconds"]
     row["spread"] = max(row[m]["spread"] for m in METHODS)
+    row["contention"] = max(t["contention"] for t in timings.values())
+    row["attempts"] = max(t["attempts"] for t in timings.values())
     row["symmetry_loss_invariant"] = symmetry_exact(point)
     return row
 
@@ -131,6 +135,7 @@ def run(base: dict[str, int], sweeps: dict[str, list[int]], warmup: int, repeats
     slopes: dict[str, dict[str, float]] = {}
     tables: list[str] = []
     measured: dict[tuple[int, ...], dict[str, Any]] = {}
+    canary = Canary()
     for factor in FACTORS:
         rows = []
         print(f"\n[{factor}: {NAMES[factor]}] base {base}", flush=True)
@@ -138,7 +143,7 @@ def run(base: dict[str, int], sweeps: dict[str, list[int]], warmup: int, repeats
             point = {**base, factor: value}
             key = tuple(point[k] for k in FACTORS)
             if key not in measured:  # the base point is in every sweep: measure it once
-                measured[key] = measure(point, warmup, repeats)
+                measured[key] = measure(point, warmup, repeats, canary)
             rows.append(measured[key])
             r = rows[-1]
             print(f"  {factor}={value:<5d} symmetry {r['symmetry']['seconds']:.4f}s  nullspace "
@@ -148,13 +153,13 @@ def run(base: dict[str, int], sweeps: dict[str, list[int]], warmup: int, repeats
         sweep_rows[factor] = rows
         title = f"{factor} ({NAMES[factor]}); others at base"
         table = [[r[factor], r["t"] * r["b"], f"{r['symmetry']['seconds']:.4f}", f"{r['nullspace']['seconds']:.4f}",
-                  f"{r['ratio']:.2f}x", "yes" if r["symmetry_loss_invariant"] else "NO", f"{r['loadavg_1m'][0]:.1f}",
-                  f"{r['spread']:.2f}"] for r in rows]
+                  f"{r['ratio']:.2f}x", "yes" if r["symmetry_loss_invariant"] else "NO",
+                  f"{r['spread']:.2f}", f"{r['contention']:.2f}"] for r in rows]
         table.append(["slope", "", f"{slopes[factor]['symmetry']:.2f}", f"{slopes[factor]['nullspace']:.2f}", "", "",
                       "", ""])
         tables.append(title)
         print(f"\n{title}")
-        headers = [factor, "steps", "symmetry s", "nullspace s", "sym/null", "sym exact", "load", "spread"]
+        headers = [factor, "steps", "symmetry s", "nullspace s", "sym/null", "sym exact", "spread", "contention"]
         tables.append(print_table(headers, table))
 
     floors: list[dict[str, Any]] = []
@@ -179,10 +184,10 @@ def run(base: dict[str, int], sweeps: dict[str, list[int]], warmup: int, repeats
         f"float32; lr {LR}, CAP and loss_tol disabled, every batch verified to take exactly t steps",
         "symmetry teleport is loss-invariant only when n <= each rewritten layer's input width + 1 "
         "('sym exact' column); it does not change the timing",
-        "load = the machine's 1-minute load average when the point started; it counts this benchmark's own "
-        "threads (about 2 when alone on 2 cores): well above 2, other work shared the cores and times inflate; "
-        f"spread = slowest / fastest repeat (worst method); a point above {MAX_SPREAD} is re-measured up to "
-        f"{RETRIES} times and the steadiest attempt kept",
+        "spread = upper-quartile / fastest repeat (worst method); contention = slowdown of a fixed matmul canary timed "
+        "before and after the point over its quiet baseline (1.0 = the machine was ours); a point where either "
+        f"exceeds {MAX_SPREAD} is re-measured up to {RETRIES} times and the least noisy attempt kept; the JSON "
+        "also has the 1-minute load average",
         "null-space time includes capturing R and one SVD per layer per batch; symmetry pays pinv + inverse "
         "and their double backward on every step",
     ]

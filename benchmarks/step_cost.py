@@ -17,6 +17,8 @@ math kernel that teleport forces for its double backward), ``teleport_batch`` wi
     step excl. bases    = (T(steps=t) − T(steps=0)) / t
 
 each divided by the fwd+bwd time. Floor (printed, not asserted): step excl. bases ≤ 5× fwd+bwd.
+A second table splits a step into its parts, each timed alone: L and ∇L with their graph and
+‖∇L‖², the second backward H·∇L, the projection, and the rest; plus the per-batch bases.
 
     python -m benchmarks.step_cost [--quick] [--repeats R] [--threads K]
 """
@@ -33,14 +35,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.common import print_table, set_threads, time_interleaved, verdict, wait_for_quiet, write_result
+from benchmarks.common import Canary, print_table, set_threads, time_interleaved, verdict, wait_for_quiet, write_result
 from teleport import SerialExecutor, TeleportConfig, TeleportReport, capture_inputs, teleport_batch
 
 STEPS = 8
 LR = 1e-3  # small, so that with CAP and loss_tol disabled every step is accepted
 NO_STOP = {"cap": 1e12, "loss_tol": 1e9}
 FLOOR = 5.0
-MAX_SPREAD, RETRIES = 1.5, 2  # re-measure when the slowest/fastest repeat differ by more than 1.5x
+MAX_SPREAD, RETRIES = 1.5, 2  # re-measure when repeats or the canary are >1.5x off
 CLASSES = 10
 
 
@@ -115,7 +117,8 @@ def models(quick: bool) -> dict[str, tuple[nn.Module, Tensor, Tensor]]:
     }
 
 
-def measure(model: nn.Module, x: Tensor, y: Tensor, steps: int, warmup: int, repeats: int) -> dict[str, Any]:
+def measure(model: nn.Module, x: Tensor, y: Tensor, steps: int, warmup: int, repeats: int,
+            canary: Canary | None = None) -> dict[str, Any]:
     def fwd_bwd(m: nn.Module) -> float:
         m.zero_grad(set_to_none=True)
         loss = F.cross_entropy(m(x), y)
@@ -138,7 +141,7 @@ def measure(model: nn.Module, x: Tensor, y: Tensor, steps: int, warmup: int, rep
         "fwd_bwd_math_sdpa": (fwd_bwd_math, lambda: model),
         "teleport_0": (teleport(0), fresh),
         "teleport_t": (teleport(steps), fresh),
-    }, warmup=warmup, repeats=repeats, max_spread=MAX_SPREAD, retries=RETRIES)
+    }, warmup=warmup, repeats=repeats, max_spread=MAX_SPREAD, retries=RETRIES, canary=canary)
     report: TeleportReport = timings["teleport_t"]["value"]
     if report.steps != steps or report.backoffs:
         raise RuntimeError(f"teleport took {report.steps} steps ({report.backoffs} back-offs, stop reason "
@@ -154,6 +157,7 @@ def measure(model: nn.Module, x: Tensor, y: Tensor, steps: int, warmup: int, rep
         "seconds": {k: {"median": v["median"], "min": v["min"], "samples": v["samples"], "spread": v["spread"],
                         "attempts": v["attempts"]} for k, v in timings.items()},
         "spread": max(v["spread"] for v in timings.values()),
+        "contention": max(v["contention"] for v in timings.values()),
         "fwd_bwd_seconds": fb,
         "overhead_seconds": t0,
         "amortized_step_seconds": tt / steps,
@@ -164,7 +168,8 @@ def measure(model: nn.Module, x: Tensor, y: Tensor, steps: int, warmup: int, rep
     }
 
 
-def breakdown(model: nn.Module, x: Tensor, y: Tensor, warmup: int, repeats: int) -> dict[str, float]:
+def breakdown(model: nn.Module, x: Tensor, y: Tensor, warmup: int, repeats: int,
+              canary: Canary | None = None) -> dict[str, float]:
     """Seconds of the parts of one step, timed alone with the library's own pieces on a copy of the model.
 
     objective: L and ∇L with its graph and ‖∇L‖²; hvp: the second backward H·∇L; projection: π on
@@ -194,7 +199,7 @@ def breakdown(model: nn.Module, x: Tensor, y: Tensor, warmup: int, repeats: int)
                           None),
         "projection": (project_all, None),
         "bases": (lambda _: layer_bases(captured, 1.0, SerialExecutor()), None),
-    }, warmup=warmup, repeats=repeats, max_spread=MAX_SPREAD, retries=RETRIES)
+    }, warmup=warmup, repeats=repeats, max_spread=MAX_SPREAD, retries=RETRIES, canary=canary)
     med = {k: v["median"] for k, v in t.items()}
     return {"objective": med["objective"], "hvp": max(med["objective_hvp"] - med["objective"], 0.0),
             "projection": med["projection"], "bases": med["bases"]}
@@ -202,11 +207,12 @@ def breakdown(model: nn.Module, x: Tensor, y: Tensor, warmup: int, repeats: int)
 
 def run(quick: bool, steps: int, warmup: int, repeats: int) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
+    canary = Canary()
     for name, (model, x, y) in models(quick).items():
         print(f"  {name}: {sum(p.numel() for p in model.parameters()):,} parameters, x {tuple(x.shape)} ...",
               flush=True)
-        rows[name] = measure(model, x, y, steps, warmup, repeats)
-        parts = breakdown(model, x, y, warmup, repeats)
+        rows[name] = measure(model, x, y, steps, warmup, repeats, canary)
+        parts = breakdown(model, x, y, warmup, repeats, canary)
         parts["rest"] = max(rows[name]["step_excl_bases_seconds"] - parts["objective"] - parts["hvp"]
                             - parts["projection"], 0.0)
         rows[name]["breakdown_seconds"] = parts
@@ -214,11 +220,11 @@ def run(quick: bool, steps: int, warmup: int, repeats: int) -> dict[str, Any]:
               f"{r['overhead_seconds'] * 1e3:.2f}", f"{r['amortized_step_seconds'] * 1e3:.2f}",
               f"{r['step_excl_bases_seconds'] * 1e3:.2f}", f"{r['ratio_overhead']:.2f}x",
               f"{r['ratio_amortized_step']:.2f}x", f"{r['ratio_step_excl_bases']:.2f}x", r["free_directions"],
-              f"{r['spread']:.2f}"]
+              f"{r['spread']:.2f}", f"{r['contention']:.2f}"]
              for name, r in rows.items()]
     print(f"\nstep cost (t = {steps}); times in ms, ratios to fwd+bwd")
     text = print_table(["model", "fwd+bwd", "f+b math", "steps=0", "step amort.", "step excl.", "overhead/fb",
-                        "amort./fb", "excl./fb", "free dirs", "spread"], table)
+                        "amort./fb", "excl./fb", "free dirs", "spread", "contention"], table)
     def share(r: dict[str, Any], part: str) -> str:
         sec = r["breakdown_seconds"][part]
         return f"{sec * 1e3:.2f} ({sec / max(r['step_excl_bases_seconds'], 1e-12):.0%})"
@@ -241,8 +247,10 @@ def run(quick: bool, steps: int, warmup: int, repeats: int) -> dict[str, Any]:
               f"({'within' if ok else 'above'} {FLOOR:g}x)")
     notes = [
         f"torch.set_num_threads({torch.get_num_threads()}); medians of {repeats} interleaved repeats after "
-        f"{warmup} warm-up; teleport runs on a fresh copy of the model each time; spread = slowest / fastest "
-        f"repeat (worst case), re-measured up to {RETRIES} times above {MAX_SPREAD}",
+        f"{warmup} warm-up; teleport runs on a fresh copy of the model each time; spread = upper-quartile / "
+        "fastest repeat (worst case); contention = slowdown of a fixed matmul canary timed around the measurement over "
+        f"its quiet baseline (1.0 = the machine was ours); re-measured up to {RETRIES} times when either exceeds "
+        f"{MAX_SPREAD}",
         "fwd+bwd = zero_grad(set_to_none) + forward + cross-entropy + backward, no optimizer; 'f+b math' forces "
         "the math SDPA kernel (what teleport's double backward needs)",
         "steps=0 = capture R + first objective (create_graph) + bases; a step = H·∇L (double backward), "
