@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from teleport.bases import Basis, BasisExecutor, SerialExecutor, compute_basis, project, select_basis
+from teleport.bases import Basis, BasisExecutor, SerialExecutor, compute_basis, project_split, select_basis
 from teleport.capture import LayerInputs, capture_inputs, untouched_parameters
 from teleport.distributed import Collective, all_reduce_list_, distributed_spectra
 from teleport.report import LayerReport, TeleportConfig, TeleportReport
@@ -108,13 +108,16 @@ class _Layer:
     def projected(self, grads: list[Tensor]) -> list[Tensor]:
         """π applied to [∇W | ∇b] group by group, returned in the parameters' own shapes."""
         gw = grads[0].reshape(grads[0].shape[0], -1)  # (C_o, d)
-        g = gw if len(grads) == 1 else torch.cat([gw, grads[1].reshape(-1, 1)], dim=1)
-        rows = g.shape[0] // len(self.bases)
-        u = torch.cat([project(g[i * rows : (i + 1) * rows], b) for i, b in enumerate(self.bases)])
-        out = [u[:, : gw.shape[1]].reshape(grads[0].shape)]
-        if len(grads) == 2:
-            out.append(u[:, -1].reshape(grads[1].shape))
-        return out
+        gb = grads[1] if len(grads) == 2 else None  # (C_o,)
+        rows = gw.shape[0] // len(self.bases)
+        parts = [project_split(gw[i * rows : (i + 1) * rows], None if gb is None else gb[i * rows : (i + 1) * rows],
+                               b) for i, b in enumerate(self.bases)]
+        if len(parts) == 1:
+            uw, ub = parts[0]
+        else:
+            uw = torch.cat([p[0] for p in parts])
+            ub = None if gb is None else torch.cat([p[1] for p in parts])  # type: ignore[misc]
+        return [uw.reshape(grads[0].shape)] + ([] if ub is None else [ub])
 
     def reports(self) -> list[LayerReport]:
         e = self.inputs
@@ -261,7 +264,7 @@ def teleport_batch(
             def move(step: float, origin: list[Tensor] = origin, direction: list[Tensor] = direction) -> None:
                 with torch.no_grad():
                     for w, w0, u in zip(weights, origin, direction, strict=True):
-                        w.copy_(w0 + step * u)
+                        w.copy_(w0).add_(u, alpha=step)  # no temporaries of the weights' size
 
             new, eta, tries, why = guarded_step(move, lambda: move(0.0), evaluate, loss0, eta, config)
             backoffs += tries

@@ -19,6 +19,7 @@ from teleport import (
     symmetry_teleport_batch,
     teleport_batch,
 )
+from teleport.bases import project_split
 from teleport.capture import weight_matrix
 from teleport.nullspace import layer_bases, objective, teleport_gradient
 from workers import models
@@ -311,3 +312,15 @@ def test_config_validation_names_the_field() -> None:
         TeleportConfig(tau=1.5)
     with pytest.raises(ValueError, match="teleport.lr"):
         TeleportConfig(lr=0)
+
+
+def test_split_projection_equals_projecting_the_concatenation() -> None:
+    torch.manual_seed(7)
+    for d, n, rank in [(30, 10, 10), (12, 200, 3), (12, 200, 11)]:  # thin SVD; Gram with kept / free side
+        rep = torch.cat([torch.randn(d, rank) @ torch.randn(rank, n), torch.ones(1, n)])  # bias row of ones
+        basis = compute_basis(rep, 1.0)
+        gw, gb = torch.randn(5, d), torch.randn(5)
+        uw, ub = project_split(gw, gb, basis)
+        whole = project(torch.cat([gw, gb[:, None]], dim=1), basis)
+        assert ub is not None
+        assert torch.allclose(uw, whole[:, :d], atol=1e-12) and torch.allclose(ub, whole[:, d], atol=1e-12)
