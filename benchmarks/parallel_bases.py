@@ -2,7 +2,9 @@
 
 Each layer's representation is R (d, N) with N = 256 columns (a 256-sample teleport batch), so
 every layer takes the thin-SVD route. All routes run side by side in one process and one Ray
-cluster; the table reports seconds and each route's ratio to the best one. The floor from
+cluster, taking turns within each repeat (medians of 5); the table reports seconds and each
+route's ratio to the best one. ``auto`` runs the threads route on one node, so their ratio is
+the measurement noise. The floor from
 issue 3: ``auto`` is never more than 1.1x the best route.
 
     python -m benchmarks.parallel_bases [--quick]
@@ -12,26 +14,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
-from collections.abc import Callable
 
 import torch
 
+from benchmarks.common import time_interleaved
 from teleport import SerialExecutor, ThreadExecutor, compute_basis
 
 COLUMNS = 256
-
-
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: first-call allocations, Ray worker start, pickling of the function
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def run(widths: list[int], layer_counts: list[int], repeats: int) -> dict[str, object]:
@@ -54,9 +44,11 @@ def run(widths: list[int], layer_counts: list[int], repeats: int) -> dict[str, o
             for layers in layer_counts:
                 g = torch.Generator().manual_seed(d + layers)
                 reps = [torch.randn(d, COLUMNS, generator=g) for _ in range(layers)]
-                seconds = {name: _median_seconds(lambda ex=ex, reps=reps: ex.map(lambda r: compute_basis(r, 1.0), reps),
-                                                 repeats)
-                           for name, ex in routes.items()}
+                cases = {name: (lambda _, ex=ex, reps=reps: ex.map(lambda r: compute_basis(r, 1.0), reps), None)
+                         for name, ex in routes.items()}
+                # routes take turns within each repeat, so background load hits them alike
+                timed = time_interleaved(cases, warmup=1, repeats=repeats, max_spread=1.5, retries=2)
+                seconds = {name: t["median"] for name, t in timed.items()}
                 best = min(seconds.values())
                 rows.append({"width": d, "layers": layers, "seconds": seconds,
                              "ratio_to_best": {k: v / best for k, v in seconds.items()},
@@ -82,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         result = {**run([64, 128], [2, 4], repeats=1), "quick": True}
     else:
         wait_for_quiet()
-        result = run([256, 1024, 4096], [2, 4, 8, 16], repeats=3)
+        result = run([256, 1024, 4096], [2, 4, 8, 16], repeats=5)
     write_result("parallel_bases", result)
     return result
 
