@@ -196,7 +196,7 @@ def _shard_share(n: int, comm: Collective | None, device: torch.device) -> float
     return n / float(total)
 
 
-def _heldout_loss(model: nn.Module, loss_fn: LossFn, holdout: tuple[Tensor, Tensor] | None) -> float | None:
+def heldout_loss(model: nn.Module, loss_fn: LossFn, holdout: tuple[Tensor, Tensor] | None) -> float | None:
     if holdout is None:
         return None
     with torch.no_grad():
@@ -235,7 +235,7 @@ def teleport_batch(
         def evaluate() -> Objective:
             return objective(model, loss_fn, x, y, params, comm, share)
 
-        heldout_before = _heldout_loss(model, loss_fn, holdout)
+        heldout_before = heldout_loss(model, loss_fn, holdout)
         with capture_inputs(model) as captured:  # step 1: R per layer, from the same forward as L
             cur = evaluate()
         layers = layer_bases(captured, config.tau, executor, comm)  # step 2
@@ -284,7 +284,7 @@ def teleport_batch(
             layers=[r for layer in layers for r in layer.reports()],
             untouched=untouched_parameters(model, {layer.inputs.name: layer.inputs for layer in layers}),
             heldout_loss_before=heldout_before,
-            heldout_loss_after=_heldout_loss(model, loss_fn, holdout),
+            heldout_loss_after=heldout_loss(model, loss_fn, holdout),
         )
     finally:
         model.train(was_training)

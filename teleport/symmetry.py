@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from teleport.nullspace import LossFn, Objective, guarded_step, objective, scalar
+from teleport.nullspace import LossFn, Objective, guarded_step, heldout_loss, objective
 from teleport.report import LayerReport, TeleportConfig, TeleportReport
 
 
@@ -99,8 +99,7 @@ def symmetry_teleport_batch(
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
-            heldout_before = None if holdout is None else scalar(loss_fn(model(holdout[0]), holdout[1]))
+        heldout_before = heldout_loss(model, loss_fn, holdout)
         params = [p for p in model.parameters() if p.requires_grad]
 
         def evaluate() -> Objective:
@@ -138,8 +137,7 @@ def symmetry_teleport_batch(
         n = x.shape[0]
         reports = [LayerReport(f"layers.{i}", "symmetry", m.in_features + 1, min(n, m.in_features + 1),
                                max(0, m.in_features + 1 - n), 1.0) for i, m in enumerate(layers[:-1])]
-        with torch.no_grad():
-            heldout_after = None if holdout is None else scalar(loss_fn(model(holdout[0]), holdout[1]))
+        heldout_after = heldout_loss(model, loss_fn, holdout)
         return TeleportReport(
             loss_before=loss0,
             loss_after=cur.loss,
