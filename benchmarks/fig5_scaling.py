@@ -26,10 +26,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from benchmarks.common import (
     Canary,
+    leaky_mlp,
     loglog_slope,
     print_table,
     set_threads,
@@ -58,23 +59,6 @@ MAX_SLOPE = 1.1
 WIDTH_FLOOR = (1024, 4.0)  # at this width null-space must be at least this many times faster
 
 
-class MLP(nn.Module):
-    """LeakyReLU MLP with the ``.layers`` / ``.negative_slope`` that symmetry teleport needs."""
-
-    def __init__(self, dims: list[int], slope: float = 0.1) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True))
-        self.negative_slope = slope
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = x.flatten(1)
-        for i, layer in enumerate(self.layers):
-            h = layer(h)
-            if i < len(self.layers) - 1:
-                h = F.leaky_relu(h, self.negative_slope)
-        return h
-
-
 Method = Callable[..., TeleportReport]
 METHODS: dict[str, Method] = {"symmetry": symmetry_teleport_batch, "nullspace": teleport_batch}
 
@@ -94,7 +78,7 @@ def measure(point: dict[str, int], warmup: int, repeats: int, canary: Canary | N
     t, d, n, layers, b = (point[k] for k in FACTORS)
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    model = MLP([INPUT_DIM] + [d] * (layers - 1) + [CLASSES])
+    model = leaky_mlp([INPUT_DIM] + [d] * (layers - 1) + [CLASSES])
     batches = [(torch.randn(n, INPUT_DIM, generator=gen), torch.randint(0, CLASSES, (n,), generator=gen))
                for _ in range(b)]
     config = TeleportConfig(steps=t, lr=LR, **NO_STOP)

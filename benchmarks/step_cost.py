@@ -35,7 +35,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.common import Canary, print_table, set_threads, time_interleaved, verdict, wait_for_quiet, write_result
+from benchmarks.common import (
+    Canary,
+    leaky_mlp,
+    print_table,
+    set_threads,
+    time_interleaved,
+    verdict,
+    wait_for_quiet,
+    write_result,
+)
 from teleport import SerialExecutor, TeleportConfig, TeleportReport, capture_inputs, teleport_batch
 
 STEPS = 8
@@ -44,21 +53,6 @@ NO_STOP = {"cap": 1e12, "loss_tol": 1e9}
 FLOOR = 5.0
 MAX_SPREAD, RETRIES = 1.5, 2  # re-measure when repeats or the canary are >1.5x off
 CLASSES = 10
-
-
-class MLP(nn.Module):
-    def __init__(self, dims: list[int], slope: float = 0.1) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True))
-        self.negative_slope = slope
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = x.flatten(1)
-        for i, layer in enumerate(self.layers):
-            h = layer(h)
-            if i < len(self.layers) - 1:
-                h = F.leaky_relu(h, self.negative_slope)
-        return h
 
 
 def cnn(channels: list[int], size: int) -> nn.Module:
@@ -111,7 +105,7 @@ def models(quick: bool) -> dict[str, tuple[nn.Module, Tensor, Tensor]]:
     vocab = 256
     y = torch.randint(0, CLASSES, (n,))
     return {
-        "mlp": (MLP([784, width, width, CLASSES]), torch.randn(n, 784), y),
+        "mlp": (leaky_mlp([784, width, width, CLASSES]), torch.randn(n, 784), y),
         "cnn": (cnn(channels, size), torch.randn(n, 3, size, size), y),
         "transformer": (Transformer(vocab, d, 4, 2, length), torch.randint(0, vocab, (n, length)), y),
     }
