@@ -7,7 +7,6 @@ checkpoints go and which rank writes metrics.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,11 +23,10 @@ from workers.sinks import MetricSink, NullSink
 
 @dataclass
 class RunContext:
-    """In-process defaults: one rank, no DDP, checkpoints in ``checkpoint_dir`` (if given)."""
+    """In-process defaults: one rank, no DDP, no checkpoints."""
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     sink: MetricSink = field(default_factory=NullSink)
-    checkpoint_dir: Path | None = None
     rank: int = 0
     world_size: int = 1
 
@@ -52,19 +50,10 @@ class RunContext:
         return values
 
     def save(self, state: dict[str, Any], metrics: dict[str, Any]) -> None:
-        """Keep the state to resume from: written atomically, so a crash mid-write keeps the last one."""
-        if self.checkpoint_dir is None or not self.is_chief:
-            return
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.checkpoint_dir / "checkpoint.pt.tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, self.checkpoint_dir / "checkpoint.pt")
+        """Keep the state to resume from after a failure; an in-process run has no one to resume it."""
 
     def restore(self) -> dict[str, Any] | None:
-        path = None if self.checkpoint_dir is None else self.checkpoint_dir / "checkpoint.pt"
-        if path is None or not path.exists():
-            return None
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return None
 
 
 class RayTrainContext(RunContext):

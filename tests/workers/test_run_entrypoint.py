@@ -41,13 +41,18 @@ def test_missing_environment_and_unknown_job_exit_2_with_what_to_set(
     assert [e["data"].get("message", "") for e in read_events(redis_server, "nope")][-1].startswith("job nope")
 
 
-@pytest.mark.slow
-def test_a_job_runs_on_ray_and_leaves_events_and_summary(
-    ray_local: object, redis_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture()
+def job_env(redis_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the scheduler puts in a Ray job's runtime_env."""
     monkeypatch.setenv("REDIS_URL", redis_server)
     monkeypatch.setenv("TLAB_STORAGE", str(tmp_path))
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+
+
+@pytest.mark.slow
+def test_a_job_runs_on_ray_and_leaves_events_and_summary(
+    ray_local: object, redis_server: str, job_env: None
+) -> None:
     put_job(redis_server, "ok")
     assert run.main(["--job", "ok"]) == 0
     events = read_events(redis_server, "ok")
@@ -60,11 +65,8 @@ def test_a_job_runs_on_ray_and_leaves_events_and_summary(
 
 @pytest.mark.slow
 def test_a_diverging_job_fails_once_with_the_epoch_and_reason(
-    ray_local: object, redis_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ray_local: object, redis_server: str, job_env: None
 ) -> None:
-    monkeypatch.setenv("REDIS_URL", redis_server)
-    monkeypatch.setenv("TLAB_STORAGE", str(tmp_path))
-    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
     put_job(redis_server, "nan", optimizer={"name": "sgd", "lr": 1e30}, teleport={"enabled": False})
     assert run.main(["--job", "nan"]) == 1
     events = read_events(redis_server, "nan")
