@@ -29,3 +29,53 @@ STREAM_MAXLEN = 100_000  # events kept per job; history is downsampled on read, 
 def emitted(job_id: str) -> str:
     """Hash of event identities already in the stream (``epoch:5``, ``teleport:0:12``): exactly-once."""
     return f"{PREFIX}:job:{job_id}:emitted"
+
+
+def jobs() -> str:
+    """Sorted set (all scores 0) of every job id; ids sort by creation time, so ZREVRANGEBYLEX pages newest first."""
+    return f"{PREFIX}:jobs"
+
+
+def active() -> str:
+    """Set of job ids in ``starting`` or ``running``: what the scheduler reconciles with Ray."""
+    return f"{PREFIX}:active"
+
+
+def users() -> str:
+    """Hash: user name -> UserPublic JSON."""
+    return f"{PREFIX}:users"
+
+
+def token(token_hash: str) -> str:
+    """String: sha256 of a bearer token -> user name (tokens themselves are never stored)."""
+    return f"{PREFIX}:token:{token_hash}"
+
+
+def usage() -> str:
+    """Hash: user name -> JSON {"value", "at"}: decayed GPU/CPU usage for fair share."""
+    return f"{PREFIX}:usage"
+
+
+def idempotency(user: str, key: str) -> str:
+    """String: ``job_id|body_sha256`` for an ``Idempotency-Key`` of a user (expires after a day)."""
+    return f"{PREFIX}:idem:{user}:{key}"
+
+
+def cluster() -> str:
+    """String: the scheduler's last view of the cluster (ClusterView JSON), for the API to show."""
+    return f"{PREFIX}:cluster"
+
+
+def scheduler_lock() -> str:
+    """String with a TTL: the running scheduler's id (one scheduler decides at a time)."""
+    return f"{PREFIX}:scheduler:lock"
+
+
+def wake() -> str:
+    """List the API pushes to after a submit or cancel so the scheduler decides at once (BLPOP)."""
+    return f"{PREFIX}:scheduler:wake"
+
+
+def queue_view() -> str:
+    """Hash written by the scheduler after each decision: queued job id -> JSON {position, reason}."""
+    return f"{PREFIX}:queue:view"

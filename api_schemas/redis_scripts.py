@@ -14,3 +14,73 @@ for i = 2, #ARGV, 3 do
 end
 return added
 """
+
+
+def _lua_transition_table() -> str:
+    """The Python transition table (api_schemas.jobs.TRANSITIONS) as a Lua table literal."""
+    from api_schemas.jobs import TRANSITIONS
+
+    rows = []
+    for src, targets in TRANSITIONS.items():
+        inner = ", ".join(f"['{t.value}'] = true" for t in sorted(targets))
+        rows.append(f"['{src.value}'] = {{{inner}}}")
+    return "{" + ", ".join(rows) + "}"
+
+
+# KEYS: job hash, jobs zset, user's jobs zset, queue zset, events stream, wake list, idempotency key ('' = none)
+# ARGV: job id, created_at, idempotency value ("id|body-sha"), idempotency ttl s, then hash field/value pairs.
+# Returns {0, existing idempotency value} when the key was used before, else {1, queue length}.
+SUBMIT = """
+if KEYS[7] ~= '' then
+  local prior = redis.call('GET', KEYS[7])
+  if prior then return {0, prior} end
+  redis.call('SET', KEYS[7], ARGV[3], 'EX', ARGV[4])
+end
+local fields = {}
+for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', KEYS[1], unpack(fields))
+redis.call('ZADD', KEYS[2], 0, ARGV[1])
+redis.call('ZADD', KEYS[3], 0, ARGV[1])
+redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
+redis.call('XADD', KEYS[5], '*', 'kind', 'status', 'data',
+           cjson.encode({kind = 'status', state = 'queued', at = tonumber(ARGV[2])}))
+redis.call('LPUSH', KEYS[6], ARGV[1])
+redis.call('LTRIM', KEYS[6], 0, 0)
+return {1, redis.call('ZCARD', KEYS[4])}
+"""
+
+# KEYS: job hash, queue zset, active set, events stream
+# ARGV: to-state, now, comma-separated states the caller expects the job in ('' = any), reason, field/value pairs.
+# Moves the job only along the transition table; keeps the queue and active sets in step; writes a
+# `status` event (and `end` when the state is terminal). Returns {1, from} or {0, current state}.
+TRANSITION = """
+local T = __TABLE__
+local cur = redis.call('HGET', KEYS[1], 'state')
+if not cur then return {0, 'missing'} end
+local to = ARGV[1]
+if ARGV[3] ~= '' then
+  local ok = false
+  for s in string.gmatch(ARGV[3], '[^,]+') do if s == cur then ok = true end end
+  if not ok then return {0, cur} end
+end
+if not T[cur] or not T[cur][to] then return {0, cur} end
+local now = tonumber(ARGV[2])
+redis.call('HSET', KEYS[1], 'state', to, 'updated_at', ARGV[2])
+for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+local id = redis.call('HGET', KEYS[1], 'id')
+if to == 'queued' then
+  redis.call('ZADD', KEYS[2], tonumber(redis.call('HGET', KEYS[1], 'created_at')), id)
+else
+  redis.call('ZREM', KEYS[2], id)
+end
+if to == 'starting' or to == 'running' then redis.call('SADD', KEYS[3], id) else redis.call('SREM', KEYS[3], id) end
+local event = {kind = 'status', state = to, at = now}
+if ARGV[4] ~= '' then event['reason'] = ARGV[4] end
+redis.call('XADD', KEYS[4], '*', 'kind', 'status', 'data', cjson.encode(event))
+if T[to] and next(T[to]) == nil then
+  redis.call('HSET', KEYS[1], 'finished_at', ARGV[2])
+  redis.call('HDEL', KEYS[1], 'cancel_requested')
+  redis.call('XADD', KEYS[4], '*', 'kind', 'end', 'data', cjson.encode({kind = 'end', state = to, at = now}))
+end
+return {1, cur}
+""".replace("__TABLE__", _lua_transition_table())

@@ -34,7 +34,7 @@ def run(epochs: int, hidden: list[int], max_train: int | None) -> dict[str, Any]
     import ray
 
     from workers.local import run_local
-    from workers.plots import read_metrics
+    from plots.curves import read_metrics
     from workers.ray_train import run_on_ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

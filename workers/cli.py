@@ -145,7 +145,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     variants = {on: load_spec(args.spec, [*args.overrides, f"teleport.enabled={str(on).lower()}"])
                 for on in (True, False)}
     from workers.local import TrainingDiverged, run_label, run_local
-    from workers.plots import plot_bands
+    from plots.curves import plot_bands
     from workers.sinks import MemorySink
 
     out = Path(args.out) if args.out else _default_out(args.spec, "-compare")

@@ -296,7 +296,7 @@ def run_local(spec: ExperimentSpec, out_dir: str | Path, *, progress: bool = Tru
     the run (default ``resources.cpus_per_worker``, see ``num_threads``; 0 keeps torch's own).
     A diverged run still gets its curves (up to the failing epoch) and raises ``TrainingDiverged``.
     """
-    from workers.plots import plot_curves
+    from plots.curves import plot_curves
 
     out = Path(out_dir)
     created = not out.exists()

@@ -27,7 +27,7 @@ from workers.build import (
 from workers.context import RunContext
 from workers.local import TrainingDiverged, evaluate, run_local, train
 from workers.models import build_model, loss_fn_for
-from workers.plots import plot_bands, plot_curves, read_metrics
+from plots.curves import plot_bands, plot_curves, read_metrics
 from workers.sinks import JsonlSink, MemorySink
 
 EPOCH_KEYS = {"kind", "epoch", "train_loss", "test_loss", "test_acc", "seconds", "teleport_seconds"}

@@ -11,7 +11,7 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 from matplotlib.axes import Axes
@@ -71,7 +71,8 @@ def _mark_teleports(ax: Axes, epochs: list[int], color: str, label: str | None) 
         ax.axvline(e, color=color, linestyle=":", linewidth=1.0, alpha=0.6, label=label if j == 0 else None)
 
 
-def plot_curves(runs: dict[str, Records], path: str | Path, title: str | None = None) -> Path:
+def plot_curves(runs: dict[str, Records], path: str | Path | BinaryIO, title: str | None = None,
+                fmt: str | None = None) -> Path | BinaryIO:
     """Train and test loss vs epoch (log y) for each run, teleport epochs marked; a third panel shows
     ‖∇L‖² on the teleport batches before and after each teleport when there are any."""
     tele = {label: [r for r in recs if r.get("kind") == "teleport"] for label, recs in runs.items()}
@@ -104,8 +105,8 @@ def plot_curves(runs: dict[str, Records], path: str | Path, title: str | None = 
         ax.set_xlabel("teleport batch (in order)")
     if title:
         fig.suptitle(title)
-    fig.savefig(path, dpi=110)
-    return Path(path)
+    fig.savefig(path, dpi=110, format=fmt)
+    return path if hasattr(path, "write") else Path(path)
 
 
 def band(runs: list[Records], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

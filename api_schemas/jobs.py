@@ -1,0 +1,186 @@
+"""The REST contract for jobs, users, the queue and the cluster (requests and responses by role)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from api_schemas.spec import ExperimentSpec
+
+
+class JobState(StrEnum):
+    """A job's life: queued -> starting -> running -> succeeded | failed | cancelled.
+
+    ``starting`` = the scheduler has chosen it and is submitting its Ray job; a job whose Ray
+    cluster vanished mid-run goes back to ``queued`` and resumes from its last checkpoint.
+    """
+
+    QUEUED = "queued"
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+ACTIVE = frozenset({JobState.STARTING, JobState.RUNNING})
+
+# from-state -> the states it may move to; terminal states move nowhere.
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.QUEUED: frozenset({JobState.STARTING, JobState.CANCELLED, JobState.FAILED}),
+    JobState.STARTING: frozenset({JobState.RUNNING, JobState.QUEUED, JobState.SUCCEEDED, JobState.FAILED,
+                                  JobState.CANCELLED}),
+    JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED}),
+    JobState.SUCCEEDED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
+
+class Role(StrEnum):
+    USER = "user"
+    ADMIN = "admin"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ExperimentSubmit(_Strict):
+    """``POST /v1/experiments``: a spec plus how to file it."""
+
+    spec: ExperimentSpec
+    name: str = Field("", max_length=200, description="a label for listings; defaults to the job id")
+    priority: int = Field(0, ge=-100, le=100, description="higher starts first; fair share orders equal priorities")
+    tags: list[str] = Field(default_factory=list, max_length=32)
+
+
+class Demand(_Strict):
+    """What a job's gang needs: ``workers`` bundles of ``cpus``/``gpus`` each, all at once."""
+
+    workers: int
+    cpus_per_worker: float
+    gpus_per_worker: float
+
+    @property
+    def cpus(self) -> float:
+        return self.workers * self.cpus_per_worker
+
+    @property
+    def gpus(self) -> float:
+        return self.workers * self.gpus_per_worker
+
+
+class Progress(_Strict):
+    epoch: int | None = None
+    epochs: int | None = None
+    train_loss: float | None = None
+    test_loss: float | None = None
+
+
+class JobView(_Strict):
+    """One job as the API shows it."""
+
+    id: str
+    name: str
+    owner: str
+    state: JobState
+    priority: int
+    tags: list[str]
+    spec: ExperimentSpec
+    demand: Demand
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    queue_position: int | None = Field(None, description="1 = next to start; only while queued")
+    pending_reason: str | None = Field(None, description="why a queued job is not running yet")
+    attempts: int = Field(0, description="how many times the scheduler has started it")
+    ray_job_id: str | None = None
+    progress: Progress = Field(default_factory=Progress)
+    summary: dict[str, Any] | None = None
+    failure_reason: str | None = None
+
+
+class JobList(_Strict):
+    items: list[JobView]
+    next_cursor: str | None = Field(None, description="pass as ?cursor= for the next page; null = last page")
+
+
+class DryRun(_Strict):
+    """``POST /v1/experiments?dry_run=true``: would it fit, and where."""
+
+    valid: bool = True
+    demand: Demand
+    fits_ever: bool
+    fits_now: bool
+    placement: list[str] = Field(default_factory=list, description="node per worker, if it fits now")
+    reason: str | None = None
+
+
+class QueueEntry(_Strict):
+    position: int
+    id: str
+    owner: str
+    name: str
+    priority: int
+    demand: Demand
+    created_at: float
+    pending_reason: str | None = None
+
+
+class QueueView(_Strict):
+    items: list[QueueEntry]
+
+
+class NodeView(_Strict):
+    id: str
+    alive: bool
+    cpus_total: float
+    cpus_free: float
+    gpus_total: float
+    gpus_free: float
+
+
+class ClusterView(_Strict):
+    nodes: list[NodeView]
+    cpus_total: float
+    cpus_free: float
+    gpus_total: float
+    gpus_free: float
+    running_jobs: list[str]
+    scheduler_alive: bool
+
+
+class Quotas(_Strict):
+    max_gpus: float = Field(8, ge=0, description="GPUs the user's starting/running jobs may hold at once")
+    max_running_jobs: int = Field(4, ge=1, description="jobs the user may have starting/running at once")
+
+
+class UserCreate(_Strict):
+    name: str = Field(..., pattern=r"^[a-z][a-z0-9_.-]{0,62}$", description="lower-case login name")
+    role: Role = Role.USER
+    quotas: Quotas = Field(default_factory=Quotas)
+
+
+class UserPublic(_Strict):
+    name: str
+    role: Role
+    quotas: Quotas
+    created_at: float
+
+
+class UserCreated(_Strict):
+    user: UserPublic
+    token: str = Field(..., description="shown once; only its hash is stored")
+
+
+class MetricsView(_Strict):
+    """``GET /v1/experiments/{id}/metrics``: per-epoch rows (downsampled to ``max_points``)."""
+
+    id: str
+    total_points: int
+    points: list[dict[str, Any]]
+    teleports: list[dict[str, Any]]

@@ -1,0 +1,1 @@
+"""Loss-curve figures (numpy + matplotlib only), shared by the workers, the service and the CLI."""

@@ -1,0 +1,419 @@
+"""The REST API (FastAPI): thin routes over the Redis store; the scheduler process does the starting.
+
+Run it with ``python -m service.api`` (``TLAB_BIND``/``TLAB_PORT``; 127.0.0.1:8470 by default) or
+through ``tlab up``. Every route but ``/healthz``, ``/readyz`` and ``/metrics`` needs a bearer token.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, Literal
+
+import redis.asyncio as aioredis
+from fastapi import Depends, FastAPI, Header, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+
+from api_schemas import keys
+from api_schemas.jobs import (
+    ClusterView,
+    DryRun,
+    ExperimentSubmit,
+    JobList,
+    JobState,
+    JobView,
+    MetricsView,
+    QueueEntry,
+    QueueView,
+    Role,
+    UserCreate,
+    UserCreated,
+    UserPublic,
+)
+from api_schemas.presets import PRESET_NOTES, PRESETS
+from service import policy
+from service.errors import DoesNotFit, Forbidden, JobNotFound, ServiceError
+from service.events import Hub, downsample, follow, records, valid_stream_id
+from service.ray_cluster import StaticCluster
+from service.settings import Settings
+from service.store import Store, demand_of
+
+# ---- errors: one shape, field paths first -----------------------------------------------------
+
+
+def _loc(loc: tuple[Any, ...] | list[Any]) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "header", "path", "mlp", "cnn", "resnet",
+                                                  "transformer")]
+    return ".".join(parts)
+
+
+def error_body(errors: list[dict[str, str]]) -> dict[str, Any]:
+    """``{"detail": "field: message; ...", "errors": [{"field", "message"}]}``: one line a CLI can print."""
+    detail = "; ".join(f"{e['field']}: {e['message']}" if e.get("field") else e["message"] for e in errors)
+    return {"detail": detail, "errors": errors}
+
+
+async def on_validation_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = [{"field": _loc(e.get("loc", ())), "message": str(e.get("msg", "")).removeprefix("Value error, ")}
+              for e in exc.errors()]
+    return JSONResponse(error_body(errors), status_code=422)
+
+
+async def on_service_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ServiceError)
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    return JSONResponse(error_body([{"field": exc.field or "", "message": exc.message}]), status_code=exc.status,
+                        headers=headers)
+
+
+# ---- app state and dependencies ----------------------------------------------------------------
+
+
+class State:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.store = Store.from_url(settings.redis_url)
+        self.aredis = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        self.hub = Hub(self.aredis, block_ms=int(min(5.0, settings.heartbeat_s) * 1000))
+        self.registry = CollectorRegistry()
+        self.requests = Counter("tlab_http_requests", "HTTP requests", ["method", "route", "status"],
+                                registry=self.registry)
+        self.latency = Histogram("tlab_http_request_seconds", "HTTP request latency", ["route"],
+                                 registry=self.registry,
+                                 buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+        self.submissions = Counter("tlab_submissions", "experiments accepted", registry=self.registry)
+        self._jobs_client: Any = None
+
+    def ray_jobs(self) -> Any:
+        if self._jobs_client is None:
+            from service.ray_cluster import RayJobs
+
+            self._jobs_client = RayJobs(self.settings.ray_address, {})
+        return self._jobs_client
+
+
+def get_state(request: Request) -> State:
+    return request.app.state.tlab
+
+
+StateDep = Annotated[State, Depends(get_state)]
+bearer = HTTPBearer(auto_error=False, description="a Teleport Lab token (`tlab up` writes the admin's)")
+
+
+def current_user(st: StateDep, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> UserPublic:
+    return st.store.authenticate(creds.credentials if creds else "")
+
+
+CurrentUser = Annotated[UserPublic, Depends(current_user)]
+
+
+def admin_user(user: CurrentUser) -> UserPublic:
+    if user.role != Role.ADMIN:
+        raise Forbidden("only an admin may do this", field="Authorization")
+    return user
+
+
+AdminUser = Annotated[UserPublic, Depends(admin_user)]
+
+
+def own_job(st: State, user: UserPublic, job_id: str) -> dict[str, str]:
+    data = st.store.raw(job_id)
+    if user.role != Role.ADMIN and data["owner"] != user.name:
+        raise Forbidden(f"experiment {job_id} belongs to another user", field="id")
+    return data
+
+
+# ---- the cluster as the scheduler last saw it ----------------------------------------------
+
+
+def cluster_view(st: State) -> tuple[ClusterView | None, float]:
+    raw = st.store.r.get(keys.cluster())
+    if not raw:
+        return None, 0.0
+    data = json.loads(raw)
+    view = ClusterView.model_validate(data["view"])
+    age = time.time() - float(data["at"])
+    view.scheduler_alive = age < max(10.0, 5 * st.settings.tick_s)
+    return view, age
+
+
+def known_nodes(st: State, view: ClusterView | None) -> list[policy.Node] | None:
+    if st.settings.cluster_nodes:
+        return StaticCluster(st.settings.cluster_nodes).nodes()
+    if view is None:
+        return None
+    return [policy.Node(n.id, n.cpus_total, n.gpus_total) for n in view.nodes]
+
+
+# ---- the app --------------------------------------------------------------------------------------
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.tlab = State(settings)
+        try:
+            yield
+        finally:
+            await app.state.tlab.hub.close()
+            await app.state.tlab.aredis.aclose()
+            app.state.tlab.store.r.close()
+
+    app = FastAPI(title="Teleport Lab", version="0.1.0", lifespan=lifespan,
+                  description="Submit teleportation experiments to a shared Ray cluster; follow their curves.")
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(ServiceError, on_service_error)
+
+    @app.middleware("http")
+    async def measure(request: Request, call_next: Any) -> Response:
+        t0 = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        st: State | None = getattr(request.app.state, "tlab", None)
+        if st is not None:
+            st.requests.labels(request.method, path, str(response.status_code)).inc()
+            st.latency.labels(path).observe(time.perf_counter() - t0)
+        return response
+
+    add_routes(app)
+    return app
+
+
+def add_routes(app: FastAPI) -> None:  # noqa: C901 - the route table reads best in one place
+    @app.get("/healthz", tags=["health"])
+    def healthz() -> dict[str, bool]:
+        """Alive (the process answers)."""
+        return {"ok": True}
+
+    @app.get("/readyz", tags=["health"], responses={503: {"description": "Redis or the scheduler is down"}})
+    def readyz(st: StateDep) -> JSONResponse:
+        """Ready: Redis answers and a scheduler has published within the last few ticks."""
+        try:
+            st.store.r.ping()
+        except Exception as err:
+            return JSONResponse({"ready": False, "reason": f"redis: {err}"}, status_code=503)
+        view, _age = cluster_view(st)
+        if view is None or not view.scheduler_alive:
+            return JSONResponse({"ready": False, "reason": "no scheduler has reported recently"}, status_code=503)
+        return JSONResponse({"ready": True})
+
+    @app.get("/metrics", tags=["health"], response_class=PlainTextResponse)
+    def metrics(st: StateDep) -> Response:
+        """Prometheus metrics: requests, latency, submissions, queue length, active jobs."""
+        r = st.store.r
+        extra = (f"# TYPE tlab_queue_length gauge\ntlab_queue_length {r.zcard(keys.queue())}\n"
+                 f"# TYPE tlab_active_jobs gauge\ntlab_active_jobs {r.scard(keys.active())}\n")
+        return Response(generate_latest(st.registry) + extra.encode(), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- experiments -----------------------------------------------------------------------
+    @app.post("/v1/experiments", status_code=201, tags=["experiments"], response_model=JobView | DryRun,
+              responses={200: {"description": "an Idempotency-Key replay: the original job"},
+                         409: {"description": "Idempotency-Key reused with another body"},
+                         422: {"description": "invalid spec, or a gang that can never fit"}})
+    def submit(body: ExperimentSubmit, st: StateDep, user: CurrentUser, response: Response,
+               dry_run: bool = False,
+               idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> JobView | DryRun:
+        """Queue an experiment (or, with ``dry_run=true``, say whether and where it would fit)."""
+        demand = demand_of(body)
+        view, _ = cluster_view(st)
+        nodes = known_nodes(st, view)
+        why = policy.never_fits(demand, nodes) if nodes else None
+        if dry_run:
+            free = ({n.id: [n.cpus_free, n.gpus_free] for n in view.nodes} if view else
+                    {n.id: [n.cpus, n.gpus] for n in nodes or []})
+            placement = policy.place(demand, free) if nodes else None
+            response.status_code = 200
+            return DryRun(demand=demand, fits_ever=why is None, fits_now=placement is not None,
+                          placement=placement or [],
+                          reason=why or (None if placement else "no room now: it would wait in the queue"))
+        if why:
+            raise DoesNotFit(f"this experiment can never fit the cluster: {why}", field="spec.resources")
+        job_id, created, _qlen = st.store.submit(user.name, body, idempotency_key)
+        if created:
+            st.submissions.inc()
+        else:
+            response.status_code = 200
+            response.headers["Idempotent-Replayed"] = "true"
+        return st.store.view(job_id, with_progress=False)
+
+    @app.get("/v1/experiments", tags=["experiments"])
+    def list_experiments(st: StateDep, user: CurrentUser,
+                         state: JobState | None = None, owner: str | None = None, tag: str | None = None,
+                         cursor: Annotated[str | None, Query(max_length=64)] = None,
+                         limit: Annotated[int, Query(ge=1, le=500)] = 50) -> JobList:
+        """Your experiments, newest first (admins: everyone's, or ``owner=``); filter by state and tag."""
+        if user.role != Role.ADMIN:
+            if owner not in (None, user.name):
+                raise Forbidden("you can list only your own experiments", field="owner")
+            owner = user.name
+        items: list[JobView] = []
+        while True:
+            ids, more = st.store.list_ids(owner, cursor, limit)
+            for data in st.store.raws(ids):
+                if (state and data["state"] != state.value) or (tag and tag not in json.loads(data.get("tags", "[]"))):
+                    continue
+                items.append(st.store.view(data["id"], data, with_progress=False))
+                if len(items) == limit:
+                    return JobList(items=items, next_cursor=data["id"] if (more or data["id"] != ids[-1]) else None)
+            if not more:
+                return JobList(items=items, next_cursor=None)
+            cursor = ids[-1]
+
+    @app.get("/v1/experiments/{job_id}", tags=["experiments"])
+    def get_experiment(job_id: str, st: StateDep, user: CurrentUser) -> JobView:
+        """One experiment: state, why it is pending, progress, summary or failure reason."""
+        return st.store.view(job_id, own_job(st, user, job_id))
+
+    @app.delete("/v1/experiments/{job_id}", status_code=202, tags=["experiments"],
+                responses={409: {"description": "already ended"}})
+    def cancel(job_id: str, st: StateDep, user: CurrentUser) -> JobView:
+        """Cancel: a queued job leaves the queue; a running one is stopped (SIGTERM, then SIGKILL after the grace)."""
+        own_job(st, user, job_id)
+        st.store.cancel(job_id)
+        return st.store.view(job_id)
+
+    @app.get("/v1/experiments/{job_id}/events", tags=["experiments"],
+             responses={200: {"content": {"text/event-stream": {}}, "description": "SSE: metric, teleport, "
+                                                                                    "status, log, end"}})
+    async def events(job_id: str, st: StateDep, user: CurrentUser,
+                     last_event_id: Annotated[str | None, Header(max_length=64)] = None) -> StreamingResponse:
+        """Server-Sent Events: history, then live; ``Last-Event-ID`` resumes after that stream id."""
+        await run_in_threadpool(own_job, st, user, job_id)
+        if last_event_id is not None and not valid_stream_id(last_event_id):
+            raise JobNotFound("Last-Event-ID must be a stream id like 1712345678901-0", field="Last-Event-ID")
+        return StreamingResponse(follow(st.hub, job_id, last_event_id, st.settings.heartbeat_s),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                          "Connection": "keep-alive"})
+
+    def job_records(st: State, job_id: str) -> list[dict[str, Any]]:
+        return records(st.store.events(job_id))
+
+    @app.get("/v1/experiments/{job_id}/metrics", tags=["experiments"],
+             responses={200: {"content": {"text/csv": {}}}})
+    def get_metrics(job_id: str, st: StateDep, user: CurrentUser,
+                    max_points: Annotated[int | None, Query(ge=1, le=100_000)] = None,
+                    format: Literal["json", "csv"] = "json") -> Any:
+        """Per-epoch metrics (downsampled to ``max_points``), and the teleport reports; ``format=csv`` for a table."""
+        own_job(st, user, job_id)
+        recs = job_records(st, job_id)
+        rows = [r for r in recs if r.get("kind") == "epoch"]
+        points = downsample(rows, max_points)
+        if format == "csv":
+            columns = list(dict.fromkeys(k for r in points for k in r if k != "kind"))
+            out = io.StringIO()
+            writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(points)
+            return Response(out.getvalue(), media_type="text/csv")
+        return MetricsView(id=job_id, total_points=len(rows), points=points,
+                           teleports=[r for r in recs if r.get("kind") == "teleport"])
+
+    @app.get("/v1/experiments/{job_id}/plot.png", tags=["experiments"],
+             responses={200: {"content": {"image/png": {}}}})
+    def plot(job_id: str, st: StateDep, user: CurrentUser,
+             compare: Annotated[str | None, Query(max_length=2000, description="more ids, comma-separated")] = None,
+             ) -> Response:
+        """Train/test loss (teleport epochs marked); ``compare=id2,id3`` overlays other experiments."""
+        from plots.curves import plot_curves
+
+        ids = [job_id] + [i for i in (compare or "").split(",") if i.strip()]
+        runs = {}
+        for i in (i.strip() for i in ids):
+            name = own_job(st, user, i).get("name") or i
+            runs[name if name not in runs else f"{name} ({i})"] = job_records(st, i)
+        buf = io.BytesIO()
+        plot_curves(runs, buf, title=None, fmt="png")
+        return Response(buf.getvalue(), media_type="image/png")
+
+    @app.get("/v1/experiments/{job_id}/logs", tags=["experiments"], response_class=PlainTextResponse)
+    def logs(job_id: str, st: StateDep, user: CurrentUser) -> str:
+        """The Ray job's driver log while Ray still has it, then the job's own log events."""
+        data = own_job(st, user, job_id)
+        lines = []
+        sid = data.get("ray_job_id")
+        if sid:
+            try:
+                text = st.ray_jobs().logs(sid)
+            except Exception:
+                text = None
+            if text:
+                lines.append(text.rstrip("\n"))
+        for rec in job_records(st, job_id):
+            if rec.get("kind") in ("log", "status"):
+                lines.append(json.dumps(rec))
+        return "\n".join(lines) + "\n"
+
+    # ---- queue, cluster, presets -----------------------------------------------------------------
+    @app.get("/v1/queue", tags=["cluster"])
+    def queue(st: StateDep, user: CurrentUser) -> QueueView:
+        """Queued experiments in the order they will start, with why each one waits."""
+        ids = st.store.r.zrange(keys.queue(), 0, -1)
+        order = {k: json.loads(v) for k, v in st.store.r.hgetall(keys.queue_view()).items()}
+        entries = []
+        for data in st.store.raws(ids):
+            q = order.get(data["id"], {})
+            job = st.store.view(data["id"], data, with_progress=False)
+            entries.append(QueueEntry(position=q.get("position", len(ids)), id=job.id, owner=job.owner,
+                                      name=job.name, priority=job.priority, demand=job.demand,
+                                      created_at=job.created_at,
+                                      pending_reason=q.get("reason", "waiting for the scheduler's next decision")))
+        entries.sort(key=lambda e: (e.position, e.created_at))
+        return QueueView(items=entries)
+
+    @app.get("/v1/cluster", tags=["cluster"], responses={503: {"description": "no scheduler has reported"}})
+    def cluster(st: StateDep, user: CurrentUser) -> ClusterView:
+        """Nodes with total and free CPUs/GPUs, and the running experiments, as the scheduler last saw them."""
+        view, _ = cluster_view(st)
+        if view is None:
+            return ClusterView(nodes=[], cpus_total=0, cpus_free=0, gpus_total=0, gpus_free=0, running_jobs=[],
+                               scheduler_alive=False)
+        return view
+
+    @app.get("/v1/presets", tags=["experiments"])
+    def presets(user: CurrentUser) -> dict[str, dict[str, Any]]:
+        """Ready-made specs (paper table rows, fast digits demos): ``{name: {note, spec}}``."""
+        return {name: {"note": PRESET_NOTES.get(name, ""), "spec": spec} for name, spec in PRESETS.items()}
+
+    # ---- users ---------------------------------------------------------------------------------
+    @app.post("/v1/users", status_code=201, tags=["users"], responses={409: {"description": "name taken"}})
+    def create_user(body: UserCreate, st: StateDep, admin: AdminUser) -> UserCreated:
+        """Create a user with quotas (admin only); the token is in this response and nowhere else."""
+        user, token = st.store.create_user(body)
+        return UserCreated(user=user, token=token)
+
+    @app.get("/v1/users", tags=["users"])
+    def list_users(st: StateDep, admin: AdminUser) -> list[UserPublic]:
+        """Every user and their quotas (admin only)."""
+        return st.store.users()
+
+    @app.get("/v1/me", tags=["users"])
+    def me(user: CurrentUser) -> UserPublic:
+        """Who this token belongs to."""
+        return user
+
+
+def main() -> int:
+    import uvicorn
+
+    settings = Settings()
+    uvicorn.run(create_app(settings), host=settings.bind, port=settings.port, log_level="warning",
+                access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Domain errors, each with its HTTP status; the API maps them to responses in one place."""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    status = 400
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.field = message, field
+
+
+class Unauthorized(ServiceError):
+    status = 401
+
+
+class Forbidden(ServiceError):
+    status = 403
+
+
+class JobNotFound(ServiceError):
+    status = 404
+
+
+class UserExists(ServiceError):
+    status = 409
+
+
+class IdempotencyConflict(ServiceError):
+    status = 409
+
+
+class InvalidState(ServiceError):
+    """The job is in a state the request does not apply to (cancel a finished job)."""
+
+    status = 409
+
+
+class DoesNotFit(ServiceError):
+    """The gang can never fit the cluster: refused at submit."""
+
+    status = 422

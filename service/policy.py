@@ -1,0 +1,174 @@
+"""Who starts next: a pure function of the queue, the running jobs, the cluster and each user's usage.
+
+Order: priority (higher first), then fair share (the user with less decayed recent usage first;
+starting a job charges its owner at once, so equal users alternate), then age. A job starts only
+when its whole gang of workers fits on the free resources of the cluster's nodes now, and within its
+owner's quotas. A job over quota is skipped (it does not hold up other users). The first job that
+finds no room reserves what it is short of: later jobs that need that resource wait behind it, so
+big gangs are not starved by streams of small ones; jobs needing only other resources still start.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from api_schemas.jobs import Demand, Quotas
+
+CPU_WEIGHT = 0.125  # a CPU counts as 1/8 of a GPU in fair-share usage
+EPS = 1e-9
+
+
+def weight(demand: Demand) -> float:
+    """Fair-share cost of a gang per second: GPUs + CPUs/8."""
+    return demand.gpus + CPU_WEIGHT * demand.cpus
+
+
+@dataclass(frozen=True)
+class Node:
+    id: str
+    cpus: float
+    gpus: float
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    id: str
+    owner: str
+    priority: int
+    created_at: float
+    demand: Demand
+
+
+@dataclass(frozen=True)
+class ActiveJob:
+    id: str
+    owner: str
+    demand: Demand
+    placement: tuple[str, ...]  # node id per worker
+
+
+@dataclass
+class Decision:
+    starts: list[tuple[QueuedJob, list[str]]] = field(default_factory=list)  # (job, node per worker)
+    order: list[tuple[str, str]] = field(default_factory=list)  # still queued, in order: (id, why it waits)
+
+
+def free_resources(nodes: list[Node], active: list[ActiveJob]) -> dict[str, list[float]]:
+    """node id -> [free CPUs, free GPUs] after the active jobs' gangs."""
+    free = {n.id: [n.cpus, n.gpus] for n in nodes}
+    for job in active:
+        for node_id in job.placement:
+            if node_id in free:
+                free[node_id][0] -= job.demand.cpus_per_worker
+                free[node_id][1] -= job.demand.gpus_per_worker
+    return free
+
+
+def place(demand: Demand, free: dict[str, list[float]]) -> list[str] | None:
+    """A node per worker (packing the fullest-fitting nodes first), or None if the gang does not fit."""
+    left = {k: list(v) for k, v in free.items()}
+    out: list[str] = []
+    for _ in range(demand.workers):
+        fitting = [k for k, (c, g) in left.items()
+                   if c + EPS >= demand.cpus_per_worker and g + EPS >= demand.gpus_per_worker]
+        if not fitting:
+            return None
+        # prefer the node already used by this gang (locality), then the one with the least room left
+        node = min(fitting, key=lambda k: (k not in out, left[k][1], left[k][0]))
+        left[node][0] -= demand.cpus_per_worker
+        left[node][1] -= demand.gpus_per_worker
+        out.append(node)
+    return out
+
+
+def never_fits(demand: Demand, nodes: list[Node]) -> str | None:
+    """Why the gang cannot fit even an empty cluster (None if it can)."""
+    if place(demand, {n.id: [n.cpus, n.gpus] for n in nodes}) is not None:
+        return None
+    most_cpu = max((n.cpus for n in nodes), default=0)
+    most_gpu = max((n.gpus for n in nodes), default=0)
+    total_gpu = sum(n.gpus for n in nodes)
+    total_cpu = sum(n.cpus for n in nodes)
+    if demand.gpus_per_worker > most_gpu + EPS:
+        return (f"resources.gpus_per_worker={demand.gpus_per_worker:g} but the largest node has {most_gpu:g} GPUs: "
+                "lower gpus_per_worker (and raise workers)")
+    if demand.cpus_per_worker > most_cpu + EPS:
+        return (f"resources.cpus_per_worker={demand.cpus_per_worker:g} but the largest node has {most_cpu:g} CPUs: "
+                "lower cpus_per_worker")
+    return (f"resources: {demand.workers} workers x ({demand.cpus_per_worker:g} CPU, {demand.gpus_per_worker:g} GPU) "
+            f"= {demand.cpus:g} CPUs, {demand.gpus:g} GPUs; the whole cluster has {total_cpu:g} CPUs, "
+            f"{total_gpu:g} GPUs: lower resources.workers")
+
+
+def _describe_free(free: dict[str, list[float]]) -> str:
+    cpus = sum(max(0.0, c) for c, _ in free.values())
+    gpus = sum(max(0.0, g) for _, g in free.values())
+    return f"{cpus:g} CPUs, {gpus:g} GPUs free on {len(free)} node(s)"
+
+
+def _quota_block(job: QueuedJob, quotas: Quotas, running: int, gpus: float) -> str | None:
+    if running >= quotas.max_running_jobs:
+        return f"quota: {job.owner} has {running} of max_running_jobs={quotas.max_running_jobs} jobs running"
+    if gpus + job.demand.gpus > quotas.max_gpus + EPS:
+        return (f"quota: needs {job.demand.gpus:g} GPUs; {job.owner} holds {gpus:g} of max_gpus={quotas.max_gpus:g}")
+    return None
+
+
+def decide(queued: list[QueuedJob], active: list[ActiveJob], nodes: list[Node], usage: dict[str, float],
+           quotas: dict[str, Quotas], start_charge_s: float = 60.0) -> Decision:
+    """Which queued jobs start now (and where), and the order and reason of those that wait."""
+    free = free_resources(nodes, active)
+    usage = dict(usage)
+    running = {u: 0 for u in quotas}
+    held_gpus = {u: 0.0 for u in quotas}
+    for job in active:
+        running[job.owner] = running.get(job.owner, 0) + 1
+        held_gpus[job.owner] = held_gpus.get(job.owner, 0.0) + job.demand.gpus
+
+    # each user's jobs in (priority, age) order; the users' heads compete on (priority, usage, age)
+    per_user: dict[str, list[tuple[int, float, str, QueuedJob]]] = {}
+    for job in queued:
+        heapq.heappush(per_user.setdefault(job.owner, []), (-job.priority, job.created_at, job.id, job))
+
+    def head_key(user: str) -> tuple[int, float, float, str]:
+        neg_prio, created, job_id, _ = per_user[user][0]
+        return (neg_prio, usage.get(user, 0.0), created, job_id)
+
+    decision = Decision()
+    reserved: QueuedJob | None = None
+    short_cpu = short_gpu = False
+    while per_user:
+        user = min(per_user, key=head_key)
+        job = heapq.heappop(per_user[user])[3]
+        if not per_user[user]:
+            del per_user[user]
+        why = _quota_block(job, quotas.get(job.owner, Quotas()), running.get(job.owner, 0),
+                           held_gpus.get(job.owner, 0.0))
+        if why is None and reserved is not None and ((short_cpu and job.demand.cpus > 0)
+                                                     or (short_gpu and job.demand.gpus > 0)):
+            why = f"behind {reserved.id}, which is next and waiting for room"
+        placement = place(job.demand, free) if why is None else None
+        if why is None and placement is None:
+            why = (f"no room: needs {job.demand.workers} x ({job.demand.cpus_per_worker:g} CPU, "
+                   f"{job.demand.gpus_per_worker:g} GPU) at once; {_describe_free(free)}")
+            if reserved is None:
+                reserved = job
+                totals_c = sum(max(0.0, c) for c, _ in free.values())
+                totals_g = sum(max(0.0, g) for _, g in free.values())
+                biggest = max(free.values(), key=lambda cg: (cg[1], cg[0]), default=[0.0, 0.0])
+                short_cpu = job.demand.cpus > totals_c + EPS or job.demand.cpus_per_worker > biggest[0] + EPS
+                short_gpu = job.demand.gpus > totals_g + EPS or job.demand.gpus_per_worker > biggest[1] + EPS
+                if not (short_cpu or short_gpu):  # room in total but fragmented across nodes: hold both
+                    short_cpu, short_gpu = job.demand.cpus > 0, job.demand.gpus > 0
+        if why is not None or placement is None:
+            decision.order.append((job.id, why or "no room"))
+            continue
+        for node_id in placement:
+            free[node_id][0] -= job.demand.cpus_per_worker
+            free[node_id][1] -= job.demand.gpus_per_worker
+        running[job.owner] = running.get(job.owner, 0) + 1
+        held_gpus[job.owner] = held_gpus.get(job.owner, 0.0) + job.demand.gpus
+        usage[job.owner] = usage.get(job.owner, 0.0) + weight(job.demand) * start_charge_s
+        decision.starts.append((job, placement))
+    return decision

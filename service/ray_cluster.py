@@ -1,0 +1,111 @@
+"""What the scheduler needs from Ray: the nodes and their resources, and Ray jobs (submit, status, stop, logs).
+
+Only the Jobs API and the State API over the dashboard's HTTP address; the service never joins
+the cluster as a driver. ``StaticCluster`` stands in for the node list when a fixed cluster is
+configured (``TLAB_CLUSTER_NODES``), for simulations and benchmarks of the scheduling policy.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Protocol
+
+from service.policy import Node
+
+
+class ClusterSource(Protocol):
+    def nodes(self) -> list[Node]: ...
+
+
+class StaticCluster:
+    """A fixed list of nodes, from JSON ``[{"id": "n1", "cpus": 8, "gpus": 2}, ...]``."""
+
+    def __init__(self, spec: str | list[dict]) -> None:
+        items = json.loads(spec) if isinstance(spec, str) else spec
+        self._nodes = [Node(id=str(n["id"]), cpus=float(n.get("cpus", 0)), gpus=float(n.get("gpus", 0)))
+                       for n in items]
+
+    def nodes(self) -> list[Node]:
+        return list(self._nodes)
+
+
+class RayNodes:
+    """Alive nodes of a Ray cluster and their total CPUs/GPUs (State API over the dashboard address)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def nodes(self) -> list[Node]:
+        from ray.util.state import list_nodes
+
+        out = []
+        for n in list_nodes(address=self.address, detail=True, raise_on_missing_output=False):
+            if n.state != "ALIVE":
+                continue
+            res = n.resources_total or {}
+            out.append(Node(id=n.node_id, cpus=float(res.get("CPU", 0)), gpus=float(res.get("GPU", 0))))
+        return out
+
+
+# Ray job status -> how the scheduler reads it
+RAY_ACTIVE = {"PENDING", "RUNNING"}
+RAY_DONE = {"SUCCEEDED", "FAILED", "STOPPED"}
+
+
+class RayJobs:
+    """Ray jobs through ``JobSubmissionClient``: one per attempt of an experiment, with a fixed
+    submission id (``tlab-<job>-<attempt>``) so a restarted scheduler can never start one twice."""
+
+    def __init__(self, address: str, env: dict[str, str], python: str | None = None) -> None:
+        from ray.job_submission import JobSubmissionClient
+
+        self.client = JobSubmissionClient(address)
+        self.env = env
+        self.python = python or sys.executable
+
+    @staticmethod
+    def submission_id(job_id: str, attempt: int) -> str:
+        return f"tlab-{job_id}-{attempt}"
+
+    def submit(self, job_id: str, submission_id: str) -> None:
+        """Start ``python -m workers.run --job ID`` as a Ray job; a second call with the id is a no-op."""
+        try:
+            self.client.submit_job(
+                entrypoint=f"{self.python} -m workers.run --job {job_id}",
+                submission_id=submission_id,
+                runtime_env={"env_vars": dict(self.env)},
+                entrypoint_num_cpus=0,
+                metadata={"tlab_job": job_id},
+            )
+        except RuntimeError as err:  # the Jobs API answers an existing id with HTTP 400 "already exists"
+            if "already exists" not in str(err):
+                raise
+
+    def status(self, submission_id: str) -> str | None:
+        """PENDING | RUNNING | SUCCEEDED | FAILED | STOPPED, or None when Ray does not know the job."""
+        try:
+            return str(self.client.get_job_status(submission_id).value)
+        except RuntimeError as err:
+            if "does not exist" in str(err) or "404" in str(err):
+                return None
+            raise
+
+    def message(self, submission_id: str) -> str:
+        try:
+            return self.client.get_job_info(submission_id).message or ""
+        except RuntimeError:
+            return ""
+
+    def stop(self, submission_id: str) -> None:
+        try:
+            self.client.stop_job(submission_id)
+        except RuntimeError as err:
+            if "does not exist" not in str(err):
+                raise
+
+    def logs(self, submission_id: str) -> str | None:
+        try:
+            return self.client.get_job_logs(submission_id)
+        except RuntimeError:
+            return None

