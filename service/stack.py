@@ -74,7 +74,7 @@ class Stack:
 
     def __init__(self, home: Path, port: int | None = None, redis_url: str | None = None,
                  ray_address: str | None = None, num_cpus: int | None = None, tick_s: float | None = None,
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, ray_token: str = "") -> None:
         self.home = home
         self.port = port or free_port()
         self.redis_url, self.ray_address = redis_url, ray_address
@@ -84,7 +84,7 @@ class Stack:
         self.logs = home / "logs"
         self.ray_temp: str | None = None
         self.admin_token = ""
-        self.ray_token = ""
+        self.ray_token = ray_token or os.environ.get("RAY_AUTH_TOKEN", "")
 
     @property
     def url(self) -> str:
@@ -104,9 +104,9 @@ class Stack:
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         self.logs.mkdir(parents=True, exist_ok=True)
-        out = (self.logs / f"{name}.log").open("ab")
-        proc = subprocess.Popen(argv, env=self.env(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # Ctrl-C reaches us, and we stop the children in order
+        with (self.logs / f"{name}.log").open("ab") as out:  # the child keeps its own copy of the descriptor
+            proc = subprocess.Popen(argv, env=self.env(), stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # Ctrl-C reaches us; we stop the children in order
         self.procs[name] = proc
         return proc
 
@@ -183,7 +183,8 @@ class Stack:
     def stop(self) -> None:
         """API and scheduler first (running Ray jobs keep their checkpoints), then Ray, then Redis."""
         for name in ("api", "scheduler", "ray", "redis"):
-            self.kill(name, signal.SIGTERM)
+            # `ray start --block` stops its cluster at once on SIGINT; SIGTERM would wait a minute
+            self.kill(name, signal.SIGINT if name == "ray" else signal.SIGTERM)
         if self.ray_temp:
             shutil.rmtree(self.ray_temp, ignore_errors=True)
 
