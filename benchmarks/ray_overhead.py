@@ -33,8 +33,8 @@ def per_epoch(records: list[dict[str, Any]], skip: set[int]) -> float:
 def run(epochs: int, hidden: list[int], max_train: int | None) -> dict[str, Any]:
     import ray
 
-    from workers.local import run_local
     from plots.curves import read_metrics
+    from workers.local import run_local
     from workers.ray_train import run_on_ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

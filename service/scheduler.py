@@ -223,7 +223,7 @@ def serve(settings: Settings) -> None:
     """Hold the lock and tick until SIGTERM/SIGINT; the wake list cuts the wait short."""
     scheduler = build(settings)
     r = scheduler.store.r
-    lock_ttl = max(5.0, 5 * settings.tick_s)
+    lock_ttl = max(15.0, 5 * settings.tick_s)  # longer than a slow tick (a Ray submit can take 10 s)
     lock = r.lock(keys.scheduler_lock(), timeout=lock_ttl, thread_local=False)
     stop = False
 

@@ -133,6 +133,11 @@ class Stack:
                 "--port", str(free_port()), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
                 "--include-dashboard", "true", "--temp-dir", self.ray_temp, "--disable-usage-stats",
                 "--node-ip-address", "127.0.0.1"]
+        # every fixed default port on free ones, so two stacks (and the tests) run side by side
+        for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+                     "--runtime-env-agent-port", "--metrics-export-port", "--node-manager-port",
+                     "--object-manager-port"):
+            argv += [flag, str(free_port())]
         if self.num_cpus is not None:
             argv += ["--num-cpus", str(self.num_cpus)]
         proc = self._spawn("ray", argv)

@@ -144,8 +144,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     # both variants validated before anything runs
     variants = {on: load_spec(args.spec, [*args.overrides, f"teleport.enabled={str(on).lower()}"])
                 for on in (True, False)}
-    from workers.local import TrainingDiverged, run_label, run_local
     from plots.curves import plot_bands
+    from workers.local import TrainingDiverged, run_label, run_local
     from workers.sinks import MemorySink
 
     out = Path(args.out) if args.out else _default_out(args.spec, "-compare")

@@ -98,8 +98,8 @@ def run_on_ray(spec: ExperimentSpec, out_dir: str | Path, *, address: str | None
     """
     import ray
 
-    from workers.local import run_label
     from plots.curves import plot_curves, read_metrics
+    from workers.local import run_label
 
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)

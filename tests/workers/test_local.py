@@ -15,6 +15,7 @@ from torch.utils.data import TensorDataset
 
 from api_schemas import ExperimentSpec, build_spec
 from api_schemas.spec import OptimizerSpec, TeleportSpec, TrainingSpec
+from plots.curves import plot_bands, plot_curves, read_metrics
 from teleport import TeleportConfig
 from workers import cli
 from workers.build import (
@@ -27,7 +28,6 @@ from workers.build import (
 from workers.context import RunContext
 from workers.local import TrainingDiverged, evaluate, run_local, train
 from workers.models import build_model, loss_fn_for
-from plots.curves import plot_bands, plot_curves, read_metrics
 from workers.sinks import JsonlSink, MemorySink
 
 EPOCH_KEYS = {"kind", "epoch", "train_loss", "test_loss", "test_acc", "seconds", "teleport_seconds"}

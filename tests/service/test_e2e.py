@@ -1,0 +1,155 @@
+"""End to end on a real Ray head, real Redis, the real API and scheduler processes, real HTTP."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from api_schemas import keys
+from api_schemas.jobs import JobState
+from service.client import Client, Event
+from service.stack import Stack
+from service.store import Store
+from tests.service.conftest import tiny
+
+pytestmark = pytest.mark.slow
+
+
+def wait_state(c: Client, job: str, states: set[str], timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        view = c.get(job)
+        if view["state"] in states:
+            return view
+        time.sleep(0.2)
+    raise AssertionError(f"{job} never reached {states}; last {view['state']} {view.get('pending_reason')}")
+
+
+def stream_ids(redis_url: str, job: str) -> list[str]:
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    return [eid for eid, _ in r.xrange(keys.events(job))]
+
+
+def ray_jobs_of(stack: Stack, job: str) -> list[dict]:
+    """The Ray cluster's own record of a job's Ray jobs (asked from a child process that holds the
+    cluster's token, as the scheduler does; this test process runs with Ray auth off)."""
+    code = ("import json, sys; from ray.job_submission import JobSubmissionClient as C; "
+            "print(json.dumps([{'id': j.submission_id, 'status': j.status.value} for j in C(sys.argv[1]).list_jobs() "
+            "if (j.metadata or {}).get('tlab_job') == sys.argv[2]]))")
+    out = subprocess.run([sys.executable, "-c", code, stack.ray_address or "", job], env=stack.env(),
+                         capture_output=True, text=True, check=True, timeout=60)
+    return json.loads(out.stdout)
+
+
+def epochs_in(events: list[Event]) -> list[int]:
+    return [e.data["epoch"] for e in events if e.kind == "metric"]
+
+
+def test_submit_run_follow_and_resume_exactly_once(stack: Stack) -> None:
+    with Client(stack.url, stack.admin_token) as c:
+        spec = tiny(training={"epochs": 4}, teleport={"enabled": True, "epochs": [1], "batches": 2, "steps": 2})
+        job = c.submit(spec, name="e2e")["id"]
+        first: list[Event] = []
+        for event in c.events(job):  # follow from the start; drop the connection after the first epoch
+            first.append(event)
+            if event.kind == "metric":
+                break
+        rest = list(c.events(job, last_id=first[-1].id))  # resume: exactly the rest
+        events = first + rest
+        assert [e.id for e in events] == stream_ids(stack.redis_url or "", job)  # nothing lost, nothing twice
+        states = [e.data["state"] for e in events if e.kind == "status" and "at" in e.data]
+        assert states == ["queued", "starting", "running", "succeeded"]
+        assert epochs_in(events) == [0, 1, 2, 3] and events[-1].kind == "end"
+        assert any(e.kind == "teleport" for e in events)
+        view = c.get(job)
+        assert view["state"] == "succeeded" and view["summary"]["epochs"] == 4 and view["attempts"] == 1
+        assert view["progress"]["epoch"] == 4 and view["started_at"] <= view["finished_at"]
+        m = c.json("GET", f"/v1/experiments/{job}/metrics", params={"max_points": 2})
+        assert m["total_points"] == 4 and [p["epoch"] for p in m["points"]] == [0, 3] and m["teleports"]
+        csv = c.request("GET", f"/v1/experiments/{job}/metrics", params={"format": "csv"}).text.splitlines()
+        assert csv[0].startswith("epoch,") and len(csv) == 5
+        assert c.plot([job])[:8] == b"\x89PNG\r\n\x1a\n"
+        assert "Running entrypoint" in c.request("GET", f"/v1/experiments/{job}/logs").text
+
+
+def test_cancel_a_running_job_stops_its_ray_job(stack: Stack) -> None:
+    with Client(stack.url, stack.admin_token) as c:
+        job = c.submit(tiny(training={"epochs": 500}))["id"]
+        for event in c.events(job):
+            if event.kind == "metric":
+                break
+        assert c.cancel(job)["state"] in {"starting", "running"}  # asked; the scheduler stops it
+        events = list(c.events(job))
+        assert events[-1].kind == "end" and events[-1].data["state"] == "cancelled"
+        view = c.get(job)
+        assert view["state"] == "cancelled" and view["progress"]["epoch"] < 500
+        assert ray_jobs_of(stack, job) == [{"id": view["ray_job_id"], "status": "STOPPED"}]
+
+
+def test_a_diverging_job_fails_with_its_reason(stack: Stack) -> None:
+    with Client(stack.url, stack.admin_token) as c:
+        job = c.submit(tiny(optimizer={"lr": 1e12}, training={"epochs": 3}))["id"]
+        view = wait_state(c, job, {"succeeded", "failed"})
+        assert view["state"] == "failed" and "diverged" in view["failure_reason"].lower(), view["failure_reason"]
+
+
+def test_kill9_scheduler_and_api_mid_run_loses_and_doubles_nothing(stack: Stack) -> None:
+    url = stack.redis_url or ""
+    with Client(stack.url, stack.admin_token) as c:
+        job = c.submit(tiny(training={"epochs": 6}))["id"]
+        for event in c.events(job):
+            if event.kind == "metric":
+                break
+        # a second job, caught by the kill between "starting" and its Ray submit
+        orphan = c.submit(tiny(training={"epochs": 1}), name="orphan")["id"]
+        stack.kill("scheduler", signal.SIGKILL)
+        stack.kill("api", signal.SIGKILL)
+        r = redis.Redis.from_url(url, decode_responses=True)
+        store = Store(r)
+        if store.raw(orphan)["state"] == "queued":  # make it what a scheduler killed mid-dispatch leaves
+            assert store.transition(orphan, JobState.STARTING, ray_job_id=f"tlab-{orphan}-1", attempts="1",
+                                    placement="[]")
+        time.sleep(2.0)  # the job keeps running with the service down
+        stack.start_service()
+    with Client(stack.url, stack.admin_token) as c:
+        events = list(c.events(job))
+        assert events[-1].data["state"] == "succeeded"
+        assert epochs_in(events) == list(range(6))
+        assert wait_state(c, orphan, {"succeeded", "failed"})["state"] == "succeeded"
+        for j in (job, orphan):
+            assert c.get(j)["attempts"] == 1
+            ray_jobs = ray_jobs_of(stack, j)
+            assert len(ray_jobs) == 1 and ray_jobs[0]["status"] == "SUCCEEDED", ray_jobs  # started exactly once
+        kinds = [json.loads(f["data"]).get("state") for _, f in r.xrange(keys.events(job)) if f["kind"] == "status"]
+        assert kinds.count("succeeded") == 1
+
+
+def test_tlab_up_restart_mid_run_resumes_from_checkpoint(tmp_path: Path) -> None:
+    """Stop the whole embedded stack (Redis, Ray, API, scheduler) mid-run and start it again with the
+    same TLAB_HOME: the job goes back to the queue, resumes from its last checkpoint, and every
+    epoch is in its history exactly once."""
+    home = tmp_path / "tlab"
+    env = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}
+    with Stack(home, num_cpus=2, tick_s=0.2, extra_env=env) as s1, Client(s1.url, s1.admin_token) as c:
+        job = c.submit(tiny(training={"epochs": 12}))["id"]
+        seen = 0
+        for event in c.events(job):
+            seen += event.kind == "metric"
+            if seen == 3:
+                break
+    with Stack(home, num_cpus=2, tick_s=0.2, extra_env=env) as s2, Client(s2.url, s2.admin_token) as c:
+        events = list(c.events(job))
+        view = c.get(job)
+        assert view["state"] == "succeeded" and view["attempts"] == 2, view
+        assert epochs_in(events) == list(range(12))
+        states = [e.data["state"] for e in events if e.kind == "status" and "at" in e.data]
+        assert states.count("queued") == 2 and "vanished" in json.dumps([e.data for e in events])
+        # it resumed: the second attempt did not redo the first three epochs
+        assert view["summary"]["epochs"] == 12
