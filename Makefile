@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: setup
-	$(BIN)/tlab compare digits/teleport --seeds 3 --out runs/demo --set training.target_loss=0.05
+	$(BIN)/tlab demo --home runs/demo
 
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider
