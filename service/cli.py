@@ -127,14 +127,16 @@ def follow_one(c: Client, job_id: str) -> int:
                 bar.n = int(d["epoch"]) + 1
                 bar.set_postfix_str(f"train {_fmt(d.get('train_loss'))} test {_fmt(d.get('test_loss'))}")
             elif event.kind == "status" and "at" in d:
-                bar.write(f"{job_id}: {d['state']}" + (f" ({d['reason']})" if d.get("reason") else ""))
+                bar.write(f"{job_id}: {d['state']}" + (f" ({d['reason']})" if d.get("reason") else ""),
+                          file=sys.stderr)
             elif event.kind == "log" and d.get("level") == "error":
-                bar.write(f"{job_id}: error: {d.get('message')}")
+                bar.write(f"{job_id}: error: {d.get('message')}", file=sys.stderr)
             elif event.kind == "end":
                 final = d["state"]
             bar.refresh()
     finally:
         bar.close()
+    print(f"{job_id}  {final}")
     return 0 if final == "succeeded" else 1
 
 

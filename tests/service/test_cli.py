@@ -85,3 +85,51 @@ def test_run_local_with_overrides_writes_the_outputs(tmp_path: Path) -> None:
     summary = json.loads((out_dir / "summary.json").read_text())
     assert summary["spec"]["model"]["hidden"] == [16] and summary["spec"]["dataset"]["max_train"] == 200
     assert (out_dir / "curves.png").stat().st_size > 10_000
+
+
+def test_help_lists_the_service_commands() -> None:
+    out = tlab("--help")
+    for command in ("up", "submit", "ls", "show", "follow", "cancel", "plot", "queue", "cluster", "demo"):
+        assert f"\n    {command} " in out.stdout, command
+
+
+def test_service_commands_against_the_api(api_only, tmp_path: Path) -> None:  # noqa: ANN001
+    env = {"TLAB_URL": api_only.url, "TLAB_TOKEN": api_only.stack.admin_token, "TLAB_HOME": str(tmp_path)}
+    out = tlab("submit", "--preset", "digits/teleport", "--set", "training.epochs=3", "--name", "cli", env=env)
+    assert out.returncode == 0, out.stderr
+    job = out.stdout.split()[0]
+    assert "queued" in out.stdout
+    listing = tlab("ls", env=env)
+    assert listing.returncode == 0 and job in listing.stdout and "cli" in listing.stdout
+    shown = tlab("show", job, "--json", env=env)
+    assert json.loads(shown.stdout)["spec"]["training"]["epochs"] == 3
+    assert "position" in tlab("show", job, env=env).stdout
+    bad = tlab("submit", "--preset", "digits/teleport", "--set", "teleport.tau=3", env=env)
+    assert bad.returncode == 2 and "teleport.tau" in bad.stderr
+    huge = tlab("submit", "--preset", "digits/teleport", "--set", "resources.workers=9",
+                "--set", "resources.gpus_per_worker=1", env=env)
+    assert huge.returncode == 1 and huge.stderr.startswith("error: spec.resources:"), huge.stderr
+    dry = tlab("submit", "--preset", "digits/teleport", "--dry-run", env=env)
+    assert dry.returncode == 0 and json.loads(dry.stdout)["fits_now"] is True
+    cancelled = tlab("cancel", job, env=env)
+    assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout
+    again = tlab("cancel", job, env=env)
+    assert again.returncode == 1 and "already ended" in again.stderr
+    assert tlab("plot", job, "-o", str(tmp_path / "c.png"), env=env).returncode == 0
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    nobody = tlab("ls", env={**env, "TLAB_TOKEN": "wrong"})
+    assert nobody.returncode == 1 and "bearer token" in nobody.stderr
+    down = tlab("ls", env={**env, "TLAB_URL": "http://127.0.0.1:9"})
+    assert down.returncode == 1 and "tlab up" in down.stderr
+
+
+@pytest.mark.slow
+def test_submit_follow_runs_to_the_end(stack, tmp_path: Path) -> None:  # noqa: ANN001
+    env = {"TLAB_URL": stack.url, "TLAB_TOKEN": stack.admin_token, "TLAB_HOME": str(tmp_path)}
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text("dataset: {name: digits}\nmodel: {kind: mlp, hidden: [32]}\ntraining: {epochs: 3}\n"
+                    "teleport: {enabled: false}\n")
+    out = tlab("submit", str(spec), "--follow", env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1].endswith("succeeded") and "3/3" in out.stderr
+    assert "running" in out.stderr  # the status changes, as they happened
