@@ -41,7 +41,7 @@ from api_schemas.jobs import (
 )
 from api_schemas.presets import PRESET_NOTES, PRESETS
 from service import policy
-from service.errors import DoesNotFit, Forbidden, JobNotFound, ServiceError
+from service.errors import DoesNotFit, Forbidden, InvalidInput, ServiceError
 from service.events import Hub, downsample, follow, records, valid_stream_id
 from service.ray_cluster import StaticCluster
 from service.settings import Settings
@@ -293,7 +293,7 @@ def add_routes(app: FastAPI) -> None:  # noqa: C901 - the route table reads best
         """Server-Sent Events: history, then live; ``Last-Event-ID`` resumes after that stream id."""
         await run_in_threadpool(own_job, st, user, job_id)
         if last_event_id is not None and not valid_stream_id(last_event_id):
-            raise JobNotFound("Last-Event-ID must be a stream id like 1712345678901-0", field="Last-Event-ID")
+            raise InvalidInput("Last-Event-ID must be a stream id like 1712345678901-0", field="Last-Event-ID")
         return StreamingResponse(follow(st.hub, job_id, last_event_id, st.settings.heartbeat_s),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",

@@ -11,6 +11,10 @@ class ServiceError(Exception):
         self.message, self.field = message, field
 
 
+class InvalidInput(ServiceError):
+    status = 422
+
+
 class Unauthorized(ServiceError):
     status = 401
 

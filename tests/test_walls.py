@@ -32,6 +32,8 @@ def test_package_imports_stay_inside_their_walls(package: str) -> None:
     assert not leaked, f"{package} imports {leaked}, which DESIGN.md's walls forbid"
 
 
-def test_service_cli_stays_inside_its_wall() -> None:
-    loaded = loaded_top_level("service.cli")
+@pytest.mark.parametrize("module", ["service.cli", "service.api", "service.scheduler", "service.stack",
+                                    "service.demo"])
+def test_service_modules_stay_inside_their_wall(module: str) -> None:
+    loaded = loaded_top_level(module)
     assert not {"torch", "teleport", "workers"} & loaded

@@ -140,3 +140,19 @@ def test_health_metrics_presets_cluster(api_only: Api) -> None:
         text = c.get("/metrics").text
         assert "tlab_submissions_total 1.0" in text and "tlab_queue_length 1" in text
         assert c.get("/v1/me").json()["role"] == "admin"
+
+
+def test_sse_of_a_waiting_job_sends_heartbeats_through_proxies(api_only: Api) -> None:
+    with api_only.client() as c:
+        job = submit(c).json()["id"]
+        with c.stream("GET", f"/v1/experiments/{job}/events") as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            assert r.headers["x-accel-buffering"] == "no" and r.headers["cache-control"] == "no-cache"
+            lines = []
+            for line in r.iter_lines():
+                lines.append(line)
+                if line.startswith(": keep-alive"):
+                    break
+        assert "event: status" in lines and lines[-1] == ": keep-alive"  # history first, then a heartbeat
+        bad = c.get(f"/v1/experiments/{job}/events", headers={"Last-Event-ID": "not-an-id"})
+        assert bad.status_code == 422 and "Last-Event-ID" in bad.json()["detail"]

@@ -153,3 +153,31 @@ def test_tlab_up_restart_mid_run_resumes_from_checkpoint(tmp_path: Path) -> None
         assert states.count("queued") == 2 and "vanished" in json.dumps([e.data for e in events])
         # it resumed: the second attempt did not redo the first three epochs
         assert view["summary"]["epochs"] == 12
+
+
+def test_queue_says_why_jobs_wait_quota_and_room(stack: Stack) -> None:
+    from tests.service.conftest import Api
+
+    api = Api(stack)
+    alice_token = api.add_user("alice", max_running_jobs=1)
+    with Client(stack.url, alice_token) as alice, Client(stack.url, stack.admin_token) as admin:
+        long = alice.submit(tiny(training={"epochs": 400}))["id"]
+        wait_state(alice, long, {"running"})
+        second = alice.submit(tiny(training={"epochs": 1}))["id"]
+        big = admin.submit(tiny(training={"epochs": 1}, resources={"workers": 2}))["id"]  # the head has 2 CPUs
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            queue = {q["id"]: q for q in admin.json("GET", "/v1/queue")["items"]}
+            if {second, big} <= set(queue) and all("waiting for the scheduler" not in q["pending_reason"]
+                                                   for q in queue.values()):
+                break
+            time.sleep(0.2)
+        assert "max_running_jobs=1" in queue[second]["pending_reason"]
+        assert queue[big]["pending_reason"].startswith("no room") and queue[big]["position"] == 1
+        assert alice.get(second)["pending_reason"] == queue[second]["pending_reason"]
+        cluster = admin.json("GET", "/v1/cluster")
+        assert cluster["running_jobs"] == [long] and cluster["cpus_free"] == 1 and cluster["scheduler_alive"]
+        alice.cancel(long)
+        assert wait_state(admin, big, {"succeeded", "failed"})["state"] == "succeeded"
+        assert wait_state(alice, second, {"succeeded", "failed"})["state"] == "succeeded"
+        assert alice.get(long)["state"] == "cancelled"

@@ -1,0 +1,76 @@
+"""Smoke runs of the service benchmark's cheap parts (real Redis and API processes, tiny sizes), checking the
+result JSON's shape and counts — never the timings. The Ray part (submit to first epoch) is left out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import run_all, service_bench
+from benchmarks.service_bench import Sizes
+
+
+@pytest.fixture()
+def results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("BENCH_RESULTS_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _load(path: Path) -> dict:
+    body = json.loads(path.read_text())
+    assert body["benchmark"] == "service" and body["quick"] is True
+    assert {"torch", "cpu_count", "platform", "date"} <= body["machine"].keys()
+    return body
+
+
+def test_registered_in_run_all() -> None:
+    assert "service_bench" in run_all.ORDER and "service_bench" in run_all.discover()
+
+
+def test_pure_helpers() -> None:
+    assert service_bench.pct([3.0, 1.0, 2.0, 4.0], 0.5) == 2.0
+    assert service_bench.pct([3.0, 1.0, 2.0, 4.0], 0.99) == 4.0
+    assert service_bench._parse_sse(b'id: 1-0\nevent: metric\ndata: {"epoch": 1}') == ("1-0", "metric",
+                                                                                      '{"epoch": 1}')
+    queued, active = service_bench.synthetic_load(Sizes(queued=30, users=3, active=5))
+    assert len(queued) == 30 and len(active) == 5 and {q["owner"] for q in queued} <= {"user0", "user1", "user2"}
+
+
+@pytest.mark.slow
+def test_decisions_quick(results: Path) -> None:
+    sizes = Sizes(queued=60, users=3, active=4, decide_repeats=3)
+    service_bench.main(["--quick", "--parts", "decide"], sizes=sizes)
+    body = _load(results / "service.json")
+    assert body["parts"] == ["decide"] and set(body["verdicts"]) == {"decisions"}
+    d = body["decisions"]
+    assert d["queued"] == 60 and d["active"] == 4 and d["users"] == 3
+    for part in (d["pure"], d["scheduler"]):
+        assert part["starts"] + part["waiting"] == 60 and part["median_s"] > 0
+    s = d["scheduler"]
+    assert s["queued_in_redis"] == 60 and s["active_in_redis"] == 4 and s["same_as_cold"] is True
+    assert d["pure"]["starts"] == s["starts"]  # same inputs, same decision, in memory or through Redis
+    for key in ("cold_s", "p99_s", "redis_reads_median_s", "uncached_median_s", "publish_median_s"):
+        assert s[key] > 0
+
+
+@pytest.mark.slow
+def test_submissions_and_sse_quick(results: Path) -> None:
+    sizes = Sizes(concurrency=[1, 2], submit_seconds=0.5, followers=3, events_per_s=20.0, sse_seconds=1.0,
+                  connect_batch=2)
+    service_bench.main(["--quick", "--parts", "submit", "sse"], sizes=sizes)
+    body = _load(results / "service.json")
+    assert set(body["verdicts"]) == {"submissions", "sse"}
+    rows = body["submissions"]["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["submitted"] > 0 and r["errors"] == {} and r["p50_s"] <= r["p99_s"] <= r["max_s"]
+        assert {"api_cpu_s", "redis_cpu_s", "loadgen_cpu_s", "wall_s"} <= r["cpu"].keys()
+    assert set(body["sse"]) == {"storm", "ramped", "api_log_errors", "meets_floor"}
+    for mode, batch in (("storm", 3), ("ramped", 2)):
+        sse = body["sse"][mode]
+        assert sse["connect_batch"] == batch
+        assert sse["followers"] == sse["connected"] == sse["followers_complete"] == 3
+        assert sse["events"] == 20 and sse["samples"] == 60
+        assert sse["missing_events"] == sse["duplicates"] == sse["not_ended"] == 0 and sse["every_event_delivered"]
