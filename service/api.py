@@ -47,6 +47,8 @@ from service.ray_cluster import StaticCluster
 from service.settings import Settings
 from service.store import Store, demand_of
 
+USER_CACHE_S = 5.0  # a token's user is looked up at most this often per API process
+
 # ---- errors: one shape, field paths first -----------------------------------------------------
 
 
@@ -93,6 +95,26 @@ class State:
                                  buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
         self.submissions = Counter("tlab_submissions", "experiments accepted", registry=self.registry)
         self._jobs_client: Any = None
+        self._users: dict[str, tuple[UserPublic, float]] = {}  # token -> (user, expiry): one lookup per 5 s
+        self._cluster: tuple[tuple[ClusterView | None, float], float] = ((None, 0.0), 0.0)
+
+    def authenticate(self, token: str) -> UserPublic:
+        now = time.monotonic()
+        hit = self._users.get(token)
+        if hit and hit[1] > now:
+            return hit[0]
+        user = self.store.authenticate(token)
+        if len(self._users) > 10_000:
+            self._users.clear()
+        self._users[token] = (user, now + USER_CACHE_S)
+        return user
+
+    def cluster_view(self) -> tuple[ClusterView | None, float]:
+        """The scheduler's last published view (re-read at most every 0.5 s)."""
+        now = time.monotonic()
+        if now - self._cluster[1] > 0.5:
+            self._cluster = (read_cluster_view(self), now)
+        return self._cluster[0]
 
     def ray_jobs(self) -> Any:
         if self._jobs_client is None:
@@ -111,7 +133,7 @@ bearer = HTTPBearer(auto_error=False, description="a Teleport Lab token (`tlab u
 
 
 def current_user(st: StateDep, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> UserPublic:
-    return st.store.authenticate(creds.credentials if creds else "")
+    return st.authenticate(creds.credentials if creds else "")
 
 
 CurrentUser = Annotated[UserPublic, Depends(current_user)]
@@ -136,7 +158,7 @@ def own_job(st: State, user: UserPublic, job_id: str) -> dict[str, str]:
 # ---- the cluster as the scheduler last saw it ----------------------------------------------
 
 
-def cluster_view(st: State) -> tuple[ClusterView | None, float]:
+def read_cluster_view(st: State) -> tuple[ClusterView | None, float]:
     raw = st.store.r.get(keys.cluster())
     if not raw:
         return None, 0.0
@@ -158,6 +180,33 @@ def known_nodes(st: State, view: ClusterView | None) -> list[policy.Node] | None
 # ---- the app --------------------------------------------------------------------------------------
 
 
+class Measure:
+    """Pure ASGI middleware: request count and latency (to the response start) per route template."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = [500]
+
+        async def send_wrapper(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                st: State | None = getattr(scope["app"].state, "tlab", None)
+                if st is not None:
+                    path = getattr(scope.get("route"), "path", "unmatched")
+                    st.requests.labels(scope["method"], path, str(status[0])).inc()
+                    st.latency.labels(path).observe(time.perf_counter() - t0)
+            await send(message)
+
+        await self.app(scope, receive, send_wrapper)
+
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
 
@@ -176,18 +225,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(ServiceError, on_service_error)
 
-    @app.middleware("http")
-    async def measure(request: Request, call_next: Any) -> Response:
-        t0 = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        st: State | None = getattr(request.app.state, "tlab", None)
-        if st is not None:
-            st.requests.labels(request.method, path, str(response.status_code)).inc()
-            st.latency.labels(path).observe(time.perf_counter() - t0)
-        return response
-
+    app.add_middleware(Measure)
     add_routes(app)
     return app
 
@@ -205,7 +243,7 @@ def add_routes(app: FastAPI) -> None:  # noqa: C901 - the route table reads best
             st.store.r.ping()
         except Exception as err:
             return JSONResponse({"ready": False, "reason": f"redis: {err}"}, status_code=503)
-        view, _age = cluster_view(st)
+        view, _age = read_cluster_view(st)
         if view is None or not view.scheduler_alive:
             return JSONResponse({"ready": False, "reason": "no scheduler has reported recently"}, status_code=503)
         return JSONResponse({"ready": True})
@@ -228,7 +266,7 @@ def add_routes(app: FastAPI) -> None:  # noqa: C901 - the route table reads best
                idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> JobView | DryRun:
         """Queue an experiment (or, with ``dry_run=true``, say whether and where it would fit)."""
         demand = demand_of(body)
-        view, _ = cluster_view(st)
+        view, _ = st.cluster_view()
         nodes = known_nodes(st, view)
         why = policy.never_fits(demand, nodes) if nodes else None
         if dry_run:
@@ -241,13 +279,15 @@ def add_routes(app: FastAPI) -> None:  # noqa: C901 - the route table reads best
                           reason=why or (None if placement else "no room now: it would wait in the queue"))
         if why:
             raise DoesNotFit(f"this experiment can never fit the cluster: {why}", field="spec.resources")
-        job_id, created, _qlen = st.store.submit(user.name, body, idempotency_key)
-        if created:
-            st.submissions.inc()
-        else:
+        job_id, created, qlen, now = st.store.submit(user.name, body, idempotency_key)
+        if not created:
             response.status_code = 200
             response.headers["Idempotent-Replayed"] = "true"
-        return st.store.view(job_id, with_progress=False)
+            return st.store.view(job_id, with_progress=False)
+        st.submissions.inc()
+        return JobView(id=job_id, name=body.name or job_id, owner=user.name, state=JobState.QUEUED,
+                       priority=body.priority, tags=body.tags, spec=body.spec, demand=demand, created_at=now,
+                       queue_position=qlen, pending_reason="waiting for the scheduler's next decision")
 
     @app.get("/v1/experiments", tags=["experiments"])
     def list_experiments(st: StateDep, user: CurrentUser,
@@ -377,7 +417,7 @@ def add_routes(app: FastAPI) -> None:  # noqa: C901 - the route table reads best
     @app.get("/v1/cluster", tags=["cluster"], responses={503: {"description": "no scheduler has reported"}})
     def cluster(st: StateDep, user: CurrentUser) -> ClusterView:
         """Nodes with total and free CPUs/GPUs, and the running experiments, as the scheduler last saw them."""
-        view, _ = cluster_view(st)
+        view, _ = st.cluster_view()
         if view is None:
             return ClusterView(nodes=[], cpus_total=0, cpus_free=0, gpus_total=0, gpus_free=0, running_jobs=[],
                                scheduler_alive=False)

@@ -63,9 +63,9 @@ class Store:
 
     # ---- jobs -------------------------------------------------------------------------------
     def submit(self, owner: str, body: ExperimentSubmit, idempotency_key: str | None = None,
-               now: float | None = None) -> tuple[str, bool, int]:
-        """Queue a job: (id, created, queue length). A repeated Idempotency-Key with the same body
-        returns the original id with created=False; with another body it raises IdempotencyConflict."""
+               now: float | None = None) -> tuple[str, bool, int, float]:
+        """Queue a job: (id, created, queue length, created_at). A repeated Idempotency-Key with the same
+        body returns the original id with created=False; with another body it raises IdempotencyConflict."""
         now = time.time() if now is None else now
         job_id = new_job_id(now)
         payload = body.model_dump_json()
@@ -85,13 +85,13 @@ class Store:
                   keys.wake(), idem],
             args=args)
         if int(created):
-            return job_id, True, int(value)
+            return job_id, True, int(value), now
         prior_id, _, prior_hash = str(value).partition("|")
         if prior_hash != body_hash:
             raise IdempotencyConflict(
                 f"Idempotency-Key {idempotency_key!r} was used for job {prior_id} with a different body: "
                 "use a new key for a new experiment", field="Idempotency-Key")
-        return prior_id, False, 0
+        return prior_id, False, 0, now
 
     def raw(self, job_id: str) -> dict[str, str]:
         data = self.r.hgetall(keys.job(job_id))

@@ -113,7 +113,7 @@ def test_decayed_usage_lets_a_heavy_user_back_in(redis_server: str) -> None:
 
 def test_transition_table_is_enforced_atomically(redis_server: str) -> None:
     store = Store.from_url(redis_server)
-    job, _, _ = store.submit("alice", ExperimentSubmit(spec=tiny()))
+    job = store.submit("alice", ExperimentSubmit(spec=tiny()))[0]
     assert store.r.zscore(keys.queue(), job) is not None
     assert not store.transition(job, JobState.RUNNING)  # queued -> running is not in the table
     assert store.transition(job, JobState.STARTING, expect=[JobState.QUEUED])
