@@ -85,7 +85,10 @@ class State:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.store = Store.from_url(settings.redis_url)
-        self.aredis = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        # a blocking pool: a burst of followers waits for a connection instead of failing with "Too many
+        # connections"; live events need only one per followed job (the Hub), history reads are short
+        self.aredis = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
+            settings.redis_url, max_connections=64, timeout=30, decode_responses=True))
         self.hub = Hub(self.aredis, block_ms=int(min(5.0, settings.heartbeat_s) * 1000))
         self.registry = CollectorRegistry()
         self.requests = Counter("tlab_http_requests", "HTTP requests", ["method", "route", "status"],

@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from api_schemas import keys
 
 Entry = tuple[str, dict[str, str]]
+Batch = tuple[list[Entry], bytes]  # entries and their SSE text, encoded once for every follower
 
 
 def stream_id(eid: str) -> tuple[int, int]:
@@ -44,7 +45,7 @@ def sse(entries: list[Entry]) -> str:
 
 class _JobFeed:
     def __init__(self) -> None:
-        self.subscribers: set[asyncio.Queue[list[Entry]]] = set()
+        self.subscribers: set[asyncio.Queue[Batch]] = set()
         self.task: asyncio.Task[None] | None = None
 
 
@@ -56,18 +57,18 @@ class Hub:
         self.block_ms = block_ms
         self.feeds: dict[str, _JobFeed] = {}
 
-    async def subscribe(self, job_id: str) -> asyncio.Queue[list[Entry]]:
+    async def subscribe(self, job_id: str) -> asyncio.Queue[Batch]:
         feed = self.feeds.get(job_id)
         if feed is None:
             feed = self.feeds[job_id] = _JobFeed()
             last = await self.r.xrevrange(keys.events(job_id), count=1)
             start = last[0][0] if last else "0-0"
             feed.task = asyncio.create_task(self._pump(job_id, feed, start))
-        queue: asyncio.Queue[list[Entry]] = asyncio.Queue()
+        queue: asyncio.Queue[Batch] = asyncio.Queue()
         feed.subscribers.add(queue)
         return queue
 
-    def unsubscribe(self, job_id: str, queue: asyncio.Queue[list[Entry]]) -> None:
+    def unsubscribe(self, job_id: str, queue: asyncio.Queue[Batch]) -> None:
         feed = self.feeds.get(job_id)
         if feed is None:
             return
@@ -89,8 +90,9 @@ class Hub:
             for _key, entries in got or []:
                 if entries:
                     cursor = entries[-1][0]
+                    batch = (entries, sse(entries).encode())
                     for q in feed.subscribers:
-                        q.put_nowait(entries)
+                        q.put_nowait(batch)
 
     async def close(self) -> None:
         for feed in self.feeds.values():
@@ -101,7 +103,7 @@ class Hub:
         self.feeds.clear()
 
 
-async def follow(hub: Hub, job_id: str, last_id: str | None, heartbeat_s: float) -> AsyncIterator[str]:
+async def follow(hub: Hub, job_id: str, last_id: str | None, heartbeat_s: float) -> AsyncIterator[str | bytes]:
     """SSE text for a job: history after ``last_id``, then live until the ``end`` event; a comment
     line every ``heartbeat_s`` of silence keeps proxies and clients from timing out."""
     queue = await hub.subscribe(job_id)
@@ -120,14 +122,18 @@ async def follow(hub: Hub, job_id: str, last_id: str | None, heartbeat_s: float)
             cursor = f"({page[-1][0]}"
         while True:  # live
             try:
-                batch = await asyncio.wait_for(queue.get(), timeout=heartbeat_s)
+                batch, text = await asyncio.wait_for(queue.get(), timeout=heartbeat_s)
             except TimeoutError:
                 yield ": keep-alive\n\n"
                 continue
-            fresh = [e for e in batch if stream_id(e[0]) > sent]
-            if not fresh:
-                continue
-            yield sse(fresh)
+            if stream_id(batch[0][0]) > sent:  # the usual case: all new, send the shared text
+                fresh = batch
+                yield text
+            else:  # overlaps the history this follower already sent
+                fresh = [e for e in batch if stream_id(e[0]) > sent]
+                if not fresh:
+                    continue
+                yield sse(fresh)
             sent = stream_id(fresh[-1][0])
             if any(f.get("kind") == "end" for _, f in fresh):
                 return
