@@ -133,3 +133,48 @@ def test_submit_follow_runs_to_the_end(stack, tmp_path: Path) -> None:  # noqa: 
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1].endswith("succeeded") and "3/3" in out.stderr
     assert "running" in out.stderr  # the status changes, as they happened
+
+
+@pytest.mark.slow
+def test_tlab_up_prints_its_url_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    import httpx
+    import psutil
+
+    home = tmp_path / "home"
+    env = {**os.environ, "TLAB_HOME": str(home)}
+    env.pop("REDIS_URL", None)
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([TLAB, "up", "--num-cpus", "1"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = ""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not url:
+            line = proc.stdout.readline() if proc.stdout else ""
+            if line.startswith("Teleport Lab is up at "):
+                url = line.split()[-1]
+        assert url, "tlab up never printed its URL"
+        token = (home / "admin.token").read_text().strip()
+        assert (home / "api.url").read_text().strip() == url
+        me = httpx.get(f"{url}/v1/me", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert me.status_code == 200 and me.json()["role"] == "admin"
+        deadline = time.monotonic() + 30  # the scheduler reports the Ray node it found
+        while time.monotonic() < deadline and httpx.get(f"{url}/readyz", timeout=10).status_code != 200:
+            time.sleep(0.3)
+        assert httpx.get(f"{url}/readyz", timeout=10).status_code == 200
+        children = psutil.Process(proc.pid).children(recursive=True)
+        names = " ".join(" ".join(c.cmdline()) for c in children)
+        assert "redis" in names and "raylet" in names and "service.api" in names and "service.scheduler" in names
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=90)
+        if proc.stdout:
+            proc.stdout.close()
+    assert code == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/healthz", timeout=5)
+    time.sleep(1.0)
+    assert [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
