@@ -149,7 +149,9 @@ def decide(queued: list[QueuedJob], active: list[ActiveJob], nodes: list[Node], 
                                                      or (short_gpu and job.demand.gpus > 0)):
             why = f"behind {reserved.id}, which is next and waiting for room"
         placement = place(job.demand, free) if why is None else None
-        if why is None and placement is None:
+        if why is None and placement is None and (never := never_fits(job.demand, nodes)):
+            why = f"cannot fit the cluster as it is now (nodes missing?): {never}"  # waits without reserving
+        elif why is None and placement is None:
             why = (f"no room: needs {job.demand.workers} x ({job.demand.cpus_per_worker:g} CPU, "
                    f"{job.demand.gpus_per_worker:g} GPU) at once; {_describe_free(free)}")
             if reserved is None:

@@ -127,6 +127,13 @@ class Scheduler:
                 self.store.transition(job_id, JobState.FAILED, expect=[state], now=now,
                                       failure_reason=f"its Ray job vanished {data.get('attempts')} times",
                                       reason="its Ray job vanished and the attempts are used up")
+        elif (status == "PENDING" and state == JobState.STARTING
+              and now - float(data.get("updated_at") or now) > self.settings.starting_timeout_s):
+            self.launcher.stop(sid)
+            reason = (f"Ray did not start the job within TLAB_STARTING_TIMEOUT_S="
+                      f"{self.settings.starting_timeout_s:g} s (runtime environment or resources?)")
+            self.store.transition(job_id, JobState.FAILED, expect=[state], reason=reason, failure_reason=reason,
+                                  now=now)
         elif status == "RUNNING" and state == JobState.STARTING:
             self.store.transition(job_id, JobState.RUNNING, expect=[JobState.STARTING], now=now,
                                   started_at=repr(now))

@@ -168,3 +168,12 @@ def test_queue_survives_a_redis_restart(tmp_path) -> None:  # noqa: ANN001
     finally:
         proc.terminate()
         proc.wait()
+
+
+def test_a_job_that_no_longer_fits_waits_without_blocking_others() -> None:
+    nodes = [Node("n1", cpus=2, gpus=1)]  # its second GPU node is gone
+    orphan = q("alice", Demand(workers=2, cpus_per_worker=1, gpus_per_worker=1))
+    small = q("bob", Demand(workers=1, cpus_per_worker=1, gpus_per_worker=1))
+    d = policy.decide([orphan, small], [], nodes, {}, {})
+    assert order(d) == [small.id]
+    assert dict(d.order)[orphan.id].startswith("cannot fit the cluster as it is now")
