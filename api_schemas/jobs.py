@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -85,6 +85,7 @@ class JobView(_Strict):
     """One job as the API shows it."""
 
     id: str
+    kind: Literal["experiment", "sweep"] = "experiment"
     name: str
     owner: str
     state: JobState
@@ -184,3 +185,23 @@ class MetricsView(_Strict):
     total_points: int
     points: list[dict[str, Any]]
     teleports: list[dict[str, Any]]
+
+
+class TrialRow(_Strict):
+    trial: str
+    config: dict[str, Any]
+    state: str
+    epochs: int
+    last: float | None = None
+    best: float | None = None
+    stopped_early: bool = False
+
+
+class SweepView(_Strict):
+    """``GET /v1/sweeps/{id}``: the sweep's job, its trials table and the best trial so far."""
+
+    job: JobView
+    metric: str
+    mode: str
+    trials: list[TrialRow]
+    best: TrialRow | None = None

@@ -79,3 +79,8 @@ def wake() -> str:
 def queue_view() -> str:
     """Hash written by the scheduler after each decision: queued job id -> JSON {position, reason}."""
     return f"{PREFIX}:queue:view"
+
+
+def trials(job_id: str) -> str:
+    """Hash of a sweep's trials: trial id -> JSON row (config, state, last/best metric, epochs, stopped early)."""
+    return f"{PREFIX}:job:{job_id}:trials"

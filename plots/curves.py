@@ -119,7 +119,8 @@ def band(runs: list[Records], key: str) -> tuple[np.ndarray, np.ndarray, np.ndar
     return np.asarray(common, dtype=float), values.mean(axis=0), values.std(axis=0)
 
 
-def plot_bands(groups: dict[str, list[Records]], path: str | Path, title: str | None = None) -> Path:
+def plot_bands(groups: dict[str, list[Records]], path: str | Path | BinaryIO, title: str | None = None,
+               fmt: str | None = None) -> Path | BinaryIO:
     """Mean ± std over seeds of train and test loss for each group (the paper's figure style)."""
     fig = Figure(figsize=(10.0, 4.0), layout="constrained")
     axes = fig.subplots(1, 2)
@@ -137,5 +138,5 @@ def plot_bands(groups: dict[str, list[Records]], path: str | Path, title: str | 
         _finish(ax, f"{name} (mean ± std)", plotted)
     if title:
         fig.suptitle(title)
-    fig.savefig(path, dpi=110)
-    return Path(path)
+    fig.savefig(path, dpi=110, format=fmt)
+    return path if hasattr(path, "write") else Path(path)

@@ -35,13 +35,16 @@ from api_schemas.jobs import (
     QueueEntry,
     QueueView,
     Role,
+    SweepView,
+    TrialRow,
     UserCreate,
     UserCreated,
     UserPublic,
 )
 from api_schemas.presets import PRESET_NOTES, PRESETS
+from api_schemas.sweeps import SweepSubmit
 from service import policy
-from service.errors import DoesNotFit, Forbidden, InvalidInput, ServiceError
+from service.errors import DoesNotFit, Forbidden, InvalidInput, JobNotFound, ServiceError
 from service.events import Hub, downsample, follow, records, valid_stream_id
 from service.ray_cluster import StaticCluster
 from service.settings import Settings
@@ -292,21 +295,18 @@ def add_routes(app: FastAPI) -> None:  # noqa: C901 - the route table reads best
                        priority=body.priority, tags=body.tags, spec=body.spec, demand=demand, created_at=now,
                        queue_position=qlen, pending_reason="waiting for the scheduler's next decision")
 
-    @app.get("/v1/experiments", tags=["experiments"])
-    def list_experiments(st: StateDep, user: CurrentUser,
-                         state: JobState | None = None, owner: str | None = None, tag: str | None = None,
-                         cursor: Annotated[str | None, Query(max_length=64)] = None,
-                         limit: Annotated[int, Query(ge=1, le=500)] = 50) -> JobList:
-        """Your experiments, newest first (admins: everyone's, or ``owner=``); filter by state and tag."""
+    def list_jobs(st: State, user: UserPublic, kind: str, state: JobState | None, owner: str | None,
+                  tag: str | None, cursor: str | None, limit: int) -> JobList:
         if user.role != Role.ADMIN:
             if owner not in (None, user.name):
-                raise Forbidden("you can list only your own experiments", field="owner")
+                raise Forbidden("you can list only your own jobs", field="owner")
             owner = user.name
         items: list[JobView] = []
         while True:
             ids, more = st.store.list_ids(owner, cursor, limit)
             for data in st.store.raws(ids):
-                if (state and data["state"] != state.value) or (tag and tag not in json.loads(data.get("tags", "[]"))):
+                if (data.get("kind", "experiment") != kind or (state and data["state"] != state.value)
+                        or (tag and tag not in json.loads(data.get("tags", "[]")))):
                     continue
                 items.append(st.store.view(data["id"], data, with_progress=False))
                 if len(items) == limit:
@@ -314,6 +314,14 @@ def add_routes(app: FastAPI) -> None:  # noqa: C901 - the route table reads best
             if not more:
                 return JobList(items=items, next_cursor=None)
             cursor = ids[-1]
+
+    @app.get("/v1/experiments", tags=["experiments"])
+    def list_experiments(st: StateDep, user: CurrentUser,
+                         state: JobState | None = None, owner: str | None = None, tag: str | None = None,
+                         cursor: Annotated[str | None, Query(max_length=64)] = None,
+                         limit: Annotated[int, Query(ge=1, le=500)] = 50) -> JobList:
+        """Your experiments, newest first (admins: everyone's, or ``owner=``); filter by state and tag."""
+        return list_jobs(st, user, "experiment", state, owner, tag, cursor, limit)
 
     @app.get("/v1/experiments/{job_id}", tags=["experiments"])
     def get_experiment(job_id: str, st: StateDep, user: CurrentUser) -> JobView:
@@ -399,6 +407,99 @@ def add_routes(app: FastAPI) -> None:  # noqa: C901 - the route table reads best
             if rec.get("kind") in ("log", "status"):
                 lines.append(json.dumps(rec))
         return "\n".join(lines) + "\n"
+
+    # ---- sweeps ----------------------------------------------------------------------------------
+    def own_sweep(st: State, user: UserPublic, sweep_id: str) -> dict[str, str]:
+        data = own_job(st, user, sweep_id)
+        if data.get("kind") != "sweep":
+            raise JobNotFound(f"{sweep_id} is an experiment, not a sweep: see /v1/experiments/{sweep_id}", field="id")
+        return data
+
+    def trial_rows(st: State, sweep_id: str) -> list[TrialRow]:
+        rows = [TrialRow.model_validate_json(v) for v in st.store.r.hgetall(keys.trials(sweep_id)).values()]
+        return sorted(rows, key=lambda t: t.trial)
+
+    @app.post("/v1/sweeps", status_code=201, tags=["sweeps"],
+              responses={200: {"description": "an Idempotency-Key replay"}, 409: {"description": "key reused"},
+                         422: {"description": "a bad search space (the path is named), or a gang that never fits"}})
+    def submit_sweep(body: SweepSubmit, st: StateDep, user: CurrentUser, response: Response,
+                     idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> JobView:
+        """Queue a hyperparameter sweep: one job whose gang is ``max_concurrent_trials`` trials' workers."""
+        demand = demand_of(body)
+        view, _ = st.cluster_view()
+        nodes = known_nodes(st, view)
+        why = policy.never_fits(demand, nodes) if nodes else None
+        if why:
+            raise DoesNotFit(f"max_concurrent_trials={body.max_concurrent_trials} trials at once can never fit the "
+                             f"cluster: {why} (or lower max_concurrent_trials)", field="max_concurrent_trials")
+        job_id, created, _qlen, _now = st.store.submit(user.name, body, idempotency_key)
+        if created:
+            st.submissions.inc()
+        else:
+            response.status_code = 200
+            response.headers["Idempotent-Replayed"] = "true"
+        return st.store.view(job_id, with_progress=False)
+
+    @app.get("/v1/sweeps", tags=["sweeps"])
+    def list_sweeps(st: StateDep, user: CurrentUser, state: JobState | None = None, owner: str | None = None,
+                    tag: str | None = None, cursor: Annotated[str | None, Query(max_length=64)] = None,
+                    limit: Annotated[int, Query(ge=1, le=500)] = 50) -> JobList:
+        """Your sweeps, newest first."""
+        return list_jobs(st, user, "sweep", state, owner, tag, cursor, limit)
+
+    @app.get("/v1/sweeps/{sweep_id}", tags=["sweeps"])
+    def get_sweep(sweep_id: str, st: StateDep, user: CurrentUser) -> SweepView:
+        """The sweep's state, its trials table (config, state, last/best metric, epochs, stopped early), the best."""
+        data = own_sweep(st, user, sweep_id)
+        sweep = SweepSubmit.model_validate_json(data["sweep"])
+        rows = trial_rows(st, sweep_id)
+        scored = [t for t in rows if t.best is not None]
+        best = (min(scored, key=lambda t: t.best if sweep.mode == "min" else -t.best)  # type: ignore[operator]
+                if scored else None)
+        return SweepView(job=st.store.view(sweep_id, data), metric=sweep.metric, mode=sweep.mode, trials=rows,
+                         best=best)
+
+    @app.delete("/v1/sweeps/{sweep_id}", status_code=202, tags=["sweeps"],
+                responses={409: {"description": "already ended"}})
+    def cancel_sweep(sweep_id: str, st: StateDep, user: CurrentUser) -> JobView:
+        """Cancel a sweep: its Ray job (the Tune driver, and with it every trial) is stopped."""
+        own_sweep(st, user, sweep_id)
+        st.store.cancel(sweep_id)
+        return st.store.view(sweep_id)
+
+    @app.get("/v1/sweeps/{sweep_id}/events", tags=["sweeps"],
+             responses={200: {"content": {"text/event-stream": {}}, "description": "every trial's events "
+                                                                                    "(data.trial), then end"}})
+    async def sweep_events(sweep_id: str, st: StateDep, user: CurrentUser,
+                           last_event_id: Annotated[str | None, Header(max_length=64)] = None) -> StreamingResponse:
+        """SSE of every trial's events, tagged with the trial id; resumable with ``Last-Event-ID``."""
+        await run_in_threadpool(own_sweep, st, user, sweep_id)
+        return await events(sweep_id, st, user, last_event_id)
+
+    @app.get("/v1/sweeps/{sweep_id}/plot.png", tags=["sweeps"], responses={200: {"content": {"image/png": {}}}})
+    def sweep_plot(sweep_id: str, st: StateDep, user: CurrentUser) -> Response:
+        """Every trial's curves; with ``training.seed`` in the space, mean ± std bands per setting of the rest."""
+        from plots.curves import plot_bands, plot_curves
+
+        data = own_sweep(st, user, sweep_id)
+        sweep = SweepSubmit.model_validate_json(data["sweep"])
+        by_trial: dict[str, list[dict[str, Any]]] = {}
+        for rec in job_records(st, sweep_id):
+            if rec.get("trial"):
+                by_trial.setdefault(rec["trial"], []).append(rec)
+        configs = {t.trial: t.config for t in trial_rows(st, sweep_id)}
+        buf = io.BytesIO()
+        if "training.seed" in sweep.search_space:
+            groups: dict[str, list[list[dict[str, Any]]]] = {}
+            for trial, recs in sorted(by_trial.items()):
+                rest = {k: v for k, v in configs.get(trial, {}).items() if k != "training.seed"}
+                label = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                                  for k, v in sorted(rest.items())) or "all"
+                groups.setdefault(label, []).append(recs)
+            plot_bands(groups, buf, title=f"sweep {sweep_id}: mean ± std over training.seed", fmt="png")
+        else:
+            plot_curves({t: by_trial[t] for t in sorted(by_trial)}, buf, title=f"sweep {sweep_id}", fmt="png")
+        return Response(buf.getvalue(), media_type="image/png")
 
     # ---- queue, cluster, presets -----------------------------------------------------------------
     @app.get("/v1/queue", tags=["cluster"])

@@ -68,11 +68,11 @@ class RayJobs:
     def submission_id(job_id: str, attempt: int) -> str:
         return f"tlab-{job_id}-{attempt}"
 
-    def submit(self, job_id: str, submission_id: str) -> None:
-        """Start ``python -m workers.run --job ID`` as a Ray job; a second call with the id is a no-op."""
+    def submit(self, job_id: str, submission_id: str, module: str = "workers.run") -> None:
+        """Start ``python -m MODULE --job ID`` as a Ray job; a second call with the id is a no-op."""
         try:
             self.client.submit_job(
-                entrypoint=f"{self.python} -m workers.run --job {job_id}",
+                entrypoint=f"{self.python} -m {module} --job {job_id}",
                 submission_id=submission_id,
                 runtime_env={"env_vars": dict(self.env)},
                 entrypoint_num_cpus=0,

@@ -35,11 +35,12 @@ from service.settings import Settings
 from service.store import Store
 
 log = logging.getLogger("tlab.scheduler")
+ENTRYPOINT = {"experiment": "workers.run", "sweep": "workers.sweep"}  # job kind -> the module its Ray job runs
 
 
 class Launcher(Protocol):
     def submission_id(self, job_id: str, attempt: int) -> str: ...
-    def submit(self, job_id: str, submission_id: str) -> None: ...
+    def submit(self, job_id: str, submission_id: str, module: str = ...) -> None: ...
     def status(self, submission_id: str) -> str | None: ...
     def message(self, submission_id: str) -> str: ...
     def stop(self, submission_id: str) -> None: ...
@@ -118,7 +119,8 @@ class Scheduler:
             if cancel:
                 self.store.transition(job_id, JobState.CANCELLED, expect=active, reason="cancelled by user", now=now)
             elif state == JobState.STARTING:
-                self.launcher.submit(job_id, sid)  # killed between the transition and the submit: same id
+                # killed between the transition and the submit: the same id again
+                self.launcher.submit(job_id, sid, ENTRYPOINT[data.get("kind", "experiment")])
             elif int(data.get("attempts", 1)) < self.settings.max_attempts:
                 self.store.transition(job_id, JobState.QUEUED, expect=[state], now=now,
                                       reason="its Ray job vanished (cluster restarted?): queued again to "
@@ -168,7 +170,8 @@ class Scheduler:
         decision, nodes, active = self.decide(now)
         charges: dict[str, float] = {}
         for job, placement in decision.starts:
-            attempt = int(self.store.r.hget(keys.job(job.id), "attempts") or 0) + 1
+            attempts, kind = self.store.r.hmget(keys.job(job.id), ["attempts", "kind"])
+            attempt = int(attempts or 0) + 1
             sid = self.launcher.submission_id(job.id, attempt)
             if not self.store.transition(job.id, JobState.STARTING, expect=[JobState.QUEUED], now=now,
                                          ray_job_id=sid, attempts=str(attempt), placement=json.dumps(placement),
@@ -176,7 +179,7 @@ class Scheduler:
                 continue  # cancelled meanwhile
             self.static.pop(job.id, None)
             try:
-                self.launcher.submit(job.id, sid)
+                self.launcher.submit(job.id, sid, ENTRYPOINT[kind or "experiment"])
             except Exception as err:  # Ray refused or is down: back to the queue, tried again next tick
                 log.exception("submitting %s", job.id)
                 self.store.transition(job.id, JobState.QUEUED, expect=[JobState.STARTING], now=now,

@@ -26,6 +26,7 @@ from api_schemas.jobs import (
     UserPublic,
 )
 from api_schemas.redis_scripts import SUBMIT, TRANSITION
+from api_schemas.sweeps import SweepSubmit
 from service.errors import IdempotencyConflict, InvalidState, JobNotFound, Unauthorized, UserExists
 
 IDEMPOTENCY_TTL_S = 24 * 3600
@@ -40,9 +41,14 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def demand_of(submit: ExperimentSubmit) -> Demand:
-    r = submit.spec.resources
-    return Demand(workers=r.workers, cpus_per_worker=r.cpus_per_worker, gpus_per_worker=r.gpus_per_worker)
+def demand_of(submit: ExperimentSubmit | SweepSubmit) -> Demand:
+    """An experiment's gang is its workers; a sweep's is its workers times the trials run at once."""
+    if isinstance(submit, SweepSubmit):
+        r, concurrent = submit.base.resources, submit.max_concurrent_trials
+    else:
+        r, concurrent = submit.spec.resources, 1
+    return Demand(workers=r.workers * concurrent, cpus_per_worker=r.cpus_per_worker,
+                  gpus_per_worker=r.gpus_per_worker)
 
 
 def _opt_float(value: str | None) -> float | None:
@@ -62,7 +68,7 @@ class Store:
         return cls(redis.Redis.from_url(url, decode_responses=True, health_check_interval=30))
 
     # ---- jobs -------------------------------------------------------------------------------
-    def submit(self, owner: str, body: ExperimentSubmit, idempotency_key: str | None = None,
+    def submit(self, owner: str, body: ExperimentSubmit | SweepSubmit, idempotency_key: str | None = None,
                now: float | None = None) -> tuple[str, bool, int, float]:
         """Queue a job: (id, created, queue length, created_at). A repeated Idempotency-Key with the same
         body returns the original id with created=False; with another body it raises IdempotencyConflict."""
@@ -72,10 +78,13 @@ class Store:
         body_hash = hashlib.sha256(payload.encode()).hexdigest()
         fields = {
             "id": job_id, "owner": owner, "name": body.name or job_id, "state": JobState.QUEUED.value,
-            "priority": body.priority, "tags": json.dumps(body.tags), "spec": body.spec.model_dump_json(),
-            "demand": demand_of(body).model_dump_json(), "created_at": repr(now), "updated_at": repr(now),
-            "attempts": 0,
+            "priority": body.priority, "tags": json.dumps(body.tags), "demand": demand_of(body).model_dump_json(),
+            "created_at": repr(now), "updated_at": repr(now), "attempts": 0,
         }
+        if isinstance(body, SweepSubmit):
+            fields.update(kind="sweep", spec=body.base.model_dump_json(), sweep=payload)
+        else:
+            fields.update(kind="experiment", spec=body.spec.model_dump_json())
         idem = keys.idempotency(owner, idempotency_key) if idempotency_key else ""
         args: list[Any] = [job_id, repr(now), f"{job_id}|{body_hash}", IDEMPOTENCY_TTL_S]
         for k, v in fields.items():
@@ -111,7 +120,8 @@ class Store:
             else:
                 reason = "waiting for the scheduler's next decision"
         return JobView(
-            id=data["id"], name=data.get("name", data["id"]), owner=data["owner"], state=state,
+            id=data["id"], kind=data.get("kind", "experiment"), name=data.get("name", data["id"]),
+            owner=data["owner"], state=state,
             priority=int(data.get("priority", 0)), tags=json.loads(data.get("tags", "[]")),
             spec=json.loads(data["spec"]), demand=Demand.model_validate_json(data["demand"]),
             created_at=float(data["created_at"]), started_at=_opt_float(data.get("started_at")),

@@ -30,7 +30,7 @@ def _worker_sink(config: dict[str, Any], rank: int) -> MetricSink:
     if config.get("redis_url"):
         from workers.redis_sink import RedisSink
 
-        return RedisSink(config["redis_url"], config["job_id"])
+        return RedisSink(config["redis_url"], config["job_id"], trial=config.get("trial"))
     if config.get("out_dir"):
         return JsonlSink(Path(config["out_dir"]) / "metrics.jsonl")
     return NullSink()
@@ -67,12 +67,16 @@ def build_trainer(
     out_dir: str | Path | None = None,
     max_failures: int = 3,
     pid_dir: str | Path | None = None,
+    trial: str | None = None,
+    callbacks: list[Any] | None = None,
 ) -> TorchTrainer:
-    """One place turns a spec into a TorchTrainer (scaling, storage, failures, checkpoints)."""
+    """One place turns a spec into a TorchTrainer (scaling, storage, failures, checkpoints).
+    ``trial`` tags the events of a sweep's trial in the sweep's stream; ``callbacks`` go to RunConfig."""
     loop_config = {
         "spec": spec.model_dump(mode="json"),
         "redis_url": redis_url,
         "job_id": job_id or name,
+        "trial": trial,
         "out_dir": None if out_dir is None else str(out_dir),
         "pid_dir": None if pid_dir is None else str(pid_dir),
     }
@@ -85,6 +89,7 @@ def build_trainer(
             storage_path=str(storage_path),
             failure_config=FailureConfig(max_failures=max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
+            callbacks=callbacks,
         ),
     )
 

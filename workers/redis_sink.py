@@ -21,15 +21,18 @@ class RedisSink:
     records or every ``flush_seconds``, whichever comes first (and on ``close``)."""
 
     def __init__(self, url: str, job_id: str, batch_size: int = 32, flush_seconds: float = 0.5,
-                 maxlen: int = keys.STREAM_MAXLEN) -> None:
+                 maxlen: int = keys.STREAM_MAXLEN, trial: str | None = None) -> None:
         self.client = redis.Redis.from_url(url)
         self.script = self.client.register_script(XADD_ONCE)
         self.job_id = job_id
+        self.trial = trial  # a sweep's trial: its events carry "trial" and are deduplicated per trial
         self.batch_size, self.flush_seconds, self.maxlen = batch_size, flush_seconds, maxlen
         self.buffer: list[dict[str, Any]] = []
         self.last_flush = time.monotonic()
 
     def emit(self, record: dict[str, Any]) -> None:
+        if self.trial:
+            record = {**record, "trial": self.trial}
         self.buffer.append(record)
         urgent = record.get("kind") in {"epoch", "status", "error", "summary"}
         if urgent or len(self.buffer) >= self.batch_size or time.monotonic() - self.last_flush > self.flush_seconds:
@@ -40,7 +43,10 @@ class RedisSink:
             return
         args: list[Any] = [self.maxlen]
         for record in self.buffer:
-            args += [identity(record), EVENT_KIND.get(str(record.get("kind")), "status"),
+            ident = identity(record)
+            if ident and self.trial:
+                ident = f"{self.trial}/{ident}"
+            args += [ident, EVENT_KIND.get(str(record.get("kind")), "status"),
                      json.dumps(record, default=float)]
         self.script(keys=[keys.events(self.job_id), keys.emitted(self.job_id)], args=args)
         self.buffer.clear()

@@ -1,0 +1,116 @@
+"""Sweeps: a search space over any ExperimentSpec field, by dotted path, run as one queued Ray Tune job."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from api_schemas.spec import ExperimentSpec
+from api_schemas.spec_io import apply_overrides, format_validation_error
+
+DISTRIBUTIONS = ("loguniform", "uniform", "randint", "choice", "grid")
+# the sweep metric -> the key Ray Train reports each epoch (workers/local.py: summarize)
+METRICS = {"train_loss": "final_train_loss", "test_loss": "final_test_loss", "test_acc": "final_test_acc"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _check_distribution(path: str, dist: Any) -> tuple[str, Any]:
+    """``{loguniform: [lo, hi]}`` etc. -> (kind, args), or ValueError naming the path."""
+    if not isinstance(dist, dict) or len(dist) != 1:
+        raise ValueError(f"search_space.{path}: write one of {{{', '.join(DISTRIBUTIONS)}}}: [...], "
+                         "e.g. {loguniform: [0.001, 1]}")
+    kind, args = next(iter(dist.items()))
+    if kind not in DISTRIBUTIONS:
+        raise ValueError(f"search_space.{path}: unknown distribution {kind!r}; use one of {', '.join(DISTRIBUTIONS)}")
+    if not isinstance(args, list) or not args:
+        raise ValueError(f"search_space.{path}.{kind}: give a non-empty list")
+    if kind in ("loguniform", "uniform", "randint"):
+        if len(args) != 2 or not all(isinstance(a, int | float) and not isinstance(a, bool) for a in args):
+            raise ValueError(f"search_space.{path}.{kind}: give [low, high] numbers")
+        lo, hi = args
+        if not lo < hi:
+            raise ValueError(f"search_space.{path}.{kind}: low must be below high")
+        if kind == "loguniform" and lo <= 0:
+            raise ValueError(f"search_space.{path}.loguniform: low must be > 0")
+        if kind == "randint" and not (float(lo).is_integer() and float(hi).is_integer()):
+            raise ValueError(f"search_space.{path}.randint: give integer bounds [low, high)")
+    return kind, args
+
+
+def _leaves(data: dict[str, Any], prefix: str = "") -> set[str]:
+    out = set()
+    for k, v in data.items():
+        path = f"{prefix}{k}"
+        out.add(path)
+        if isinstance(v, dict):
+            out |= _leaves(v, f"{path}.")
+    return out
+
+
+def _probe_values(kind: str, args: list[Any]) -> list[Any]:
+    """The values to validate against the spec: the bounds of ranges, every listed value."""
+    if kind == "randint":
+        return [int(args[0]), int(args[1]) - 1]
+    return list(args)
+
+
+class SweepSubmit(_Strict):
+    """``POST /v1/sweeps``: the base spec, what to vary, and how to search."""
+
+    base: ExperimentSpec
+    search_space: dict[str, dict[str, Any]] = Field(
+        ..., description="dotted spec path -> {loguniform|uniform|randint: [lo, hi]} or {choice|grid: [values]}")
+    num_samples: int = Field(1, ge=1, le=1000, description="samples (random) or repeats of the whole grid")
+    metric: Literal["train_loss", "test_loss", "test_acc"] = "train_loss"
+    mode: Literal["min", "max"] = "min"
+    scheduler: Literal["fifo", "asha"] = "fifo"
+    searcher: Literal["random", "grid"] = "random"
+    max_concurrent_trials: int = Field(1, ge=1, le=64)
+    grace_period: int = Field(1, ge=1, description="ASHA: epochs every trial runs before it can be stopped")
+    name: str = Field("", max_length=200)
+    priority: int = Field(0, ge=-100, le=100)
+    tags: list[str] = Field(default_factory=list, max_length=32)
+
+    @model_validator(mode="after")
+    def _space(self) -> SweepSubmit:
+        if not self.search_space:
+            raise ValueError("search_space: name at least one spec field to vary")
+        base = self.base.model_dump(mode="json")
+        known = _leaves(base)
+        for path, dist in self.search_space.items():
+            if path not in known:
+                raise ValueError(f"search_space.{path}: the spec has no such field (see `tlab validate` for the "
+                                 "fields, e.g. teleport.lr, optimizer.name, training.seed)")
+            kind, args = _check_distribution(path, dist)
+            for value in _probe_values(kind, args):
+                try:
+                    ExperimentSpec.model_validate(apply_overrides(base, [f"{path}={json.dumps(value)}"]))
+                except ValidationError as err:
+                    raise ValueError(f"search_space.{path}: value {value!r} is not valid: "
+                                     f"{format_validation_error(err)}") from None
+        return self
+
+    @property
+    def report_metric(self) -> str:
+        return METRICS[self.metric]
+
+    def trial_count(self) -> int:
+        grid = [len(next(iter(d.values()))) for d in self.search_space.values() if next(iter(d)) == "grid"]
+        return self.num_samples * math.prod(grid)  # Tune runs every grid point num_samples times
+
+    def grid_points(self) -> list[dict[str, Any]]:
+        """Every combination of the grid axes (one empty dict when there are none)."""
+        axes = {p: next(iter(d.values())) for p, d in self.search_space.items() if next(iter(d)) == "grid"}
+        return [dict(zip(axes, combo, strict=True)) for combo in itertools.product(*axes.values())]
+
+
+def trial_spec(base: dict[str, Any], config: dict[str, Any]) -> ExperimentSpec:
+    """The base spec with a trial's sampled values put in at their dotted paths."""
+    return ExperimentSpec.model_validate(apply_overrides(base, [f"{p}={json.dumps(v)}" for p, v in config.items()]))

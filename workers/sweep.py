@@ -1,0 +1,161 @@
+"""``python -m workers.sweep --job ID``: a sweep's Ray job — Ray Tune over a search space of specs.
+
+Each trial is a driver function (0.1 CPU) that runs the trial's spec as a Ray Train TorchTrainer
+(Ray 2.60 rejects a TorchTrainer handed straight to ``Tuner``); ``TuneReportCallback`` forwards the
+trainer's per-epoch reports to Tune, so ASHA can stop a trial between epochs. Every trial's events
+go to the sweep's Redis stream tagged with the trial id; the trials table is kept in Redis
+(``keys.trials``) by a Tune callback as results arrive.
+
+Environment as for ``workers.run``: ``REDIS_URL``, ``TLAB_STORAGE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+import redis
+
+from api_schemas import keys
+from api_schemas.sweeps import SweepSubmit, trial_spec
+from workers.redis_sink import RedisSink
+from workers.run import SetupError, _env
+
+
+def param_space(sweep: SweepSubmit) -> dict[str, Any]:
+    """The search space in Ray Tune's terms, keyed by dotted spec path."""
+    from ray import tune
+
+    make = {"loguniform": lambda a: tune.loguniform(*a), "uniform": lambda a: tune.uniform(*a),
+            "randint": lambda a: tune.randint(int(a[0]), int(a[1])), "choice": tune.choice,
+            "grid": tune.grid_search}
+    return {path: make[next(iter(d))](next(iter(d.values()))) for path, d in sweep.search_space.items()}
+
+
+def _finite(x: Any) -> float | None:
+    return float(x) if isinstance(x, int | float) and math.isfinite(x) else None
+
+
+class TrialTable:
+    """A Tune callback that keeps the trials table in Redis: config, state, last and best metric,
+    epochs run, and whether the scheduler stopped the trial early."""
+
+    def __init__(self, redis_url: str, job_id: str, metric: str, mode: str, epochs: int) -> None:
+        from ray.tune import Callback
+
+        table = self
+
+        class _Callback(Callback):
+            def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+                table.update(trial, state="running")
+
+            def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+                table.update(trial, result=result)
+
+            def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+                table.update(trial, state="done")
+
+            def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+                table.update(trial, state="failed")
+
+        self.callback = _Callback()
+        self.r = redis.Redis.from_url(redis_url, decode_responses=True)
+        self.key = keys.trials(job_id)
+        self.metric, self.mode, self.epochs = metric, mode, epochs
+
+    def update(self, trial: Any, state: str | None = None, result: dict | None = None) -> None:
+        raw = self.r.hget(self.key, trial.trial_id)
+        row = json.loads(raw) if raw else {"trial": trial.trial_id, "config": trial.config, "state": "pending",
+                                           "epochs": 0, "last": None, "best": None, "stopped_early": False}
+        if result is not None:
+            value = _finite(result.get(self.metric))
+            row["epochs"] = int(result.get("epochs", row["epochs"]) or 0)
+            row["last"] = value
+            if value is not None and (row["best"] is None or (value < row["best"]) == (self.mode == "min")):
+                row["best"] = value
+        if state == "done":
+            row["stopped_early"] = row["epochs"] < self.epochs
+            row["state"] = "stopped early" if row["stopped_early"] else "succeeded"
+        elif state is not None:
+            row["state"] = state
+        self.r.hset(self.key, trial.trial_id, json.dumps(row))
+
+
+def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
+    import ray
+    from ray import tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    from workers.ray_train import build_trainer
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    raw = client.hget(keys.job(job_id), "sweep")
+    if raw is None:
+        raise SetupError(f"job {job_id} has no sweep in Redis (key {keys.job(job_id)}): was it submitted?")
+    sweep = SweepSubmit.model_validate_json(raw)
+    base = sweep.base.model_dump(mode="json")
+    epochs = sweep.base.training.epochs
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
+
+    def trial(config: dict[str, Any]) -> None:
+        trial_id = tune.get_context().get_trial_id()
+        spec = trial_spec(base, config)
+        trainer = build_trainer(spec, name=f"{job_id}-{trial_id}", storage_path=storage, redis_url=redis_url,
+                                job_id=job_id, trial=trial_id, callbacks=[TuneReportCallback()])
+        trainer.fit()
+
+    metric = sweep.report_metric
+    scheduler = (ASHAScheduler(max_t=epochs, grace_period=min(sweep.grace_period, epochs), reduction_factor=2,
+                               time_attr="epochs")
+                 if sweep.scheduler == "asha" else FIFOScheduler())
+    table = TrialTable(redis_url, job_id, metric, sweep.mode, epochs)
+    tuner = tune.Tuner(
+        tune.with_resources(trial, {"cpu": 0.1}),
+        param_space=param_space(sweep),
+        tune_config=tune.TuneConfig(metric=metric, mode=sweep.mode, num_samples=sweep.num_samples,
+                                    scheduler=scheduler, max_concurrent_trials=sweep.max_concurrent_trials),
+        run_config=tune.RunConfig(name=f"sweep-{job_id}", storage_path=storage, callbacks=[table.callback]),
+    )
+    results = tuner.fit()
+    best = results.get_best_result(metric=metric, mode=sweep.mode, scope="all")
+    summary = {"trials": len(results), "best_trial": best.path.rsplit("/", 1)[-1] if best.path else None,
+               "best_config": best.config, "best_" + sweep.metric: _finite((best.metrics or {}).get(metric)),
+               "errors": sum(1 for r in results if r.error)}
+    client.hset(keys.job(job_id), "summary", json.dumps(summary))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workers.sweep", description=__doc__.splitlines()[0])
+    parser.add_argument("--job", required=True, help="the sweep's job id (its SweepSubmit is in Redis)")
+    args = parser.parse_args(argv)
+    try:
+        redis_url, storage = _env("REDIS_URL"), _env("TLAB_STORAGE")
+    except SetupError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    sink = RedisSink(redis_url, args.job)
+    sink.emit({"kind": "status", "state": "running", "pid": os.getpid(), "at_driver": time.time()})
+    try:
+        summary = run_sweep(args.job, redis_url, storage)
+    except Exception as err:  # the job boundary
+        sink.emit({"kind": "log", "level": "error", "message": f"{type(err).__name__}: {err}",
+                   "traceback": traceback.format_exc(limit=20)})
+        sink.close()
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    sink.emit({"kind": "status", "state": "finished", "summary": summary})
+    sink.close()
+    return 0 if not summary["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
