@@ -65,9 +65,19 @@ class TrialTable:
                 table.update(trial, state="failed")
 
         self.callback = _Callback()
-        self.r = redis.Redis.from_url(redis_url, decode_responses=True)
+        self.redis_url = redis_url
+        self._r: redis.Redis | None = None
         self.key = keys.trials(job_id)
         self.metric, self.mode, self.epochs = metric, mode, epochs
+
+    def __getstate__(self) -> dict[str, Any]:  # Tune pickles its callbacks: leave the connection out
+        return {**self.__dict__, "_r": None}
+
+    @property
+    def r(self) -> redis.Redis:
+        if self._r is None:
+            self._r = redis.Redis.from_url(self.redis_url, decode_responses=True)
+        return self._r
 
     def update(self, trial: Any, state: str | None = None, result: dict | None = None) -> None:
         raw = self.r.hget(self.key, trial.trial_id)
