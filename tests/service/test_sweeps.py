@@ -62,6 +62,7 @@ def test_asha_sweep_over_teleport_lr_runs_through_the_api(stack: Stack) -> None:
         assert summary["best_config"]["teleport.lr"] == best["config"]["teleport.lr"]
         for t in trials:  # every trial's epochs arrived, tagged, once each
             epochs = [e.data["epoch"] for e in events if e.kind == "metric" and e.data.get("trial") == t["trial"]]
-            assert epochs == list(range(t["epochs"])), (t, epochs)
+            # a stopped trial may have streamed an epoch or two Tune had not seen yet when it stopped it
+            assert epochs == list(range(len(epochs))) and len(epochs) >= t["epochs"] >= 1, (t, epochs)
         png = c.request("GET", f"/v1/sweeps/{sweep}/plot.png").content
         assert png[:4] == b"\x89PNG"
