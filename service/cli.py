@@ -1,10 +1,11 @@
 """``tlab``: the command line.
 
-Service commands (``up``, ``submit``, ``ls``, ``show``, ``follow``, ``cancel``, ``plot``, ``queue``,
-``cluster``, ``demo``) talk to the REST API (``--url``/``TLAB_URL``, ``--token``/``TLAB_TOKEN``; by
-default the local ``tlab up``). Commands that train or read specs in this process (``run``,
-``compare``, ``presets``, ``validate``) live in ``workers.cli`` and are handed over with ``exec`` so
-this module never imports torch, teleport or workers (DESIGN.md's wall around ``service/``).
+Service commands (``up``, ``submit``, ``ls``, ``show``, ``follow``, ``cancel``, ``plot``, ``sweep``,
+``sweeps``, ``sweep-show``, ``queue``, ``cluster``, ``demo``) talk to the REST API (``--url``/
+``TLAB_URL``, ``--token``/``TLAB_TOKEN``; by default the local ``tlab up``). Commands that train or
+read specs in this process (``run``, ``compare``, ``presets``, ``validate``) live in ``workers.cli``
+and are handed over with ``exec`` so this module never imports torch, teleport or workers
+(DESIGN.md's wall around ``service/``).
 """
 
 from __future__ import annotations
@@ -163,6 +164,61 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    import yaml
+
+    spec = _spec_from(args)
+    space_path = Path(args.space)
+    if not space_path.exists():
+        raise SystemExit(f"error: --space {space_path}: no such file (YAML: `teleport.lr: {{loguniform: [0.01, 1]}}`)")
+    space = yaml.safe_load(space_path.read_text()) or {}
+    body = {"base": spec, "search_space": space, "num_samples": args.num_samples, "metric": args.metric,
+            "mode": args.mode, "scheduler": args.scheduler, "max_concurrent_trials": args.max_concurrent,
+            "name": args.name or "", "priority": args.priority, "tags": args.tag}
+    with _client(args) as c:
+        job = c.json("POST", "/v1/sweeps", json=body)
+        print(f"{job['id']}  {job['state']}  position {_fmt(job.get('queue_position'))}", flush=True)
+        if not args.follow:
+            return 0
+        follow_one(c, job["id"])
+        return show_sweep(c, job["id"])
+
+
+def show_sweep(c: Client, sweep_id: str, as_json: bool = False) -> int:
+    view = c.json("GET", f"/v1/sweeps/{sweep_id}")
+    if as_json:
+        print(json.dumps(view, indent=2))
+        return 0
+    job = view["job"]
+    print(f"{job['id']}  {job['name']}  ({job['owner']})  {job['state']}"
+          + (f"  ({job['failure_reason']})" if job.get("failure_reason") else ""))
+    metric, best = view["metric"], view.get("best") or {}
+    rows = [("TRIAL", "STATE", "EPOCHS", f"LAST {metric}", f"BEST {metric}", "CONFIG")]
+    for t in view["trials"]:
+        mark = "*" if t["trial"] == best.get("trial") else " "
+        rows.append((f"{mark}{t['trial']}", t["state"], str(t["epochs"]), _fmt(t.get("last")), _fmt(t.get("best")),
+                     " ".join(f"{k}={_fmt(v)}" for k, v in t["config"].items())))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r[:5], widths, strict=True)) + "  " + r[5])
+    if best:
+        print(f"best: {best['trial']} ({metric} {_fmt(best.get('best'))})")
+    return 0 if job["state"] in ("succeeded", "queued", "starting", "running") else 1
+
+
+def cmd_sweep_show(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        return show_sweep(c, args.id, args.json)
+
+
+def cmd_sweeps(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        items = c.json("GET", "/v1/sweeps", params={"limit": args.limit})["items"]
+    for j in items:
+        print(f"{j['id']}  {j['state']:<10} {j['name'][:30]:<30} {j['owner']}")
+    return 0
+
+
 def cmd_get(path: str) -> Any:
     def run(args: argparse.Namespace) -> int:
         with _client(args) as c:
@@ -233,6 +289,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ids", nargs="+")
     p.add_argument("-o", "--output", default="curves.png")
     p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("sweep", help="queue a hyperparameter sweep: `tlab sweep SPEC --space SPACE.yaml [--follow]`")
+    p.add_argument("spec", nargs="?", help="the base spec: a YAML/JSON file or a preset name")
+    p.add_argument("--preset", default=None)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE")
+    p.add_argument("--space", required=True, help="YAML: dotted spec path -> {loguniform|uniform|randint: [lo, hi]} "
+                                                  "or {choice|grid: [values]}")
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--metric", default="train_loss", choices=["train_loss", "test_loss", "test_acc"])
+    p.add_argument("--mode", default="min", choices=["min", "max"])
+    p.add_argument("--scheduler", default="fifo", choices=["fifo", "asha"])
+    p.add_argument("--max-concurrent", type=int, default=1, help="trials at once (the sweep's gang)")
+    p.add_argument("--name", default=None)
+    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--tag", action="append", default=[])
+    p.add_argument("--follow", action="store_true", help="follow until it ends, then print the trials table")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("sweeps", help="your sweeps, newest first")
+    p.add_argument("--limit", type=int, default=50)
+    p.set_defaults(func=cmd_sweeps)
+
+    p = sub.add_parser("sweep-show", help="a sweep's trials table and its best trial")
+    p.add_argument("id")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_sweep_show)
 
     sub.add_parser("queue", help="the queue in start order, with why each job waits").set_defaults(
         func=cmd_get("/v1/queue"))

@@ -178,3 +178,19 @@ def test_tlab_up_prints_its_url_and_ctrl_c_stops_everything(tmp_path: Path) -> N
         httpx.get(f"{url}/healthz", timeout=5)
     time.sleep(1.0)
     assert [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
+
+
+def test_sweep_commands(api_only, tmp_path: Path) -> None:  # noqa: ANN001
+    env = {"TLAB_URL": api_only.url, "TLAB_TOKEN": api_only.stack.admin_token, "TLAB_HOME": str(tmp_path)}
+    space = tmp_path / "space.yaml"
+    space.write_text("teleport.lr: {loguniform: [0.01, 1]}\ntraining.seed: {grid: [0, 1]}\n")
+    out = tlab("sweep", "digits/teleport", "--space", str(space), "--scheduler", "asha", "--max-concurrent", "2",
+               env=env)
+    assert out.returncode == 0, out.stderr
+    sweep = out.stdout.split()[0]
+    assert sweep in tlab("sweeps", env=env).stdout
+    shown = tlab("sweep-show", sweep, env=env)
+    assert shown.returncode == 0 and "queued" in shown.stdout and "TRIAL" in shown.stdout
+    space.write_text("teleport.nope: {choice: [1]}\n")
+    bad = tlab("sweep", "digits/teleport", "--space", str(space), env=env)
+    assert bad.returncode == 1 and "search_space.teleport.nope" in bad.stderr
