@@ -66,3 +66,64 @@ def test_asha_sweep_over_teleport_lr_runs_through_the_api(stack: Stack) -> None:
             assert epochs == list(range(len(epochs))) and len(epochs) >= t["epochs"] >= 1, (t, epochs)
         png = c.request("GET", f"/v1/sweeps/{sweep}/plot.png").content
         assert png[:4] == b"\x89PNG"
+
+
+def colour_pixels(png: bytes) -> dict[str, int]:
+    """Pixels of each group's mean line (matplotlib's C0 blue, C1 orange) and of its shaded ± std band
+    (the same hue, light)."""
+    import io
+
+    import numpy as np
+    from matplotlib.image import imread
+
+    img = (imread(io.BytesIO(png), format="png")[..., :3] * 255).astype(int)
+    r, g, b = img[..., 0], img[..., 1], img[..., 2]
+
+    def near(rgb: tuple[int, int, int], tol: int = 30) -> int:
+        return int(np.sum((abs(r - rgb[0]) < tol) & (abs(g - rgb[1]) < tol) & (abs(b - rgb[2]) < tol)))
+
+    light = (r > 150) & (g > 150) & (b > 150) & ~((r > 245) & (g > 245) & (b > 245))  # tinted, not white
+    return {"blue line": near((31, 119, 180)), "orange line": near((255, 127, 14)),
+            "blue band": int(np.sum(light & (b - r > 20))), "orange band": int(np.sum(light & (r - b > 30)))}
+
+
+@pytest.mark.slow
+def test_teleport_on_off_over_seeds_gives_two_bands(stack: Stack) -> None:
+    from api_schemas.presets import preset
+
+    # the digits demo (MLP [256, 256], SGD 0.05), where teleport visibly changes the first epochs
+    base = preset("digits/teleport")
+    base["training"]["epochs"] = 3
+    base["teleport"].update(epochs=[0, 1], batches=8)
+    base["resources"] = {"cpus_per_worker": 0.9}
+    body = {"base": base, "search_space": {"teleport.enabled": {"grid": [True, False]},
+                                           "training.seed": {"grid": [0, 1]}}, "max_concurrent_trials": 2}
+    with Client(stack.url, stack.admin_token) as c:
+        sweep = c.json("POST", "/v1/sweeps", json=body)["id"]
+        list(c.events(sweep))
+        view = c.json("GET", f"/v1/sweeps/{sweep}")
+        assert view["job"]["state"] == "succeeded" and len(view["trials"]) == 4
+        assert all(t["state"] == "succeeded" and t["epochs"] == 3 for t in view["trials"])
+        png = c.request("GET", f"/v1/sweeps/{sweep}/plot.png").content
+    px = colour_pixels(png)
+    # two groups (teleport on / off), each a mean line and a shaded band over the seeds (a band can be
+    # thin: seeds that barely differ give a small std)
+    assert px["blue line"] > 300 and px["orange line"] > 300, px
+    assert px["blue band"] > 100 and px["orange band"] > 100, px
+
+
+def test_colour_check_tells_one_band_from_two() -> None:
+    import io
+
+    from plots.curves import plot_bands
+
+    def recs(scale: float, seed: int) -> list[dict]:
+        return [{"kind": "epoch", "epoch": e, "train_loss": scale * (1 + 0.2 * seed) / (e + 1),
+                 "test_loss": scale * (1.1 + 0.1 * seed) / (e + 1)} for e in range(3)]
+
+    one, two = io.BytesIO(), io.BytesIO()
+    plot_bands({"a": [recs(1, 0), recs(1, 1)]}, one, fmt="png")
+    plot_bands({"a": [recs(1, 0), recs(1, 1)], "b": [recs(2, 0), recs(2, 1)]}, two, fmt="png")
+    single, double = colour_pixels(one.getvalue()), colour_pixels(two.getvalue())
+    assert single["orange line"] < 50 and single["orange band"] < 50 and single["blue band"] > 1000
+    assert double["orange line"] > 300 and double["orange band"] > 1000
