@@ -127,3 +127,32 @@ def test_colour_check_tells_one_band_from_two() -> None:
     single, double = colour_pixels(one.getvalue()), colour_pixels(two.getvalue())
     assert single["orange line"] < 50 and single["orange band"] < 50 and single["blue band"] > 1000
     assert double["orange line"] > 300 and double["orange band"] > 1000
+
+
+@pytest.mark.slow
+def test_cancelling_a_sweep_stops_every_trial(stack: Stack) -> None:
+    import time
+
+    import redis
+
+    from api_schemas import keys
+
+    base = tiny(training={"epochs": 300}, resources={"cpus_per_worker": 0.9})
+    body = {"base": base, "search_space": {"training.seed": {"grid": [0, 1, 2, 3]}}, "max_concurrent_trials": 2}
+    with Client(stack.url, stack.admin_token) as c:
+        sweep = c.json("POST", "/v1/sweeps", json=body)["id"]
+        running: set[str] = set()
+        for event in c.events(sweep):  # until two trials are training
+            if event.kind == "metric":
+                running.add(event.data["trial"])
+                if len(running) == 2:
+                    break
+        assert c.json("DELETE", f"/v1/sweeps/{sweep}")["state"] in {"starting", "running"}
+        events = list(c.events(sweep))
+        assert events[-1].data["state"] == "cancelled"
+        r = redis.Redis.from_url(stack.redis_url or "")
+        length = r.xlen(keys.events(sweep))
+        time.sleep(5.0)
+        assert r.xlen(keys.events(sweep)) == length  # no trial is still training and reporting
+        trials = c.json("GET", f"/v1/sweeps/{sweep}")["trials"]
+        assert all(t["epochs"] < 300 for t in trials) and len(trials) <= 4
