@@ -282,7 +282,8 @@ def add_routes(app: FastAPI) -> None:  # noqa: C901 - the route table reads best
             response.status_code = 200
             return DryRun(demand=demand, fits_ever=why is None, fits_now=placement is not None,
                           placement=placement or [],
-                          reason=why or (None if placement else "no room now: it would wait in the queue"))
+                          reason=why or (None if placement else "no room now: it would wait in the queue" if nodes
+                                         else "the cluster is not known yet: no scheduler has reported"))
         if why:
             raise DoesNotFit(f"this experiment can never fit the cluster: {why}", field="spec.resources")
         job_id, created, qlen, now = st.store.submit(user.name, body, idempotency_key)
