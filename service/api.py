@@ -286,15 +286,22 @@ def add_routes(app: FastAPI) -> None:  # noqa: C901 - the route table reads best
                                          else "the cluster is not known yet: no scheduler has reported"))
         if why:
             raise DoesNotFit(f"this experiment can never fit the cluster: {why}", field="spec.resources")
+        return queue_job(st, user, body, response, idempotency_key)
+
+    def queue_job(st: State, user: UserPublic, body: ExperimentSubmit | SweepSubmit, response: Response,
+                  idempotency_key: str | None) -> JobView:
+        """Queue it; an Idempotency-Key replay answers 200 with the original job."""
         job_id, created, qlen, now = st.store.submit(user.name, body, idempotency_key)
         if not created:
             response.status_code = 200
             response.headers["Idempotent-Replayed"] = "true"
             return st.store.view(job_id, with_progress=False)
         st.submissions.inc()
-        return JobView(id=job_id, name=body.name or job_id, owner=user.name, state=JobState.QUEUED,
-                       priority=body.priority, tags=body.tags, spec=body.spec, demand=demand, created_at=now,
-                       queue_position=qlen, pending_reason="waiting for the scheduler's next decision")
+        spec = body.spec if isinstance(body, ExperimentSubmit) else body.base
+        return JobView(id=job_id, kind="experiment" if isinstance(body, ExperimentSubmit) else "sweep",
+                       name=body.name or job_id, owner=user.name, state=JobState.QUEUED, priority=body.priority,
+                       tags=body.tags, spec=spec, demand=demand_of(body), created_at=now, queue_position=qlen,
+                       pending_reason="waiting for the scheduler's next decision")
 
     def list_jobs(st: State, user: UserPublic, kind: str, state: JobState | None, owner: str | None,
                   tag: str | None, cursor: str | None, limit: int) -> JobList:
@@ -433,13 +440,7 @@ def add_routes(app: FastAPI) -> None:  # noqa: C901 - the route table reads best
         if why:
             raise DoesNotFit(f"max_concurrent_trials={body.max_concurrent_trials} trials at once can never fit the "
                              f"cluster: {why} (or lower max_concurrent_trials)", field="max_concurrent_trials")
-        job_id, created, _qlen, _now = st.store.submit(user.name, body, idempotency_key)
-        if created:
-            st.submissions.inc()
-        else:
-            response.status_code = 200
-            response.headers["Idempotent-Replayed"] = "true"
-        return st.store.view(job_id, with_progress=False)
+        return queue_job(st, user, body, response, idempotency_key)
 
     @app.get("/v1/sweeps", tags=["sweeps"])
     def list_sweeps(st: StateDep, user: CurrentUser, state: JobState | None = None, owner: str | None = None,

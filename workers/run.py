@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable
 
 import redis
 
@@ -42,8 +43,11 @@ def load_job_spec(client: redis.Redis, job_id: str) -> ExperimentSpec:
     return ExperimentSpec.model_validate_json(raw)
 
 
-def run_job(job_id: str, redis_url: str, storage: str, max_failures: int = 3) -> dict:
-    """Train the job's spec on the current Ray cluster; return the summary (raises on failure)."""
+def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None = None) -> dict:
+    """Train the job's spec on the current Ray cluster; return the summary (raises on failure).
+    ``max_failures`` (worker restarts) defaults to ``TLAB_MAX_FAILURES``, else 3."""
+    if max_failures is None:
+        max_failures = int(os.environ.get("TLAB_MAX_FAILURES", "3"))
     import ray
 
     from workers.ray_train import build_trainer
@@ -62,8 +66,10 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int = 3) ->
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workers.run", description=__doc__.splitlines()[0])
+def job_main(prog: str, description: str, run: Callable[[str, str, str], dict], argv: list[str] | None) -> int:
+    """What a Ray job's entrypoint does around ``run(job_id, redis_url, storage)``: status events, and
+    every failure turned into a reason the user can read (the last ``log`` event)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--job", required=True, help="the job id (its spec is in Redis)")
     args = parser.parse_args(argv)
     try:
@@ -74,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     sink = RedisSink(redis_url, args.job)
     sink.emit({"kind": "status", "state": "running", "pid": os.getpid()})
     try:
-        summary = run_job(args.job, redis_url, storage, int(os.environ.get("TLAB_MAX_FAILURES", "3")))
+        summary = run(args.job, redis_url, storage)
     except SetupError as err:
         sink.emit({"kind": "log", "level": "error", "message": str(err)})
         print(f"error: {err}", file=sys.stderr)
@@ -89,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     sink.emit({"kind": "status", "state": "finished", "summary": summary})
     sink.close()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return job_main("python -m workers.run", __doc__.splitlines()[0], run_job, argv)
 
 
 if __name__ == "__main__":

