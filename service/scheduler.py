@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from typing import Protocol
@@ -32,6 +31,7 @@ from service import policy
 from service.policy import ActiveJob, Node, QueuedJob
 from service.ray_cluster import RAY_ACTIVE, ClusterSource, RayJobs, RayNodes, StaticCluster
 from service.settings import Settings
+from service.signals import stop_on_signals
 from service.store import Store
 
 log = logging.getLogger("tlab.scheduler")
@@ -235,27 +235,23 @@ def serve(settings: Settings) -> None:
     r = scheduler.store.r
     lock_ttl = max(15.0, 5 * settings.tick_s)  # longer than a slow tick (a Ray submit can take 10 s)
     lock = r.lock(keys.scheduler_lock(), timeout=lock_ttl, thread_local=False)
-    stop = False
+    stop = stop_on_signals()
 
-    def _stop(*_: object) -> None:
-        nonlocal stop
-        stop = True
+    def take_lock() -> None:
+        while not stop.is_set() and not lock.acquire(blocking=True, blocking_timeout=1.0):
+            pass
 
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
     log.info("scheduler waiting for the lock")
-    while not stop and not lock.acquire(blocking=True, blocking_timeout=1.0):
-        pass
+    take_lock()
     log.info("scheduler holds the lock; Redis %s, Ray %s", settings.redis_url, settings.ray_address)
     try:
-        while not stop:
+        while not stop.is_set():
             try:
                 scheduler.tick()
                 lock.reacquire()
             except LockError:  # the lock expired (a long tick, a Redis restart): take it again first
                 log.warning("lost the scheduler lock; waiting to take it again")
-                while not stop and not lock.acquire(blocking=True, blocking_timeout=1.0):
-                    pass
+                take_lock()
                 continue
             except redis.ConnectionError:
                 log.warning("Redis unreachable; retrying")

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import redis
 
+from service.signals import stop_on_signals
 from service.store import Store
 
 ADMIN = "admin"
@@ -204,14 +205,7 @@ def up(home: Path, port: int | None, num_cpus: int | None) -> int:
     """Start the stack and wait for Ctrl-C (or SIGTERM)."""
     stack = Stack(home, port=port, redis_url=os.environ.get("REDIS_URL") or None,
                   ray_address=os.environ.get("RAY_ADDRESS") or None, num_cpus=num_cpus)
-    stopping = False
-
-    def _stop(*_: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stopping = stop_on_signals()
     print(f"starting Teleport Lab in {home} (logs: {stack.logs}) ...", file=sys.stderr, flush=True)
     try:
         stack.start()
@@ -219,13 +213,13 @@ def up(home: Path, port: int | None, num_cpus: int | None) -> int:
               f"  redis {stack.redis_url}   ray {stack.ray_address}\n"
               f"  admin token: {home / 'admin.token'}   (tlab reads it from there)\n"
               "Ctrl-C stops everything.", flush=True)
-        while not stopping:
+        while not stopping.is_set():
             for name, proc in list(stack.procs.items()):
                 if proc.poll() is not None:
                     print(f"{name} exited ({proc.returncode}); see {stack.logs / (name + '.log')}. "
                           "Stopping.", file=sys.stderr)
-                    stopping = True
-            time.sleep(0.5)
+                    stopping.set()
+            stopping.wait(0.5)
     finally:
         print("stopping ...", file=sys.stderr, flush=True)
         stack.stop()

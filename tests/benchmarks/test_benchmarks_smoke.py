@@ -14,12 +14,6 @@ import torch
 from benchmarks import fig5_scaling, run_all, step_cost
 
 
-@pytest.fixture()
-def results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("BENCH_RESULTS_DIR", str(tmp_path))
-    return tmp_path
-
-
 def _load(path: Path) -> dict:
     body = json.loads(path.read_text())
     assert {"benchmark", "machine"} <= body.keys()

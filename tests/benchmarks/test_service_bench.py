@@ -12,12 +12,6 @@ from benchmarks import run_all, service_bench
 from benchmarks.service_bench import Sizes
 
 
-@pytest.fixture()
-def results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("BENCH_RESULTS_DIR", str(tmp_path))
-    return tmp_path
-
-
 def _load(path: Path) -> dict:
     body = json.loads(path.read_text())
     assert body["benchmark"] == "service" and body["quick"] is True
