@@ -81,7 +81,7 @@ def test_submit_run_follow_and_resume_exactly_once(stack: Stack) -> None:
 
 def test_cancel_a_running_job_stops_its_ray_job(stack: Stack) -> None:
     with Client(stack.url, stack.admin_token) as c:
-        job = c.submit(tiny(training={"epochs": 500}))["id"]
+        job = c.submit(tiny(training={"epochs": 100_000}))["id"]
         for event in c.events(job):
             if event.kind == "metric":
                 break
@@ -89,7 +89,7 @@ def test_cancel_a_running_job_stops_its_ray_job(stack: Stack) -> None:
         events = list(c.events(job))
         assert events[-1].kind == "end" and events[-1].data["state"] == "cancelled"
         view = c.get(job)
-        assert view["state"] == "cancelled" and view["progress"]["epoch"] < 500
+        assert view["state"] == "cancelled" and view["progress"]["epoch"] < 100_000
         assert ray_jobs_of(stack, job) == [{"id": view["ray_job_id"], "status": "STOPPED"}]
 
 
@@ -161,7 +161,7 @@ def test_queue_says_why_jobs_wait_quota_and_room(stack: Stack) -> None:
     api = Api(stack)
     alice_token = api.add_user("alice", max_running_jobs=1)
     with Client(stack.url, alice_token) as alice, Client(stack.url, stack.admin_token) as admin:
-        long = alice.submit(tiny(training={"epochs": 400}))["id"]
+        long = alice.submit(tiny(training={"epochs": 100_000}))["id"]
         wait_state(alice, long, {"running"})
         second = alice.submit(tiny(training={"epochs": 1}))["id"]
         big = admin.submit(tiny(training={"epochs": 1}, resources={"workers": 2}))["id"]  # the head has 2 CPUs

@@ -137,7 +137,9 @@ def test_cancelling_a_sweep_stops_every_trial(stack: Stack) -> None:
 
     from api_schemas import keys
 
-    base = tiny(training={"epochs": 300}, resources={"cpus_per_worker": 0.9})
+    # tiny epochs take ~20 ms, and the second trial's workers need ~10 s to start: the first trial must
+    # not be able to finish meanwhile
+    base = tiny(training={"epochs": 100_000}, resources={"cpus_per_worker": 0.9})
     body = {"base": base, "search_space": {"training.seed": {"grid": [0, 1, 2, 3]}}, "max_concurrent_trials": 2}
     with Client(stack.url, stack.admin_token) as c:
         sweep = c.json("POST", "/v1/sweeps", json=body)["id"]
@@ -155,4 +157,4 @@ def test_cancelling_a_sweep_stops_every_trial(stack: Stack) -> None:
         time.sleep(5.0)
         assert r.xlen(keys.events(sweep)) == length  # no trial is still training and reporting
         trials = c.json("GET", f"/v1/sweeps/{sweep}")["trials"]
-        assert all(t["epochs"] < 300 for t in trials) and len(trials) <= 4
+        assert all(t["epochs"] < 100_000 and t["state"] != "succeeded" for t in trials) and len(trials) <= 4, trials
