@@ -195,6 +195,9 @@ class TrialRow(_Strict):
     last: float | None = None
     best: float | None = None
     stopped_early: bool = False
+    summary: dict[str, float | int | None] = Field(
+        default_factory=dict, description="the run summary as of the trial's latest epoch (final_train_loss, "
+                                          "epochs_to_target, seconds, teleport_share, ...)")
 
 
 class SweepView(_Strict):
@@ -205,3 +208,24 @@ class SweepView(_Strict):
     mode: str
     trials: list[TrialRow]
     best: TrialRow | None = None
+
+
+class StudyGroup(_Strict):
+    """Trials that differ only in ``training.seed``: their summaries, mean ± std over seeds."""
+
+    label: str
+    config: dict[str, Any]
+    trials: list[str]
+    stats: dict[str, dict[str, float | int | None]]
+    runs: list[dict[str, float | int | None]]
+
+
+class StudyView(_Strict):
+    """``GET /v1/sweeps/{id}/study``: the paper-style table of a sweep, one row per setting of the
+    non-seed parameters (``tlab compare`` prints ``table``)."""
+
+    id: str
+    seeds: int
+    target_loss: float | None
+    groups: list[StudyGroup]
+    table: str

@@ -35,6 +35,8 @@ from api_schemas.jobs import (
     QueueEntry,
     QueueView,
     Role,
+    StudyGroup,
+    StudyView,
     SweepView,
     TrialRow,
     UserCreate,
@@ -478,6 +480,19 @@ def add_routes(app: FastAPI) -> None:  # noqa: C901 - the route table reads best
         await run_in_threadpool(own_sweep, st, user, sweep_id)
         return await events(sweep_id, st, user, last_event_id)
 
+    def seed_groups(sweep: SweepSubmit, rows: list[TrialRow]) -> dict[str, list[TrialRow]]:
+        """Trials grouped by their non-seed parameters (each trial alone when the space has no seed)."""
+        groups: dict[str, list[TrialRow]] = {}
+        for t in rows:
+            if "training.seed" not in sweep.search_space:
+                groups[t.trial] = [t]
+                continue
+            rest = {k: v for k, v in t.config.items() if k != "training.seed"}
+            label = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                              for k, v in sorted(rest.items())) or "all"
+            groups.setdefault(label, []).append(t)
+        return groups
+
     @app.get("/v1/sweeps/{sweep_id}/plot.png", tags=["sweeps"], responses={200: {"content": {"image/png": {}}}})
     def sweep_plot(sweep_id: str, st: StateDep, user: CurrentUser) -> Response:
         """Every trial's curves; with ``training.seed`` in the space, mean ± std bands per setting of the rest."""
@@ -489,19 +504,33 @@ def add_routes(app: FastAPI) -> None:  # noqa: C901 - the route table reads best
         for rec in job_records(st, sweep_id):
             if rec.get("trial"):
                 by_trial.setdefault(rec["trial"], []).append(rec)
-        configs = {t.trial: t.config for t in trial_rows(st, sweep_id)}
+        rows = [t for t in trial_rows(st, sweep_id) if t.trial in by_trial]
         buf = io.BytesIO()
         if "training.seed" in sweep.search_space:
-            groups: dict[str, list[list[dict[str, Any]]]] = {}
-            for trial, recs in sorted(by_trial.items()):
-                rest = {k: v for k, v in configs.get(trial, {}).items() if k != "training.seed"}
-                label = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                                  for k, v in sorted(rest.items())) or "all"
-                groups.setdefault(label, []).append(recs)
-            plot_bands(groups, buf, title=f"sweep {sweep_id}: mean ± std over training.seed", fmt="png")
+            bands = {label: [by_trial[t.trial] for t in ts] for label, ts in seed_groups(sweep, rows).items()}
+            plot_bands(bands, buf, title=f"sweep {sweep_id}: mean ± std over training.seed", fmt="png")
         else:
-            plot_curves({t: by_trial[t] for t in sorted(by_trial)}, buf, title=f"sweep {sweep_id}", fmt="png")
+            plot_curves({t.trial: by_trial[t.trial] for t in rows}, buf, title=f"sweep {sweep_id}", fmt="png")
         return Response(buf.getvalue(), media_type="image/png")
+
+    @app.get("/v1/sweeps/{sweep_id}/study", tags=["sweeps"])
+    def sweep_study(sweep_id: str, st: StateDep, user: CurrentUser) -> StudyView:
+        """The paper-style table: per setting of the non-seed parameters, mean ± std over seeds of the final
+        train/test loss and accuracy, epochs and seconds to ``training.target_loss``, teleport's share of time."""
+        from plots.tables import compare_table, group_stats
+
+        data = own_sweep(st, user, sweep_id)
+        sweep = SweepSubmit.model_validate_json(data["sweep"])
+        groups = seed_groups(sweep, trial_rows(st, sweep_id))
+        seeds = max((len(ts) for ts in groups.values()), default=0)
+        target = sweep.base.training.target_loss
+        runs = {label: [t.summary for t in ts] for label, ts in groups.items()}
+        return StudyView(
+            id=sweep_id, seeds=seeds, target_loss=target,
+            groups=[StudyGroup(label=label, config={k: v for k, v in ts[0].config.items() if k != "training.seed"},
+                               trials=[t.trial for t in ts], stats=group_stats(runs[label]), runs=runs[label])
+                    for label, ts in groups.items()],
+            table=compare_table(runs, seeds, target) if groups else "(no trial has reported yet)")
 
     # ---- queue, cluster, presets -----------------------------------------------------------------
     @app.get("/v1/queue", tags=["cluster"])

@@ -1,9 +1,9 @@
 """``tlab``: the command line.
 
 Service commands (``up``, ``submit``, ``ls``, ``show``, ``follow``, ``cancel``, ``plot``, ``sweep``,
-``sweeps``, ``sweep-show``, ``queue``, ``cluster``, ``demo``) talk to the REST API (``--url``/
+``sweeps``, ``sweep-show``, ``compare``, ``queue``, ``cluster``, ``demo``) talk to the REST API (``--url``/
 ``TLAB_URL``, ``--token``/``TLAB_TOKEN``; by default the local ``tlab up``). Commands that train or
-read specs in this process (``run``, ``compare``, ``presets``, ``validate``) live in ``workers.cli``
+read specs in this process (``run``, ``compare --local``, ``presets``, ``validate``) live in ``workers.cli``
 and are handed over with ``exec`` so this module never imports torch, teleport or workers
 (DESIGN.md's wall around ``service/``).
 """
@@ -22,7 +22,6 @@ from service.client import ApiError, Client, home
 # command -> one-line help; each runs as `python -m workers.cli COMMAND ...` (its own --help has the details)
 WORKER_COMMANDS = {
     "run": "train one spec in this process: `tlab run SPEC --local [--out DIR] [--set path=value ...]`",
-    "compare": "with vs without teleport over seeds, in this process: `tlab compare SPEC [--seeds N]`",
     "presets": "list the presets (paper table rows and fast digits demos)",
     "validate": "print the normalized spec, or one line per wrong field",
 }
@@ -228,6 +227,12 @@ def cmd_get(path: str) -> Any:
     return run
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from service.compare import cmd_compare as compare
+
+    return compare(args, _spec_from(args), _client(args))
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from service.demo import main as demo
 
@@ -321,6 +326,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("cluster", help="nodes, free CPUs/GPUs, running experiments").set_defaults(
         func=cmd_get("/v1/cluster"))
 
+    def spec_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("spec", nargs="?", help="a YAML/JSON spec file or a preset name")
+        p.add_argument("--preset", default=None)
+        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE")
+
+    from service.compare import add_parser as add_compare
+
+    add_compare(sub, spec_args, cmd_compare)
+
     p = sub.add_parser("demo", help="start the embedded stack, run digits with and without teleport through "
                                     "the API, follow both, plot and compare")
     p.add_argument("--home", default=None, help="stack data folder (default: runs/demo)")
@@ -341,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in WORKER_COMMANDS:
         exec_worker_cli(argv)
+    if argv and argv[0] == "compare" and "--local" in argv:  # the in-process study
+        exec_worker_cli([a for a in argv if a != "--local"])
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:

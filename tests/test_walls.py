@@ -15,6 +15,7 @@ FORBIDDEN = {
     "workers": ["fastapi", "service"],
     "service": ["torch", "teleport", "workers"],
     "plots.curves": ["torch", "ray", "redis", "fastapi", "teleport", "workers", "service", "api_schemas"],
+    "plots.tables": ["torch", "ray", "redis", "fastapi", "teleport", "workers", "service", "api_schemas", "matplotlib"],
 }
 
 

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,6 +23,7 @@ from typing import Any
 import yaml
 
 from api_schemas import ExperimentSpec, SpecError, load_spec
+from plots.tables import compare_table, group_stats
 
 RUNS_DIR = Path("runs")
 
@@ -89,51 +88,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(_describe(summary))
     print(f"wrote {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'curves.png'}")
     return 0
-
-
-def _stats(values: list[float]) -> dict[str, float | int | None]:
-    values = [v for v in values if v is not None and math.isfinite(v)]
-    if not values:
-        return {"mean": None, "std": None, "n": 0}
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return {"mean": statistics.fmean(values), "std": std, "n": len(values)}
-
-
-def _pm(s: dict[str, Any], digits: int = 4) -> str:
-    return "-" if s["mean"] is None else f"{s['mean']:.{digits}g} ± {s['std']:.3g}"
-
-
-COMPARE_METRICS = ("final_train_loss", "final_test_loss", "final_test_acc", "best_test_loss",
-                   "epochs_to_target", "seconds_to_target", "teleport_share", "seconds")
-
-
-def group_stats(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {m: _stats([s.get(m) for s in runs]) for m in COMPARE_METRICS}
-
-
-def compare_table(groups: dict[str, list[dict[str, Any]]], seeds: int, target: float | None) -> str:
-    """One row per group, mean ± std over seeds; to-target columns count only the seeds that got there."""
-    stats = {label: group_stats(runs) for label, runs in groups.items()}
-    header = ["run", "train loss", "test loss", "test acc"]
-    if target is not None:
-        header += [f"epochs to {target:g}", f"seconds to {target:g}"]
-    header += ["teleport share", "seconds"]
-    diverged = any(s.get("diverged") for runs in groups.values() for s in runs)
-    if diverged:
-        header.append("diverged")
-    rows = [header]
-    for label, st in stats.items():
-        row = [label, _pm(st["final_train_loss"]), _pm(st["final_test_loss"]), _pm(st["final_test_acc"], 3)]
-        if target is not None:
-            reached = f" ({st['epochs_to_target']['n']}/{seeds})"
-            row += [_pm(st["epochs_to_target"], 3) + reached, _pm(st["seconds_to_target"], 3) + reached]
-        row += [_pm(st["teleport_share"], 2), _pm(st["seconds"], 3)]
-        if diverged:
-            row.append(f"{sum(bool(s.get('diverged')) for s in groups[label])}/{seeds}")
-        rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ import redis
 
 from api_schemas import keys
 from api_schemas.sweeps import SweepSubmit, trial_spec
+from workers.redis_sink import RedisSink
 from workers.run import SetupError, job_main
 
 
@@ -38,9 +39,15 @@ def _finite(x: Any) -> float | None:
     return float(x) if isinstance(x, int | float) and math.isfinite(x) else None
 
 
+# what a trial's row keeps of its latest result: the run summary so far (``workers.local.summarize``)
+SUMMARY_KEYS = ("epochs", "final_train_loss", "final_test_loss", "final_test_acc", "best_test_loss",
+                "best_test_acc", "final_test_ppl", "seconds", "teleport_seconds", "teleport_share",
+                "teleport_batches", "target_loss", "epochs_to_target", "seconds_to_target")
+
+
 class TrialTable:
     """A Tune callback that keeps the trials table in Redis: config, state, last and best metric,
-    epochs run, and whether the scheduler stopped the trial early."""
+    epochs run, whether the scheduler stopped the trial early, and the run summary so far."""
 
     def __init__(self, redis_url: str, job_id: str, metric: str, mode: str, epochs: int) -> None:
         from ray.tune import Callback
@@ -85,6 +92,8 @@ class TrialTable:
             row["last"] = value
             if value is not None and (row["best"] is None or (value < row["best"]) == (self.mode == "min")):
                 row["best"] = value
+            row["summary"] = {k: result[k] if isinstance(result[k], int) else _finite(result[k])
+                              for k in SUMMARY_KEYS if k in result}
         if state == "done":
             row["stopped_early"] = row["epochs"] < self.epochs
             row["state"] = "stopped early" if row["stopped_early"] else "succeeded"
@@ -110,6 +119,9 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
     epochs = sweep.base.training.epochs
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
+    # Tune's experiment state (which trials exist, which ended) is saved every 2 s instead of every
+    # 10+: a sweep whose driver dies (the cluster restarted) resumes from at most 2 s ago
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")
 
     def trial(config: dict[str, Any]) -> None:
         trial_id = tune.get_context().get_trial_id()
@@ -123,13 +135,26 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
                                time_attr="epochs")
                  if sweep.scheduler == "asha" else FIFOScheduler())
     table = TrialTable(redis_url, job_id, metric, sweep.mode, epochs)
-    tuner = tune.Tuner(
-        tune.with_resources(trial, {"cpu": 0.1}),
-        param_space=param_space(sweep),
-        tune_config=tune.TuneConfig(metric=metric, mode=sweep.mode, num_samples=sweep.num_samples,
-                                    scheduler=scheduler, max_concurrent_trials=sweep.max_concurrent_trials),
-        run_config=tune.RunConfig(name=f"sweep-{job_id}", storage_path=storage, callbacks=[table.callback]),
-    )
+    trainable = tune.with_resources(trial, {"cpu": 0.1})
+    path = os.path.join(storage, f"sweep-{job_id}")
+    sink = RedisSink(redis_url, job_id)
+    if tune.Tuner.can_restore(path):
+        # an earlier attempt's driver died (the cluster restarted): Tune's saved state says which trials
+        # ended; unfinished ones run again under their own ids, and each one's TorchTrainer resumes from
+        # its last checkpoint (same name and storage path)
+        sink.emit({"kind": "log", "level": "info", "message": f"resuming the sweep from Tune's state in {path}"})
+        tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=True)
+    else:
+        # nothing to resume from: rows an earlier attempt left behind belong to trials that will not return
+        client.delete(keys.trials(job_id))
+        tuner = tune.Tuner(
+            trainable,
+            param_space=param_space(sweep),
+            tune_config=tune.TuneConfig(metric=metric, mode=sweep.mode, num_samples=sweep.num_samples,
+                                        scheduler=scheduler, max_concurrent_trials=sweep.max_concurrent_trials),
+            run_config=tune.RunConfig(name=f"sweep-{job_id}", storage_path=storage, callbacks=[table.callback]),
+        )
+    sink.close()
     results = tuner.fit()
     best = results.get_best_result(metric=metric, mode=sweep.mode, scope="all")
     summary = {"trials": len(results), "best_trial": best.path.rsplit("/", 1)[-1] if best.path else None,
