@@ -1,8 +1,10 @@
 """``tlab``: the command line.
 
 Service commands (``up``, ``submit``, ``ls``, ``show``, ``follow``, ``cancel``, ``plot``, ``sweep``,
-``sweeps``, ``sweep-show``, ``compare``, ``queue``, ``cluster``, ``demo``) talk to the REST API (``--url``/
-``TLAB_URL``, ``--token``/``TLAB_TOKEN``; by default the local ``tlab up``). Commands that train or
+``sweeps``, ``sweep-show``, ``compare``, ``queue``, ``cluster``, ``users``, ``me``, ``demo``) talk to the REST
+API (``--url``/``TLAB_URL``, ``--token``/``TLAB_TOKEN``; by default the local ``tlab up``); every read command
+takes ``--json``. ``admin bootstrap`` talks to Redis directly (deployments run it before the API starts);
+``completion`` prints a shell completion script. Commands that train or
 read specs in this process (``run``, ``compare --local``, ``presets``, ``validate``) live in ``workers.cli``
 and are handed over with ``exec`` so this module never imports torch, teleport or workers
 (DESIGN.md's wall around ``service/``).
@@ -14,6 +16,8 @@ import argparse
 import json
 import os
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,9 @@ WORKER_COMMANDS = {
     "validate": "print the normalized spec, or one line per wrong field",
 }
 TERMINAL = {"succeeded", "failed", "cancelled"}
+# the commands that talk to the API: they take --url/--token after the command name too
+SERVICE_COMMANDS = {"submit", "ls", "show", "follow", "cancel", "plot", "sweep", "sweeps", "sweep-show", "compare",
+                    "queue", "cluster", "me"}
 
 
 def _client(args: argparse.Namespace) -> Client:
@@ -44,6 +51,22 @@ def _progress(job: dict[str, Any]) -> str:
         return "-"
     text = f"{p['epoch']}/{p.get('epochs') or '?'}"
     return text + (f" loss {_fmt(p['train_loss'])}" if p.get("train_loss") is not None else "")
+
+
+def _print_table(rows: list[tuple[str, ...]]) -> None:
+    """Columns padded to their widest cell; the last one is left ragged (it holds free text)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1])
+
+
+def _print_json(data: Any) -> int:
+    print(json.dumps(data, indent=2))
+    return 0
+
+
+def _gang(demand: dict[str, Any]) -> str:
+    return f"{demand['workers']} x ({demand['cpus_per_worker']:g} CPU, {demand['gpus_per_worker']:g} GPU)"
 
 
 def _spec_from(args: argparse.Namespace) -> dict[str, Any]:
@@ -88,9 +111,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if j["state"] == "succeeded" and j.get("summary"):
             note = f"test loss {_fmt(j['summary'].get('final_test_loss'))}"
         rows.append((j["id"], j["name"][:24], j["owner"], j["state"], _progress(j), note[:60]))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    for r in rows:
-        print("  ".join(v.ljust(w) for v, w in zip(r[:5], widths, strict=True)) + "  " + r[5])
+    _print_table(rows)
     return 0
 
 
@@ -104,8 +125,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     if job["state"] == "queued":
         print(f"  position  {_fmt(job.get('queue_position'))}\n  waiting   {job.get('pending_reason')}")
     print(f"  progress  {_progress(job)}\n  attempts  {job['attempts']}   ray job {_fmt(job.get('ray_job_id'))}")
-    d = job["demand"]
-    print(f"  gang      {d['workers']} x ({d['cpus_per_worker']:g} CPU, {d['gpus_per_worker']:g} GPU)")
+    print(f"  gang      {_gang(job['demand'])}")
     if job.get("failure_reason"):
         print(f"  failed    {job['failure_reason']}")
     for k, v in (job.get("summary") or {}).items():
@@ -197,9 +217,7 @@ def show_sweep(c: Client, sweep_id: str, as_json: bool = False) -> int:
         mark = "*" if t["trial"] == best.get("trial") else " "
         rows.append((f"{mark}{t['trial']}", t["state"], str(t["epochs"]), _fmt(t.get("last")), _fmt(t.get("best")),
                      " ".join(f"{k}={_fmt(v)}" for k, v in t["config"].items())))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    for r in rows:
-        print("  ".join(v.ljust(w) for v, w in zip(r[:5], widths, strict=True)) + "  " + r[5])
+    _print_table(rows)
     if best:
         print(f"best: {best['trial']} ({metric} {_fmt(best.get('best'))})")
     return 0 if job["state"] in ("succeeded", "queued", "starting", "running") else 1
@@ -213,18 +231,151 @@ def cmd_sweep_show(args: argparse.Namespace) -> int:
 def cmd_sweeps(args: argparse.Namespace) -> int:
     with _client(args) as c:
         items = c.json("GET", "/v1/sweeps", params={"limit": args.limit})["items"]
+    if args.json:
+        return _print_json(items)
     for j in items:
         print(f"{j['id']}  {j['state']:<10} {j['name'][:30]:<30} {j['owner']}")
     return 0
 
 
-def cmd_get(path: str) -> Any:
-    def run(args: argparse.Namespace) -> int:
-        with _client(args) as c:
-            print(json.dumps(c.json("GET", path), indent=2))
+def cmd_queue(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        items = c.json("GET", "/v1/queue")["items"]
+    if args.json:
+        return _print_json(items)
+    if not items:
+        print("the queue is empty")
         return 0
+    rows = [("POS", "ID", "OWNER", "NAME", "PRIO", "GANG", "WHY IT WAITS")]
+    rows += [(str(e["position"]), e["id"], e["owner"], e["name"][:24], str(e["priority"]), _gang(e["demand"]),
+              e.get("pending_reason") or "") for e in items]
+    _print_table(rows)
+    return 0
 
-    return run
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        view = c.json("GET", "/v1/cluster")
+    if args.json:
+        return _print_json(view)
+    if not view["scheduler_alive"]:
+        print("no scheduler has reported the cluster yet (is `python -m service.scheduler` running?)")
+    print(f"CPUs {view['cpus_free']:g} free of {view['cpus_total']:g}   "
+          f"GPUs {view['gpus_free']:g} free of {view['gpus_total']:g}   "
+          f"running {len(view['running_jobs'])}")
+    if view["nodes"]:
+        rows = [("NODE", "ALIVE", "CPUS FREE/TOTAL", "GPUS FREE/TOTAL")]
+        rows += [(n["id"], "yes" if n["alive"] else "no", f"{n['cpus_free']:g}/{n['cpus_total']:g}",
+                  f"{n['gpus_free']:g}/{n['gpus_total']:g}") for n in view["nodes"]]
+        _print_table(rows)
+    for job_id in view["running_jobs"]:
+        print(f"running  {job_id}")
+    return 0
+
+
+# ---- users -------------------------------------------------------------------------------------------
+
+
+def _quota_text(quotas: dict[str, Any]) -> str:
+    return "  ".join(f"{k} {_fmt(v)}" for k, v in quotas.items())
+
+
+def _quota_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # the API names the field if a string is wrong here
+
+
+def cmd_users_create(args: argparse.Namespace) -> int:
+    quotas: dict[str, Any] = {}
+    for item in args.quota:
+        field, sep, value = item.partition("=")
+        if not sep or not field:
+            raise SystemExit(f"error: --quota {item!r}: expected FIELD=VALUE, e.g. --quota max_gpus=4")
+        quotas[field.strip()] = _quota_value(value.strip())
+    if args.max_gpus is not None:
+        quotas["max_gpus"] = args.max_gpus
+    if args.max_running_jobs is not None:
+        quotas["max_running_jobs"] = args.max_running_jobs
+    body: dict[str, Any] = {"name": args.name, "role": args.role}
+    if quotas:
+        body["quotas"] = quotas
+    with _client(args) as c:
+        created = c.json("POST", "/v1/users", json=body)
+    if args.json:
+        return _print_json(created)
+    user = created["user"]
+    print(f"{user['name']}  {user['role']}  {_quota_text(user['quotas'])}")
+    print(f"token  {created['token']}")
+    print("the token is shown only now (Redis keeps its hash): the user sets TLAB_TOKEN to it", file=sys.stderr)
+    return 0
+
+
+def cmd_users_list(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        users = c.json("GET", "/v1/users")
+    if args.json:
+        return _print_json(users)
+    rows = [("NAME", "ROLE", "CREATED", "QUOTAS")]
+    rows += [(u["name"], u["role"], time.strftime("%Y-%m-%d %H:%M", time.localtime(u["created_at"])),
+              _quota_text(u["quotas"])) for u in users]
+    _print_table(rows)
+    return 0
+
+
+def cmd_me(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        me = c.json("GET", "/v1/me")
+    if args.json:
+        return _print_json(me)
+    print(f"{me['name']}  {me['role']}  {_quota_text(me['quotas'])}  at {c.url}")
+    return 0
+
+
+def cmd_admin_bootstrap(args: argparse.Namespace) -> int:
+    """Create the admin user, or point its token at ``TLAB_ADMIN_TOKEN``, straight in Redis (safe to repeat)."""
+    import redis
+
+    from service.store import Store
+
+    token = os.environ.get("TLAB_ADMIN_TOKEN", "").strip()
+    if not token:
+        raise SystemExit("error: TLAB_ADMIN_TOKEN is empty: set it (compose: .env; Kubernetes: the admin-token "
+                         "key of Secret tlab-secrets) to the admin's bearer token")
+    url = args.redis_url or os.environ.get("REDIS_URL", "")
+    if not url:
+        raise SystemExit("error: REDIS_URL is not set: give --redis-url redis://HOST:6379/0 or set REDIS_URL")
+    store = Store.from_url(url)
+    try:
+        existing = store.user(args.name)
+        if existing is not None and existing.role != "admin":
+            raise SystemExit(f"error: --name: user {args.name!r} exists with role {existing.role}, not admin: "
+                             "pick another name")
+        store.ensure_admin(args.name, token)
+    except redis.RedisError as err:
+        raise SystemExit(f"error: REDIS_URL: cannot use Redis: {err}") from None
+    print(f"admin {args.name!r} {'token re-pointed' if existing else 'created'}; it signs in with TLAB_ADMIN_TOKEN")
+    return 0
+
+
+def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    yield parser
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        for child in getattr(action, "choices", {}).values():
+            yield from _parsers(child)
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    import shtab
+
+    parser = build_parser()
+    for p in _parsers(parser):  # file names where a file goes (SPEC is a file or a preset name)
+        for action in p._actions:
+            if action.dest in ("spec", "space", "output"):
+                action.complete = shtab.FILE  # type: ignore[attr-defined]
+    print(shtab.complete(parser, shell=args.shell), end="")
+    return 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -314,6 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sweeps", help="your sweeps, newest first")
     p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_sweeps)
 
     p = sub.add_parser("sweep-show", help="a sweep's trials table and its best trial")
@@ -321,10 +473,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_sweep_show)
 
-    sub.add_parser("queue", help="the queue in start order, with why each job waits").set_defaults(
-        func=cmd_get("/v1/queue"))
-    sub.add_parser("cluster", help="nodes, free CPUs/GPUs, running experiments").set_defaults(
-        func=cmd_get("/v1/cluster"))
+    p = sub.add_parser("queue", help="the queue in start order, with why each job waits")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_queue)
+
+    p = sub.add_parser("cluster", help="nodes, free CPUs/GPUs, running experiments")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_cluster)
+
+    add_user_commands(sub)
 
     def spec_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("spec", nargs="?", help="a YAML/JSON spec file or a preset name")
@@ -341,9 +498,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=20)
     p.set_defaults(func=cmd_demo)
 
+    p = sub.add_parser("completion", help="print a shell completion script: `eval \"$(tlab completion bash)\"`")
+    p.add_argument("shell", choices=["bash", "zsh", "tcsh"])
+    p.set_defaults(func=cmd_completion)
+
     for name, text in WORKER_COMMANDS.items():
         sub.add_parser(name, help=text, add_help=False)
+    for name, p in sub.choices.items():  # `tlab ls --url U` as well as `tlab --url U ls`
+        if name in SERVICE_COMMANDS and "--url" not in p._option_string_actions:
+            add_remote_args(p)
     return parser
+
+
+def add_remote_args(p: argparse.ArgumentParser) -> None:
+    """``--url``/``--token`` after the command too; SUPPRESS keeps a value given before the command."""
+    p.add_argument("--url", default=argparse.SUPPRESS, help="the API (default: TLAB_URL, else the local `tlab up`)")
+    p.add_argument("--token", default=argparse.SUPPRESS, help="bearer token (default: TLAB_TOKEN)")
+
+
+def add_user_commands(sub: Any) -> None:
+    users = sub.add_parser("users", help="(admins) create users with quotas, list them")
+    users_sub = users.add_subparsers(dest="users_command", metavar="ACTION", required=True)
+    p = users_sub.add_parser("create", help="create a user; prints its token once")
+    p.add_argument("name", help="lower-case login name")
+    p.add_argument("--role", default="user", choices=["user", "admin"])
+    p.add_argument("--max-gpus", type=float, default=None, help="GPUs its starting/running jobs may hold at once")
+    p.add_argument("--max-running-jobs", type=int, default=None, help="jobs it may have starting/running at once")
+    p.add_argument("--quota", action="append", default=[], metavar="FIELD=VALUE",
+                   help="any quota field the API takes (GET /docs: Quotas)")
+    p.add_argument("--json", action="store_true", help="print {user, token} as JSON")
+    p.set_defaults(func=cmd_users_create)
+    p = users_sub.add_parser("list", help="every user, role and quotas")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_users_list)
+    for p in users_sub.choices.values():
+        add_remote_args(p)
+
+    p = sub.add_parser("me", help="who the token belongs to, and its quotas")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_me)
+
+    admin = sub.add_parser("admin", help="deployment chores that talk to Redis directly")
+    admin_sub = admin.add_subparsers(dest="admin_command", metavar="ACTION", required=True)
+    p = admin_sub.add_parser("bootstrap", help="create the admin user, or point its token at TLAB_ADMIN_TOKEN "
+                                               "(REDIS_URL); safe to run at every start")
+    p.add_argument("--name", default="admin", help="the admin's user name (default: admin)")
+    p.add_argument("--redis-url", default=None, help="default: REDIS_URL")
+    p.set_defaults(func=cmd_admin_bootstrap)
 
 
 def exec_worker_cli(argv: list[str]) -> None:
@@ -353,6 +554,11 @@ def exec_worker_cli(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["presets"] and "--json" in argv:  # the same {name: {note, spec}} as GET /v1/presets
+        from api_schemas.presets import PRESET_NOTES, PRESETS
+
+        return _print_json({name: {"note": PRESET_NOTES.get(name, ""), "spec": spec}
+                            for name, spec in sorted(PRESETS.items())})
     if argv and argv[0] in WORKER_COMMANDS:
         exec_worker_cli(argv)
     if argv and argv[0] == "compare" and "--local" in argv:  # the in-process study
