@@ -79,7 +79,10 @@ class TrialTable:
     @property
     def r(self) -> redis.Redis:
         if self._r is None:
-            self._r = redis.Redis.from_url(self.redis_url, decode_responses=True)
+            # a callback restored from Tune's saved state carries the address an earlier attempt had: the
+            # service's Redis may have moved since (a restarted stack), and REDIS_URL names it now
+            url = os.environ.get("REDIS_URL") or self.redis_url
+            self._r = redis.Redis.from_url(url, decode_responses=True)
         return self._r
 
     def update(self, trial: Any, state: str | None = None, result: dict | None = None) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from service.client import Client
@@ -88,26 +90,39 @@ def colour_pixels(png: bytes) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_teleport_on_off_over_seeds_gives_two_bands(stack: Stack) -> None:
-    from api_schemas.presets import preset
+def test_tlab_compare_runs_the_study_as_a_sweep_with_a_table_and_two_bands(
+        stack: Stack, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`tlab compare --seeds 2` through the service: a teleport on/off × seed sweep, the study table (mean ±
+    std over seeds), and the band plot (two groups, each a mean line and a shaded band)."""
+    import json
+
+    from service.cli import main
 
     # the digits demo (MLP [256, 256], SGD 0.05), where teleport visibly changes the first epochs
-    base = preset("digits/teleport")
-    base["training"]["epochs"] = 3
-    base["teleport"].update(epochs=[0, 1], batches=8)
-    base["resources"] = {"cpus_per_worker": 0.9}
-    body = {"base": base, "search_space": {"teleport.enabled": {"grid": [True, False]},
-                                           "training.seed": {"grid": [0, 1]}}, "max_concurrent_trials": 2}
-    with Client(stack.url, stack.admin_token) as c:
-        sweep = c.json("POST", "/v1/sweeps", json=body)["id"]
-        list(c.events(sweep))
-        view = c.json("GET", f"/v1/sweeps/{sweep}")
-        assert view["job"]["state"] == "succeeded" and len(view["trials"]) == 4
-        assert all(t["state"] == "succeeded" and t["epochs"] == 3 for t in view["trials"])
-        png = c.request("GET", f"/v1/sweeps/{sweep}/plot.png").content
-    px = colour_pixels(png)
-    # two groups (teleport on / off), each a mean line and a shaded band over the seeds (a band can be
-    # thin: seeds that barely differ give a small std)
+    out = tmp_path / "study"
+    argv = ["--url", stack.url, "--token", stack.admin_token, "compare", "--preset", "digits/teleport",
+            "--set", "training.epochs=3", "--set", "training.target_loss=0.5", "--set", "teleport.epochs=[0, 1]",
+            "--set", "teleport.batches=8", "--set", "resources.cpus_per_worker=0.9", "--seeds", "2",
+            "--max-concurrent", "2", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    study = json.loads((out / "compare.json").read_text())
+    view = json.loads((out / "sweep.json").read_text())
+    assert view["job"]["state"] == "succeeded" and len(view["trials"]) == 4
+    assert all(t["state"] == "succeeded" and t["epochs"] == 3 for t in view["trials"])
+    groups = {g["label"]: g for g in study["groups"]}
+    assert set(groups) == {"teleport.enabled=True", "teleport.enabled=False"} and study["seeds"] == 2
+    for label, g in groups.items():
+        assert len(g["trials"]) == 2 and g["stats"]["final_train_loss"]["n"] == 2, g
+        losses = [r["final_train_loss"] for r in g["runs"]]
+        assert abs(g["stats"]["final_train_loss"]["mean"] - sum(losses) / 2) < 1e-9
+        assert all(r["epochs"] == 3 for r in g["runs"])
+        shares = [r["teleport_share"] for r in g["runs"]]
+        assert all(s > 0 for s in shares) if label.endswith("True") else all(s == 0 for s in shares), shares
+        assert label in printed  # the table: one row per group
+    assert "epochs to 0.5" in printed and "± " in printed
+    px = colour_pixels((out / "compare.png").read_bytes())
+    # a band can be thin: seeds that barely differ give a small std
     assert px["blue line"] > 300 and px["orange line"] > 300, px
     assert px["blue band"] > 100 and px["orange band"] > 100, px
 
@@ -158,3 +173,40 @@ def test_cancelling_a_sweep_stops_every_trial(stack: Stack) -> None:
         assert r.xlen(keys.events(sweep)) == length  # no trial is still training and reporting
         trials = c.json("GET", f"/v1/sweeps/{sweep}")["trials"]
         assert all(t["epochs"] < 100_000 and t["state"] != "succeeded" for t in trials) and len(trials) <= 4, trials
+
+
+@pytest.mark.slow
+def test_a_sweep_cut_off_by_a_stack_restart_resumes_its_trials(tmp_path: Path) -> None:
+    """Stop the whole stack (Redis, Ray, API, scheduler) while two trials train, start it again with the
+    same home: the sweep is queued again, Tune restores its saved state, the same trials carry on from
+    their checkpoints, and every trial's epochs are in the stream exactly once."""
+    from service.client import Event
+
+    home = tmp_path / "tlab"
+    env = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}
+    epochs = 400  # the first trial must still be training when the second one's workers are up (~10 s)
+    body = {"base": tiny(training={"epochs": epochs}, resources={"cpus_per_worker": 0.9}),
+            "search_space": {"training.seed": {"grid": [0, 1]}}, "max_concurrent_trials": 2}
+    with Stack(home, num_cpus=2, tick_s=0.2, extra_env=env) as s1, Client(s1.url, s1.admin_token) as c:
+        sweep = c.json("POST", "/v1/sweeps", json=body)["id"]
+        seen: dict[str, int] = {}
+        for event in c.events(sweep):  # until both trials are past their third epoch
+            if event.kind == "metric":
+                seen[event.data["trial"]] = seen.get(event.data["trial"], 0) + 1
+                if len(seen) == 2 and min(seen.values()) >= 3:
+                    break
+        before = {t["trial"]: t for t in c.json("GET", f"/v1/sweeps/{sweep}")["trials"]}
+        assert set(before) == set(seen) and all(t["epochs"] < epochs for t in before.values()), before
+    with Stack(home, num_cpus=2, tick_s=0.2, extra_env=env) as s2, Client(s2.url, s2.admin_token) as c:
+        events: list[Event] = list(c.events(sweep))
+        view = c.json("GET", f"/v1/sweeps/{sweep}")
+        job = view["job"]
+        assert job["state"] == "succeeded" and job["attempts"] == 2, (job, [e.data for e in events if e.kind == "log"])
+        after = {t["trial"]: t for t in view["trials"]}
+        assert set(after) == set(before), (before, after)  # the same trials, not a new sweep
+        assert all(t["state"] == "succeeded" and t["epochs"] == epochs for t in after.values()), after
+        for trial in after:
+            got = [e.data["epoch"] for e in events if e.kind == "metric" and e.data.get("trial") == trial]
+            assert got == list(range(epochs)), (trial, got[:10], len(got))
+        logs = [e.data.get("message", "") for e in events if e.kind == "log"]
+        assert any("resuming the sweep from Tune's state" in m for m in logs), logs
