@@ -194,3 +194,93 @@ def test_sweep_commands(api_only, tmp_path: Path) -> None:  # noqa: ANN001
     space.write_text("teleport.nope: {choice: [1]}\n")
     bad = tlab("sweep", "digits/teleport", "--space", str(space), env=env)
     assert bad.returncode == 1 and "search_space.teleport.nope" in bad.stderr
+
+
+def test_users_create_list_and_me(api_only, tmp_path: Path) -> None:  # noqa: ANN001
+    env = {"TLAB_URL": api_only.url, "TLAB_TOKEN": api_only.stack.admin_token, "TLAB_HOME": str(tmp_path)}
+    out = tlab("users", "create", "alice", "--max-gpus", "2", "--max-running-jobs", "3", env=env)
+    assert out.returncode == 0, out.stderr
+    assert "alice  user" in out.stdout and "max_gpus 2" in out.stdout and "shown only now" in out.stderr
+    token = next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("token "))
+    created = json.loads(tlab("users", "create", "bob", "--role", "admin", "--json", env=env).stdout)
+    assert created["user"]["role"] == "admin" and created["token"].startswith("tl_")
+
+    listing = tlab("users", "list", env=env)
+    assert listing.returncode == 0 and listing.stdout.startswith("NAME")
+    assert [line.split()[0] for line in listing.stdout.splitlines()[1:]] == ["admin", "alice", "bob"]
+    # the new token works, from the environment and from --token after the command
+    me = tlab("me", "--json", env={**env, "TLAB_TOKEN": token})
+    assert json.loads(me.stdout)["quotas"] == {"max_gpus": 2.0, "max_running_jobs": 3}
+    assert tlab("me", "--token", token, env=env).stdout.startswith("alice  user")
+    assert tlab("--token", token, "me", env=env).stdout.startswith("alice  user")
+
+    # a user is no admin: one line naming what is refused
+    refused = tlab("users", "list", "--url", api_only.url, env={**env, "TLAB_TOKEN": token})
+    assert refused.returncode == 1 and refused.stderr == "error: Authorization: only an admin may do this\n"
+    taken = tlab("users", "create", "alice", env=env)
+    assert taken.returncode == 1 and taken.stderr.startswith("error: name: user 'alice' exists")
+
+
+def test_users_create_names_the_wrong_field(api_only, tmp_path: Path) -> None:  # noqa: ANN001
+    env = {"TLAB_URL": api_only.url, "TLAB_TOKEN": api_only.stack.admin_token, "TLAB_HOME": str(tmp_path)}
+    for args, field in [(("carol", "--max-gpus", "-1"), "quotas.max_gpus"),
+                        (("carol", "--quota", "max_cpus=4"), "quotas.max_cpus"),
+                        (("carol", "--quota", "max_running_jobs=many"), "quotas.max_running_jobs"),
+                        (("Carol",), "name")]:
+        out = tlab("users", "create", *args, env=env)
+        assert out.returncode == 1, args
+        assert out.stderr.count("\n") == 1 and out.stderr.startswith(f"error: {field}: "), out.stderr
+    assert "carol" not in tlab("users", "list", env=env).stdout
+
+
+def test_every_read_command_prints_json(api_only, tmp_path: Path) -> None:  # noqa: ANN001
+    env = {"TLAB_URL": api_only.url, "TLAB_TOKEN": api_only.stack.admin_token, "TLAB_HOME": str(tmp_path)}
+    job = tlab("submit", "--preset", "digits/teleport", "--name", "json", env=env).stdout.split()[0]
+    space = tmp_path / "space.yaml"
+    space.write_text("teleport.lr: {choice: [0.1, 0.2]}\n")
+    sweep = tlab("sweep", "digits/teleport", "--space", str(space), env=env).stdout.split()[0]
+    reads = {("ls",): list, ("show", job): dict, ("sweeps",): list, ("sweep-show", sweep): dict,
+             ("queue",): list, ("cluster",): dict, ("users", "list"): list, ("me",): dict, ("presets",): dict}
+    for args, kind in reads.items():
+        out = tlab(*args, "--json", env=env)
+        assert out.returncode == 0, (args, out.stderr)
+        assert isinstance(json.loads(out.stdout), kind), args
+    # the human forms: tables, not JSON
+    queue = tlab("queue", env=env).stdout.splitlines()
+    assert queue[0].split()[:3] == ["POS", "ID", "OWNER"]  # no scheduler here: both wait at the end
+    assert {row.split()[1] for row in queue[1:]} == {job, sweep} and "1 x (1 CPU, 0 GPU)" in queue[1]
+    cluster = tlab("cluster", env=env).stdout
+    assert "no scheduler has reported" in cluster and "CPUs 0 free of 0" in cluster
+
+
+def test_completion_scripts_name_the_commands() -> None:
+    bash = tlab("completion", "bash")
+    assert bash.returncode == 0
+    for command in ("submit", "queue", "cluster", "users", "create", "bootstrap", "completion", "presets"):
+        assert command in bash.stdout, command
+    assert subprocess.run(["bash", "-n"], input=bash.stdout, text=True, timeout=30).returncode == 0
+    for shell in ("zsh", "tcsh"):
+        out = tlab("completion", shell)
+        assert out.returncode == 0 and "sweep-show" in out.stdout, shell
+    assert tlab("completion", "fish").returncode == 2
+
+
+def test_admin_bootstrap_makes_a_token_that_signs_in(api_only, tmp_path: Path) -> None:  # noqa: ANN001
+    env = {"TLAB_URL": api_only.url, "TLAB_HOME": str(tmp_path), "REDIS_URL": api_only.stack.redis_url or ""}
+    first = tlab("admin", "bootstrap", "--name", "root", env={**env, "TLAB_ADMIN_TOKEN": "tl_first"})
+    assert first.returncode == 0 and "created" in first.stdout, first.stderr
+    again = tlab("admin", "bootstrap", "--name", "root", env={**env, "TLAB_ADMIN_TOKEN": "tl_second"})
+    assert again.returncode == 0 and "re-pointed" in again.stdout, again.stderr
+    me = tlab("me", "--json", env={**env, "TLAB_TOKEN": "tl_second"})
+    assert me.returncode == 0, me.stderr
+    assert json.loads(me.stdout)["name"] == "root" and json.loads(me.stdout)["role"] == "admin"
+    assert tlab("users", "list", env={**env, "TLAB_TOKEN": "tl_second"}).returncode == 0
+
+    no_token = tlab("admin", "bootstrap", env={**env, "TLAB_ADMIN_TOKEN": ""})
+    assert no_token.returncode == 1 and no_token.stderr.startswith("error: TLAB_ADMIN_TOKEN is empty")
+    tlab("users", "create", "plain", env={**env, "TLAB_TOKEN": "tl_second"})
+    not_admin = tlab("admin", "bootstrap", "--name", "plain", env={**env, "TLAB_ADMIN_TOKEN": "tl_x"})
+    assert not_admin.returncode == 1 and "role user, not admin" in not_admin.stderr
+    down = tlab("admin", "bootstrap", "--redis-url", "redis://127.0.0.1:9/0", env={**env, "TLAB_ADMIN_TOKEN": "t"})
+    assert down.returncode == 1 and down.stderr.startswith("error: REDIS_URL: cannot use Redis")
+    assert "Traceback" not in down.stderr
