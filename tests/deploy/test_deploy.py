@@ -26,9 +26,8 @@ K8S = ROOT / "deploy" / "k8s"
 DOCKERFILES = sorted((ROOT / "deploy").glob("Dockerfile.*"))
 K8S_VERSION = "1.30.0"  # the oldest Kubernetes the manifests are checked against
 
-# read by the deployment files themselves rather than by Python code: the api's admin bootstrap
-# (TLAB_ADMIN_TOKEN) and redis-server's --requirepass (REDIS_PASSWORD)
-DEPLOY_ONLY_VARS = {"TLAB_ADMIN_TOKEN", "REDIS_PASSWORD"}
+# read by the deployment files themselves rather than by Python code: redis-server's --requirepass
+DEPLOY_ONLY_VARS = {"REDIS_PASSWORD"}
 # read by Ray or the runtime, not by this project's code
 RUNTIME_VARS = {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS", "RAY_USAGE_STATS_ENABLED",
                 "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED"}
@@ -226,6 +225,22 @@ def test_compose_service_env_points_at_redis_and_the_ray_head() -> None:
         assert env["RAY_ADDRESS"] == "http://ray-head:8265"
     assert svcs["api"]["command"][-1].strip().endswith("exec python -m service.api")
     assert svcs["scheduler"]["command"] == ["python", "-m", "service.scheduler"]
+
+
+def test_admin_bootstrap_is_a_real_tlab_command() -> None:
+    """compose's api command and the k8s init container run `tlab admin bootstrap`, with the env it reads."""
+    import shlex
+
+    from service.cli import build_parser
+
+    compose_cmd = services()["api"]["command"][-1].split("&&")[0]
+    init = next(c for c in workload("tlab-api")["spec"]["template"]["spec"]["initContainers"]
+                if c["name"] == "ensure-admin")
+    for argv in (shlex.split(compose_cmd), init["command"]):
+        assert argv[:3] == ["tlab", "admin", "bootstrap"], argv
+        assert build_parser().parse_args(argv[1:]).func.__name__ == "cmd_admin_bootstrap"
+    assert {"REDIS_URL", "TLAB_ADMIN_TOKEN"} <= set(container_env(init))
+    assert "TLAB_ADMIN_TOKEN" in env_example() and "REDIS_URL" in service_env(services()["api"])
 
 
 def test_compose_gpu_worker_is_scalable() -> None:
