@@ -1,7 +1,8 @@
 """The REST API (FastAPI): thin routes over the Redis store; the scheduler process does the starting.
 
 Run it with ``python -m service.api`` (``TLAB_BIND``/``TLAB_PORT``; 127.0.0.1:8470 by default) or
-through ``tlab up``. Every route but ``/healthz``, ``/readyz`` and ``/metrics`` needs a bearer token.
+through ``tlab up``. Every route but ``/healthz``, ``/readyz``, ``/metrics`` and the dashboard's page (``/``,
+``/static/``) needs a bearer token; the SSE routes also take it as ``?token=`` (for a browser's EventSource).
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from api_schemas import keys
@@ -53,6 +56,7 @@ from service.settings import Settings
 from service.store import Store, demand_of
 
 USER_CACHE_S = 5.0  # a token's user is looked up at most this often per API process
+WEB_DIR = Path(__file__).parent / "web"  # the dashboard: static files, no build step (package data)
 
 # ---- errors: one shape, field paths first -----------------------------------------------------
 
@@ -147,6 +151,17 @@ def current_user(st: StateDep, creds: Annotated[HTTPAuthorizationCredentials | N
 CurrentUser = Annotated[UserPublic, Depends(current_user)]
 
 
+def stream_user(st: StateDep, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+                token: Annotated[str | None, Query(max_length=200, description=(
+                    "the token, for EventSource clients that cannot send headers; the Authorization header "
+                    "wins"))] = None) -> UserPublic:
+    """The bearer token, or ``?token=`` on the SSE routes (a browser's EventSource sends no headers)."""
+    return st.authenticate(creds.credentials if creds else token or "")
+
+
+StreamUser = Annotated[UserPublic, Depends(stream_user)]
+
+
 def admin_user(user: CurrentUser) -> UserPublic:
     if user.role != Role.ADMIN:
         raise Forbidden("only an admin may do this", field="Authorization")
@@ -235,7 +250,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.add_middleware(Measure)
     add_routes(app)
+    add_dashboard(app)
     return app
+
+
+def add_dashboard(app: FastAPI) -> None:
+    """The web dashboard: ``/`` is its page, ``/static/`` its scripts, styles and vendored chart library."""
+
+    @app.get("/", include_in_schema=False)
+    def index() -> FileResponse:
+        return FileResponse(WEB_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=WEB_DIR), name="static")
 
 
 def add_routes(app: FastAPI) -> None:  # noqa: C901 - the route table reads best in one place
@@ -349,7 +375,7 @@ def add_routes(app: FastAPI) -> None:  # noqa: C901 - the route table reads best
     @app.get("/v1/experiments/{job_id}/events", tags=["experiments"],
              responses={200: {"content": {"text/event-stream": {}}, "description": "SSE: metric, teleport, "
                                                                                     "status, log, end"}})
-    async def events(job_id: str, st: StateDep, user: CurrentUser,
+    async def events(job_id: str, st: StateDep, user: StreamUser,
                      last_event_id: Annotated[str | None, Header(max_length=64)] = None) -> StreamingResponse:
         """Server-Sent Events: history, then live; ``Last-Event-ID`` resumes after that stream id."""
         await run_in_threadpool(own_job, st, user, job_id)
@@ -474,7 +500,7 @@ def add_routes(app: FastAPI) -> None:  # noqa: C901 - the route table reads best
     @app.get("/v1/sweeps/{sweep_id}/events", tags=["sweeps"],
              responses={200: {"content": {"text/event-stream": {}}, "description": "every trial's events "
                                                                                     "(data.trial), then end"}})
-    async def sweep_events(sweep_id: str, st: StateDep, user: CurrentUser,
+    async def sweep_events(sweep_id: str, st: StateDep, user: StreamUser,
                            last_event_id: Annotated[str | None, Header(max_length=64)] = None) -> StreamingResponse:
         """SSE of every trial's events, tagged with the trial id; resumable with ``Last-Event-ID``."""
         await run_in_threadpool(own_sweep, st, user, sweep_id)
