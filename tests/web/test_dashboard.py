@@ -1,0 +1,205 @@
+"""The web dashboard in a real headless chromium, on the real API (and, for the live test, real Ray).
+
+The live test signs in, submits a job from the page, watches the loss chart's data grow as SSE events
+arrive, checks the line's pixels in screenshots of the chart's canvas, and cancels the job from the page.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from service.stack import Stack
+from tests.service.conftest import Api, tiny
+
+TRAIN_RGB = (0x1F, 0x77, 0xB4)  # charts.js TRAIN (blue)
+TEST_RGB = (0xFF, 0x7F, 0x0E)  # charts.js TEST (orange)
+CHART_POINTS = "() => window.tlab.charts.loss ? window.tlab.charts.loss.data[0].length : -1"
+
+
+def colour_pixels(png: Path, rgb: tuple[int, int, int], tol: int = 30) -> tuple[int, int]:
+    """How many pixels of the image are within ``tol`` of ``rgb`` per channel, and their horizontal span."""
+    a = np.asarray(Image.open(png).convert("RGB")).astype(int)  # (H, W, 3)
+    mask = (np.abs(a - np.array(rgb)) <= tol).all(axis=-1)  # (H, W)
+    cols = np.flatnonzero(mask.any(axis=0))
+    return int(mask.sum()), int(cols[-1] - cols[0]) if cols.size else 0
+
+
+def kinds(sse_text: str) -> list[str]:
+    return [line.split(": ", 1)[1] for line in sse_text.splitlines() if line.startswith("event: ")]
+
+
+def test_page_and_vendored_files_are_served_and_sse_takes_a_token_query(api_only: Api) -> None:
+    admin = api_only.stack.admin_token
+    bob = api_only.add_user("bob")
+    with httpx.Client(base_url=api_only.url, timeout=30) as anon:
+        page = anon.get("/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert 'src="static/app.js"' in page.text and "static/vendor/uPlot.iife.min.js" in page.text
+        for path, ctype in [("app.js", "javascript"), ("api.js", "javascript"), ("charts.js", "javascript"),
+                            ("app.css", "text/css"), ("vendor/uPlot.iife.min.js", "javascript"),
+                            ("vendor/uPlot.min.css", "text/css")]:
+            r = anon.get(f"/static/{path}")
+            assert r.status_code == 200 and ctype in r.headers["content-type"] and len(r.content) > 500, path
+        assert "uPlot" in anon.get("/static/vendor/uPlot.iife.min.js").text
+        assert anon.get("/static/nope.js").status_code == 404
+        paths = anon.get("/openapi.json").json()["paths"]
+        assert "/" not in paths and not any(p.startswith("/static") for p in paths)
+        token_param = [p for p in paths["/v1/experiments/{job_id}/events"]["get"]["parameters"] if p["name"] == "token"]
+        assert token_param and token_param[0]["in"] == "query"
+
+    with api_only.client() as c:  # a cancelled job: its stream is complete, so a GET returns
+        job = c.post("/v1/experiments", json={"spec": tiny()}).json()["id"]
+        assert c.delete(f"/v1/experiments/{job}").status_code == 202
+    events = f"/v1/experiments/{job}/events"
+    with httpx.Client(base_url=api_only.url, timeout=30) as anon:
+        r = anon.get(events, params={"token": admin})  # what a browser's EventSource does
+        assert r.status_code == 200 and kinds(r.text) == ["status", "status", "end"]
+        assert anon.get(events).status_code == 401
+        wrong = anon.get(events, params={"token": "wrong"})
+        assert wrong.status_code == 401 and wrong.headers["www-authenticate"] == "Bearer"
+        assert anon.get(events, params={"token": bob}).status_code == 403  # bob's token, admin's job
+        # the Authorization header stays primary: it wins over ?token= either way
+        as_header = {"Authorization": f"Bearer {admin}"}
+        assert anon.get(events, params={"token": "wrong"}, headers=as_header).status_code == 200
+        assert anon.get(events, params={"token": admin}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        # the sweep stream takes it too (this id is an experiment: 404, past the auth check)
+        assert anon.get(f"/v1/sweeps/{job}/events", params={"token": admin}).status_code == 404
+        assert anon.get(f"/v1/sweeps/{job}/events", params={"token": "wrong"}).status_code == 401
+        # only the streams: elsewhere a token in the URL is no credential
+        assert anon.get(f"/v1/experiments/{job}", params={"token": admin}).status_code == 401
+
+
+def test_sign_in_tables_errors_and_cancel_without_ray(api_only: Api, tab_factory: Any) -> None:
+    """On the API alone (jobs stay queued): sign in, live tables, a field-path error, cancel, sign out."""
+    tab = tab_factory(api_only.url)
+    page = tab.page
+    tab.goto()
+    page.wait_for_function("() => location.hash === '#/signin'")
+    page.fill("#token", "not-a-token")
+    page.click("#signin-form button[type=submit]")
+    page.wait_for_selector("#error:not([hidden])")
+    assert "401" in page.inner_text("#error") and page.evaluate("localStorage.getItem('tlab.token')") is None
+    tab.sign_in(api_only.stack.admin_token)
+    assert page.inner_text("#who") == "admin (admin)"
+
+    with api_only.client() as c:  # submitted elsewhere while the page is open: the tables pick it up
+        job = c.post("/v1/experiments", json={"spec": tiny(), "name": "from-rest"}).json()["id"]
+    row = page.locator(f"#jobs-body tr[data-job='{job}']")
+    row.wait_for()
+    assert "queued" in row.inner_text() and "from-rest" in row.inner_text()
+    page.wait_for_function("() => document.querySelector('#queue-body').innerText.includes('from-rest')")
+    tab.shot("jobs-queued")
+
+    # an invalid spec from the submit form: the API's one line, field path first
+    page.click("#nav a[data-route=submit]")
+    page.select_option("#preset", "digits/teleport")
+    assert json.loads(page.input_value("#spec"))["dataset"]["name"] == "digits"
+    page.fill("#overrides", "training.epochs=0")
+    page.click("#submit")
+    page.wait_for_selector("#error:not([hidden])")
+    error = page.inner_text("#error")
+    assert error.startswith("422: ") and "spec.training.epochs" in error and "\n" not in error, error
+    tab.shot("submit-error")
+    page.fill("#spec", "{not json")
+    page.click("#dry-run")
+    page.wait_for_function("() => document.querySelector('#error').innerText.startsWith('spec: not valid JSON')")
+
+    # cancel the queued job from its page: two clicks, then REST agrees
+    tab.goto(f"#/job/{job}")
+    page.wait_for_selector("#cancel:not([hidden])")
+    assert "why pending" in page.inner_text("#job-facts")
+    page.click("#cancel")
+    assert page.inner_text("#cancel") == "Click again to cancel"
+    page.click("#cancel")
+    page.wait_for_selector("#job-state .state-cancelled")
+    with api_only.client() as c:
+        assert c.get(f"/v1/experiments/{job}").json()["state"] == "cancelled"
+
+    page.click("#nav a[data-route=cluster]")
+    page.wait_for_selector("#cluster-summary .state-failed")  # no scheduler in this fixture: said so
+    page.click("#signout")
+    page.wait_for_function("() => location.hash === '#/signin'")
+    assert page.evaluate("localStorage.getItem('tlab.token')") is None
+    assert not tab.errors, tab.errors
+
+
+@pytest.mark.slow
+def test_submit_watch_the_curve_grow_and_cancel_in_the_browser(stack: Stack, tab_factory: Any) -> None:
+    tab = tab_factory(stack.url)
+    page = tab.page
+    tab.sign_in(stack.admin_token)
+
+    # [1] submit from the page: a job long enough to be cancelled, teleporting at epochs 1 and 2
+    page.click("#nav a[data-route=submit]")
+    spec = tiny(training={"epochs": 100_000}, teleport={"enabled": True, "epochs": [1, 2], "batches": 2, "steps": 2})
+    page.fill("#spec", json.dumps(spec))
+    page.fill("#name", "from-the-browser")
+    page.click("#submit")
+    page.wait_for_function("() => location.hash.startsWith('#/job/')")
+    job = page.evaluate("location.hash").removeprefix("#/job/")
+    before = page.evaluate(CHART_POINTS)
+    empty = tab.shot("loss-empty", "#loss-chart canvas")
+    if before == 0 and page.evaluate(CHART_POINTS) == 0:  # nothing drawn yet: no line colours (a control)
+        assert colour_pixels(empty, TRAIN_RGB)[0] == 0
+
+    # [2] the curve grows as metric events arrive over SSE
+    page.wait_for_function(f"() => ({CHART_POINTS})() >= 5", timeout=180_000)
+    n1 = page.evaluate(CHART_POINTS)
+    first = tab.shot("loss-early", "#loss-chart canvas")
+    page.wait_for_function(f"() => ({CHART_POINTS})() >= {n1 + 20}", timeout=60_000)
+    n2 = page.evaluate(CHART_POINTS)
+    later = tab.shot("loss-later", "#loss-chart canvas")
+    assert n2 > n1 >= 5
+    width = Image.open(later).width
+    for png in (first, later):
+        for rgb in (TRAIN_RGB, TEST_RGB):
+            count, span = colour_pixels(png, rgb)
+            assert count > 50 and span > width // 2, (png.name, rgb, count, span, width)  # a line across the plot
+    xs = page.evaluate("window.tlab.charts.loss.data[0]")
+    assert xs == list(range(len(xs)))  # epochs 0, 1, 2, ... each once
+
+    # [3] teleport diagnostics: ‖∇L‖² before/after, drift and free directions per layer
+    page.wait_for_selector("#tele-body tr")
+    tele = page.inner_text("#tele-body")
+    assert "/64" in tele and "/32" in tele, tele  # free/input dim of the two Linear layers (digits: 64 in, 32 hidden)
+    assert page.evaluate("window.tlab.charts.teleport.data[0].length") >= 1
+    tab.shot("job-page")
+
+    # [4] the jobs table shows it running, with progress; back on its page the history replays
+    page.click("#nav a[data-route=jobs]")
+    row = page.locator(f"#jobs-body tr[data-job='{job}']")
+    row.wait_for()
+    page.wait_for_function(f"() => document.querySelector(\"#jobs-body tr[data-job='{job}'] .bar\") !== null")
+    assert "running" in row.inner_text()
+    tab.shot("jobs-running")
+    page.click(f"#jobs-body tr[data-job='{job}'] a")
+    page.wait_for_function(f"() => ({CHART_POINTS})() >= {n2}", timeout=60_000)
+
+    # [5] cancel from the page; the stream ends and REST agrees
+    page.click("#cancel")
+    page.click("#cancel")
+    page.wait_for_selector("#job-state .state-cancelled", timeout=60_000)
+    page.wait_for_function("() => document.querySelector('#live').innerText === 'ended: cancelled'", timeout=60_000)
+    tab.shot("job-cancelled")
+    with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {stack.admin_token}"}) as c:
+        view = c.get(f"/v1/experiments/{job}").json()
+        assert view["state"] == "cancelled" and view["name"] == "from-the-browser"
+        assert view["progress"]["epoch"] < 100_000
+    frozen = page.evaluate(CHART_POINTS)
+    time.sleep(1.0)
+    assert page.evaluate(CHART_POINTS) == frozen  # the stream is closed: nothing more arrives
+
+    # [6] the cluster page: the Ray head's node with its CPUs
+    page.click("#nav a[data-route=cluster]")
+    page.wait_for_selector("#nodes-body tr td.mono")
+    assert "CPUs" in page.inner_text("#cluster-summary")
+    tab.shot("cluster")
+    assert not tab.errors, tab.errors
