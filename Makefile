@@ -10,7 +10,7 @@ export MKL_NUM_THREADS ?= 1
 export RAY_AUTH_MODE ?= disabled
 export TMPDIR ?= /tmp
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup browser demo test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -20,13 +20,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[dev]"
 	@touch $(STAMP)
 
+# Debian's chromium for the dashboard's browser tests (tests/web drives it with Playwright; Playwright's own
+# browsers are never downloaded). Idempotent: nothing to do when chromium is on PATH.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@command -v chromium >/dev/null || { echo ">> installing Debian's chromium for the browser tests (tests/web)"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	  --no-install-recommends chromium; }
+
 demo: setup
 	$(BIN)/tlab demo --home runs/demo
 
-test: setup
+test: setup browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
-test-fast: setup
+test-fast: setup browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow"
 
 lint: setup
