@@ -270,11 +270,11 @@ function cancelButton(page, path, label, after) {
 }
 
 function teleportRow(t) {
-  const rel = (a, b) => (a ? `${((100 * (b - a)) / Math.abs(a)).toFixed(3)} %` : "–");
+  const rel = (a, b) => (a ? `${num((100 * (b - a)) / Math.abs(a), 3)} %` : "–");
   const layers = (t.layers || []).map((l) => html`<span class="layer" title="${l.kind}: input dim ${l.input_dim}, rank ${l.rank}, captured variance ${num(l.captured_variance)}">${l.name} <b>${l.free}</b>/${l.input_dim}</span>`);
   return html`<tr><td>${t.epoch}</td><td>${t.batch ?? ""}</td><td>${t.method || ""}</td>
-    <td class="mono">${num(t.grad_norm_sq_before)}</td><td class="mono">${num(t.grad_norm_sq_after)}</td>
-    <td class="mono">×${num(t.grad_norm_sq_after / t.grad_norm_sq_before, 3)}</td>
+    <td class="mono">${num(t.grad_norm_sq_before, 6)}</td><td class="mono">${num(t.grad_norm_sq_after, 6)}</td>
+    <td class="mono">×${num(t.grad_norm_sq_after / t.grad_norm_sq_before, 6)}</td>
     <td class="mono">${rel(t.loss_before, t.loss_after)}</td>
     <td class="mono">${t.heldout_loss_before !== null && t.heldout_loss_before !== undefined ? rel(t.heldout_loss_before, t.heldout_loss_after) : "–"}</td>
     <td>${t.steps}${t.backoffs ? ` (${t.backoffs} backoffs)` : ""}</td><td>${t.stop_reason || ""}</td>
@@ -288,8 +288,9 @@ async function jobPage(page, [id]) {
         <span class="grow"></span><button id="cancel" type="button" class="danger" hidden>Cancel job</button></div>
       <dl id="job-facts" class="facts"></dl>
     </section>
-    <section class="card"><h3>Loss <span class="small muted">(train <span class="swatch" style="background:${TRAIN}"></span>,
-      test <span class="swatch" style="background:${TEST}"></span>; purple lines: teleports)</span></h3>
+    <section class="card"><div class="row"><h3>Loss</h3><span class="small muted"><span class="swatch"
+      style="background:${TRAIN}"></span>train <span class="swatch" style="background:${TEST}"></span>test
+      <span class="swatch mark"></span>teleport epochs</span></div>
       <div id="loss-chart" class="chart"></div><p id="no-points" class="muted small">waiting for the first epoch…</p>
       <div id="acc-wrap" hidden><h3>Test accuracy</h3><div id="acc-chart" class="chart"></div></div></section>
     <section class="card"><h3>Teleport diagnostics</h3>
@@ -397,10 +398,16 @@ async function jobPage(page, [id]) {
       else if (s.kind === "error") logLine(`[error] epoch ${s.epoch}: ${s.message}`, "err");
       else if (s.kind === "start") logLine(`started: ${s.dataset} (${s.train_size} train / ${s.test_size} test), ${s.model}, ${s.params} parameters`);
     },
-    end: (e) => { $("#live").textContent = `ended: ${e.state}`; refreshJob().catch(showError); loadLogs(); },
+    end: (e) => {
+      $("#live").textContent = `ended: ${e.state}`;
+      $("#live").classList.remove("on");
+      refreshJob().catch(showError);
+      loadLogs();
+    },
     state: (st) => {
       if ($("#live").textContent.startsWith("ended")) return;
       $("#live").textContent = st === "live" ? "● live" : st === "reconnecting" ? "reconnecting…" : "stream closed";
+      $("#live").classList.toggle("on", st === "live");
       if (st === "closed") api("GET", `/v1/experiments/${id}`).catch(showError); // say why (401/403/404)
     },
   });
@@ -653,7 +660,7 @@ async function clusterPage(page) {
     if (page.dead) return;
     put($("#cluster-summary"), html`${c.nodes.length} node(s) · CPUs <b>${num(c.cpus_free)}</b> free of ${num(c.cpus_total)} ·
       GPUs <b>${num(c.gpus_free)}</b> free of ${num(c.gpus_total)} ·
-      scheduler ${c.scheduler_alive ? html`<span class="badge state-running">alive</span>` : html`<span class="badge state-failed">not reporting</span>`}`);
+      scheduler ${c.scheduler_alive ? html`<span class="badge state-succeeded">alive</span>` : html`<span class="badge state-failed">not reporting</span>`}`);
     put($("#nodes-body"), c.nodes.length ? c.nodes.map((n) => html`<tr><td class="mono">${n.id}</td><td>${n.alive ? "yes" : "no"}</td>
       <td>${num(n.cpus_free)} / ${num(n.cpus_total)}</td><td>${meter(n.cpus_free, n.cpus_total)}</td>
       <td>${num(n.gpus_free)} / ${num(n.gpus_total)}</td><td>${n.gpus_total ? meter(n.gpus_free, n.gpus_total) : ""}</td></tr>`)

@@ -54,7 +54,10 @@ class Tab:
 
     def shot(self, name: str, selector: str | None = None) -> Path:
         path = self.shots / f"{name}.png"
-        (self.page.locator(selector) if selector else self.page).screenshot(path=str(path))
+        if selector:
+            self.page.locator(selector).screenshot(path=str(path))
+        else:
+            self.page.screenshot(path=str(path), full_page=True)
         return path
 
 

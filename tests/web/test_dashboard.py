@@ -26,7 +26,8 @@ CHART_POINTS = "() => window.tlab.charts.loss ? window.tlab.charts.loss.data[0].
 
 def colour_pixels(png: Path, rgb: tuple[int, int, int], tol: int = 30) -> tuple[int, int]:
     """How many pixels of the image are within ``tol`` of ``rgb`` per channel, and their horizontal span."""
-    a = np.asarray(Image.open(png).convert("RGB")).astype(int)  # (H, W, 3)
+    with Image.open(png) as im:
+        a = np.asarray(im.convert("RGB")).astype(int)  # (H, W, 3)
     mask = (np.abs(a - np.array(rgb)) <= tol).all(axis=-1)  # (H, W)
     cols = np.flatnonzero(mask.any(axis=0))
     return int(mask.sum()), int(cols[-1] - cols[0]) if cols.size else 0
@@ -123,6 +124,19 @@ def test_sign_in_tables_errors_and_cancel_without_ray(api_only: Api, tab_factory
     with api_only.client() as c:
         assert c.get(f"/v1/experiments/{job}").json()["state"] == "cancelled"
 
+    # a sweep's page: queued, with why, and cancellable
+    with api_only.client() as c:
+        sweep = c.post("/v1/sweeps", json={"base": tiny(), "name": "lr-sweep", "num_samples": 2,
+                                           "search_space": {"teleport.lr": {"loguniform": [0.01, 1]}}}).json()["id"]
+    page.click("#nav a[data-route=sweeps]")
+    page.click(f"#sweeps-body a[href='#/sweep/{sweep}']")
+    page.wait_for_selector("#sweep-state .state-queued")
+    assert "queued" in page.inner_text("#sweep-best") and "no trial has reported" in page.inner_text("#trials-body")
+    tab.shot("sweep-queued")
+    page.click("#cancel")
+    page.click("#cancel")
+    page.wait_for_selector("#sweep-state .state-cancelled")
+
     page.click("#nav a[data-route=cluster]")
     page.wait_for_selector("#cluster-summary .state-failed")  # no scheduler in this fixture: said so
     page.click("#signout")
@@ -158,7 +172,8 @@ def test_submit_watch_the_curve_grow_and_cancel_in_the_browser(stack: Stack, tab
     n2 = page.evaluate(CHART_POINTS)
     later = tab.shot("loss-later", "#loss-chart canvas")
     assert n2 > n1 >= 5
-    width = Image.open(later).width
+    with Image.open(later) as im:
+        width = im.width
     for png in (first, later):
         for rgb in (TRAIN_RGB, TEST_RGB):
             count, span = colour_pixels(png, rgb)
@@ -169,7 +184,8 @@ def test_submit_watch_the_curve_grow_and_cancel_in_the_browser(stack: Stack, tab
     # [3] teleport diagnostics: ‖∇L‖² before/after, drift and free directions per layer
     page.wait_for_selector("#tele-body tr")
     tele = page.inner_text("#tele-body")
-    assert "/64" in tele and "/32" in tele, tele  # free/input dim of the two Linear layers (digits: 64 in, 32 hidden)
+    # free / input dim of the two Linear layers (digits: 64 features, 32 hidden; +1 for the bias column)
+    assert "/65" in tele and "/33" in tele and "nullspace" in tele, tele
     assert page.evaluate("window.tlab.charts.teleport.data[0].length") >= 1
     tab.shot("job-page")
 
@@ -197,7 +213,14 @@ def test_submit_watch_the_curve_grow_and_cancel_in_the_browser(stack: Stack, tab
     time.sleep(1.0)
     assert page.evaluate(CHART_POINTS) == frozen  # the stream is closed: nothing more arrives
 
-    # [6] the cluster page: the Ray head's node with its CPUs
+    # [6] the compare view overlays it (one series per picked job) from /metrics
+    tab.goto(f"#/compare?ids={job}")
+    page.wait_for_function("() => window.tlab.charts.compare && window.tlab.charts.compare.data.length === 2")
+    assert page.evaluate("window.tlab.charts.compare.data[1].filter(v => v !== null).length") >= n2
+    assert "from-the-browser" in page.inner_text("#compare-body")
+    tab.shot("compare")
+
+    # [7] the cluster page: the Ray head's node with its CPUs
     page.click("#nav a[data-route=cluster]")
     page.wait_for_selector("#nodes-body tr td.mono")
     assert "CPUs" in page.inner_text("#cluster-summary")
