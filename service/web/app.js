@@ -350,7 +350,8 @@ async function jobPage(page, [id]) {
   };
   const loadLogs = async () => {
     try {
-      $("#logs").textContent = await api("GET", `/v1/experiments/${id}/logs`, { text: true });
+      const text = await api("GET", `/v1/experiments/${id}/logs`, { text: true });
+      $("#logs").textContent = text.replace(/\x1b\[[0-9;]*[A-Za-z]/g, ""); // Ray colours its log lines
     } catch (err) {
       showError(err);
     }
@@ -450,7 +451,7 @@ async function submitPage(page) {
         <label>Priority <input id="priority" type="number" value="0" min="-100" max="100"></label>
         <label>Tags <input id="tags" placeholder="comma,separated"></label>
         <label class="wide">Spec (JSON: ExperimentSpec)<textarea id="spec" rows="16" spellcheck="false">{}</textarea></label>
-        <label class="wide">Overrides (one <code>path=value</code> a line, applied on top)
+        <label class="wide"><span>Overrides (one <code>path=value</code> a line, applied on top)</span>
           <textarea id="overrides" rows="3" spellcheck="false" placeholder="training.epochs=5&#10;teleport.tau=0.9"></textarea></label>
         <div class="wide row"><button id="dry-run" type="button">Check fit</button>
           <button id="submit" type="submit" class="primary">Submit</button><span id="submit-result" class="small"></span></div>
@@ -586,6 +587,7 @@ async function sweepPage(page, [id]) {
       <p id="sweep-best" class="small"></p>
     </section>
     <section class="card"><h3 id="sweep-metric">Trials</h3><div id="sweep-chart" class="chart"></div>
+      <p id="no-curves" class="muted small">no trial has reported an epoch yet</p>
       <table><thead><tr><th>trial</th><th>config</th><th>state</th><th>epochs</th><th>last</th><th>best</th>
         <th>stopped early</th></tr></thead><tbody id="trials-body"></tbody></table></section>`);
   let sweep = null;
@@ -595,6 +597,7 @@ async function sweepPage(page, [id]) {
   const metricOf = () => sweep?.metric || "test_loss";
   const redraw = throttle(() => {
     if (page.dead || !curves.size) return;
+    $("#no-curves").hidden = true;
     const trials = [...curves.keys()].sort();
     const metric = metricOf();
     if (trials.join() !== drawnTrials) { // a new trial: rebuild with one series each
@@ -639,9 +642,15 @@ async function sweepPage(page, [id]) {
       curves.get(t).set(m.epoch, m);
       redraw();
     },
-    end: (e) => { $("#live").textContent = `ended: ${e.state}`; refresh().catch(showError); },
+    end: (e) => {
+      $("#live").textContent = `ended: ${e.state}`;
+      $("#live").classList.remove("on");
+      refresh().catch(showError);
+    },
     state: (st) => {
-      if (!$("#live").textContent.startsWith("ended")) $("#live").textContent = st === "live" ? "● live" : st;
+      if ($("#live").textContent.startsWith("ended")) return;
+      $("#live").textContent = st === "live" ? "● live" : st;
+      $("#live").classList.toggle("on", st === "live");
     },
   });
 }

@@ -5,6 +5,7 @@
 export const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
 export const TRAIN = "#1f77b4"; // blue
 export const TEST = "#ff7f0e"; // orange
+const WHOLE = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6];
 const MARK = "rgba(148, 103, 189, 0.45)"; // teleport epochs: faint purple verticals
 
 // A chart that fills its container's width. `marks()` returns x values drawn as vertical lines.
@@ -13,7 +14,8 @@ export function lineChart(el, { series, yLabel, xLabel = "epoch", height = 260, 
     width: Math.max(240, el.clientWidth),
     height,
     scales: { x: { time: false }, y: log ? { distr: 3 } : {} },
-    axes: [{ label: xLabel }, { label: yLabel, size: 64 }],
+    // x is a count (epochs, teleports): whole-number ticks only
+    axes: [{ label: xLabel, incrs: WHOLE }, { label: yLabel, size: 64 }],
     legend: { live: true },
     series: [
       { label: xLabel },
