@@ -412,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("submit", help="queue an experiment: `tlab submit SPEC|--preset NAME [--set k=v] [--follow]`")
     p.add_argument("spec", nargs="?", help="a YAML/JSON spec file or a preset name")
     p.add_argument("--preset", default=None)
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE")
+    p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="PATH=VALUE")
     p.add_argument("--name", default=None)
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--tag", action="append", default=[])
@@ -449,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sweep", help="queue a hyperparameter sweep: `tlab sweep SPEC --space SPACE.yaml [--follow]`")
     p.add_argument("spec", nargs="?", help="the base spec: a YAML/JSON file or a preset name")
     p.add_argument("--preset", default=None)
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE")
+    p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="PATH=VALUE")
     p.add_argument("--space", required=True, help="YAML: dotted spec path -> {loguniform|uniform|randint: [lo, hi]} "
                                                   "or {choice|grid: [values]}")
     p.add_argument("--num-samples", type=int, default=1)
@@ -486,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
     def spec_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("spec", nargs="?", help="a YAML/JSON spec file or a preset name")
         p.add_argument("--preset", default=None)
-        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE")
+        p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="PATH=VALUE")
 
     from service.compare import add_parser as add_compare
 
@@ -561,10 +561,12 @@ def main(argv: list[str] | None = None) -> int:
                             for name, spec in sorted(PRESETS.items())})
     if argv and argv[0] in WORKER_COMMANDS:
         exec_worker_cli(argv)
-    if argv and argv[0] == "compare" and "--local" in argv:  # the in-process study
-        exec_worker_cli([a for a in argv if a != "--local"])
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "compare" and args.local:  # the in-process study: no service options
+        from service.compare import local_argv
+
+        exec_worker_cli(local_argv(args))
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2

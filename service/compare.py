@@ -84,6 +84,19 @@ def cmd_compare(args: argparse.Namespace, spec: dict[str, Any], client: Client) 
     return 0
 
 
+def local_argv(args: argparse.Namespace) -> list[str]:
+    """``tlab compare ... --local`` as ``workers.cli compare`` takes it (the service's options left out)."""
+    source = args.preset or args.spec
+    if not source:
+        raise SystemExit("error: give a SPEC file or --preset NAME (`tlab presets` lists them)")
+    argv = ["compare", source, "--seeds", str(args.seeds)]
+    if args.overrides:
+        argv += ["--set", *args.overrides]
+    if args.out:
+        argv += ["--out", args.out]
+    return argv + (["--no-progress"] if args.no_progress else [])
+
+
 def add_parser(sub: Any, spec_args: Any, func: Any) -> None:
     p = sub.add_parser("compare", help="with vs without teleport over seeds, as a sweep on the service: "
                                        "`tlab compare SPEC --seeds 3` (`--local`: in this process)",

@@ -46,6 +46,19 @@ def test_a_bad_override_exits_2_naming_the_field(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
+def test_compare_local_runs_in_process_without_the_service_options(tmp_path: Path) -> None:
+    """`tlab compare --local` hands the study to workers.cli (no service needed), leaving --url and the
+    sweep-only options out; the default (a sweep on the service) is covered in tests/service/test_sweeps.py."""
+    out = tlab("--url", "http://127.0.0.1:9", "compare", "--preset", "digits/teleport", "--local", "--seeds", "1",
+               "--max-concurrent", "3", "--out", str(tmp_path / "c"), "--no-progress", "--set", "training.epochs=1",
+               "dataset.max_train=200", "dataset.max_test=100", "model.hidden=[16]", "teleport.batches=1",
+               "teleport.steps=1", "teleport.epochs=[0]")
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads((tmp_path / "c" / "compare.json").read_text())
+    assert set(result["groups"]) == {"nullspace teleport", "no teleport"} and result["seeds"] == 1
+    assert "nullspace teleport" in out.stdout
+
+
 @pytest.mark.slow
 def test_run_on_ray_writes_the_same_outputs_as_local(tmp_path: Path) -> None:
     """`tlab run --ray` starts a local Ray cluster, trains with 2 DDP workers, and writes the local files."""
