@@ -388,8 +388,11 @@ async function jobPage(page, [id]) {
 
   await refreshJob().catch((err) => showError(err));
   if (page.dead || !job) return;
-  loadLogs();
   page.every(POLL_MS, refreshJob);
+  page.every(5 * POLL_MS, async () => { // the driver log, while Ray is writing it
+    await loadLogs();
+    return !TERMINAL.has(job.state);
+  });
   page.stream(`/v1/experiments/${id}/events`, {
     metric: (m) => { epochs.set(m.epoch, m); redraw(); },
     teleport: (t) => { teleports.push(t); redraw(); },
