@@ -71,7 +71,10 @@ class SweepSubmit(_Strict):
     metric: Literal["train_loss", "test_loss", "test_acc"] = "train_loss"
     mode: Literal["min", "max"] = "min"
     scheduler: Literal["fifo", "asha"] = "fifo"
-    searcher: Literal["random", "grid"] = "random"
+    searcher: Literal["random", "grid", "optuna"] = Field(
+        "random", description="random/grid: Tune's variant generator; optuna: Optuna's TPE sampler (no grid axes)")
+    seed: int | None = Field(None, ge=0, description="seeds the random or Optuna sampler: the same seed, the "
+                                                    "same configurations")
     max_concurrent_trials: int = Field(1, ge=1, le=64)
     grace_period: int = Field(1, ge=1, description="ASHA: epochs every trial runs before it can be stopped")
     name: str = Field("", max_length=200)
@@ -89,6 +92,9 @@ class SweepSubmit(_Strict):
                 raise ValueError(f"search_space.{path}: the spec has no such field (see `tlab validate` for the "
                                  "fields, e.g. teleport.lr, optimizer.name, training.seed)")
             kind, args = _check_distribution(path, dist)
+            if kind == "grid" and self.searcher == "optuna":
+                raise ValueError(f"search_space.{path}: the optuna searcher samples and cannot run a grid; use "
+                                 "choice, or searcher random")
             for value in _probe_values(kind, args):
                 try:
                     ExperimentSpec.model_validate(apply_overrides(base, [f"{path}={json.dumps(value)}"]))

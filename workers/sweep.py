@@ -35,6 +35,20 @@ def param_space(sweep: SweepSubmit) -> dict[str, Any]:
     return {path: make[next(iter(d))](next(iter(d.values()))) for path, d in sweep.search_space.items()}
 
 
+def searcher(sweep: SweepSubmit) -> Any:
+    """Tune's search algorithm: its variant generator (random and grid), or Optuna's TPE sampler."""
+    if sweep.searcher == "optuna":
+        try:
+            from ray.tune.search.optuna import OptunaSearch
+        except ImportError as err:
+            raise SetupError(f"searcher optuna: {err}: install optuna where the sweep's driver runs "
+                             "(pip install optuna), or use searcher random") from None
+        return OptunaSearch(seed=sweep.seed)
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    return BasicVariantGenerator(random_state=sweep.seed)
+
+
 def _finite(x: Any) -> float | None:
     return float(x) if isinstance(x, int | float) and math.isfinite(x) else None
 
@@ -138,6 +152,7 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
                                time_attr="epochs")
                  if sweep.scheduler == "asha" else FIFOScheduler())
     table = TrialTable(redis_url, job_id, metric, sweep.mode, epochs)
+    search_alg = searcher(sweep)
     trainable = tune.with_resources(trial, {"cpu": 0.1})
     path = os.path.join(storage, f"sweep-{job_id}")
     sink = RedisSink(redis_url, job_id)
@@ -154,13 +169,14 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
             trainable,
             param_space=param_space(sweep),
             tune_config=tune.TuneConfig(metric=metric, mode=sweep.mode, num_samples=sweep.num_samples,
-                                        scheduler=scheduler, max_concurrent_trials=sweep.max_concurrent_trials),
+                                        scheduler=scheduler, search_alg=search_alg,
+                                        max_concurrent_trials=sweep.max_concurrent_trials),
             run_config=tune.RunConfig(name=f"sweep-{job_id}", storage_path=storage, callbacks=[table.callback]),
         )
     sink.close()
     results = tuner.fit()
     best = results.get_best_result(metric=metric, mode=sweep.mode, scope="all")
-    summary = {"trials": len(results), "best_trial": best.path.rsplit("/", 1)[-1] if best.path else None,
+    summary = {"trials": len(results), "best_trial": (best.metrics or {}).get("trial_id"),
                "best_config": best.config, "best_" + sweep.metric: _finite((best.metrics or {}).get(metric)),
                "errors": sum(1 for r in results if r.error)}
     client.hset(keys.job(job_id), "summary", json.dumps(summary))

@@ -28,6 +28,8 @@ def test_bad_search_spaces_are_refused_naming_the_path(api_only: Api) -> None:
                               ({}, "search_space")]:
             r = c.post("/v1/sweeps", json=sweep_body(search_space=space))
             assert r.status_code == 422 and needle in r.json()["detail"], (space, r.text)
+        r = c.post("/v1/sweeps", json=sweep_body(searcher="optuna", search_space={"training.seed": {"grid": [0, 1]}}))
+        assert r.status_code == 422 and "search_space.training.seed: the optuna searcher" in r.json()["detail"], r.text
         r = c.post("/v1/sweeps", json=sweep_body(base=tiny(resources={"workers": 2, "gpus_per_worker": 1}),
                                                  max_concurrent_trials=2))  # 4 GPUs at once; the cluster has 2
         assert r.status_code == 422 and r.json()["errors"][0]["field"] == "max_concurrent_trials"
@@ -210,3 +212,21 @@ def test_a_sweep_cut_off_by_a_stack_restart_resumes_its_trials(tmp_path: Path) -
             assert got == list(range(epochs)), (trial, got[:10], len(got))
         logs = [e.data.get("message", "") for e in events if e.kind == "log"]
         assert any("resuming the sweep from Tune's state" in m for m in logs), logs
+
+
+@pytest.mark.slow
+def test_optuna_searcher_samples_the_space(stack: Stack) -> None:
+    body = {"base": tiny(training={"epochs": 3}, resources={"cpus_per_worker": 0.9}), "searcher": "optuna", "seed": 7,
+            "search_space": {"teleport.lr": {"loguniform": [0.01, 1]}, "optimizer.name": {"choice": ["sgd", "adam"]}},
+            "num_samples": 3, "max_concurrent_trials": 2}
+    with Client(stack.url, stack.admin_token) as c:
+        sweep = c.json("POST", "/v1/sweeps", json=body)["id"]
+        list(c.events(sweep))
+        view = c.json("GET", f"/v1/sweeps/{sweep}")
+        assert view["job"]["state"] == "succeeded", view["job"]
+        trials = view["trials"]
+        assert len(trials) == 3 and all(t["state"] == "succeeded" and t["epochs"] == 3 for t in trials), trials
+        lrs = [t["config"]["teleport.lr"] for t in trials]
+        assert len(set(lrs)) == 3 and all(0.01 <= lr <= 1 for lr in lrs), lrs
+        assert {t["config"]["optimizer.name"] for t in trials} <= {"sgd", "adam"}
+        assert view["best"]["trial"] == view["job"]["summary"]["best_trial"]
