@@ -8,6 +8,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -67,3 +68,19 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One real Ray head (2 CPUs, token auth, Jobs API) for the whole session, started like `tlab up` does
+    (here, not in tests/service, so the service and the browser tests share one head)."""
+    from service.stack import Stack
+
+    head = Stack(tmp_path_factory.mktemp("rayhead"), num_cpus=2,
+                 extra_env={"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"})
+    head.home.mkdir(parents=True, exist_ok=True)
+    head.start_ray()
+    try:
+        yield head
+    finally:
+        head.stop()

@@ -61,19 +61,6 @@ def api_only(redis_server: str, tmp_path: Path) -> Iterator[Api]:
         stack.stop()
 
 
-@pytest.fixture(scope="session")
-def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """One real Ray head (2 CPUs, token auth, Jobs API) for the whole session, started like `tlab up` does."""
-    head = Stack(tmp_path_factory.mktemp("rayhead"), num_cpus=2,
-                 extra_env={"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"})
-    head.home.mkdir(parents=True, exist_ok=True)
-    head.start_ray()
-    try:
-        yield head
-    finally:
-        head.stop()
-
-
 @pytest.fixture()
 def stack(redis_server: str, ray_head: Stack, tmp_path: Path) -> Iterator[Stack]:
     """API + scheduler on a fresh Redis and the session's Ray head; ticks every 0.2 s."""
