@@ -21,12 +21,13 @@ and submit over REST, as a user would.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import print_table, wait_for_quiet, write_result
+from benchmarks.common import print_table, results_dir, wait_for_quiet, write_result
 from service.client import Client
 from service.stack import Stack
 
@@ -156,6 +157,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if "search" in args.parts:
                 result["search"] = (search(c, trials=3, horizon=2, epochs=3, seeds=2, hidden=[64]) if args.quick else
                                     search(c, trials=12, horizon=20, epochs=50, seeds=3, hidden=[1024, 1024]))
+    previous = results_dir(args.quick) / "sweeps.json"
+    if previous.exists():  # a run of some parts keeps the others' last results
+        kept = {part: body for part, body in json.loads(previous.read_text()).items()
+                if part in PARTS and part not in args.parts}
+        result = {**kept, **result, "parts": sorted(set(args.parts) | set(kept), key=PARTS.index)}
     write_result("sweeps", result)
     return result
 

@@ -46,7 +46,9 @@ def searcher(sweep: SweepSubmit) -> Any:
         return OptunaSearch(seed=sweep.seed)
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
-    return BasicVariantGenerator(random_state=sweep.seed)
+    # a generator given to Tune ignores TuneConfig(max_concurrent_trials): it must carry the limit itself,
+    # or every trial's driver starts at once and their 0.1 CPUs can starve the trials' own workers
+    return BasicVariantGenerator(max_concurrent=sweep.max_concurrent_trials, random_state=sweep.seed)
 
 
 def _finite(x: Any) -> float | None:

@@ -166,6 +166,10 @@ def test_cancelling_a_sweep_stops_every_trial(stack: Stack) -> None:
                 running.add(event.data["trial"])
                 if len(running) == 2:
                     break
+        # max_concurrent_trials holds: only two trials were ever started (all four starting at once would
+        # take 0.4 CPU for their drivers and starve the second trial's workers)
+        started = c.json("GET", f"/v1/sweeps/{sweep}")["trials"]
+        assert sorted(t["trial"] for t in started) == sorted(running), started
         assert c.json("DELETE", f"/v1/sweeps/{sweep}")["state"] in {"starting", "running"}
         events = list(c.events(sweep))
         assert events[-1].data["state"] == "cancelled"
