@@ -195,6 +195,8 @@ class TrialRow(_Strict):
     last: float | None = None
     best: float | None = None
     stopped_early: bool = False
+    perturbed: int = Field(0, description="PBT: times the trial went on from a top trial's checkpoint with "
+                                          "mutated values (config is the latest)")
     summary: dict[str, float | int | None] = Field(
         default_factory=dict, description="the run summary as of the trial's latest epoch (final_train_loss, "
                                           "epochs_to_target, seconds, teleport_share, ...)")

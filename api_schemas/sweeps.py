@@ -44,6 +44,12 @@ def _check_distribution(path: str, dist: Any) -> tuple[str, Any]:
     return kind, args
 
 
+# what PBT may change in a running trial: its checkpoint carries the model, the data order and the optimizer
+# state across, so only the teleport settings and the optimizer's hyperparameters can move
+PBT_MUTABLE = ("teleport.", "optimizer.")
+PBT_FIXED = ("optimizer.name",)
+
+
 def _leaves(data: dict[str, Any], prefix: str = "") -> set[str]:
     out = set()
     for k, v in data.items():
@@ -70,13 +76,17 @@ class SweepSubmit(_Strict):
     num_samples: int = Field(1, ge=1, le=1000, description="samples (random) or repeats of the whole grid")
     metric: Literal["train_loss", "test_loss", "test_acc"] = "train_loss"
     mode: Literal["min", "max"] = "min"
-    scheduler: Literal["fifo", "asha"] = "fifo"
+    scheduler: Literal["fifo", "asha", "pbt"] = Field(
+        "fifo", description="fifo: run every trial out; asha: stop the worse trials early; pbt: population-based "
+                            "training: every perturbation_interval epochs the worst quarter of the trials continue "
+                            "from a copy of a top quarter trial's checkpoint with mutated sampled values")
     searcher: Literal["random", "grid", "optuna"] = Field(
         "random", description="random/grid: Tune's variant generator; optuna: Optuna's TPE sampler (no grid axes)")
     seed: int | None = Field(None, ge=0, description="seeds the random or Optuna sampler: the same seed, the "
                                                     "same configurations")
     max_concurrent_trials: int = Field(1, ge=1, le=64)
     grace_period: int = Field(1, ge=1, description="ASHA: epochs every trial runs before it can be stopped")
+    perturbation_interval: int = Field(2, ge=1, description="PBT: epochs between two exploit/explore rounds")
     name: str = Field("", max_length=200)
     priority: int = Field(0, ge=-100, le=100)
     tags: list[str] = Field(default_factory=list, max_length=32)
@@ -101,7 +111,25 @@ class SweepSubmit(_Strict):
                 except ValidationError as err:
                     raise ValueError(f"search_space.{path}: value {value!r} is not valid: "
                                      f"{format_validation_error(err)}") from None
+        if self.scheduler == "pbt":
+            self._check_pbt()
         return self
+
+    def _check_pbt(self) -> None:
+        if self.searcher == "optuna":
+            raise ValueError("searcher: pbt explores by mutating its own population; use searcher random or grid")
+        sampled = [p for p, d in self.search_space.items() if next(iter(d)) != "grid"]
+        if not sampled:
+            raise ValueError("search_space: scheduler pbt needs a sampled axis (loguniform, uniform, randint or "
+                             "choice) to mutate; grid axes are never mutated, only copied with a checkpoint")
+        for path in sampled:
+            if not path.startswith(PBT_MUTABLE) or path in PBT_FIXED:
+                raise ValueError(f"search_space.{path}: pbt can only mutate teleport.* and optimizer.* (not "
+                                 "optimizer.name): a trial continues from another's checkpoint, so its model and "
+                                 "data stay; make this a grid axis, or use scheduler asha")
+        if self.perturbation_interval >= self.base.training.epochs:
+            raise ValueError(f"perturbation_interval: {self.perturbation_interval} leaves no room to perturb in "
+                             f"{self.base.training.epochs} epochs (base.training.epochs); make it smaller")
 
     @property
     def report_metric(self) -> str:

@@ -194,7 +194,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     body = {"base": spec, "search_space": space, "num_samples": args.num_samples, "metric": args.metric,
             "mode": args.mode, "scheduler": args.scheduler, "max_concurrent_trials": args.max_concurrent,
             "searcher": args.searcher, "seed": args.seed, "grace_period": args.grace_period,
-            "name": args.name or "", "priority": args.priority, "tags": args.tag}
+            "perturbation_interval": args.perturbation_interval, "name": args.name or "", "priority": args.priority,
+            "tags": args.tag}
     with _client(args) as c:
         job = c.json("POST", "/v1/sweeps", json=body)
         print(f"{job['id']}  {job['state']}  position {_fmt(job.get('queue_position'))}", flush=True)
@@ -456,10 +457,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--metric", default="train_loss", choices=["train_loss", "test_loss", "test_acc"])
     p.add_argument("--mode", default="min", choices=["min", "max"])
-    p.add_argument("--scheduler", default="fifo", choices=["fifo", "asha"])
+    p.add_argument("--scheduler", default="fifo", choices=["fifo", "asha", "pbt"])
     p.add_argument("--searcher", default="random", choices=["random", "grid", "optuna"])
     p.add_argument("--seed", type=int, default=None, help="seeds the random or Optuna sampler")
     p.add_argument("--grace-period", type=int, default=1, help="ASHA: epochs before a trial can be stopped")
+    p.add_argument("--perturbation-interval", type=int, default=2, help="PBT: epochs between exploit/explore rounds")
     p.add_argument("--max-concurrent", type=int, default=1, help="trials at once (the sweep's gang)")
     p.add_argument("--name", default=None)
     p.add_argument("--priority", type=int, default=0)

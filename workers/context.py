@@ -7,6 +7,7 @@ checkpoints go and which rank writes metrics.
 
 from __future__ import annotations
 
+import json
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +60,9 @@ class RunContext:
 class RayTrainContext(RunContext):
     """One rank of a Ray Train TorchTrainer: DDP model, sharded loaders, ``ray.train.report``."""
 
-    def __init__(self, sink: MetricSink) -> None:
+    def __init__(self, sink: MetricSink, resume_from: Any = None) -> None:
+        """``resume_from``: a checkpoint (``ray.train``/``ray.tune`` Checkpoint) to start from when this
+        run has none of its own yet: a PBT trial continuing from another trial's weights."""
         import ray.train
         import ray.train.torch
 
@@ -67,6 +70,7 @@ class RayTrainContext(RunContext):
         super().__init__(device=ray.train.torch.get_device(), sink=sink, rank=ctx.get_world_rank(),
                          world_size=ctx.get_world_size())
         self._comm = TorchDistributed() if self.world_size > 1 else None
+        self._resume_from = resume_from
 
     @property
     def comm(self) -> Collective | None:
@@ -101,13 +105,16 @@ class RayTrainContext(RunContext):
             checkpoint = None
             if self.is_chief:
                 torch.save(state, Path(tmp) / "checkpoint.pt")
+                # the epoch to go on from, readable without loading the weights (a PBT trial's driver)
+                (Path(tmp) / "meta.json").write_text(json.dumps({"epoch": state.get("epoch")}))
                 checkpoint = ray.train.Checkpoint.from_directory(tmp)
             ray.train.report(metrics, checkpoint=checkpoint)
 
     def restore(self) -> dict[str, Any] | None:
         import ray.train
 
-        checkpoint = ray.train.get_checkpoint()  # the last one reported, after a worker restart
+        # the last one this run reported (after a worker restart), else the one it was told to start from
+        checkpoint = ray.train.get_checkpoint() or self._resume_from
         if checkpoint is None:
             return None
         with checkpoint.as_directory() as path:

@@ -176,7 +176,11 @@ def train(spec: ExperimentSpec, ctx: RunContext | None = None, *, progress: bool
 
     start_epoch, history, seconds, tele_seconds, tele_batches = 0, [], 0.0, 0.0, 0
     if state is not None:
+        spec_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         optimizer.load_state_dict(state["optimizer"])
+        # the spec's hyperparameters win over the checkpoint's (a PBT trial goes on with mutated ones)
+        for group, wanted in zip(optimizer.param_groups, spec_groups, strict=True):
+            group.update(wanted)
         start_epoch, history, seconds = state["epoch"], state["history"], state["seconds"]
         tele_seconds, tele_batches = state["teleport_seconds"], state["teleport_batches"]
     ctx.sink.emit({

@@ -47,7 +47,8 @@ def train_worker(config: dict[str, Any]) -> None:
         rank = ray.train.get_context().get_world_rank()
         Path(config["pid_dir"], f"rank{rank}.pid").write_text(str(os.getpid()))
     spec = ExperimentSpec.model_validate(config["spec"])
-    ctx = RayTrainContext(_worker_sink(config, ray.train.get_context().get_world_rank()))
+    ctx = RayTrainContext(_worker_sink(config, ray.train.get_context().get_world_rank()),
+                          resume_from=config.get("resume_from"))
     try:
         train(spec, ctx)
     except TrainingDiverged as err:
@@ -69,9 +70,11 @@ def build_trainer(
     pid_dir: str | Path | None = None,
     trial: str | None = None,
     callbacks: list[Any] | None = None,
+    resume_from: Any = None,
 ) -> TorchTrainer:
     """One place turns a spec into a TorchTrainer (scaling, storage, failures, checkpoints).
-    ``trial`` tags the events of a sweep's trial in the sweep's stream; ``callbacks`` go to RunConfig."""
+    ``trial`` tags the events of a sweep's trial in the sweep's stream; ``callbacks`` go to RunConfig;
+    ``resume_from``: a checkpoint to start from (Ray Train V2 takes it through the loop's config)."""
     loop_config = {
         "spec": spec.model_dump(mode="json"),
         "redis_url": redis_url,
@@ -79,6 +82,7 @@ def build_trainer(
         "trial": trial,
         "out_dir": None if out_dir is None else str(out_dir),
         "pid_dir": None if pid_dir is None else str(pid_dir),
+        "resume_from": resume_from,
     }
     return TorchTrainer(
         train_worker,

@@ -2,7 +2,9 @@
 
 Each trial is a driver function (0.1 CPU) that runs the trial's spec as a Ray Train TorchTrainer
 (Ray 2.60 rejects a TorchTrainer handed straight to ``Tuner``); ``TuneReportCallback`` forwards the
-trainer's per-epoch reports to Tune, so ASHA can stop a trial between epochs. Every trial's events
+trainer's per-epoch reports to Tune, so ASHA can stop a trial between epochs. Under PBT a trial
+trains ``perturbation_interval`` epochs per TorchTrainer and reports each one's checkpoint to Tune,
+which is what PBT copies from a top trial to a bottom one. Every trial's events
 go to the sweep's Redis stream tagged with the trial id; the trials table is kept in Redis
 (``keys.trials``) by a Tune callback as results arrive.
 
@@ -14,7 +16,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
+import uuid
 from typing import Any
 
 import redis
@@ -105,6 +109,9 @@ class TrialTable:
         raw = self.r.hget(self.key, trial.trial_id)
         row = json.loads(raw) if raw else {"trial": trial.trial_id, "config": trial.config, "state": "pending",
                                            "epochs": 0, "last": None, "best": None, "stopped_early": False}
+        if json.dumps(trial.config, sort_keys=True) != json.dumps(row["config"], sort_keys=True):
+            # PBT moved this trial onto a top trial's checkpoint with mutated values
+            row["config"], row["perturbed"] = trial.config, row.get("perturbed", 0) + 1
         if result is not None:
             value = _finite(result.get(self.metric))
             row["epochs"] = int(result.get("epochs", row["epochs"]) or 0)
@@ -121,11 +128,25 @@ class TrialTable:
         self.r.hset(self.key, trial.trial_id, json.dumps(row))
 
 
+def checkpoint_epoch(checkpoint: Any) -> int:
+    """The epoch a training checkpoint goes on from (0 for none)."""
+    if checkpoint is None:
+        return 0
+    with checkpoint.as_directory() as path:
+        meta = os.path.join(path, "meta.json")
+        if os.path.exists(meta):
+            with open(meta) as f:
+                return int(json.load(f)["epoch"])
+        import torch
+
+        return int(torch.load(os.path.join(path, "checkpoint.pt"), map_location="cpu", weights_only=False)["epoch"])
+
+
 def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
     import ray
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
 
     from workers.ray_train import build_trainer
 
@@ -149,13 +170,55 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
                                 job_id=job_id, trial=trial_id, callbacks=[TuneReportCallback()])
         trainer.fit()
 
+    def pbt_trial(config: dict[str, Any]) -> None:
+        # PBT needs a Tune checkpoint to copy from one trial to another, and TuneReportCallback forwards
+        # only metrics: so the trial trains perturbation_interval epochs at a time, one TorchTrainer each,
+        # and reports the trainer's last checkpoint to Tune between them. After an exploit Tune restarts
+        # the trial with the top trial's checkpoint and the mutated config, and it goes on from there.
+        trial_id = tune.get_context().get_trial_id()
+        checkpoint, own = tune.get_checkpoint(), None
+        if checkpoint is not None:
+            # another trial's checkpoint (an exploit) lives in that trial's directory, where Tune may delete
+            # it while this trial starts up: take a copy of our own first
+            own = os.path.join(storage, f"pbt-{job_id}", f"{trial_id}-{uuid.uuid4().hex[:8]}")
+            checkpoint = tune.Checkpoint.from_directory(checkpoint.to_directory(own))
+        done, total = checkpoint_epoch(checkpoint), trial_spec(base, config).training.epochs
+        while done < total:
+            stop = min((done // sweep.perturbation_interval + 1) * sweep.perturbation_interval, total)
+            spec = trial_spec(base, {**config, "training.epochs": stop})
+            # a fresh run name: Ray Train would otherwise resume the name's own last checkpoint instead
+            trainer = build_trainer(spec, name=f"{job_id}-{trial_id}-{uuid.uuid4().hex[:8]}", storage_path=storage,
+                                    redis_url=redis_url, job_id=job_id, trial=trial_id, resume_from=checkpoint)
+            result = trainer.fit()
+            if own is not None:  # the run's own checkpoints carry on from here
+                shutil.rmtree(own, ignore_errors=True)
+                own = None
+            metrics = dict(result.metrics or {})
+            if metrics.get("failed") or result.checkpoint is None:
+                raise RuntimeError(f"trial {trial_id}: {metrics.get('reason') or 'the run left no checkpoint'}")
+            checkpoint = tune.Checkpoint(path=result.checkpoint.path, filesystem=result.checkpoint.filesystem)
+            tune.report(metrics, checkpoint=checkpoint)
+            done = stop
+
     metric = sweep.report_metric
-    scheduler = (ASHAScheduler(max_t=epochs, grace_period=min(sweep.grace_period, epochs), reduction_factor=2,
-                               time_attr="epochs")
-                 if sweep.scheduler == "asha" else FIFOScheduler())
     table = TrialTable(redis_url, job_id, metric, sweep.mode, epochs)
     search_alg = searcher(sweep)
-    trainable = tune.with_resources(trial, {"cpu": 0.1})
+    space = param_space(sweep)
+    checkpoints = None
+    if sweep.scheduler == "asha":
+        scheduler: Any = ASHAScheduler(max_t=epochs, grace_period=min(sweep.grace_period, epochs),
+                                       reduction_factor=2, time_attr="epochs")
+    elif sweep.scheduler == "pbt":
+        mutations = {p: space[p] for p, d in sweep.search_space.items() if next(iter(d)) != "grid"}
+        # with the whole population running at once every trial waits at each boundary, so trials are ranked
+        # at the same epoch; otherwise a trial is ranked against the others' latest results
+        synch = sweep.max_concurrent_trials >= sweep.trial_count()
+        scheduler = PopulationBasedTraining(time_attr="epochs", perturbation_interval=sweep.perturbation_interval,
+                                            hyperparam_mutations=mutations, synch=synch)
+        checkpoints = tune.CheckpointConfig(num_to_keep=4)  # PBT warns of early deletion at 2 or fewer
+    else:
+        scheduler = FIFOScheduler()
+    trainable = tune.with_resources(pbt_trial if sweep.scheduler == "pbt" else trial, {"cpu": 0.1})
     path = os.path.join(storage, f"sweep-{job_id}")
     sink = RedisSink(redis_url, job_id)
     if tune.Tuner.can_restore(path):
@@ -169,11 +232,12 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
         client.delete(keys.trials(job_id))
         tuner = tune.Tuner(
             trainable,
-            param_space=param_space(sweep),
+            param_space=space,
             tune_config=tune.TuneConfig(metric=metric, mode=sweep.mode, num_samples=sweep.num_samples,
                                         scheduler=scheduler, search_alg=search_alg,
                                         max_concurrent_trials=sweep.max_concurrent_trials),
-            run_config=tune.RunConfig(name=f"sweep-{job_id}", storage_path=storage, callbacks=[table.callback]),
+            run_config=tune.RunConfig(name=f"sweep-{job_id}", storage_path=storage, callbacks=[table.callback],
+                                      checkpoint_config=checkpoints),
         )
     sink.close()
     results = tuner.fit()

@@ -30,6 +30,15 @@ def test_bad_search_spaces_are_refused_naming_the_path(api_only: Api) -> None:
             assert r.status_code == 422 and needle in r.json()["detail"], (space, r.text)
         r = c.post("/v1/sweeps", json=sweep_body(searcher="optuna", search_space={"training.seed": {"grid": [0, 1]}}))
         assert r.status_code == 422 and "search_space.training.seed: the optuna searcher" in r.json()["detail"], r.text
+        for kw, needle in [({"searcher": "optuna"}, "searcher: pbt explores"),
+                           ({"search_space": {"training.seed": {"grid": [0, 1]}}}, "search_space: scheduler pbt needs"),
+                           ({"search_space": {"model.hidden": {"choice": [[8], [16]]}}},
+                            "search_space.model.hidden: pbt can only mutate"),
+                           ({"search_space": {"optimizer.name": {"choice": ["sgd", "adam"]}}},
+                            "search_space.optimizer.name: pbt can only mutate"),
+                           ({"perturbation_interval": 4}, "perturbation_interval: 4 leaves no room")]:
+            r = c.post("/v1/sweeps", json=sweep_body(scheduler="pbt", **kw))
+            assert r.status_code == 422 and needle in r.json()["detail"], (kw, r.text)
         r = c.post("/v1/sweeps", json=sweep_body(base=tiny(resources={"workers": 2, "gpus_per_worker": 1}),
                                                  max_concurrent_trials=2))  # 4 GPUs at once; the cluster has 2
         assert r.status_code == 422 and r.json()["errors"][0]["field"] == "max_concurrent_trials"
@@ -234,3 +243,40 @@ def test_optuna_searcher_samples_the_space(stack: Stack) -> None:
         assert len(set(lrs)) == 3 and all(0.01 <= lr <= 1 for lr in lrs), lrs
         assert {t["config"]["optimizer.name"] for t in trials} <= {"sgd", "adam"}
         assert view["best"]["trial"] == view["job"]["summary"]["best_trial"]
+
+
+@pytest.mark.slow
+def test_pbt_moves_the_bottom_trial_onto_the_top_trials_checkpoint(stack: Stack) -> None:
+    # two trials, one whose optimizer barely moves (lr 1e-5): at a perturbation round it is the bottom
+    # trial, so PBT copies the other's checkpoint and config (the grid value too) and mutates teleport.lr
+    body = {"base": tiny(training={"epochs": 6}, teleport={"enabled": True, "epochs": [0, 2, 4], "batches": 1},
+                         resources={"cpus_per_worker": 0.9}),
+            "scheduler": "pbt", "perturbation_interval": 2, "seed": 3, "max_concurrent_trials": 2,
+            "search_space": {"optimizer.lr": {"grid": [1e-5, 0.3]}, "teleport.lr": {"loguniform": [0.01, 0.5]}}}
+    with Client(stack.url, stack.admin_token) as c:
+        sweep = c.json("POST", "/v1/sweeps", json=body)["id"]
+        events = list(c.events(sweep))
+        view = c.json("GET", f"/v1/sweeps/{sweep}")
+        logs = c.request("GET", f"/v1/experiments/{sweep}/logs").text
+    assert view["job"]["state"] == "succeeded", (view["job"], logs[-4000:])
+    trials = {t["trial"]: t for t in view["trials"]}
+    assert len(trials) == 2 and all(t["state"] == "succeeded" and t["epochs"] == 6 for t in trials.values()), trials
+    assert all(t["config"]["optimizer.lr"] == 0.3 for t in trials.values()), trials  # copied with the checkpoint
+    epochs: dict[str, dict[int, list[float]]] = {}
+    starts: dict[str, list[int]] = {}
+    for e in events:
+        if e.kind == "metric":
+            epochs.setdefault(e.data["trial"], {}).setdefault(e.data["epoch"], []).append(e.data["train_loss"])
+        if e.data.get("kind") == "start":
+            starts.setdefault(e.data["trial"], []).append(e.data["resumed_from_epoch"])
+    for tid in trials:
+        assert sorted(epochs[tid]) == list(range(6)), epochs  # every epoch of every trial arrived, once
+        assert all(len(v) == 1 for v in epochs[tid].values()), epochs
+        assert starts[tid][0] == 0 and starts[tid] == sorted(starts[tid]) and starts[tid][-1] == 4, starts
+    # the moved trial went on from the top trial's weights: after the move its loss is far below its own
+    # slow start, at the level the lr-0.3 trial had reached
+    slow = max(trials, key=lambda t: epochs[t][1][0])  # the lr-1e-5 trial, before the first round
+    other = next(t for t in trials if t != slow)
+    assert trials[slow]["perturbed"] >= 1, trials  # it was the bottom trial at epoch 2 and was moved
+    assert epochs[slow][5][0] < 0.5 * epochs[slow][0][0], epochs[slow]
+    assert epochs[slow][5][0] < 2 * epochs[other][5][0], (epochs[slow], epochs[other])

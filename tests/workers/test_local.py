@@ -101,6 +101,35 @@ def test_same_seed_gives_the_same_run(tmp_path: Path) -> None:
     assert losses(1, "c") != first
 
 
+class _Checkpointing(RunContext):
+    """Keeps every state ``train`` saves, and hands ``resume`` back as the checkpoint to go on from."""
+
+    def __init__(self, resume: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.saved: list[dict[str, Any]] = []
+        self.resume = resume
+
+    def save(self, state: dict[str, Any], metrics: dict[str, Any]) -> None:
+        self.saved.append(state)
+
+    def restore(self) -> dict[str, Any] | None:
+        return self.resume
+
+
+def test_a_resumed_run_goes_on_from_the_checkpoint_with_the_specs_optimizer_settings() -> None:
+    # what a PBT trial does: another run's weights, epoch and optimizer state, but its own (mutated) lr
+    first = _Checkpointing()
+    train(tiny(epochs=1), first)
+    state = first.saved[-1]
+    assert state["epoch"] == 1 and state["optimizer"]["param_groups"][0]["lr"] == 0.1
+    mutated = build_spec({**tiny(epochs=2).model_dump(mode="json"), "optimizer": {"name": "sgd", "lr": 0.02}})
+    resumed = _Checkpointing(resume=state)
+    summary = train(mutated, resumed)
+    assert [s["epoch"] for s in resumed.saved] == [2]  # only epoch 1 ran, after the restored epoch 0
+    assert resumed.saved[-1]["optimizer"]["param_groups"][0]["lr"] == 0.02  # the spec's, not the checkpoint's
+    assert summary["epochs"] == 2 and len(resumed.saved[-1]["history"]) == 2
+
+
 def test_a_rerun_in_the_same_directory_starts_a_fresh_metrics_file(tmp_path: Path) -> None:
     spec = tiny(epochs=1, teleport={"enabled": False})
     run_local(spec, tmp_path, progress=False)
