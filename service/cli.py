@@ -217,7 +217,8 @@ def show_sweep(c: Client, sweep_id: str, as_json: bool = False) -> int:
     rows = [("TRIAL", "STATE", "EPOCHS", f"LAST {metric}", f"BEST {metric}", "CONFIG")]
     for t in view["trials"]:
         mark = "*" if t["trial"] == best.get("trial") else " "
-        rows.append((f"{mark}{t['trial']}", t["state"], str(t["epochs"]), _fmt(t.get("last")), _fmt(t.get("best")),
+        state = t["state"] + (f" (PBT moves: {t['perturbed']})" if t.get("perturbed") else "")
+        rows.append((f"{mark}{t['trial']}", state, str(t["epochs"]), _fmt(t.get("last")), _fmt(t.get("best")),
                      " ".join(f"{k}={_fmt(v)}" for k, v in t["config"].items())))
     _print_table(rows)
     if best:

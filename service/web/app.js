@@ -592,7 +592,7 @@ async function sweepPage(page, [id]) {
     <section class="card"><h3 id="sweep-metric">Trials</h3><div id="sweep-chart" class="chart"></div>
       <p id="no-curves" class="muted small">no trial has reported an epoch yet</p>
       <table><thead><tr><th>trial</th><th>config</th><th>state</th><th>epochs</th><th>last</th><th>best</th>
-        <th>stopped early</th></tr></thead><tbody id="trials-body"></tbody></table></section>`);
+        <th>scheduler</th></tr></thead><tbody id="trials-body"></tbody></table></section>`);
   let sweep = null;
   const curves = new Map(); // trial -> Map(epoch -> record)
   let chart = null;
@@ -630,7 +630,7 @@ async function sweepPage(page, [id]) {
       : v.job.state === "queued" ? html`queued: ${v.job.pending_reason || ""}` : v.job.failure_reason || "");
     put($("#trials-body"), v.trials.length ? v.trials.map((t) => html`<tr class="${v.best?.trial === t.trial ? "best" : ""}">
       <td class="mono">${t.trial}</td><td class="small mono">${cfg(t.config)}</td><td>${t.state}</td><td>${t.epochs}</td>
-      <td class="mono">${num(t.last)}</td><td class="mono">${num(t.best)}</td><td>${t.stopped_early ? "yes" : ""}</td></tr>`)
+      <td class="mono">${num(t.last)}</td><td class="mono">${num(t.best)}</td><td>${t.stopped_early ? "stopped early" : t.perturbed ? `PBT moves: ${t.perturbed}` : ""}</td></tr>`)
       : html`<tr><td colspan="7" class="muted">no trial has reported yet</td></tr>`);
     return !TERMINAL.has(v.job.state);
   };
