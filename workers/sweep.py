@@ -13,6 +13,7 @@ Environment as for ``workers.run``: ``REDIS_URL``, ``TLAB_STORAGE``.
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -176,23 +177,31 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
         # and reports the trainer's last checkpoint to Tune between them. After an exploit Tune restarts
         # the trial with the top trial's checkpoint and the mutated config, and it goes on from there.
         trial_id = tune.get_context().get_trial_id()
+        copies = os.path.join(storage, f"pbt-{job_id}")
+        # what earlier starts of this trial left (PBT stops and restarts trials): Tune keeps its own copies
+        # of every checkpoint the trial reported, so these training runs are not needed again
+        stale = glob.glob(os.path.join(storage, f"{job_id}-{trial_id}-*")) + glob.glob(
+            os.path.join(copies, f"{trial_id}-*"))
         checkpoint, own = tune.get_checkpoint(), None
-        if checkpoint is not None:
+        done, total = checkpoint_epoch(checkpoint), trial_spec(base, config).training.epochs
+        if checkpoint is not None and done < total:
             # another trial's checkpoint (an exploit) lives in that trial's directory, where Tune may delete
             # it while this trial starts up: take a copy of our own first
-            own = os.path.join(storage, f"pbt-{job_id}", f"{trial_id}-{uuid.uuid4().hex[:8]}")
+            own = os.path.join(copies, f"{trial_id}-{uuid.uuid4().hex[:8]}")
             checkpoint = tune.Checkpoint.from_directory(checkpoint.to_directory(own))
-        done, total = checkpoint_epoch(checkpoint), trial_spec(base, config).training.epochs
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True)
         while done < total:
             stop = min((done // sweep.perturbation_interval + 1) * sweep.perturbation_interval, total)
             spec = trial_spec(base, {**config, "training.epochs": stop})
             # a fresh run name: Ray Train would otherwise resume the name's own last checkpoint instead
-            trainer = build_trainer(spec, name=f"{job_id}-{trial_id}-{uuid.uuid4().hex[:8]}", storage_path=storage,
-                                    redis_url=redis_url, job_id=job_id, trial=trial_id, resume_from=checkpoint)
+            run = f"{job_id}-{trial_id}-{uuid.uuid4().hex[:8]}"
+            trainer = build_trainer(spec, name=run, storage_path=storage, redis_url=redis_url, job_id=job_id,
+                                    trial=trial_id, resume_from=checkpoint)
             result = trainer.fit()
-            if own is not None:  # the run's own checkpoints carry on from here
+            if own is not None:  # this run went on from it; Tune keeps its own copies of what was reported
                 shutil.rmtree(own, ignore_errors=True)
-                own = None
+            own = os.path.join(storage, run)  # the next interval starts from this run's checkpoint
             metrics = dict(result.metrics or {})
             if metrics.get("failed") or result.checkpoint is None:
                 raise RuntimeError(f"trial {trial_id}: {metrics.get('reason') or 'the run left no checkpoint'}")
@@ -241,6 +250,7 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
         )
     sink.close()
     results = tuner.fit()
+    shutil.rmtree(os.path.join(storage, f"pbt-{job_id}"), ignore_errors=True)
     best = results.get_best_result(metric=metric, mode=sweep.mode, scope="all")
     summary = {"trials": len(results), "best_trial": (best.metrics or {}).get("trial_id"),
                "best_config": best.config, "best_" + sweep.metric: _finite((best.metrics or {}).get(metric)),

@@ -280,3 +280,9 @@ def test_pbt_moves_the_bottom_trial_onto_the_top_trials_checkpoint(stack: Stack)
     assert trials[slow]["perturbed"] >= 1, trials  # it was the bottom trial at epoch 2 and was moved
     assert epochs[slow][5][0] < 0.5 * epochs[slow][0][0], epochs[slow]
     assert epochs[slow][5][0] < 2 * epochs[other][5][0], (epochs[slow], epochs[other])
+    # storage keeps at most one training run per trial (the last interval's) besides Tune's copies, and
+    # no leftover copy of an exploited checkpoint
+    storage = stack.home / "storage"
+    for tid in trials:
+        assert len(list(storage.glob(f"{sweep}-{tid}-*"))) <= 1, sorted(p.name for p in storage.iterdir())
+    assert not any((storage / f"pbt-{sweep}").glob("*/*"))
