@@ -626,7 +626,7 @@ async function sweepPage(page, [id]) {
     $("#cancel").hidden = TERMINAL.has(v.job.state);
     $("#sweep-metric").textContent = `Trials: ${v.metric} (${v.mode})`;
     const cfg = (c) => Object.entries(c).map(([k, x]) => `${k}=${num(x)}`).join("  ");
-    put($("#sweep-best"), v.best ? html`best so far: <b>${v.best.trial}</b> ${v.metric}=${num(v.best.best)} with ${cfg(v.best.config)}`
+    put($("#sweep-best"), v.best ? html`${TERMINAL.has(v.job.state) ? "best" : "best so far"}: <b>${v.best.trial}</b> ${v.metric}=${num(v.best.best)} with ${cfg(v.best.config)}`
       : v.job.state === "queued" ? html`queued: ${v.job.pending_reason || ""}` : v.job.failure_reason || "");
     put($("#trials-body"), v.trials.length ? v.trials.map((t) => html`<tr class="${v.best?.trial === t.trial ? "best" : ""}">
       <td class="mono">${t.trial}</td><td class="small mono">${cfg(t.config)}</td><td>${t.state}</td><td>${t.epochs}</td>

@@ -226,3 +226,48 @@ def test_submit_watch_the_curve_grow_and_cancel_in_the_browser(stack: Stack, tab
     assert "CPUs" in page.inner_text("#cluster-summary")
     tab.shot("cluster")
     assert not tab.errors, tab.errors
+
+
+SWEEP_POINTS = """() => { const c = window.tlab.charts.sweep;
+  return c ? c.data.slice(1).map((s) => s.filter((v) => v !== null).length) : []; }"""
+
+
+@pytest.mark.slow
+def test_a_running_sweeps_page_draws_every_trials_curve_and_marks_the_best(stack: Stack, tab_factory: Any) -> None:
+    spec = tiny(training={"epochs": 200}, teleport={"enabled": True, "epochs": [0], "batches": 1, "steps": 2},
+                resources={"cpus_per_worker": 0.9})  # two trials at once on the 2-CPU head
+    with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {stack.admin_token}"}) as c:
+        r = c.post("/v1/sweeps", json={"base": spec, "name": "live-sweep", "max_concurrent_trials": 2,
+                                        "search_space": {"optimizer.lr": {"grid": [0.01, 0.3]}}})  # apart
+        assert r.status_code == 201, r.text
+        sweep = r.json()["id"]
+    tab = tab_factory(stack.url)
+    page = tab.page
+    tab.sign_in(stack.admin_token)
+    tab.goto(f"#/sweep/{sweep}")
+
+    # [1] while the trials run: one series per trial, each growing as its epochs arrive over SSE
+    page.wait_for_function(f"() => {{ const n = ({SWEEP_POINTS})(); return n.length === 2 && Math.min(...n) >= 5; }}",
+                           timeout=240_000)
+    first = page.evaluate(SWEEP_POINTS)
+    page.wait_for_function(f"() => Math.min(...({SWEEP_POINTS})()) >= {min(first) + 10}", timeout=120_000)
+    later = page.evaluate(SWEEP_POINTS)
+    assert page.inner_text("#trials-body").count("running") == 2, page.inner_text("#trials-body")
+    png = tab.shot("sweep-running", "#sweep-chart canvas")
+    with Image.open(png) as im:
+        width = im.width
+    for rgb in (TRAIN_RGB, TEST_RGB):  # PALETTE[0] and PALETTE[1]: the two trials' lines
+        count, span = colour_pixels(png, rgb)
+        assert count > 50 and span > width // 3, (rgb, count, span, width)
+    assert min(later) > min(first)
+
+    # [2] when the sweep ends: every epoch of both trials drawn, the table final and the best row marked
+    page.wait_for_selector("#sweep-state .state-succeeded", timeout=300_000)
+    page.wait_for_function("() => document.querySelector('#live').innerText === 'ended: succeeded'")
+    page.wait_for_function(f"() => Math.min(...({SWEEP_POINTS})()) === 200", timeout=30_000)
+    rows = page.locator("#trials-body tr")
+    assert rows.count() == 2 and page.inner_text("#trials-body").count("succeeded") == 2
+    assert page.locator("#trials-body tr.best").count() == 1
+    assert page.inner_text("#sweep-best").startswith("best: "), page.inner_text("#sweep-best")  # not "so far"
+    tab.shot("sweep-done")
+    assert not tab.errors, tab.errors
