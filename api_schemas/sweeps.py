@@ -118,7 +118,7 @@ class SweepSubmit(_Strict):
     def _check_pbt(self) -> None:
         if self.searcher == "optuna":
             raise ValueError("searcher: pbt explores by mutating its own population; use searcher random or grid")
-        sampled = [p for p, d in self.search_space.items() if next(iter(d)) != "grid"]
+        sampled = self.sampled_paths()
         if not sampled:
             raise ValueError("search_space: scheduler pbt needs a sampled axis (loguniform, uniform, randint or "
                              "choice) to mutate; grid axes are never mutated, only copied with a checkpoint")
@@ -134,6 +134,10 @@ class SweepSubmit(_Strict):
     @property
     def report_metric(self) -> str:
         return METRICS[self.metric]
+
+    def sampled_paths(self) -> list[str]:
+        """The axes drawn from a distribution (not grid axes): what PBT mutates."""
+        return [p for p, d in self.search_space.items() if next(iter(d)) != "grid"]
 
     def trial_count(self) -> int:
         grid = [len(next(iter(d.values()))) for d in self.search_space.values() if next(iter(d)) == "grid"]

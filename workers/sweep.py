@@ -176,13 +176,15 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
         # of every checkpoint the trial reported, so these training runs are not needed again
         stale = glob.glob(os.path.join(storage, f"{job_id}-{trial_id}-*")) + glob.glob(
             os.path.join(copies, f"{trial_id}-*"))
-        checkpoint, own = tune.get_checkpoint(), None
+        # scratch: the directory of ours the checkpoint to go on from lives in (a copy of an exploited
+        # checkpoint, then the last interval's run), removed once the next run has gone on from it
+        checkpoint, scratch = tune.get_checkpoint(), None
         done, total = checkpoint_epoch(checkpoint), trial_spec(base, config).training.epochs
         if checkpoint is not None and done < total:
             # another trial's checkpoint (an exploit) lives in that trial's directory, where Tune may delete
             # it while this trial starts up: take a copy of our own first
-            own = os.path.join(copies, f"{trial_id}-{uuid.uuid4().hex[:8]}")
-            checkpoint = tune.Checkpoint.from_directory(checkpoint.to_directory(own))
+            scratch = os.path.join(copies, f"{trial_id}-{uuid.uuid4().hex[:8]}")
+            checkpoint = tune.Checkpoint.from_directory(checkpoint.to_directory(scratch))
         for path in stale:
             shutil.rmtree(path, ignore_errors=True)
         while done < total:
@@ -193,9 +195,9 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
             trainer = build_trainer(spec, name=run, storage_path=storage, redis_url=redis_url, job_id=job_id,
                                     trial=trial_id, resume_from=checkpoint)
             result = trainer.fit()
-            if own is not None:  # this run went on from it; Tune keeps its own copies of what was reported
-                shutil.rmtree(own, ignore_errors=True)
-            own = os.path.join(storage, run)  # the next interval starts from this run's checkpoint
+            if scratch is not None:  # Tune keeps its own copies of what was reported
+                shutil.rmtree(scratch, ignore_errors=True)
+            scratch = os.path.join(storage, run)
             metrics = dict(result.metrics or {})
             if metrics.get("failed") or result.checkpoint is None:
                 raise RuntimeError(f"trial {trial_id}: {metrics.get('reason') or 'the run left no checkpoint'}")
@@ -212,7 +214,7 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
         scheduler: Any = ASHAScheduler(max_t=epochs, grace_period=min(sweep.grace_period, epochs),
                                        reduction_factor=2, time_attr="epochs")
     elif sweep.scheduler == "pbt":
-        mutations = {p: space[p] for p, d in sweep.search_space.items() if next(iter(d)) != "grid"}
+        mutations = {p: space[p] for p in sweep.sampled_paths()}
         # with the whole population running at once every trial waits at each boundary, so trials are ranked
         # at the same epoch; otherwise a trial is ranked against the others' latest results
         synch = sweep.max_concurrent_trials >= sweep.trial_count()

@@ -248,7 +248,7 @@ def test_optuna_searcher_samples_the_space(stack: Stack) -> None:
 @pytest.mark.slow
 def test_pbt_moves_the_bottom_trial_onto_the_top_trials_checkpoint(stack: Stack) -> None:
     # two trials, one whose optimizer barely moves (lr 1e-5): at a perturbation round it is the bottom
-    # trial, so PBT copies the other's checkpoint and config (the grid value too) and mutates teleport.lr
+    # trial, so PBT copies the other's checkpoint and config (the grid value too) and goes on from there
     body = {"base": tiny(training={"epochs": 6}, teleport={"enabled": True, "epochs": [0, 2, 4], "batches": 1},
                          resources={"cpus_per_worker": 0.9}),
             "scheduler": "pbt", "perturbation_interval": 2, "seed": 3, "max_concurrent_trials": 2,
