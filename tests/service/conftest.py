@@ -76,3 +76,49 @@ def stack(redis_server: str, ray_head: Stack, tmp_path: Path) -> Iterator[Stack]
     finally:
         s.stop()
 
+
+
+_RAY_HOLDERS = """
+import json, sys
+from ray.job_submission import JobSubmissionClient
+from ray.util.state import list_actors, list_placement_groups
+addr = sys.argv[1]
+jobs = [{"id": j.submission_id, "status": j.status.value, "tlab_job": (j.metadata or {}).get("tlab_job")}
+        for j in JobSubmissionClient(addr).list_jobs() if j.status.value in ("PENDING", "RUNNING")]
+actors = [{"class": a.class_name, "pid": a.pid, "resources": a.required_resources, "job": a.job_id,
+           "placement_group": a.placement_group_id}
+          for a in list_actors(address=addr, filters=[("state", "=", "ALIVE")], detail=True, limit=10_000,
+                               raise_on_missing_output=False)
+          if (a.required_resources or {}).get("CPU", 0) > 0]
+groups = [{"id": g.placement_group_id, "state": g.state, "creator_job": g.creator_job_id,
+           "bundles": [b.get("unit_resources") for b in g.bundles or []]}
+          for g in list_placement_groups(address=addr, detail=True, limit=10_000, raise_on_missing_output=False)
+          if g.state in ("PENDING", "CREATED", "RESCHEDULING")]
+print(json.dumps({"ray_jobs": jobs, "cpu_actors": actors, "placement_groups": groups}))
+"""
+
+
+def ray_holders(stack: Stack) -> dict[str, list[dict]]:
+    """What holds the Ray cluster's CPUs now, as Ray itself sees it: unfinished Ray jobs, alive actors that
+    take CPU, and placement groups not removed (asked from a child process holding the cluster's token)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _RAY_HOLDERS, stack.ray_address or ""], env=stack.env(),
+                         capture_output=True, text=True, check=True, timeout=60)
+    return json.loads(out.stdout)
+
+
+def wait_ray_idle(stack: Stack, timeout_s: float = 120.0) -> None:
+    """Block until nothing holds the Ray cluster's CPUs (an earlier test's jobs, actors and placement groups
+    all gone): a test that needs the whole 2-CPU head must not start beside leftovers. Fails naming them."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = ray_holders(stack)
+        if not any(held.values()):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"the Ray head is still busy after {timeout_s:g} s: {json.dumps(held)}")
+        time.sleep(1.0)

@@ -8,7 +8,7 @@ import pytest
 
 from service.client import Client
 from service.stack import Stack
-from tests.service.conftest import Api, tiny
+from tests.service.conftest import Api, ray_holders, tiny, wait_ray_idle
 
 
 def sweep_body(**kw: object) -> dict:
@@ -59,6 +59,7 @@ def test_asha_sweep_over_teleport_lr_runs_through_the_api(stack: Stack) -> None:
                 resources={"cpus_per_worker": 0.9})  # two trials at once on the 2-CPU head, drivers included
     body = {"base": base, "search_space": {"teleport.lr": {"grid": [0.001, 0.03, 0.3, 1.0]}},
             "scheduler": "asha", "max_concurrent_trials": 2, "metric": "train_loss", "mode": "min"}
+    wait_ray_idle(stack)  # its trials run two at a time on the whole head
     with Client(stack.url, stack.admin_token) as c:
         sweep = c.json("POST", "/v1/sweeps", json=body)["id"]
         events = list(c.events(sweep))  # the sweep's stream ends when the sweep does
@@ -115,6 +116,7 @@ def test_tlab_compare_runs_the_study_as_a_sweep_with_a_table_and_two_bands(
             "--set", "training.epochs=3", "--set", "training.target_loss=0.5", "--set", "teleport.epochs=[0, 1]",
             "--set", "teleport.batches=8", "--set", "resources.cpus_per_worker=0.9", "--seeds", "2",
             "--max-concurrent", "2", "--out", str(out), "--no-progress"]
+    wait_ray_idle(stack)
     assert main(argv) == 0
     printed = capsys.readouterr().out
     study = json.loads((out / "compare.json").read_text())
@@ -167,27 +169,33 @@ def test_cancelling_a_sweep_stops_every_trial(stack: Stack) -> None:
     # not be able to finish meanwhile
     base = tiny(training={"epochs": 100_000}, resources={"cpus_per_worker": 0.9})
     body = {"base": base, "search_space": {"training.seed": {"grid": [0, 1, 2, 3]}}, "max_concurrent_trials": 2}
+    wait_ray_idle(stack)  # the two trials take the whole head
     with Client(stack.url, stack.admin_token) as c:
         sweep = c.json("POST", "/v1/sweeps", json=body)["id"]
-        running: set[str] = set()
-        for event in c.events(sweep):  # until two trials are training
-            if event.kind == "metric":
-                running.add(event.data["trial"])
+        try:
+            deadline = time.monotonic() + 180
+            while True:  # until two trials are training
+                trials = c.json("GET", f"/v1/sweeps/{sweep}")["trials"]
+                running = {t["trial"] for t in trials if t["epochs"] > 0}
                 if len(running) == 2:
                     break
-        # max_concurrent_trials holds: only two trials were ever started (all four starting at once would
-        # take 0.4 CPU for their drivers and starve the second trial's workers)
-        started = c.json("GET", f"/v1/sweeps/{sweep}")["trials"]
-        assert sorted(t["trial"] for t in started) == sorted(running), started
-        assert c.json("DELETE", f"/v1/sweeps/{sweep}")["state"] in {"starting", "running"}
-        events = list(c.events(sweep))
-        assert events[-1].data["state"] == "cancelled"
-        r = redis.Redis.from_url(stack.redis_url or "")
-        length = r.xlen(keys.events(sweep))
-        time.sleep(5.0)
-        assert r.xlen(keys.events(sweep)) == length  # no trial is still training and reporting
-        trials = c.json("GET", f"/v1/sweeps/{sweep}")["trials"]
-        assert all(t["epochs"] < 100_000 and t["state"] != "succeeded" for t in trials) and len(trials) <= 4, trials
+                assert time.monotonic() < deadline, f"two trials never trained at once: {trials} {ray_holders(stack)}"
+                time.sleep(0.5)
+            # max_concurrent_trials holds: only two trials were ever started (all four starting at once would
+            # take 0.4 CPU for their drivers and starve the second trial's workers)
+            assert sorted(t["trial"] for t in trials) == sorted(running), trials
+            assert c.json("DELETE", f"/v1/sweeps/{sweep}")["state"] in {"starting", "running"}
+            events = list(c.events(sweep))
+            assert events[-1].data["state"] == "cancelled"
+            r = redis.Redis.from_url(stack.redis_url or "")
+            length = r.xlen(keys.events(sweep))
+            time.sleep(5.0)
+            assert r.xlen(keys.events(sweep)) == length  # no trial is still training and reporting
+            trials = c.json("GET", f"/v1/sweeps/{sweep}")["trials"]
+            assert all(t["epochs"] < 100_000 and t["state"] != "succeeded" for t in trials) and len(trials) <= 4, trials
+        finally:  # a failed check must not leave 100_000 epochs holding the head for the tests after this one
+            c.http.request("DELETE", f"/v1/sweeps/{sweep}")  # a no-op (409) once it has ended
+    wait_ray_idle(stack)  # and the cancel gave every CPU back
 
 
 @pytest.mark.slow
@@ -232,6 +240,7 @@ def test_optuna_searcher_samples_the_space(stack: Stack) -> None:
     body = {"base": tiny(training={"epochs": 3}, resources={"cpus_per_worker": 0.9}), "searcher": "optuna", "seed": 7,
             "search_space": {"teleport.lr": {"loguniform": [0.01, 1]}, "optimizer.name": {"choice": ["sgd", "adam"]}},
             "num_samples": 3, "max_concurrent_trials": 2}
+    wait_ray_idle(stack)  # its trials run two at a time on the whole head
     with Client(stack.url, stack.admin_token) as c:
         sweep = c.json("POST", "/v1/sweeps", json=body)["id"]
         list(c.events(sweep))
@@ -253,6 +262,7 @@ def test_pbt_moves_the_bottom_trial_onto_the_top_trials_checkpoint(stack: Stack)
                          resources={"cpus_per_worker": 0.9}),
             "scheduler": "pbt", "perturbation_interval": 2, "seed": 3, "max_concurrent_trials": 2,
             "search_space": {"optimizer.lr": {"grid": [1e-5, 0.3]}, "teleport.lr": {"loguniform": [0.01, 0.5]}}}
+    wait_ray_idle(stack)  # its trials run two at a time on the whole head
     with Client(stack.url, stack.admin_token) as c:
         sweep = c.json("POST", "/v1/sweeps", json=body)["id"]
         events = list(c.events(sweep))
