@@ -2,10 +2,11 @@
 
 Order: priority (higher first), then fair share (the user with less decayed recent usage first;
 starting a job charges its owner at once, so equal users alternate), then age. A job starts only
-when its whole gang of workers fits on the free resources of the cluster's nodes now, and within its
-owner's quotas. A job over quota is skipped (it does not hold up other users). The first job that
-finds no room reserves what it is short of: later jobs that need that resource wait behind it, so
-big gangs are not starved by streams of small ones; jobs needing only other resources still start.
+when its whole gang of workers fits on the free resources of the cluster's nodes now (what the
+running jobs leave, and never more than Ray itself reports free), and within its owner's quotas.
+A job over quota is skipped (it does not hold up other users). The first job that finds no room
+reserves what it is short of: later jobs that need that resource wait behind it, so big gangs are
+not starved by streams of small ones; jobs needing only other resources still start.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ class Node:
     id: str
     cpus: float
     gpus: float
+    # what Ray itself reports in use on the node now (None: not known): on a shared cluster other Ray work,
+    # or a finished job's actors still being released, can hold more than Teleport Lab's own ledger says
+    cpus_used: float | None = None
+    gpus_used: float | None = None
 
 
 @dataclass(frozen=True)
@@ -54,8 +59,7 @@ class Decision:
     order: list[tuple[str, str]] = field(default_factory=list)  # still queued, in order: (id, why it waits)
 
 
-def free_resources(nodes: list[Node], active: list[ActiveJob]) -> dict[str, list[float]]:
-    """node id -> [free CPUs, free GPUs] after the active jobs' gangs."""
+def _ledger_free(nodes: list[Node], active: list[ActiveJob]) -> dict[str, list[float]]:
     free = {n.id: [n.cpus, n.gpus] for n in nodes}
     for job in active:
         for node_id in job.placement:
@@ -63,6 +67,25 @@ def free_resources(nodes: list[Node], active: list[ActiveJob]) -> dict[str, list
                 free[node_id][0] -= job.demand.cpus_per_worker
                 free[node_id][1] -= job.demand.gpus_per_worker
     return free
+
+
+def free_resources(nodes: list[Node], active: list[ActiveJob]) -> dict[str, list[float]]:
+    """node id -> [free CPUs, free GPUs]: what the active jobs' gangs leave, and never more than Ray itself
+    reports free (a gang that Ray cannot place would wait inside Ray with no reason shown)."""
+    free = _ledger_free(nodes, active)
+    for n in nodes:
+        if n.cpus_used is not None:
+            free[n.id][0] = min(free[n.id][0], n.cpus - n.cpus_used)
+        if n.gpus_used is not None:
+            free[n.id][1] = min(free[n.id][1], n.gpus - n.gpus_used)
+    return free
+
+
+def held_outside(nodes: list[Node], active: list[ActiveJob]) -> tuple[float, float]:
+    """CPUs and GPUs that Ray reports in use beyond what Teleport Lab's active jobs hold."""
+    ledger, free = _ledger_free(nodes, active), free_resources(nodes, active)
+    return (sum(max(0.0, ledger[k][0] - free[k][0]) for k in free),
+            sum(max(0.0, ledger[k][1] - free[k][1]) for k in free))
 
 
 def place(demand: Demand, free: dict[str, list[float]]) -> list[str] | None:
@@ -119,6 +142,10 @@ def decide(queued: list[QueuedJob], active: list[ActiveJob], nodes: list[Node], 
            quotas: dict[str, Quotas], start_charge_s: float = 60.0) -> Decision:
     """Which queued jobs start now (and where), and the order and reason of those that wait."""
     free = free_resources(nodes, active)
+    outside_cpus, outside_gpus = held_outside(nodes, active)
+    outside = "" if outside_cpus <= EPS and outside_gpus <= EPS else (
+        f" (Ray reports {outside_cpus:g} CPUs, {outside_gpus:g} GPUs in use beyond Teleport Lab's running jobs: "
+        "other Ray work on the cluster, or a finished job's workers still being released)")
     usage = dict(usage)
     running = {u: 0 for u in quotas}
     held_gpus = {u: 0.0 for u in quotas}
@@ -153,7 +180,7 @@ def decide(queued: list[QueuedJob], active: list[ActiveJob], nodes: list[Node], 
             why = f"cannot fit the cluster as it is now (nodes missing?): {never}"  # waits without reserving
         elif why is None and placement is None:
             why = (f"no room: needs {job.demand.workers} x ({job.demand.cpus_per_worker:g} CPU, "
-                   f"{job.demand.gpus_per_worker:g} GPU) at once; {_describe_free(free)}")
+                   f"{job.demand.gpus_per_worker:g} GPU) at once; {_describe_free(free)}{outside}")
             if reserved is None:
                 reserved = job
                 totals_c = sum(max(0.0, c) for c, _ in free.values())

@@ -31,21 +31,52 @@ class StaticCluster:
 
 
 class RayNodes:
-    """Alive nodes of a Ray cluster and their total CPUs/GPUs (State API over the dashboard address)."""
+    """Alive nodes of a Ray cluster: their total CPUs/GPUs (State API over the dashboard address) and what
+    Ray reports in use on each now (the head's autoscaler status, refreshed every few seconds; unknown when
+    the head runs no autoscaler monitor or its report is stale)."""
+
+    STALE_S = 60.0
 
     def __init__(self, address: str) -> None:
-        self.address = address
+        self.address = address.rstrip("/")
+        try:  # the cluster's token, as Ray's own clients send it
+            from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
+
+            self.headers = get_auth_headers_if_auth_enabled({})
+        except Exception:  # an older or newer Ray without it: the usage is simply not known
+            self.headers = {}
 
     def nodes(self) -> list[Node]:
         from ray.util.state import list_nodes
 
+        used = self.usage()
         out = []
         for n in list_nodes(address=self.address, detail=True, raise_on_missing_output=False):
             if n.state != "ALIVE":
                 continue
             res = n.resources_total or {}
-            out.append(Node(id=n.node_id, cpus=float(res.get("CPU", 0)), gpus=float(res.get("GPU", 0))))
+            cpus, gpus = float(res.get("CPU", 0)), float(res.get("GPU", 0))
+            u = used.get(n.node_id)
+            out.append(Node(id=n.node_id, cpus=cpus, gpus=gpus, cpus_used=None if u is None else u[0],
+                            gpus_used=None if u is None else u[1]))
         return out
+
+    def usage(self) -> dict[str, tuple[float, float]]:
+        """node id -> (CPUs, GPUs) in use, from ``/api/cluster_status``; empty when not known."""
+        import time
+
+        import httpx
+
+        try:
+            r = httpx.get(f"{self.address}/api/cluster_status", headers=self.headers, timeout=5)
+            r.raise_for_status()
+            status = r.json()["data"]["clusterStatus"] or {}
+            if time.time() - float(status.get("time") or 0) > self.STALE_S:
+                return {}
+            return {node_id: (float((usage.get("CPU") or [0.0])[0]), float((usage.get("GPU") or [0.0])[0]))
+                    for node_id, usage in status["loadMetricsReport"]["usageByNode"].items()}
+        except (httpx.HTTPError, ValueError, LookupError, TypeError, AttributeError):
+            return {}  # no monitor on the head, another Ray's format, or the head is busy: the ledger alone
 
 
 # Ray job status -> how the scheduler reads it

@@ -181,3 +181,55 @@ def test_queue_says_why_jobs_wait_quota_and_room(stack: Stack) -> None:
         assert wait_state(admin, big, {"succeeded", "failed"})["state"] == "succeeded"
         assert wait_state(alice, second, {"succeeded", "failed"})["state"] == "succeeded"
         assert alice.get(long)["state"] == "cancelled"
+
+
+_OUTSIDE = """
+import sys, time
+from ray.job_submission import JobSubmissionClient
+c = JobSubmissionClient(sys.argv[1])
+if sys.argv[2] == "start":
+    code = ("import ray, time; ray.init(); pg = ray.util.placement_group([{'CPU': 1.5}]); ray.get(pg.ready()); "
+            "print('held', flush=True); time.sleep(600)")
+    print(c.submit_job(entrypoint=f"{sys.executable} -c \\"{code}\\"", entrypoint_num_cpus=0))
+elif sys.argv[2] == "logs":
+    print(c.get_job_logs(sys.argv[3]))
+else:
+    c.stop_job(sys.argv[3])
+"""
+
+
+def outside_ray_job(stack: Stack, *args: str) -> str:
+    """Another Ray user's job on the same cluster, through the Jobs API (from a child process that holds the
+    cluster's token): ``start`` one that holds 1.5 CPUs in a placement group, read its ``logs``, ``stop`` it."""
+    out = subprocess.run([sys.executable, "-c", _OUTSIDE, stack.ray_address or "", *args], env=stack.env(),
+                         capture_output=True, text=True, check=True, timeout=60)
+    return out.stdout.strip()
+
+
+def test_cpus_held_by_other_ray_work_are_not_handed_out(stack: Stack) -> None:
+    """A shared cluster: another user's Ray job holds 1.5 of the head's 2 CPUs. Teleport Lab's ledger alone
+    would start a 1-CPU job whose worker then waits inside Ray with no reason shown; the scheduler reads what
+    Ray reports in use, keeps the job queued saying why, and starts it once the other job lets go."""
+    from tests.service.conftest import wait_ray_idle
+
+    wait_ray_idle(stack)
+    holder = outside_ray_job(stack, "start")
+    try:
+        deadline = time.monotonic() + 90
+        while "held" not in outside_ray_job(stack, "logs", holder):
+            assert time.monotonic() < deadline, outside_ray_job(stack, "logs", holder)
+            time.sleep(1.0)
+        time.sleep(8.0)  # the head's autoscaler report (refreshed every ~5 s) has seen the placement group
+        with Client(stack.url, stack.admin_token) as c:
+            job = c.submit(tiny(training={"epochs": 1}))["id"]
+            deadline = time.monotonic() + 30
+            while "Ray reports 1.5 CPUs" not in (reason := c.get(job)["pending_reason"] or ""):
+                assert time.monotonic() < deadline, c.get(job)
+                time.sleep(0.3)
+            assert c.get(job)["state"] == "queued" and reason.startswith("no room"), reason
+            cluster = c.json("GET", "/v1/cluster")
+            assert cluster["cpus_free"] == pytest.approx(0.5) and not cluster["running_jobs"], cluster
+            outside_ray_job(stack, "stop", holder)
+            assert wait_state(c, job, {"succeeded", "failed"})["state"] == "succeeded"
+    finally:
+        outside_ray_job(stack, "stop", holder)

@@ -163,3 +163,27 @@ def test_a_job_that_no_longer_fits_waits_without_blocking_others() -> None:
     d = policy.decide([orphan, small], [], nodes, {}, {})
     assert order(d) == [small.id]
     assert dict(d.order)[orphan.id].startswith("cannot fit the cluster as it is now")
+
+
+def test_what_ray_reports_in_use_beyond_the_ledger_is_not_handed_out() -> None:
+    """Other Ray work on a shared cluster (or a finished job's workers still being released) holds CPUs the
+    ledger thinks are free: a gang that needs them waits, saying why, instead of starting and waiting inside
+    Ray; a job that fits in what is really free still starts."""
+    mine = ActiveJob("mine", "bob", CPU1, ("n",))
+    two = q("alice", Demand(workers=2, cpus_per_worker=1, gpus_per_worker=0))
+    one = q("carol", CPU1)
+    # Ray sees bob's 1 CPU plus 1.5 more: only 1.5 of the ledger's 3 free CPUs are really free
+    nodes = [Node("n", cpus=4, gpus=0, cpus_used=2.5, gpus_used=0.0)]
+    assert policy.free_resources(nodes, [mine]) == {"n": [1.5, 0.0]}
+    assert policy.held_outside(nodes, [mine]) == (1.5, 0.0)
+    d = policy.decide([two], [mine], nodes, {}, {})
+    assert not d.starts
+    why = dict(d.order)[two.id]
+    assert why.startswith("no room") and "Ray reports 1.5 CPUs, 0 GPUs in use beyond" in why, why
+    assert order(policy.decide([one], [mine], nodes, {}, {})) == [one.id]
+    # Ray's view lagging behind a job just started (ledger 1 used, Ray 0): the ledger still counts it
+    nodes = [Node("n", cpus=4, gpus=0, cpus_used=0.0, gpus_used=0.0)]
+    assert policy.free_resources(nodes, [mine]) == {"n": [3.0, 0.0]} and policy.held_outside(nodes, [mine]) == (0, 0)
+    assert order(policy.decide([two, one], [mine], nodes, {}, {})) == [two.id, one.id]
+    # not known (no autoscaler report): the ledger alone, as before
+    assert policy.free_resources([Node("n", cpus=4, gpus=0)], [mine]) == {"n": [3.0, 0.0]}
