@@ -1,6 +1,7 @@
 """``python -m workers.sweep --job ID``: a sweep's Ray job — Ray Tune over a search space of specs.
 
-Each trial is a driver function (0.1 CPU) that runs the trial's spec as a Ray Train TorchTrainer
+Each trial is a driver function (no CPU: only its workers hold CPUs, so a sweep's Ray usage is
+exactly the gang the scheduler counts) that runs the trial's spec as a Ray Train TorchTrainer
 (Ray 2.60 rejects a TorchTrainer handed straight to ``Tuner``); ``TuneReportCallback`` forwards the
 trainer's per-epoch reports to Tune, so ASHA can stop a trial between epochs. Under PBT a trial
 trains ``perturbation_interval`` epochs per TorchTrainer and reports each one's checkpoint to Tune,
@@ -52,8 +53,11 @@ def searcher(sweep: SweepSubmit) -> Any:
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
     # a generator given to Tune ignores TuneConfig(max_concurrent_trials): it must carry the limit itself,
-    # or every trial's driver starts at once and their 0.1 CPUs can starve the trials' own workers
+    # or every trial's driver starts at once and their TorchTrainers all wait for workers
     return BasicVariantGenerator(max_concurrent=sweep.max_concurrent_trials, random_state=sweep.seed)
+
+
+DRIVER_MEMORY = 1 << 20  # bytes of Ray's logical memory resource per trial driver
 
 
 def _finite(x: Any) -> float | None:
@@ -223,7 +227,10 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
         checkpoints = tune.CheckpointConfig(num_to_keep=4)  # PBT warns of early deletion at 2 or fewer
     else:
         scheduler = FIFOScheduler()
-    trainable = tune.with_resources(pbt_trial if sweep.scheduler == "pbt" else trial, {"cpu": 0.1})
+    # a trial's driver only waits on its TorchTrainer: no CPU (Tune needs some resource in a trial's placement
+    # group, so a token of memory), so max_concurrent_trials x the workers' CPUs is all a sweep holds in Ray
+    trainable = tune.with_resources(pbt_trial if sweep.scheduler == "pbt" else trial,
+                                    {"cpu": 0, "memory": DRIVER_MEMORY})
     path = os.path.join(storage, f"sweep-{job_id}")
     sink = RedisSink(redis_url, job_id)
     if tune.Tuner.can_restore(path):
