@@ -153,6 +153,9 @@ class ClusterView(_Strict):
     gpus_free: float
     running_jobs: list[str]
     scheduler_alive: bool
+    cpus_outside: float = Field(0.0, description="CPUs Ray reports in use beyond Teleport Lab's running jobs "
+                                                 "(other Ray work, or a finished job's workers being released)")
+    gpus_outside: float = Field(0.0, description="GPUs Ray reports in use beyond Teleport Lab's running jobs")
 
 
 class Quotas(_Strict):

@@ -201,12 +201,14 @@ class Scheduler:
     def publish(self, decision: policy.Decision, nodes: list[Node], active: list[ActiveJob], now: float) -> None:
         """Queue positions and reasons, and the cluster view, for the API to show."""
         free = policy.free_resources(nodes, active)
+        outside = policy.held_outside(nodes, active)
         view = ClusterView(
             nodes=[NodeView(id=n.id, alive=True, cpus_total=n.cpus, cpus_free=free[n.id][0], gpus_total=n.gpus,
                             gpus_free=free[n.id][1]) for n in nodes],
             cpus_total=sum(n.cpus for n in nodes), gpus_total=sum(n.gpus for n in nodes),
             cpus_free=sum(f[0] for f in free.values()), gpus_free=sum(f[1] for f in free.values()),
-            running_jobs=[a.id for a in active], scheduler_alive=True)
+            running_jobs=[a.id for a in active], scheduler_alive=True, cpus_outside=outside[0],
+            gpus_outside=outside[1])
         pipe = self.store.r.pipeline(transaction=True)
         pipe.delete(keys.queue_view())
         if decision.order:

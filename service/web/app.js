@@ -672,6 +672,7 @@ async function clusterPage(page) {
     if (page.dead) return;
     put($("#cluster-summary"), html`${c.nodes.length} node(s) · CPUs <b>${num(c.cpus_free)}</b> free of ${num(c.cpus_total)} ·
       GPUs <b>${num(c.gpus_free)}</b> free of ${num(c.gpus_total)} ·
+      ${c.cpus_outside || c.gpus_outside ? html`<span id="outside" title="other Ray work on the cluster, or a finished job's workers still being released">Ray holds ${num(c.cpus_outside)} CPUs, ${num(c.gpus_outside)} GPUs beyond Teleport Lab's jobs</span> · ` : ""}
       scheduler ${c.scheduler_alive ? html`<span class="badge state-succeeded">alive</span>` : html`<span class="badge state-failed">not reporting</span>`}`);
     put($("#nodes-body"), c.nodes.length ? c.nodes.map((n) => html`<tr><td class="mono">${n.id}</td><td>${n.alive ? "yes" : "no"}</td>
       <td>${num(n.cpus_free)} / ${num(n.cpus_total)}</td><td>${meter(n.cpus_free, n.cpus_total)}</td>

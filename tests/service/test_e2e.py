@@ -206,10 +206,11 @@ def outside_ray_job(stack: Stack, *args: str) -> str:
     return out.stdout.strip()
 
 
-def test_cpus_held_by_other_ray_work_are_not_handed_out(stack: Stack) -> None:
+def test_cpus_held_by_other_ray_work_are_not_handed_out(stack: Stack, capsys: pytest.CaptureFixture[str]) -> None:
     """A shared cluster: another user's Ray job holds 1.5 of the head's 2 CPUs. Teleport Lab's ledger alone
     would start a 1-CPU job whose worker then waits inside Ray with no reason shown; the scheduler reads what
     Ray reports in use, keeps the job queued saying why, and starts it once the other job lets go."""
+    from service.cli import main
     from tests.service.conftest import wait_ray_idle
 
     wait_ray_idle(stack)
@@ -229,6 +230,9 @@ def test_cpus_held_by_other_ray_work_are_not_handed_out(stack: Stack) -> None:
             assert c.get(job)["state"] == "queued" and reason.startswith("no room"), reason
             cluster = c.json("GET", "/v1/cluster")
             assert cluster["cpus_free"] == pytest.approx(0.5) and not cluster["running_jobs"], cluster
+            assert cluster["cpus_outside"] == pytest.approx(1.5) and cluster["gpus_outside"] == 0, cluster
+            assert main(["--url", stack.url, "--token", stack.admin_token, "cluster"]) == 0
+            assert "Ray reports 1.5 CPUs, 0 GPUs in use beyond" in capsys.readouterr().out
             outside_ray_job(stack, "stop", holder)
             assert wait_state(c, job, {"succeeded", "failed"})["state"] == "succeeded"
     finally:

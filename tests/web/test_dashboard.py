@@ -139,6 +139,20 @@ def test_sign_in_tables_errors_and_cancel_without_ray(api_only: Api, tab_factory
 
     page.click("#nav a[data-route=cluster]")
     page.wait_for_selector("#cluster-summary .state-failed")  # no scheduler in this fixture: said so
+    # what a scheduler publishes when other Ray work holds CPUs on a shared cluster: the page says so
+    import redis
+
+    from api_schemas import keys
+    from api_schemas.jobs import ClusterView, NodeView
+
+    view = ClusterView(nodes=[NodeView(id="n1", alive=True, cpus_total=4, cpus_free=1, gpus_total=1, gpus_free=1)],
+                       cpus_total=4, cpus_free=1, gpus_total=1, gpus_free=1, running_jobs=[], scheduler_alive=True,
+                       cpus_outside=3)
+    with redis.Redis.from_url(api_only.stack.redis_url or "") as r:
+        r.set(keys.cluster(), json.dumps({"view": view.model_dump(), "at": time.time()}))
+    page.wait_for_selector("#cluster-summary #outside", timeout=15_000)
+    assert "Ray holds 3 CPUs, 0 GPUs beyond Teleport Lab's jobs" in page.inner_text("#outside")
+    assert "alive" in page.inner_text("#cluster-summary")
     page.click("#signout")
     page.wait_for_function("() => location.hash === '#/signin'")
     assert page.evaluate("localStorage.getItem('tlab.token')") is None
