@@ -77,7 +77,6 @@ def stack(redis_server: str, ray_head: Stack, tmp_path: Path) -> Iterator[Stack]
         s.stop()
 
 
-
 _RAY_HOLDERS = """
 import json, sys
 from ray.job_submission import JobSubmissionClient
