@@ -57,17 +57,18 @@ def searcher(sweep: SweepSubmit) -> Any:
     return BasicVariantGenerator(max_concurrent=sweep.max_concurrent_trials, random_state=sweep.seed)
 
 
-def no_move_at_the_end(pbt: type, epochs: int) -> type:
-    """PBT that holds no round on a trial's last result: a trial moved there would only restart with nothing
-    left to train, and its row would show a config its results never trained under."""
+def pbt_scheduler(epochs: int, **kw: Any) -> Any:
+    """Tune's PBT, holding no round on a trial's last result: a trial moved there would only restart with
+    nothing left to train, and its row would show a config its results never trained under."""
+    from ray.tune.schedulers import PopulationBasedTraining
 
-    class PBT(pbt):  # type: ignore[misc, valid-type]
+    class PBT(PopulationBasedTraining):
         def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
             if result.get(self._time_attr, 0) >= epochs:
                 return self.CONTINUE
             return super().on_trial_result(tune_controller, trial, result)
 
-    return PBT
+    return PBT(**kw)
 
 
 DRIVER_MEMORY = 1 << 20  # bytes of Ray's logical memory resource per trial driver
@@ -158,7 +159,7 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
     import ray
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
     from workers.ray_train import build_trainer
 
@@ -235,9 +236,8 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
         # with the whole population running at once every trial waits at each boundary, so trials are ranked
         # at the same epoch; otherwise a trial is ranked against the others' latest results
         synch = sweep.max_concurrent_trials >= sweep.trial_count()
-        scheduler = no_move_at_the_end(PopulationBasedTraining, epochs)(
-            time_attr="epochs", perturbation_interval=sweep.perturbation_interval, hyperparam_mutations=mutations,
-            synch=synch)
+        scheduler = pbt_scheduler(epochs, time_attr="epochs", perturbation_interval=sweep.perturbation_interval,
+                                  hyperparam_mutations=mutations, synch=synch)
         checkpoints = tune.CheckpointConfig(num_to_keep=4)  # PBT warns of early deletion at 2 or fewer
     else:
         scheduler = FIFOScheduler()
