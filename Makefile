@@ -15,7 +15,7 @@ export TMPDIR ?= /tmp
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
-	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@test -x $(BIN)/pip || $(PY) -m venv --clear $(VENV)  # also mends a venv cut off half-made
 	@echo ">> installing teleport-lab and its dependencies into $(VENV) (first time: ~2 min)"
 	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[dev]"
 	@touch $(STAMP)
