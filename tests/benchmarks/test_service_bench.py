@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks import run_all, service_bench
-from benchmarks.service_bench import Sizes
+from benchmarks.service.common import Sizes, pct
+from benchmarks.service.decisions import synthetic_load
+from benchmarks.service.sse import _parse_sse
 
 
 def _load(path: Path) -> dict:
@@ -21,14 +23,14 @@ def _load(path: Path) -> dict:
 
 def test_registered_in_run_all() -> None:
     assert "service_bench" in run_all.ORDER and "service_bench" in run_all.discover()
+    assert "service" not in run_all.discover()  # the parts package is run by service_bench, not on its own
 
 
 def test_pure_helpers() -> None:
-    assert service_bench.pct([3.0, 1.0, 2.0, 4.0], 0.5) == 2.0
-    assert service_bench.pct([3.0, 1.0, 2.0, 4.0], 0.99) == 4.0
-    assert service_bench._parse_sse(b'id: 1-0\nevent: metric\ndata: {"epoch": 1}') == ("1-0", "metric",
-                                                                                      '{"epoch": 1}')
-    queued, active = service_bench.synthetic_load(Sizes(queued=30, users=3, active=5))
+    assert pct([3.0, 1.0, 2.0, 4.0], 0.5) == 2.0
+    assert pct([3.0, 1.0, 2.0, 4.0], 0.99) == 4.0
+    assert _parse_sse(b'id: 1-0\nevent: metric\ndata: {"epoch": 1}') == ("1-0", "metric", '{"epoch": 1}')
+    queued, active = synthetic_load(Sizes(queued=30, users=3, active=5))
     assert len(queued) == 30 and len(active) == 5 and {q["owner"] for q in queued} <= {"user0", "user1", "user2"}
 
 
