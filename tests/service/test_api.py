@@ -139,6 +139,8 @@ def test_health_metrics_presets_cluster(api_only: Api) -> None:
         submit(c)
         text = c.get("/metrics").text
         assert "tlab_submissions_total 1.0" in text and "tlab_queue_length 1" in text
+        # requests are counted per full route template (a router's prefix included), not per concrete path
+        assert 'tlab_http_requests_total{method="POST",route="/v1/experiments",status="201"} 1.0' in text
         assert c.get("/v1/me").json()["role"] == "admin"
 
 

@@ -1,0 +1,142 @@
+"""What every route shares: the app's State, the caller (bearer token), ownership checks, list parameters.
+
+Routes take them as ``Annotated`` aliases (``st: StateDep, user: CurrentUser``), the FastAPI template's way.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+import redis.asyncio as aioredis
+from fastapi import Depends, Query, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from api_schemas.jobs import ClusterView, JobState, Role, UserPublic
+from service.errors import Forbidden, JobNotFound
+from service.events import Hub
+from service.settings import Settings
+from service.store import Store
+from service.views import JobFilter, Page, read_cluster_view
+
+USER_CACHE_S = 5.0  # a token's user is looked up at most this often per API process
+CLUSTER_CACHE_S = 0.5  # the scheduler's published cluster view is re-read at most this often
+
+
+class State:
+    """One per API process (``app.state.tlab``): the store, the async Redis for SSE, metrics, small caches."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.store = Store.from_url(settings.redis_url)
+        # a blocking pool: a burst of followers waits for a connection instead of failing with "Too many
+        # connections"; live events need only one per followed job (the Hub), history reads are short
+        self.aredis = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
+            settings.redis_url, max_connections=64, timeout=30, decode_responses=True))
+        self.hub = Hub(self.aredis, block_ms=int(min(5.0, settings.heartbeat_s) * 1000))
+        self.registry = CollectorRegistry()
+        self.requests = Counter("tlab_http_requests", "HTTP requests", ["method", "route", "status"],
+                                registry=self.registry)
+        self.latency = Histogram("tlab_http_request_seconds", "HTTP request latency", ["route"],
+                                 registry=self.registry,
+                                 buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+        self.submissions = Counter("tlab_submissions", "experiments accepted", registry=self.registry)
+        self._jobs_client: Any = None
+        self._users: dict[str, tuple[UserPublic, float]] = {}  # token -> (user, expiry): one lookup per 5 s
+        self._cluster: tuple[tuple[ClusterView | None, float], float] = ((None, 0.0), 0.0)
+
+    async def aclose(self) -> None:
+        await self.hub.close()
+        await self.aredis.aclose()
+        self.store.r.close()
+
+    def authenticate(self, token: str) -> UserPublic:
+        now = time.monotonic()
+        hit = self._users.get(token)
+        if hit and hit[1] > now:
+            return hit[0]
+        user = self.store.authenticate(token)
+        if len(self._users) > 10_000:
+            self._users.clear()
+        self._users[token] = (user, now + USER_CACHE_S)
+        return user
+
+    def cluster_view(self) -> tuple[ClusterView | None, float]:
+        """The scheduler's last published view and its age in seconds (re-read at most every 0.5 s)."""
+        now = time.monotonic()
+        if now - self._cluster[1] > CLUSTER_CACHE_S:
+            self._cluster = (read_cluster_view(self.store, self.settings.tick_s), now)
+        return self._cluster[0]
+
+    def ray_jobs(self) -> Any:
+        if self._jobs_client is None:
+            from service.ray_cluster import RayJobs
+
+            self._jobs_client = RayJobs(self.settings.ray_address, {})
+        return self._jobs_client
+
+
+def get_state(request: Request) -> State:
+    return request.app.state.tlab
+
+
+StateDep = Annotated[State, Depends(get_state)]
+bearer = HTTPBearer(auto_error=False, description="a Teleport Lab token (`tlab up` writes the admin's)")
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+
+
+def current_user(st: StateDep, creds: Credentials) -> UserPublic:
+    return st.authenticate(creds.credentials if creds else "")
+
+
+CurrentUser = Annotated[UserPublic, Depends(current_user)]
+
+
+def stream_user(st: StateDep, creds: Credentials,
+                token: Annotated[str | None, Query(max_length=200, description=(
+                    "the token, for EventSource clients that cannot send headers; the Authorization header "
+                    "wins"))] = None) -> UserPublic:
+    """The bearer token, or ``?token=`` on the SSE routes (a browser's EventSource sends no headers)."""
+    return st.authenticate(creds.credentials if creds else token or "")
+
+
+StreamUser = Annotated[UserPublic, Depends(stream_user)]
+
+
+def admin_user(user: CurrentUser) -> UserPublic:
+    if user.role != Role.ADMIN:
+        raise Forbidden("only an admin may do this", field="Authorization")
+    return user
+
+
+AdminUser = Annotated[UserPublic, Depends(admin_user)]
+
+
+def own_job(st: State, user: UserPublic, job_id: str) -> dict[str, str]:
+    """The job's raw hash if ``user`` owns it (or is an admin); 404 if there is none, 403 if it is another's."""
+    data = st.store.raw(job_id)
+    if user.role != Role.ADMIN and data["owner"] != user.name:
+        raise Forbidden(f"experiment {job_id} belongs to another user", field="id")
+    return data
+
+
+def own_sweep(st: State, user: UserPublic, sweep_id: str) -> dict[str, str]:
+    """Like ``own_job``, and a 404 naming the experiment route when the id is not a sweep."""
+    data = own_job(st, user, sweep_id)
+    if data.get("kind") != "sweep":
+        raise JobNotFound(f"{sweep_id} is an experiment, not a sweep: see /v1/experiments/{sweep_id}", field="id")
+    return data
+
+
+def job_filter(state: JobState | None = None, owner: str | None = None, tag: str | None = None) -> JobFilter:
+    return JobFilter(state, owner, tag)
+
+
+def page(cursor: Annotated[str | None, Query(max_length=64)] = None,
+         limit: Annotated[int, Query(ge=1, le=500)] = 50) -> Page:
+    return Page(cursor, limit)
+
+
+JobFilterDep = Annotated[JobFilter, Depends(job_filter)]
+PageDep = Annotated[Page, Depends(page)]

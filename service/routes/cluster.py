@@ -1,0 +1,24 @@
+"""The queue in start order, and the cluster as the scheduler last saw it."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from api_schemas.jobs import ClusterView, QueueView
+from service.deps import CurrentUser, StateDep
+from service.views import empty_cluster, queue_view
+
+router = APIRouter(prefix="/v1", tags=["cluster"])
+
+
+@router.get("/queue")
+def queue(st: StateDep, user: CurrentUser) -> QueueView:
+    """Queued experiments in the order they will start, with why each one waits."""
+    return queue_view(st.store)
+
+
+@router.get("/cluster", responses={503: {"description": "no scheduler has reported"}})
+def cluster(st: StateDep, user: CurrentUser) -> ClusterView:
+    """Nodes with total and free CPUs/GPUs, and the running experiments, as the scheduler last saw them."""
+    view, _ = st.cluster_view()
+    return view if view is not None else empty_cluster()

@@ -1,0 +1,142 @@
+"""Experiments: submit (or dry-run), list, get, cancel, follow (SSE), metrics, plot, logs."""
+
+from __future__ import annotations
+
+import io
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Header, Query, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import PlainTextResponse, StreamingResponse
+
+from api_schemas.jobs import DryRun, ExperimentSubmit, JobList, JobView, MetricsView, UserPublic
+from api_schemas.sweeps import SweepSubmit
+from service.deps import CurrentUser, JobFilterDep, PageDep, State, StateDep, StreamUser, own_job
+from service.errors import DoesNotFit, InvalidInput
+from service.events import downsample, follow, records, valid_stream_id
+from service.store import demand_of
+from service.submit import dry_run_view, enqueue, known_nodes, never_fits
+from service.views import list_jobs, log_text, metrics_csv
+
+router = APIRouter(prefix="/v1/experiments", tags=["experiments"])
+IdempotencyKey = Annotated[str | None, Header(max_length=200)]
+LastEventId = Annotated[str | None, Header(max_length=64)]
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}  # proxies: no buffer
+
+
+def queue_job(st: State, user: UserPublic, body: ExperimentSubmit | SweepSubmit, response: Response,
+              idempotency_key: str | None) -> JobView:
+    """Queue it; an Idempotency-Key replay answers 200 with the original job."""
+    job, created = enqueue(st.store, user.name, body, idempotency_key)
+    if created:
+        st.submissions.inc()
+    else:
+        response.status_code = 200
+        response.headers["Idempotent-Replayed"] = "true"
+    return job
+
+
+def event_stream(st: State, job_id: str, last_event_id: str | None) -> StreamingResponse:
+    """The job's stream as SSE: history after ``last_event_id`` (all if None), then live events."""
+    if last_event_id is not None and not valid_stream_id(last_event_id):
+        raise InvalidInput("Last-Event-ID must be a stream id like 1712345678901-0", field="Last-Event-ID")
+    return StreamingResponse(follow(st.hub, job_id, last_event_id, st.settings.heartbeat_s),
+                             media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def job_records(st: State, job_id: str) -> list[dict[str, Any]]:
+    return records(st.store.events(job_id))
+
+
+@router.post("", status_code=201, response_model=JobView | DryRun,
+             responses={200: {"description": "an Idempotency-Key replay: the original job"},
+                        409: {"description": "Idempotency-Key reused with another body"},
+                        422: {"description": "invalid spec, or a gang that can never fit"}})
+def submit(body: ExperimentSubmit, st: StateDep, user: CurrentUser, response: Response, dry_run: bool = False,
+           idempotency_key: IdempotencyKey = None) -> JobView | DryRun:
+    """Queue an experiment (or, with ``dry_run=true``, say whether and where it would fit)."""
+    demand = demand_of(body)
+    view, _ = st.cluster_view()
+    nodes = known_nodes(st.settings.cluster_nodes, view)
+    if dry_run:
+        response.status_code = 200
+        return dry_run_view(demand, view, nodes)
+    why = never_fits(demand, nodes)
+    if why:
+        raise DoesNotFit(f"this experiment can never fit the cluster: {why}", field="spec.resources")
+    return queue_job(st, user, body, response, idempotency_key)
+
+
+@router.get("")
+def list_experiments(st: StateDep, user: CurrentUser, flt: JobFilterDep, page: PageDep) -> JobList:
+    """Your experiments, newest first (admins: everyone's, or ``owner=``); filter by state and tag."""
+    return list_jobs(st.store, user, "experiment", flt, page)
+
+
+@router.get("/{job_id}")
+def get_experiment(job_id: str, st: StateDep, user: CurrentUser) -> JobView:
+    """One experiment: state, why it is pending, progress, summary or failure reason."""
+    return st.store.view(job_id, own_job(st, user, job_id))
+
+
+@router.delete("/{job_id}", status_code=202, responses={409: {"description": "already ended"}})
+def cancel(job_id: str, st: StateDep, user: CurrentUser) -> JobView:
+    """Cancel: a queued job leaves the queue; a running one is stopped (SIGTERM, then SIGKILL after the grace)."""
+    own_job(st, user, job_id)
+    st.store.cancel(job_id)
+    return st.store.view(job_id)
+
+
+@router.get("/{job_id}/events",
+            responses={200: {"content": {"text/event-stream": {}},
+                             "description": "SSE: metric, teleport, status, log, end"}})
+async def events(job_id: str, st: StateDep, user: StreamUser,
+                 last_event_id: LastEventId = None) -> StreamingResponse:
+    """Server-Sent Events: history, then live; ``Last-Event-ID`` resumes after that stream id."""
+    await run_in_threadpool(own_job, st, user, job_id)
+    return event_stream(st, job_id, last_event_id)
+
+
+@router.get("/{job_id}/metrics", responses={200: {"content": {"text/csv": {}}}})
+def get_metrics(job_id: str, st: StateDep, user: CurrentUser,
+                max_points: Annotated[int | None, Query(ge=1, le=100_000)] = None,
+                format: Literal["json", "csv"] = "json") -> Any:
+    """Per-epoch metrics (downsampled to ``max_points``), and the teleport reports; ``format=csv`` for a table."""
+    own_job(st, user, job_id)
+    recs = job_records(st, job_id)
+    rows = [r for r in recs if r.get("kind") == "epoch"]
+    points = downsample(rows, max_points)
+    if format == "csv":
+        return Response(metrics_csv(points), media_type="text/csv")
+    return MetricsView(id=job_id, total_points=len(rows), points=points,
+                       teleports=[r for r in recs if r.get("kind") == "teleport"])
+
+
+@router.get("/{job_id}/plot.png", responses={200: {"content": {"image/png": {}}}})
+def plot(job_id: str, st: StateDep, user: CurrentUser,
+         compare: Annotated[str | None, Query(max_length=2000, description="more ids, comma-separated")] = None,
+         ) -> Response:
+    """Train/test loss (teleport epochs marked); ``compare=id2,id3`` overlays other experiments."""
+    from plots.curves import plot_curves
+
+    ids = [job_id] + [i for i in (compare or "").split(",") if i.strip()]
+    runs = {}
+    for i in (i.strip() for i in ids):
+        name = own_job(st, user, i).get("name") or i
+        runs[name if name not in runs else f"{name} ({i})"] = job_records(st, i)
+    buf = io.BytesIO()
+    plot_curves(runs, buf, title=None, fmt="png")
+    return Response(buf.getvalue(), media_type="image/png")
+
+
+@router.get("/{job_id}/logs", response_class=PlainTextResponse)
+def logs(job_id: str, st: StateDep, user: CurrentUser) -> str:
+    """The Ray job's driver log while Ray still has it, then the job's own log events."""
+    sid = own_job(st, user, job_id).get("ray_job_id")
+    driver_log = None
+    if sid:
+        try:
+            driver_log = st.ray_jobs().logs(sid)
+        except Exception:
+            driver_log = None
+    return log_text(driver_log, job_records(st, job_id))

@@ -1,0 +1,18 @@
+"""Ready-made specs a user can submit as they are or start from."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from api_schemas.presets import PRESET_NOTES, PRESETS
+from service.deps import CurrentUser
+
+router = APIRouter(prefix="/v1/presets", tags=["experiments"])
+
+
+@router.get("")
+def presets(user: CurrentUser) -> dict[str, dict[str, Any]]:
+    """Ready-made specs (paper table rows, fast digits demos): ``{name: {note, spec}}``."""
+    return {name: {"note": PRESET_NOTES.get(name, ""), "spec": spec} for name, spec in PRESETS.items()}
