@@ -44,9 +44,11 @@ def test_page_and_vendored_files_are_served_and_sse_takes_a_token_query(api_only
         page = anon.get("/")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert 'src="static/app.js"' in page.text and "static/vendor/uPlot.iife.min.js" in page.text
-        for path, ctype in [("app.js", "javascript"), ("api.js", "javascript"), ("charts.js", "javascript"),
-                            ("app.css", "text/css"), ("vendor/uPlot.iife.min.js", "javascript"),
-                            ("vendor/uPlot.min.css", "text/css")]:
+        views = [f"views/{v}.js" for v in ("signin", "jobs", "job", "teleports", "submit", "compare", "sweeps",
+                                           "cluster")]
+        scripts = ["app.js", "api.js", "charts.js", "dom.js", "page.js", *views]  # ES modules, no build step
+        for path, ctype in [*((s, "javascript") for s in scripts), ("app.css", "text/css"),
+                            ("vendor/uPlot.iife.min.js", "javascript"), ("vendor/uPlot.min.css", "text/css")]:
             r = anon.get(f"/static/{path}")
             assert r.status_code == 200 and ctype in r.headers["content-type"] and len(r.content) > 500, path
         assert "uPlot" in anon.get("/static/vendor/uPlot.iife.min.js").text
@@ -195,12 +197,16 @@ def test_submit_watch_the_curve_grow_and_cancel_in_the_browser(stack: Stack, tab
     xs = page.evaluate("window.tlab.charts.loss.data[0]")
     assert xs == list(range(len(xs)))  # epochs 0, 1, 2, ... each once
 
-    # [3] teleport diagnostics: ‖∇L‖² before/after, drift and free directions per layer
-    page.wait_for_selector("#tele-body tr")
-    tele = page.inner_text("#tele-body")
+    # [3] teleport diagnostics, one row per teleport epoch (1 and 2); a click shows that epoch's 2 batches with
+    # ‖∇L‖² before/after, drift and free directions per layer
+    page.wait_for_function("() => document.querySelectorAll('#tele-table tr.epoch-row').length === 2")
+    page.locator("#tele-table tr.epoch-row[data-epoch='1']").click()
+    batches = page.locator("#tele-table tr.batch-row[data-epoch='1']:visible")
+    assert batches.count() == 2
+    tele = batches.nth(0).inner_text() + batches.nth(1).inner_text()
     # free / input dim of the two Linear layers (digits: 64 features, 32 hidden; +1 for the bias column)
-    assert "/65" in tele and "/33" in tele and "nullspace" in tele, tele
-    assert page.evaluate("window.tlab.charts.teleport.data[0].length") >= 1
+    assert "/65" in tele and "/33" in tele and page.inner_text("#tele-method") == "nullspace", tele
+    page.wait_for_function("() => window.tlab.charts.teleport.data[0].length === 4")  # 2 epochs x 2 batches
     tab.shot("job-page")
 
     # [4] the jobs table shows it running, with progress; back on its page the history replays

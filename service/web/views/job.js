@@ -1,0 +1,161 @@
+// #/job/ID: one experiment — live loss curves, teleport diagnostics grouped by epoch, logs, spec, cancel.
+
+import { api } from "../api.js";
+import { PALETTE, TEST, throttle, TRAIN } from "../charts.js";
+import { $, ago, badge, demandText, duration, html, num, POLL_MS, put, TERMINAL } from "../dom.js";
+import { cancelButton, liveEnded, liveState, showError } from "../page.js";
+import { EPOCH_ROWS, groupByEpoch, teleportTable, toggleOnClick } from "./teleports.js";
+
+const layout = (id) => html`
+  <section class="card">
+    <div class="row"><h2 id="job-title">${id}</h2><span id="job-state"></span><span id="live" class="small muted"></span>
+      <span class="grow"></span><button id="cancel" type="button" class="danger" hidden>Cancel job</button></div>
+    <dl id="job-facts" class="facts"></dl>
+  </section>
+  <section class="card"><div class="row"><h3>Loss</h3><span class="small muted"><span class="swatch"
+    style="background:${TRAIN}"></span>train <span class="swatch" style="background:${TEST}"></span>test
+    <span class="swatch mark"></span>teleport epochs</span></div>
+    <div id="loss-chart" class="chart"></div><p id="no-points" class="muted small">waiting for the first epoch…</p>
+    <div id="acc-wrap" hidden><h3>Test accuracy</h3><div id="acc-chart" class="chart"></div></div></section>
+  <section class="card"><div class="row"><h3>Teleport diagnostics</h3><span id="tele-method" class="badge"></span>
+    <span id="tele-count" class="small muted"></span></div>
+    <p class="muted small">Each teleport climbs ‖∇L‖² at (nearly) unchanged loss on its batch; free directions per
+      layer = input dim − kept rank (0 = that layer cannot move). One row per teleport epoch: click it for its batches.</p>
+    <div id="tele-none" class="muted">no teleports yet</div>
+    <div id="tele-wrap" hidden><div id="tele-chart" class="chart"></div><div id="tele-table"></div>
+      <p id="tele-more" class="muted small"></p></div></section>
+  <section class="card"><div class="row"><h3>Logs</h3><span class="grow"></span>
+    <button id="load-logs" type="button">Reload driver log</button></div>
+    <pre id="events-log" class="log"></pre><pre id="logs" class="log"></pre></section>
+  <section class="card"><details><summary>Spec</summary><pre id="spec" class="log"></pre></details></section>`;
+
+function jobFacts(j) {
+  const facts = [
+    ["id", j.id], ["owner", j.owner], ["created", ago(j.created_at)],
+    ["ran for", j.started_at ? duration(j.started_at, j.finished_at) : "–"],
+    ["needs", demandText(j.demand)], ["priority", j.priority], ["attempts", j.attempts],
+    ["progress", j.progress?.epoch !== null && j.progress?.epoch !== undefined ? `${j.progress.epoch}/${j.progress.epochs ?? "?"} epochs` : "–"],
+  ];
+  if (j.state === "queued") facts.push(["queue position", j.queue_position ?? "–"], ["why pending", j.pending_reason || "–"]);
+  if (j.failure_reason) facts.push(["failure", j.failure_reason]);
+  if (j.summary) facts.push(["summary", Object.entries(j.summary).filter(([, v]) => typeof v !== "object")
+    .map(([k, v]) => `${k}=${num(v)}`).join("  ")]);
+  return facts.map(([k, v]) => html`<dt>${k}</dt><dd>${v}</dd>`);
+}
+
+// The charts and the teleport table, redrawn at most every 150 ms from what the stream has delivered so far.
+function diagnostics(page) {
+  const epochs = new Map(); // epoch -> metric record (a resumed job may resend an epoch: the last one wins)
+  const teleports = new Map(); // "epoch:batch" -> teleport record (the same, per teleport batch)
+  const expanded = new Set(); // teleport epochs whose batch rows are open
+  toggleOnClick($("#tele-table"), expanded);
+  const lossChart = page.chart("loss", $("#loss-chart"), {
+    yLabel: "loss", series: [{ label: "train loss", color: TRAIN }, { label: "test loss", color: TEST }],
+    marks: () => [...new Set([...teleports.values()].map((t) => t.epoch))],
+  });
+  let accChart = null;
+  let teleChart = null;
+  const drawAccuracy = (rows) => {
+    if (!rows.some((r) => r.test_acc !== undefined)) return;
+    $("#acc-wrap").hidden = false;
+    accChart ||= page.chart("acc", $("#acc-chart"), { yLabel: "accuracy", height: 180, series: [{ label: "test acc", color: PALETTE[2] }] });
+    accChart.setData([rows.map((r) => r.epoch), rows.map((r) => r.test_acc ?? null)]);
+  };
+  const drawTeleports = () => {
+    const all = [...teleports.values()];
+    $("#tele-none").hidden = true;
+    $("#tele-wrap").hidden = false;
+    teleChart ||= page.chart("teleport", $("#tele-chart"), {
+      xLabel: "teleport #", yLabel: "‖∇L‖²", log: true, height: 200,
+      series: [{ label: "‖∇L‖² before", color: PALETTE[7], dash: [6, 4] }, { label: "‖∇L‖² after", color: PALETTE[4] }],
+    });
+    const pos = (x) => (x > 0 ? x : null); // a log scale has no zero
+    teleChart.setData([all.map((_, i) => i + 1), all.map((t) => pos(t.grad_norm_sq_before)), all.map((t) => pos(t.grad_norm_sq_after))]);
+    const groups = groupByEpoch(all);
+    $("#tele-method").textContent = [...new Set(all.map((t) => t.method || "nullspace"))].join(", ");
+    $("#tele-count").textContent = `${all.length} teleport batches in ${groups.length} epochs`;
+    put($("#tele-table"), teleportTable(groups.slice(0, EPOCH_ROWS), expanded));
+    $("#tele-more").textContent = groups.length > EPOCH_ROWS ? `showing the latest ${EPOCH_ROWS} of ${groups.length} teleport epochs` : "";
+  };
+  const redraw = throttle(() => {
+    if (page.dead) return;
+    const rows = [...epochs.values()].sort((a, b) => a.epoch - b.epoch);
+    lossChart.setData([rows.map((r) => r.epoch), rows.map((r) => r.train_loss ?? null), rows.map((r) => r.test_loss ?? null)]);
+    $("#no-points").hidden = rows.length > 0;
+    drawAccuracy(rows);
+    if (teleports.size) drawTeleports();
+  });
+  return {
+    metric: (m) => { epochs.set(m.epoch, m); redraw(); },
+    teleport: (t) => { teleports.set(`${t.epoch}:${t.batch ?? teleports.size}`, t); redraw(); },
+  };
+}
+
+function eventsLog() {
+  const box = $("#events-log");
+  return (text, cls = "") => {
+    const line = document.createElement("div");
+    line.textContent = text;
+    if (cls) line.className = cls;
+    box.append(line);
+    while (box.childElementCount > 500) box.firstElementChild.remove();
+  };
+}
+
+export async function jobPage(page, [id]) {
+  put(page.el, layout(id));
+  const draw = diagnostics(page);
+  const logLine = eventsLog();
+  const loadLogs = async () => {
+    try {
+      const text = await api("GET", `/v1/experiments/${id}/logs`, { text: true });
+      $("#logs").textContent = text.replace(/\x1b\[[0-9;]*[A-Za-z]/g, ""); // Ray colours its log lines
+    } catch (err) {
+      showError(err);
+    }
+  };
+  $("#load-logs").addEventListener("click", loadLogs);
+
+  let job = null;
+  const showJob = (j) => {
+    job = j;
+    $("#job-title").textContent = j.name || j.id;
+    put($("#job-state"), badge(j.state));
+    $("#cancel").hidden = TERMINAL.has(j.state);
+    put($("#job-facts"), jobFacts(j));
+    $("#spec").textContent = JSON.stringify(j.spec, null, 2);
+  };
+  const refreshJob = async () => {
+    const j = await api("GET", `/v1/experiments/${id}`);
+    if (page.dead) return false;
+    if (j.kind === "sweep") { location.hash = `#/sweep/${id}`; return false; }
+    showJob(j);
+    return !TERMINAL.has(j.state);
+  };
+  cancelButton(page, `/v1/experiments/${id}`, "Cancel job", refreshJob);
+
+  await refreshJob().catch((err) => showError(err));
+  if (page.dead || !job) return;
+  page.every(POLL_MS, refreshJob);
+  page.every(5 * POLL_MS, async () => { // the driver log, while Ray is writing it
+    await loadLogs();
+    return !TERMINAL.has(job.state);
+  });
+  page.stream(`/v1/experiments/${id}/events`, {
+    ...draw,
+    log: (l) => logLine(`[${l.level || "info"}] ${l.message}`, l.level === "error" ? "err" : ""),
+    status: (s) => {
+      if (s.kind === "status" && s.at && job) showJob({ ...job, state: s.state });
+      else if (s.kind === "error") logLine(`[error] epoch ${s.epoch}: ${s.message}`, "err");
+      else if (s.kind === "start") logLine(`started: ${s.dataset} (${s.train_size} train / ${s.test_size} test), ${s.model}, ${s.params} parameters`);
+    },
+    end: (e) => {
+      liveEnded(e.state);
+      refreshJob().catch(showError);
+      loadLogs();
+    },
+    state: (st) => {
+      if (liveState(st) && st === "closed") api("GET", `/v1/experiments/${id}`).catch(showError); // say why (401/403/404)
+    },
+  });
+}
