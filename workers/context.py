@@ -8,11 +8,14 @@ checkpoints go and which rank writes metrics.
 from __future__ import annotations
 
 import json
+import pickle
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -20,6 +23,48 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from teleport.distributed import Collective, TorchDistributed
 from workers.sinks import MetricSink, NullSink
+
+CHECKPOINT_FILE = "checkpoint.pt"
+
+
+class CheckpointRefused(RuntimeError):
+    """A checkpoint holds something other than tensors and plain values: it is not loaded."""
+
+
+def plain(value: Any) -> Any:
+    """``value`` as what ``torch.load(weights_only=True)`` reads back: numpy scalars become numbers and
+    numpy arrays tensors, inside dicts, lists and tuples; a container with nothing to change is returned
+    as it is (a state_dict keeps its ``_metadata``)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(value, dict):
+        items = {k: plain(v) for k, v in value.items()}
+        return value if all(items[k] is v for k, v in value.items()) else type(value)(items)
+    if isinstance(value, list | tuple):
+        seq = [plain(v) for v in value]
+        return value if all(a is b for a, b in zip(seq, value, strict=True)) else type(value)(seq)
+    return value
+
+
+def write_checkpoint(state: dict[str, Any], directory: Path) -> None:
+    """``DIR/checkpoint.pt`` (plain types and tensors only) and ``DIR/meta.json`` (the epoch to go on from,
+    readable without loading the weights: a PBT trial's driver)."""
+    torch.save(plain(state), directory / CHECKPOINT_FILE)
+    (directory / "meta.json").write_text(json.dumps({"epoch": state.get("epoch")}))
+
+
+def read_checkpoint(directory: Path) -> dict[str, Any]:
+    """What ``write_checkpoint`` wrote, loaded with ``weights_only=True``: a checkpoint is data, never code."""
+    path = directory / CHECKPOINT_FILE
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))
+        what = found.group(1) if found else "an object that is not a tensor or a plain value"
+        raise CheckpointRefused(f"checkpoint {path}: refused: it references {what}, and a checkpoint holds only "
+                                f"tensors and plain values; nothing in it was run") from None
 
 
 @dataclass
@@ -104,9 +149,7 @@ class RayTrainContext(RunContext):
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = None
             if self.is_chief:
-                torch.save(state, Path(tmp) / "checkpoint.pt")
-                # the epoch to go on from, readable without loading the weights (a PBT trial's driver)
-                (Path(tmp) / "meta.json").write_text(json.dumps({"epoch": state.get("epoch")}))
+                write_checkpoint(state, Path(tmp))
                 checkpoint = ray.train.Checkpoint.from_directory(tmp)
             ray.train.report(metrics, checkpoint=checkpoint)
 
@@ -118,4 +161,4 @@ class RayTrainContext(RunContext):
         if checkpoint is None:
             return None
         with checkpoint.as_directory() as path:
-            return torch.load(Path(path) / "checkpoint.pt", map_location="cpu", weights_only=False)
+            return read_checkpoint(Path(path))

@@ -4,12 +4,14 @@ No downloads: each loader reads the files a lab already has (IDX, CIFAR pickles,
 text matrices, PTB text) from ``dataset.root``; a missing file raises ``DatasetNotFound`` naming
 the directory searched and the files expected. ``digits`` (bundled with scikit-learn) and
 ``synthetic`` need no files; ``npz`` reads a user's own arrays ``X`` and ``y``.
+
+Data is never code: files are read through ``workers.data_files`` (a restricted unpickler for
+CIFAR batches, ``allow_pickle=False`` for .npz, errors that name a bad line by its number and never
+repeat a file's contents).
 """
 
 from __future__ import annotations
 
-import gzip
-import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from api_schemas.spec import DatasetSpec
+from workers.data_files import DataFormatError, read_bytes, read_matrix, read_npz_xy, read_pickled_batch, read_text
 
 Task = Literal["classification", "regression", "lm"]
 
@@ -54,10 +57,6 @@ def _find(root: Path, names: list[str], subdirs: tuple[str, ...] = ("",)) -> Pat
                 if candidate.exists():
                     return candidate
     return None
-
-
-def _open(path: Path) -> bytes:
-    return gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
 
 
 def _standardize(train: np.ndarray, test: np.ndarray, axis: int | tuple[int, ...] | None = None
@@ -121,13 +120,16 @@ def load_synthetic(spec: DatasetSpec, seed: int) -> DataBundle:
 
 def read_idx(path: Path) -> np.ndarray:
     """An IDX file (raw or .gz): magic 0x00 0x00 <dtype> <ndim>, big-endian int32 dims, then the data."""
-    raw = _open(path)
-    if raw[:2] != b"\x00\x00":
-        raise ValueError(f"{path} is not an IDX file (bad magic number)")
+    raw = read_bytes(path)
     dtypes = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+    if len(raw) < 4 or raw[:2] != b"\x00\x00" or raw[2] not in dtypes:
+        raise DataFormatError(f"{path} is not an IDX file (bad magic number)")
     dtype, ndim = np.dtype(dtypes[raw[2]]), raw[3]
-    dims = np.frombuffer(raw, dtype=">i4", count=ndim, offset=4)
-    data = np.frombuffer(raw, dtype=dtype, count=int(np.prod(dims)), offset=4 + 4 * ndim)
+    try:
+        dims = np.frombuffer(raw, dtype=">i4", count=ndim, offset=4)
+        data = np.frombuffer(raw, dtype=dtype, count=int(np.prod(dims)), offset=4 + 4 * ndim)
+    except ValueError:
+        raise DataFormatError(f"{path}: IDX file shorter than its header says (truncated?)") from None
     return data.reshape(tuple(int(d) for d in dims)).astype(dtype.newbyteorder("="))
 
 
@@ -156,11 +158,6 @@ def load_smnist(spec: DatasetSpec, seed: int) -> DataBundle:
                            yte, spec, classes=10)
 
 
-def _unpickle(path: Path) -> dict:
-    with path.open("rb") as f:
-        return pickle.load(f, encoding="bytes")
-
-
 def load_cifar(spec: DatasetSpec, seed: int) -> DataBundle:
     """CIFAR-10/100 python pickles (dicts with b'data' (N, 3072) uint8 and the labels)."""
     root = Path(spec.root or ".")
@@ -174,7 +171,7 @@ def load_cifar(spec: DatasetSpec, seed: int) -> DataBundle:
     label_key = b"labels" if ten else b"fine_labels"
 
     def read(names: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        parts = [_unpickle(base / n) for n in names]
+        parts = [read_pickled_batch(base / n, (b"data", label_key)) for n in names]
         x = np.concatenate([np.asarray(p[b"data"], dtype=np.uint8) for p in parts]).reshape(-1, 3, 32, 32)
         return x / 255.0, np.concatenate([np.asarray(p[label_key]) for p in parts])
 
@@ -191,7 +188,7 @@ def load_tiny_imagenet(spec: DatasetSpec, seed: int) -> DataBundle:
     needed = ["wnids.txt", "train/<wnid>/images/*.JPEG", "val/val_annotations.txt", "val/images/*.JPEG"]
     if not (base / "wnids.txt").exists() or not (base / "val" / "val_annotations.txt").exists():
         raise _missing("tiny_imagenet", base, needed)
-    wnids = (base / "wnids.txt").read_text().split()
+    wnids = read_text(base / "wnids.txt").split()
     index = {w: i for i, w in enumerate(wnids)}
     size = spec.image_size or 64
 
@@ -201,7 +198,7 @@ def load_tiny_imagenet(spec: DatasetSpec, seed: int) -> DataBundle:
 
     train = [(p, index[w]) for w in wnids for p in sorted((base / "train" / w / "images").glob("*.JPEG"))]
     val = []
-    for line in (base / "val" / "val_annotations.txt").read_text().splitlines():
+    for line in read_text(base / "val" / "val_annotations.txt").splitlines():
         parts = line.split("\t")
         if len(parts) >= 2 and parts[1] in index:
             val.append((base / "val" / "images" / parts[0], index[parts[1]]))
@@ -212,13 +209,6 @@ def load_tiny_imagenet(spec: DatasetSpec, seed: int) -> DataBundle:
     xte = np.stack([image(p) for p, _ in val])
     return _classification("tiny_imagenet", xtr, np.array([c for _, c in train]), xte,
                            np.array([c for _, c in val]), spec, classes=len(wnids))
-
-
-def read_matrix(path: Path) -> np.ndarray:
-    """A text matrix (rows = time steps, columns = series), comma- or whitespace-separated, or .gz."""
-    text = _open(path).decode()
-    return np.loadtxt(text.splitlines(), delimiter="," if "," in text.split("\n", 1)[0] else None,
-                      dtype=np.float32, ndmin=2)
 
 
 def load_series(spec: DatasetSpec, seed: int) -> DataBundle:
@@ -262,7 +252,7 @@ def load_ptb(spec: DatasetSpec, seed: int) -> DataBundle:
         raise _missing("ptb", root, files)
 
     def words(path: Path) -> list[str]:
-        return [w for line in _open(path).decode().splitlines() for w in [*line.split(), "<eos>"]]
+        return [w for line in read_text(path).splitlines() for w in [*line.split(), "<eos>"]]
 
     train_words = words(paths[0])
     vocab = {w: i for i, w in enumerate(sorted(set(train_words) | {"<unk>", "<eos>"}))}
@@ -284,12 +274,9 @@ def load_ptb(spec: DatasetSpec, seed: int) -> DataBundle:
 def load_npz(spec: DatasetSpec, seed: int) -> DataBundle:
     """A user's .npz with arrays X and y: integer y = classification, float y = regression."""
     path = Path(spec.path or "")
-    if not path.exists():
-        raise DatasetNotFound(f"dataset npz: {path} does not exist — set dataset.path to a .npz with arrays X, y")
-    with np.load(path) as f:
-        if "X" not in f or "y" not in f:
-            raise ValueError(f"dataset npz: {path} has arrays {sorted(f.files)}; it needs X and y")
-        x, y = f["X"].astype(np.float32), f["y"]
+    if not path.is_file():
+        raise DatasetNotFound(f"dataset.path: {path}: no such file — set dataset.path to a .npz with arrays X, y")
+    x, y = read_npz_xy(path)
     if len(x) != len(y):
         raise ValueError(f"dataset npz: X has {len(x)} rows but y has {len(y)}")
     integer = np.issubdtype(y.dtype, np.integer)
