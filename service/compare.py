@@ -14,9 +14,10 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from service.client import Client
+if TYPE_CHECKING:  # `tlab --help` builds this parser: the HTTP client is imported by the commands that use it
+    from service.client import Client
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
 

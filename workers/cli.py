@@ -235,4 +235,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+        sys.stdout.flush()  # a reader that left (`tlab presets | head -1`) surfaces here
+    except BrokenPipeError:  # end quietly, the recipe of Python's signal docs (as service.cli.main does)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 141
+    sys.exit(code)

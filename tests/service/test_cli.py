@@ -18,6 +18,17 @@ def tlab(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None)
                           env=None if env is None else {**os.environ, **env})
 
 
+def closed_pipe(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``tlab ARGS`` writing into a pipe whose reader has gone (``tlab ls | head -1`` once head has its line)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run([TLAB, *args], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=240,
+                              env=None if env is None else {**os.environ, **env})
+    finally:
+        os.close(write_end)
+
+
 def test_help_lists_the_commands() -> None:
     out = tlab("--help")
     assert out.returncode == 0
@@ -297,3 +308,54 @@ def test_admin_bootstrap_makes_a_token_that_signs_in(api_only, tmp_path: Path) -
     down = tlab("admin", "bootstrap", "--redis-url", "redis://127.0.0.1:9/0", env={**env, "TLAB_ADMIN_TOKEN": "t"})
     assert down.returncode == 1 and down.stderr.startswith("error: REDIS_URL: cannot use Redis")
     assert "Traceback" not in down.stderr
+
+
+def test_help_imports_neither_the_http_client_nor_the_spec_loader() -> None:
+    """`tlab --help` stays fast: the parser is built from argparse alone; each command imports what it needs."""
+    code = ("import sys; from service.cli import build_parser; build_parser().format_help(); "
+            "print(' '.join({m.split('.')[0] for m in sys.modules}))")
+    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                timeout=60).stdout.split())
+    assert "service" in loaded
+    assert not {"httpx", "pydantic", "pydantic_settings", "yaml", "shtab", "tqdm", "redis"} & loaded
+
+
+def test_table_cells_are_cut_with_an_ellipsis(capsys: pytest.CaptureFixture[str]) -> None:
+    from service.cli.common import CELL_MAX, cut, print_table
+
+    assert cut("x" * CELL_MAX) == "x" * CELL_MAX
+    assert cut("x" * (CELL_MAX + 1)) == "x" * (CELL_MAX - 1) + "…" and len(cut("y" * 500)) == CELL_MAX
+    print_table([("ID", "NOTE", "WHY"), ("j1", "n" * 200, "w" * 200), ("j2", "short", "ok")])
+    head, long, short = capsys.readouterr().out.splitlines()
+    assert long == "j1  " + "n" * (CELL_MAX - 1) + "…  " + "w" * (CELL_MAX - 1) + "…"
+    assert head.index("WHY") == short.index("ok") == long.index("w")  # columns still line up
+
+
+def test_a_closed_pipe_ends_quietly() -> None:
+    """Local and handed-over commands alike: exit 141 (as a shell reports SIGPIPE), no traceback."""
+    for args in (("completion", "bash"), ("presets", "--json"), ("presets",), ("validate", "digits/teleport")):
+        out = closed_pipe(*args)
+        assert (out.returncode, out.stderr) == (141, ""), (args, out.stderr[-2000:])
+    assert closed_pipe("--help").stderr == ""
+
+
+def test_long_cells_are_cut_and_service_commands_end_quietly_on_a_closed_pipe(
+        api_only, tmp_path: Path) -> None:  # noqa: ANN001
+    from api_schemas.jobs import JobState
+    from service.store import Store
+
+    env = {"TLAB_URL": api_only.url, "TLAB_TOKEN": api_only.stack.admin_token, "TLAB_HOME": str(tmp_path)}
+    name = "an-experiment-whose-name-goes-on-and-on"
+    job = tlab("submit", "--preset", "digits/teleport", "--name", name, env=env).stdout.split()[0]
+    reason = "preflight: build_model() raised ValueError: " + "mat1 and mat2 shapes cannot be multiplied " * 4
+    store = Store.from_url(api_only.stack.redis_url or "")
+    assert store.transition(job, JobState.FAILED, expect=[JobState.QUEUED], reason="preflight failed",
+                            failure_reason=reason)
+    listing = tlab("ls", env=env)
+    row = next(line for line in listing.stdout.splitlines() if line.startswith(job))
+    assert f" {name[:23]}… " in row and row.endswith(f"  {reason[:59]}…"), row
+    assert reason in tlab("show", job, env=env).stdout  # the whole text where there is room
+    assert json.loads(tlab("ls", "--json", env=env).stdout)[0]["failure_reason"] == reason
+    for args in (("ls",), ("ls", "--json"), ("show", job), ("users", "list")):
+        out = closed_pipe(*args, env=env)
+        assert (out.returncode, out.stderr) == (141, ""), (args, out.stderr[-2000:])

@@ -1,0 +1,164 @@
+"""Experiments on the service: ``submit``, ``ls``, ``show``, ``follow``, ``cancel``, ``plot``, ``compare``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from service.cli.common import (
+    add_read_command,
+    add_remote_args,
+    add_spec_args,
+    client,
+    cut,
+    fmt,
+    gang,
+    print_json,
+    print_table,
+    progress,
+    spec_from,
+)
+
+if TYPE_CHECKING:
+    from service.client import Client
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    spec = spec_from(args)
+    with client(args) as c:
+        if args.dry_run:
+            r = c.json("POST", "/v1/experiments", params={"dry_run": "true"}, json={"spec": spec})
+            print_json(r)
+            return 0 if r["fits_ever"] else 1
+        job = c.submit(spec, name=args.name or "", priority=args.priority, tags=args.tag)
+        print(f"{job['id']}  {job['state']}  position {fmt(job.get('queue_position'))}", flush=True)
+        return follow_one(c, job["id"]) if args.follow else 0
+
+
+def _note(job: dict[str, Any]) -> str:
+    """Why a job waits, why it failed, or its result: the free-text column of ``tlab ls``."""
+    if job["state"] == "succeeded" and job.get("summary"):
+        return f"test loss {fmt(job['summary'].get('final_test_loss'))}"
+    return job.get("pending_reason") or job.get("failure_reason") or ""
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with client(args) as c:
+        jobs = c.list(state=args.state, owner=args.owner, tag=args.tag, limit=args.limit)
+    if args.json:
+        return print_json(jobs)
+    rows = [("ID", "NAME", "OWNER", "STATE", "PROGRESS", "WHY / RESULT")]
+    rows += [(j["id"], cut(j["name"], 24), j["owner"], j["state"], progress(j), _note(j)) for j in jobs]
+    print_table(rows)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with client(args) as c:
+        job = c.get(args.id)
+    if args.json:
+        return print_json(job)
+    print(f"{job['id']}  {job['name']}  ({job['owner']})\n  state     {job['state']}")
+    if job["state"] == "queued":
+        print(f"  position  {fmt(job.get('queue_position'))}\n  waiting   {job.get('pending_reason')}")
+    print(f"  progress  {progress(job)}\n  attempts  {job['attempts']}   ray job {fmt(job.get('ray_job_id'))}")
+    print(f"  gang      {gang(job['demand'])}")
+    if job.get("failure_reason"):
+        print(f"  failed    {job['failure_reason']}")
+    for k, v in (job.get("summary") or {}).items():
+        print(f"  {k:<22}{fmt(v)}")
+    return 0
+
+
+def follow_one(c: Client, job_id: str) -> int:
+    """A live progress bar over epochs with the latest losses; exits 0 only if the job succeeded."""
+    from tqdm import tqdm
+
+    epochs = (c.get(job_id)["spec"].get("training") or {}).get("epochs")
+    bar = tqdm(total=epochs, desc=job_id, unit="epoch", dynamic_ncols=True, file=sys.stderr)
+    final = "unknown"
+    try:
+        for event in c.events(job_id):
+            d = event.data
+            if event.kind == "metric":
+                bar.n = int(d["epoch"]) + 1
+                bar.set_postfix_str(f"train {fmt(d.get('train_loss'))} test {fmt(d.get('test_loss'))}")
+            elif event.kind == "status" and "at" in d:
+                bar.write(f"{job_id}: {d['state']}" + (f" ({d['reason']})" if d.get("reason") else ""),
+                          file=sys.stderr)
+            elif event.kind == "log" and d.get("level") == "error":
+                bar.write(f"{job_id}: error: {d.get('message')}", file=sys.stderr)
+            elif event.kind == "end":
+                final = d["state"]
+            bar.refresh()
+    finally:
+        bar.close()
+    print(f"{job_id}  {final}")
+    return 0 if final == "succeeded" else 1
+
+
+def cmd_follow(args: argparse.Namespace) -> int:
+    with client(args) as c:
+        return follow_one(c, args.id)
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with client(args) as c:
+        for job_id in args.ids:
+            job = c.cancel(job_id)
+            print(f"{job_id}  {job['state']}" + ("" if job["state"] == "cancelled" else "  (stopping)"))
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    with client(args) as c:
+        png = c.plot(args.ids)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(png)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """The study as a sweep on the service; ``--local`` never gets here (``tlab`` hands it to workers.cli)."""
+    from service.compare import cmd_compare as compare
+
+    return compare(args, spec_from(args), client(args))
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("submit", help="queue an experiment: `tlab submit SPEC|--preset NAME [--set k=v] [--follow]`")
+    add_spec_args(p)
+    p.add_argument("--name", default=None)
+    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--tag", action="append", default=[])
+    p.add_argument("--follow", action="store_true", help="show live progress until it ends")
+    p.add_argument("--dry-run", action="store_true", help="say whether and where it would fit; queue nothing")
+    p.set_defaults(func=cmd_submit)
+
+    add_read_command(sub, "ls", "your experiments, newest first", cmd_ls,
+                     options={"--state": {}, "--owner": {"help": "(admins) someone else's"}, "--tag": {},
+                              "--limit": {"type": int, "default": 50}})
+    add_read_command(sub, "show", "one experiment: state, why it waits, progress, summary", cmd_show, "id")
+
+    p = sub.add_parser("follow", help="live progress bar and the latest metrics until the experiment ends")
+    p.add_argument("id")
+    p.set_defaults(func=cmd_follow)
+
+    p = sub.add_parser("cancel", help="cancel queued or running experiments")
+    p.add_argument("ids", nargs="+")
+    p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser("plot", help="overlaid loss curves of experiments: `tlab plot ID... -o FILE.png`")
+    p.add_argument("ids", nargs="+")
+    p.add_argument("-o", "--output", default="curves.png")
+    p.set_defaults(func=cmd_plot)
+
+    from service.compare import add_parser as add_compare  # argparse only: service.client is imported lazily there
+
+    add_compare(sub, add_spec_args, cmd_compare)
+    for name in ("submit", "follow", "cancel", "plot", "compare"):
+        add_remote_args(sub.choices[name])

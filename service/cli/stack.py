@@ -1,0 +1,105 @@
+"""The stack and the shared cluster: ``up``, ``demo``, ``queue``, ``cluster``, and shell ``completion``."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from service.cli.common import add_read_command, cut, gang, get_json, print_json, print_table
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from service.client import home
+    from service.stack import up
+
+    return up(Path(args.home).expanduser() if args.home else home(), args.port, args.num_cpus)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from service.demo import main as demo
+
+    return demo(Path(args.home) if args.home else Path("runs/demo"), args.epochs)
+
+
+def cmd_queue(args: argparse.Namespace) -> int:
+    items = get_json(args, "/v1/queue")["items"]
+    if args.json:
+        return print_json(items)
+    if not items:
+        print("the queue is empty")
+        return 0
+    rows = [("POS", "ID", "OWNER", "NAME", "PRIO", "GANG", "WHY IT WAITS")]
+    rows += [(str(e["position"]), e["id"], e["owner"], cut(e["name"], 24), str(e["priority"]), gang(e["demand"]),
+              e.get("pending_reason") or "") for e in items]
+    print_table(rows)
+    return 0
+
+
+def _print_nodes(view: dict[str, Any]) -> None:
+    rows = [("NODE", "ALIVE", "CPUS FREE/TOTAL", "GPUS FREE/TOTAL")]
+    rows += [(n["id"], "yes" if n["alive"] else "no", f"{n['cpus_free']:g}/{n['cpus_total']:g}",
+              f"{n['gpus_free']:g}/{n['gpus_total']:g}") for n in view["nodes"]]
+    print_table(rows)
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    view = get_json(args, "/v1/cluster")
+    if args.json:
+        return print_json(view)
+    if not view["scheduler_alive"]:
+        print("no scheduler has reported the cluster yet (is `python -m service.scheduler` running?)")
+    print(f"CPUs {view['cpus_free']:g} free of {view['cpus_total']:g}   "
+          f"GPUs {view['gpus_free']:g} free of {view['gpus_total']:g}   "
+          f"running {len(view['running_jobs'])}")
+    if view.get("cpus_outside") or view.get("gpus_outside"):
+        print(f"Ray reports {view['cpus_outside']:g} CPUs, {view['gpus_outside']:g} GPUs in use beyond Teleport "
+              "Lab's running jobs (other Ray work, or a finished job's workers being released)")
+    if view["nodes"]:
+        _print_nodes(view)
+    for job_id in view["running_jobs"]:
+        print(f"running  {job_id}")
+    return 0
+
+
+def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    yield parser
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        for child in getattr(action, "choices", {}).values():
+            yield from _parsers(child)
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    import shtab
+
+    from service.cli import build_parser
+
+    parser = build_parser()
+    for p in _parsers(parser):  # file names where a file goes (SPEC is a file or a preset name)
+        for action in p._actions:
+            if action.dest in ("spec", "space", "output"):
+                action.complete = shtab.FILE  # type: ignore[attr-defined]
+    print(shtab.complete(parser, shell=args.shell), end="")
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("up", help="start Redis, a Ray head, the API and the scheduler here; Ctrl-C stops them")
+    p.add_argument("--port", type=int, default=None, help="API port (default: a free one)")
+    p.add_argument("--home", default=None, help="data folder (default: TLAB_HOME or ~/.tlab)")
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs the local Ray head offers (default: all)")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("demo", help="start the embedded stack, run digits with and without teleport through "
+                                    "the API, follow both, plot and compare")
+    p.add_argument("--home", default=None, help="stack data folder (default: runs/demo)")
+    p.add_argument("--epochs", type=int, default=20)
+    p.set_defaults(func=cmd_demo)
+
+    add_read_command(sub, "queue", "the queue in start order, with why each job waits", cmd_queue)
+    add_read_command(sub, "cluster", "nodes, free CPUs/GPUs, running experiments", cmd_cluster)
+
+    p = sub.add_parser("completion", help="print a shell completion script: `eval \"$(tlab completion bash)\"`")
+    p.add_argument("shell", choices=["bash", "zsh", "tcsh"])
+    p.set_defaults(func=cmd_completion)
