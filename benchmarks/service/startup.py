@@ -80,6 +80,37 @@ SEGMENTS = [  # name, from, to
 ]
 
 
+def _wait_ready(client: httpx.Client, timeout_s: float = 60.0) -> None:
+    """Idle and ready: the scheduler has ticked and sees the Ray node's CPUs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = client.get("/v1/cluster")
+        if r.status_code == 200 and r.json()["scheduler_alive"] and r.json()["cpus_free"] > 0:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError("the scheduler did not report the Ray node within 60 s")
+        time.sleep(0.1)
+
+
+def _one_job(client: httpx.Client, i: int, timeout_s: float) -> tuple[str, dict[str, Any] | Exception]:
+    """Submit one job and follow it to its end: (job id, its record), or (job id, why it did not finish)."""
+    sent = time.time()
+    r = client.post("/v1/experiments", json={"spec": E2E_SPEC, "name": f"e2e-{i}"})
+    got = time.time()
+    r.raise_for_status()
+    job_id = r.json()["id"]
+    try:
+        f = follow_job(client, job_id, timeout_s=timeout_s)
+    except (TimeoutError, httpx.HTTPError) as err:
+        return job_id, err
+    marks = {"submit_sent": sent, "submit_response": got, **f["marks"]}
+    seg = {name: (marks[b] - marks[a] if a in marks and b in marks else None) for name, a, b in SEGMENTS}
+    lag = {k: f["received"][k] - f["marks"][k] for k in f["marks"]}
+    timeline = [[round(t - sent, 3), ev, d] for t, ev, d in f["timeline"]]
+    return job_id, {"job_id": job_id, "final": f["final"], "marks": marks, "segments": seg,
+                    "receive_lag_s": lag, "timeline_s": timeline}
+
+
 def bench_e2e(sizes: Sizes, home: Path) -> dict[str, Any]:
     stack = Stack(home, num_cpus=2, tick_s=0.2)
     jobs: list[dict[str, Any]] = []
@@ -91,36 +122,18 @@ def bench_e2e(sizes: Sizes, home: Path) -> dict[str, Any]:
         startup_s = time.perf_counter() - t
         with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {stack.admin_token}"},
                           timeout=60) as client:
-            deadline = time.monotonic() + 60
-            while True:  # idle and ready: the scheduler has ticked and sees the Ray node's CPUs
-                r = client.get("/v1/cluster")
-                if r.status_code == 200 and r.json()["scheduler_alive"] and r.json()["cpus_free"] > 0:
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the scheduler did not report the Ray node within 60 s")
-                time.sleep(0.1)
+            _wait_ready(client)
             ready_s = time.perf_counter() - t
             for i in range(sizes.e2e_jobs):
-                sent = time.time()
-                r = client.post("/v1/experiments", json={"spec": E2E_SPEC, "name": f"e2e-{i}"})
-                got = time.time()
-                r.raise_for_status()
-                job_id = r.json()["id"]
-                try:
-                    f = follow_job(client, job_id, timeout_s=sizes.e2e_timeout_s)
-                except (TimeoutError, httpx.HTTPError) as err:  # say why, keep the other parts' results
+                job_id, job = _one_job(client, i, sizes.e2e_timeout_s)
+                if isinstance(job, Exception):  # say why, keep the other parts' results
                     log = (stack.logs / "scheduler.log").read_text()[-1500:]
-                    error = f"{err!r}; scheduler log tail: {log}"
-                    print(f"   job {i + 1} {job_id} did not finish: {err!r}", flush=True)
+                    error = f"{job!r}; scheduler log tail: {log}"
+                    print(f"   job {i + 1} {job_id} did not finish: {job!r}", flush=True)
                     break
-                marks = {"submit_sent": sent, "submit_response": got, **f["marks"]}
-                seg = {name: (marks[b] - marks[a] if a in marks and b in marks else None) for name, a, b in SEGMENTS}
-                lag = {k: f["received"][k] - f["marks"][k] for k in f["marks"]}
-                timeline = [[round(t - sent, 3), ev, d] for t, ev, d in f["timeline"]]
-                jobs.append({"job_id": job_id, "final": f["final"], "marks": marks, "segments": seg,
-                             "receive_lag_s": lag, "timeline_s": timeline})
-                print(f"   job {i + 1}/{sizes.e2e_jobs} {job_id}: {f['final']}, submit -> first epoch "
-                      f"{ms(seg['total: submit -> first epoch'])} ms", flush=True)
+                jobs.append(job)
+                print(f"   job {i + 1}/{sizes.e2e_jobs} {job_id}: {job['final']}, submit -> first epoch "
+                      f"{ms(job['segments']['total: submit -> first epoch'])} ms", flush=True)
     finally:
         stack.stop()
         shutil.rmtree(home, ignore_errors=True)
@@ -128,6 +141,14 @@ def bench_e2e(sizes: Sizes, home: Path) -> dict[str, Any]:
     for name, _a, _b in SEGMENTS:
         vals = [j["segments"][name] for j in jobs if j["segments"][name] is not None]
         medians[name] = statistics.median(vals) if vals else None
+    _print_e2e(jobs, medians, startup_s, ready_s, error)
+    return {"stack_startup_s": startup_s, "ready_s": ready_s, "error": error, "spec": E2E_SPEC, "tick_s": 0.2,
+            "jobs": jobs, "median_s": medians,
+            "all_succeeded": error is None and all(j["final"] == "succeeded" for j in jobs)}
+
+
+def _print_e2e(jobs: list[dict[str, Any]], medians: dict[str, float | None], startup_s: float, ready_s: float,
+               error: str | None) -> None:
     print(f"\n4. submit to first epoch on an idle local stack (Redis, Ray head with 2 CPUs, API, scheduler ticking "
           f"every 0.2 s); {len(jobs)} job(s) one after another; times from the events' Redis stream ids")
     print(f"   stack start-up: {startup_s:.1f} s (until the scheduler sees the Ray node: {ready_s:.1f} s)")
@@ -135,6 +156,3 @@ def bench_e2e(sizes: Sizes, home: Path) -> dict[str, Any]:
         print(f"   ERROR: {error[:300]}")
     print_table(["segment", "median ms"] + [f"job {i + 1}" for i in range(len(jobs))],
                 [[name, ms(medians[name])] + [ms(j["segments"][name]) for j in jobs] for name, _a, _b in SEGMENTS])
-    return {"stack_startup_s": startup_s, "ready_s": ready_s, "error": error, "spec": E2E_SPEC, "tick_s": 0.2,
-            "jobs": jobs, "median_s": medians,
-            "all_succeeded": error is None and all(j["final"] == "succeeded" for j in jobs)}
