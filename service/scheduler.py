@@ -58,6 +58,15 @@ def job_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+MAX_REASON = 300  # a failure reason is one line of at most this many characters (workers.failure writes them)
+FAILURE_MARK = "TLAB-FAILURE: "  # what workers.failure puts before the reason on the Ray job's last log line
+
+
+def one_line(text: str, limit: int = MAX_REASON) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
 def last_error(store: Store, job_id: str) -> str:
     """The worker's own account of a failure: the last error ``log`` event in the job's stream."""
     for _eid, fields in store.r.xrevrange(keys.events(job_id), count=200):
@@ -66,6 +75,14 @@ def last_error(store: Store, job_id: str) -> str:
             if data.get("level") == "error":
                 return str(data.get("message", ""))
     return ""
+
+
+def reason_from_ray(message: str) -> str:
+    """A failed Ray job's own message (its status line and the tail of its logs) as one reason: the line
+    the entrypoint marked, else the last line (an entrypoint that died before it could say why)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    marked = [line.split(FAILURE_MARK, 1)[1] for line in lines if FAILURE_MARK in line]
+    return marked[-1] if marked else (lines[-1] if lines else "")
 
 
 class Scheduler:
@@ -142,7 +159,9 @@ class Scheduler:
         elif status == "SUCCEEDED":
             self.store.transition(job_id, JobState.SUCCEEDED, expect=active, now=now)
         elif status == "FAILED":
-            reason = last_error(self.store, job_id) or self.launcher.message(sid) or "the Ray job failed"
+            # one line: the worker's error event, else what Ray says (Ray asked only when needed)
+            reason = one_line(last_error(self.store, job_id) or reason_from_ray(self.launcher.message(sid))
+                              or "the Ray job failed")
             self.store.transition(job_id, JobState.FAILED, expect=active, reason=reason, failure_reason=reason,
                                   now=now)
         elif status == "STOPPED":

@@ -2,8 +2,9 @@
 
 Reads the job's spec from Redis, runs it as a Ray Train TorchTrainer on the cluster this Ray job
 lives in, streams events to the job's Redis stream (rank 0), and on success stores the summary in
-the job hash. Exit status: 0 succeeded, 1 failed (the reason is the last ``log`` event), 2 bad
-setup (missing environment, unknown job).
+the job hash. Exit status: 0 succeeded, 1 failed, 2 bad setup (missing environment, unknown job).
+A failure's reason is one line (``workers.failure``): the last error ``log`` event, and the last
+line of the job's log after ``TLAB-FAILURE:``; the traceback goes to the job's log above it.
 
 Environment: ``REDIS_URL`` (the service's Redis), ``TLAB_STORAGE`` (Ray Train storage path for
 checkpoints, shared by all nodes), ``TLAB_MAX_FAILURES`` (worker restarts, default 3).
@@ -21,6 +22,7 @@ from collections.abc import Callable
 import redis
 
 from api_schemas import ExperimentSpec, keys
+from workers.failure import MARK, JobFailed, failure_reason, one_line
 from workers.redis_sink import RedisSink
 
 
@@ -61,14 +63,20 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
     result = trainer.fit()
     summary = dict(result.metrics or {})
     if summary.get("failed"):
-        raise RuntimeError(str(summary.get("reason", "training failed")))
+        raise JobFailed(str(summary.get("reason", "training failed")))
     client.hset(keys.job(job_id), "summary", json.dumps(summary))
     return summary
 
 
+def report_failure(sink: RedisSink, reason: str) -> None:
+    """The one-line reason, as the job's last error event and as the last line of its log."""
+    sink.emit({"kind": "log", "level": "error", "message": reason})
+    print(f"{MARK}{reason}", file=sys.stderr, flush=True)
+
+
 def job_main(prog: str, description: str, run: Callable[[str, str, str], dict], argv: list[str] | None) -> int:
     """What a Ray job's entrypoint does around ``run(job_id, redis_url, storage)``: status events, and
-    every failure turned into a reason the user can read (the last ``log`` event)."""
+    every failure turned into one line the user can read (``report_failure``)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--job", required=True, help="the job id (its spec is in Redis)")
     args = parser.parse_args(argv)
@@ -82,13 +90,11 @@ def job_main(prog: str, description: str, run: Callable[[str, str, str], dict], 
     try:
         summary = run(args.job, redis_url, storage)
     except SetupError as err:
-        sink.emit({"kind": "log", "level": "error", "message": str(err)})
-        print(f"error: {err}", file=sys.stderr)
+        report_failure(sink, one_line(str(err)))
         return 2
     except Exception as err:  # the job boundary: every failure becomes a reason the user can read
-        sink.emit({"kind": "log", "level": "error", "message": f"{type(err).__name__}: {err}",
-                   "traceback": traceback.format_exc(limit=20)})
-        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+        traceback.print_exc()  # the whole story, for the job's log
+        report_failure(sink, failure_reason(err))
         return 1
     finally:
         sink.flush()

@@ -1,0 +1,60 @@
+"""A failed job's ``failure_reason`` is one line of at most 300 characters with the user's cause; the
+traceback stays in the job's log. End to end on the real stack, and the scheduler's fallback on Ray's
+own message."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from service.client import Client
+from service.scheduler import MAX_REASON, one_line, reason_from_ray
+from service.stack import Stack
+from tests.service.conftest import tiny
+
+RAY_MESSAGE = """Job entrypoint command failed with exit code 1, last available logs (truncated to 20,000 chars):
+Traceback (most recent call last):
+  File "/opt/tlab/workers/run.py", line 92, in job_main
+ray.train.WorkerGroupError: Training failed due to worker errors:
+[Rank 0 Error Snippet]:
+TLAB-FAILURE: dataset.path: /data/x.npz: no such file — set dataset.path to a .npz with arrays X, y
+(raylet) some shutdown chatter
+"""
+
+
+def test_the_marked_line_wins_over_rays_chatter() -> None:
+    expected = "dataset.path: /data/x.npz: no such file — set dataset.path to a .npz with arrays X, y"
+    assert reason_from_ray(RAY_MESSAGE) == expected
+    died = 'Job entrypoint command failed with exit code 1, last available logs:\n  File "x"\nModuleNotFoundError: x\n'
+    assert reason_from_ray(died) == "ModuleNotFoundError: x"  # no mark: the last line
+    assert reason_from_ray("") == ""
+    assert one_line("a\n  b\tc") == "a b c" and len(one_line("z" * 5000)) == MAX_REASON
+
+
+def wait_ended(c: Client, job: str, timeout: float = 300) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        view = c.get(job)
+        if view["state"] in {"succeeded", "failed", "cancelled"}:
+            return view
+        time.sleep(0.3)
+    raise AssertionError(f"{job} did not end in {timeout} s; last state {view['state']}")
+
+
+@pytest.mark.slow
+def test_a_job_whose_dataset_is_missing_fails_with_one_short_line(stack: Stack, tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere" / "x.npz"
+    with Client(stack.url, stack.admin_token) as c:
+        job = c.submit(tiny(dataset={"name": "npz", "path": str(missing)}), name="missing-data")["id"]
+        view = wait_ended(c, job)
+        reason = view["failure_reason"]
+        assert view["state"] == "failed", view
+        assert reason.startswith(f"dataset.path: {missing}: no such file"), reason
+        assert "\n" not in reason and len(reason) <= MAX_REASON and "Traceback" not in reason
+        assert "Error" not in reason  # not Ray's WorkerGroupError, not a type name: our own message
+        listed = [j for j in c.json("GET", "/v1/experiments")["items"] if j["id"] == job]
+        assert listed and listed[0]["failure_reason"] == reason
+        logs = c.request("GET", f"/v1/experiments/{job}/logs").text
+        assert "Traceback (most recent call last)" in logs and f"TLAB-FAILURE: {reason}" in logs
