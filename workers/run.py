@@ -3,8 +3,8 @@
 Reads the job's spec from Redis, runs it as a Ray Train TorchTrainer on the cluster this Ray job
 lives in, streams events to the job's Redis stream (rank 0), and on success stores the summary in
 the job hash. Exit status: 0 succeeded, 1 failed, 2 bad setup (missing environment, unknown job).
-A failure's reason is one line (``workers.failure``): the last error ``log`` event, and the last
-line of the job's log after ``TLAB-FAILURE:``; the traceback goes to the job's log above it.
+A failure's reason is one line (``workers.failure``): the last error ``log`` event, and a line of
+the job's log after ``TLAB-FAILURE:``; the traceback goes to the job's log above it.
 
 Environment: ``REDIS_URL`` (the service's Redis), ``TLAB_STORAGE`` (Ray Train storage path for
 checkpoints, shared by all nodes), ``TLAB_MAX_FAILURES`` (worker restarts, default 3).
@@ -69,9 +69,10 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
 
 
 def report_failure(sink: RedisSink, reason: str) -> None:
-    """The one-line reason, as the job's last error event and as the last line of its log."""
-    sink.emit({"kind": "log", "level": "error", "message": reason})
+    """The one-line reason, as a marked line of the job's log (first: it needs no Redis) and as the job's
+    last error event."""
     print(f"{MARK}{reason}", file=sys.stderr, flush=True)
+    sink.emit({"kind": "log", "level": "error", "message": reason})
 
 
 def job_main(prog: str, description: str, run: Callable[[str, str, str], dict], argv: list[str] | None) -> int:
