@@ -1,7 +1,7 @@
 """A failure as one line a user can read: ``epoch 3: loss is NaN``, ``mylab/models.py:88: NameError: ...``.
 
 The Ray job's entrypoint (``workers.run.job_main``) turns whatever ended the job into this line, writes it
-to the job's stream as the error ``log`` event and prints it after ``MARK`` as its last log line (the
+to the job's stream as the error ``log`` event and prints it after ``MARK`` as a line of its log (the
 scheduler's fallback); the full traceback goes to the job's log only. A line is at most ``MAX_REASON``
 characters, and names the innermost frame of the user's own code when the error passed through it.
 """
