@@ -2,7 +2,9 @@
 
 Pure PyTorch. The paper's three steps live in one module each:
 
-- ``capture``: per-layer input representation matrices R (eqs. 9-11);
+- ``capture`` / ``uses``: every use of every parameter in the forward pass and its input columns
+  (the representation matrices R of eqs. 9-11, per parameter, not per layer);
+- ``blocks``: rows of a weight that share their uses, and π on them;
 - ``bases``: SVD with the τ rule (eq. 3) and the projection π (eqs. 12-17);
 - ``nullspace``: projected gradient ascent on ½‖∇L‖² with CAP (eq. 5, Algorithm 1);
 
@@ -10,7 +12,7 @@ plus ``symmetry``, the symmetry-teleport baseline of Zhao et al. for LeakyReLU M
 """
 
 from teleport.bases import Basis, BasisExecutor, SerialExecutor, ThreadExecutor, compute_basis, project
-from teleport.capture import capture_inputs
+from teleport.capture import UseRecorder, capture_inputs
 from teleport.nullspace import objective, teleport_batch, teleport_gradient
 from teleport.report import LayerReport, TeleportConfig, TeleportReport
 from teleport.symmetry import symmetry_teleport_batch
@@ -23,6 +25,7 @@ __all__ = [
     "TeleportConfig",
     "TeleportReport",
     "ThreadExecutor",
+    "UseRecorder",
     "capture_inputs",
     "compute_basis",
     "objective",

@@ -9,9 +9,15 @@ update is projected onto its orthogonal complement (paper eqs. 12-17):
 
 which is the paper's MLP form; its conv/attention forms ``G − B Bᵀ G`` are the same operator on
 the transposed layout. When the complement N is the smaller side, π(G) = (G N) Nᵀ instead.
-τ = 1 keeps the numerical rank: σ_i > max(d, N)·eps·σ_1, the rule ``torch.linalg.matrix_rank``
-uses, with eps of R's dtype so float32 inputs work (on the Gram route, σ_i² must also clear the
-float64 eigenvalue round-off, max(d, N)·eps64·σ_1²).
+Two readings of τ (``tau_rule``):
+- ``numerical_rank`` (default): eq. 3 in float64, never keeping fewer directions than the
+  numerical rank σ_i > max(d, N)·eps·σ_1 (the rule ``torch.linalg.matrix_rank`` uses). τ = 1 is
+  exact: conv layers whose C·k·k ≤ n·h·w then have no free direction.
+- ``energy``: eq. 3 as written, the cumulative energy summed in the model's precision (float32 at
+  least). At τ = 1 the partial sum reaches the total once the tail is below its round-off, so that
+  negligible tail counts as captured and its directions are freed (the paper's CNN gains at τ = 1).
+Bases and tolerances are computed in float32 at least (float64 Gram) whatever R's dtype: bf16's
+eps would call 0.5·σ_1 noise and free directions that are not null.
 
 Two routes, picked by shape (both return the same subspace):
 - ``svd``:  thin SVD of R (d, N) when N < d — O(d N²);
@@ -61,6 +67,17 @@ def tau_rank(sq_singular: Tensor, tau: float, rank_tol: float) -> int:
     return min(k, numerical)
 
 
+def energy_rank(sq_singular: Tensor, tau: float, dtype: torch.dtype) -> int:
+    """eq. 3 as written, min { k : σ_1² + ... + σ_k² ≥ τ ‖R‖²_F }, the sums in ``dtype``."""
+    energy = torch.cumsum(sq_singular.to(dtype), 0)
+    return min(int((energy < tau * energy[-1]).sum()) + 1, sq_singular.numel())
+
+
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Bases are computed in float32 at least: bf16/fp16 R is promoted."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _rank_tol(sq_max: float, shape: tuple[int, int], dtype: torch.dtype) -> float:
     """σ² threshold of the numerical rank: (max(d, N)·eps·σ_max)², eps of R's dtype."""
     return (max(shape) * torch.finfo(dtype).eps) ** 2 * sq_max
@@ -74,12 +91,13 @@ class Spectrum:
     vectors: Tensor
     cols: int  # N, the number of columns of R (over all ranks when distributed)
     route: str
+    source: torch.dtype = torch.float32  # R's own dtype: the precision of the energy rule
 
 
 def spectrum_of_gram(gram: Tensor, cols: int, dtype: torch.dtype) -> Spectrum:
     """eigh of R Rᵀ (d, d), float64: σ² = eigenvalues, the eigenvectors are R's left singular vectors."""
     lam, vecs = torch.linalg.eigh(gram)  # ascending; (d,), (d, d)
-    return Spectrum(lam.flip(0).clamp_min(0), vecs.flip(1).to(dtype), cols, "gram")
+    return Spectrum(lam.flip(0).clamp_min(0), vecs.flip(1).to(working_dtype(dtype)), cols, "gram", dtype)
 
 
 def gram(rep: Tensor) -> Tensor:
@@ -91,12 +109,12 @@ def spectrum(rep: Tensor) -> Spectrum:
     """The cheaper route for R's shape: thin SVD when N < d, else the Gram matrix's eigh."""
     d, n = rep.shape
     if n < d:
-        u, s, _ = torch.linalg.svd(rep, full_matrices=False)  # u: (d, N), s: (N,)
-        return Spectrum(s.double() ** 2, u, n, "svd")
+        u, s, _ = torch.linalg.svd(rep.to(working_dtype(rep.dtype)), full_matrices=False)  # u: (d, N), s: (N,)
+        return Spectrum(s.double() ** 2, u, n, "svd", rep.dtype)
     return spectrum_of_gram(gram(rep), n, rep.dtype)
 
 
-def select_basis(spec: Spectrum, tau: float) -> Basis:
+def select_basis(spec: Spectrum, tau: float, rule: str = "numerical_rank") -> Basis:
     """Apply eq. 3 (and the numerical rank) to a spectrum; keep the smaller of span and complement."""
     vectors, sq = spec.vectors, spec.sq
     d = vectors.shape[0]
@@ -106,7 +124,7 @@ def select_basis(spec: Spectrum, tau: float) -> Basis:
     tol = _rank_tol(float(sq[0]), (d, spec.cols), vectors.dtype)
     if spec.route == "gram":  # eigenvalues of a float64 Gram carry ~max(d, N)·eps64·λ_max of round-off
         tol = max(tol, max(d, spec.cols) * torch.finfo(torch.float64).eps * float(sq[0]))
-    k = tau_rank(sq, tau, tol)
+    k = tau_rank(sq, tau, tol) if rule == "numerical_rank" else energy_rank(sq, tau, working_dtype(spec.source))
     captured = float(sq[:k].sum()) / total
     free = vectors[:, k:].contiguous() if spec.route == "gram" else None
     # keep only the smaller side; projecting with it costs 2·C_o·d·min(k, d−k)
@@ -115,9 +133,9 @@ def select_basis(spec: Spectrum, tau: float) -> Basis:
     return Basis(d, k, captured, vectors[:, :k].contiguous(), None, spec.route)
 
 
-def compute_basis(rep: Tensor, tau: float = 1.0) -> Basis:
+def compute_basis(rep: Tensor, tau: float = 1.0, rule: str = "numerical_rank") -> Basis:
     """SVD of R (d, N) with the τ rule, by the cheaper route for its shape."""
-    return select_basis(spectrum(rep), tau)
+    return select_basis(spectrum(rep), tau, rule)
 
 
 def project(grad: Tensor, basis: Basis) -> Tensor:

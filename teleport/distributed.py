@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from teleport.bases import BasisExecutor, Spectrum, gram, spectrum, spectrum_of_gram
+from teleport.bases import BasisExecutor, Spectrum, gram, spectrum, spectrum_of_gram, working_dtype
 
 
 class Collective(Protocol):
@@ -75,6 +75,16 @@ def all_reduce_list_(comm: Collective, tensors: Sequence[Tensor]) -> None:
         offset += t.numel()
 
 
+def any_across_(comm: Collective, masks: Sequence[Tensor]) -> None:
+    """Logical OR of boolean masks across ranks, in place (rows an embedding reads on any rank)."""
+    if not masks:
+        return
+    counts = [m.to(torch.float32) for m in masks]
+    all_reduce_list_(comm, counts)
+    for m, c in zip(masks, counts, strict=True):
+        m.copy_(c > 0)
+
+
 def _gather_columns(comm: Collective, rep: Tensor) -> Tensor:
     """[R_0 | R_1 | ...] (d, N) from shards with possibly different column counts."""
     counts = torch.tensor([rep.shape[1]], device=rep.device)
@@ -91,7 +101,7 @@ class Decomposition:
     matrix: Tensor
     cols: int
     gram: bool
-    dtype: torch.dtype  # R's dtype: the vectors come back in it
+    dtype: torch.dtype  # R's dtype: the vectors come back in it (float32 at least)
 
     @property
     def shape(self) -> tuple[int, int]:  # what executors size the work by
@@ -133,8 +143,8 @@ def distributed_spectra(reps: Sequence[Tensor], comm: Collective, executor: Basi
             sq, vectors = spec.sq.contiguous(), spec.vectors.contiguous()
         else:
             sq = torch.empty(m, dtype=torch.float64, device=rep.device)
-            vectors = torch.empty(d, m, dtype=rep.dtype, device=rep.device)
+            vectors = torch.empty(d, m, dtype=working_dtype(rep.dtype), device=rep.device)
         comm.broadcast_(sq, owner)
         comm.broadcast_(vectors, owner)
-        out.append(Spectrum(sq, vectors, n, route))
+        out.append(Spectrum(sq, vectors, n, route, rep.dtype))
     return out

@@ -14,18 +14,21 @@ the batch loss by more than ``loss_tol`` (relative) is backed off by halving η.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from teleport.bases import Basis, BasisExecutor, SerialExecutor, compute_basis, project_split, select_basis
-from teleport.capture import LayerInputs, capture_inputs, untouched_parameters
-from teleport.distributed import Collective, all_reduce_list_, distributed_spectra
-from teleport.report import LayerReport, TeleportConfig, TeleportReport
+from teleport.bases import BasisExecutor, SerialExecutor, compute_basis, select_basis
+from teleport.blocks import Block, RowClass, build_blocks, partition
+from teleport.capture import UseRecorder, trainable
+from teleport.distributed import Collective, all_reduce_list_, any_across_, distributed_spectra
+from teleport.report import TeleportConfig, TeleportReport
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -53,14 +56,16 @@ def objective(
     params: list[Tensor],
     comm: Collective | None = None,
     share: float = 1.0,
+    recorder: UseRecorder | None = None,
 ) -> Objective:
     """L(W) and ‖∇_W L‖² over every trainable parameter, keeping the graph for H·∇L.
 
     ``share`` is this rank's weight n_r / N in the whole batch's mean loss. Fused attention
     kernels (flash, memory-efficient) have no double backward: the math kernel of
-    scaled_dot_product_attention is forced here.
+    scaled_dot_product_attention is forced here. With a ``recorder``, the forward (and the loss, which
+    may use parameters too) runs under it: every use of a parameter is recorded.
     """
-    with sdpa_kernel(SDPBackend.MATH):
+    with sdpa_kernel(SDPBackend.MATH), recorder or nullcontext():
         loss = loss_fn(model(x), y) * share
     grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
     local = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
@@ -93,67 +98,34 @@ def teleport_gradient(obj: Objective, weights: list[Tensor], params: list[Tensor
     return hvp
 
 
-@dataclass
-class _Layer:
-    """A captured layer, its parameters and one basis per group."""
+def layer_bases(blocks: list[Block] | UseRecorder, tau: float, executor: BasisExecutor,
+                comm: Collective | None = None, rule: str = "numerical_rank") -> list[Block]:
+    """Partition each block's rows into classes and give every class its basis, through ``executor``.
 
-    inputs: LayerInputs
-    bases: list[Basis]
-
-    @property
-    def params(self) -> list[Tensor]:
-        m = self.inputs.module
-        return [m.weight] if m.bias is None else [m.weight, m.bias]
-
-    def projected(self, grads: list[Tensor]) -> list[Tensor]:
-        """π applied to [∇W | ∇b] group by group, returned in the parameters' own shapes."""
-        gw = grads[0].reshape(grads[0].shape[0], -1)  # (C_o, d)
-        gb = grads[1] if len(grads) == 2 else None  # (C_o,)
-        rows = gw.shape[0] // len(self.bases)
-        parts = [project_split(gw[i * rows : (i + 1) * rows], None if gb is None else gb[i * rows : (i + 1) * rows],
-                               b) for i, b in enumerate(self.bases)]
-        if len(parts) == 1:
-            uw, ub = parts[0]
-        else:
-            uw = torch.cat([p[0] for p in parts])
-            ub = None if gb is None else torch.cat([p[1] for p in parts])  # type: ignore[misc]
-        return [uw.reshape(grads[0].shape)] + ([] if ub is None else [ub])
-
-    def reports(self) -> list[LayerReport]:
-        e = self.inputs
-        return [
-            LayerReport(
-                e.name if len(self.bases) == 1 else f"{e.name}[group {i}]",
-                e.kind, b.dim, b.rank, b.free_dims, b.captured_variance,
-            )
-            for i, b in enumerate(self.bases)
-        ]
-
-
-def layer_bases(
-    captured: dict[str, LayerInputs], tau: float, executor: BasisExecutor, comm: Collective | None = None
-) -> list[_Layer]:
-    """One basis per distinct representation (Q/K/V share theirs), computed through ``executor``.
-
-    With a collective, the bases are those of the whole batch across ranks, identical on every rank.
+    ``blocks`` may be a recorder that has seen the forward (``capture_inputs``): its blocks are built.
+    One basis per distinct representation (Q/K/V reading one tensor share theirs). With a
+    collective, the bases are those of the whole batch across ranks, identical on every rank.
     """
+    if isinstance(blocks, UseRecorder):
+        blocks = build_blocks(blocks.uses)[0]
     reps: list[Tensor] = []
-    index: dict[int, int] = {}
-    slots: list[list[int]] = []
-    for entry in captured.values():
-        ids = []
-        for g in range(entry.groups):
-            rep = entry.representation(g)
-            if id(rep) not in index:
-                index[id(rep)] = len(reps)
-                reps.append(rep)
-            ids.append(index[id(rep)])
-        slots.append(ids)
+    index: dict[tuple, int] = {}
+    slots: list[tuple[RowClass, int]] = []
+    for block in blocks:
+        block.classes = partition(block)
+        for cls in block.classes:
+            key = cls.key(block.bias is not None, block.bias_id)
+            if key not in index:
+                index[key] = len(reps)
+                reps.append(block.representation(cls))
+            slots.append((cls, index[key]))
     if comm is not None and comm.world_size > 1:
-        bases = [select_basis(spec, tau) for spec in distributed_spectra(reps, comm, executor)]
+        bases = [select_basis(spec, tau, rule) for spec in distributed_spectra(reps, comm, executor)]
     else:
-        bases = executor.map(lambda r: compute_basis(r, tau), reps)
-    return [_Layer(e, [bases[i] for i in ids]) for e, ids in zip(captured.values(), slots, strict=True)]
+        bases = executor.map(lambda r: compute_basis(r, tau, rule), reps)
+    for cls, i in slots:
+        cls.basis = bases[i]
+    return blocks
 
 
 def guarded_step(
@@ -163,24 +135,39 @@ def guarded_step(
     loss0: float,
     eta: float,
     config: TeleportConfig,
+    grad_norm_sq: float | None = None,
 ) -> tuple[Objective | None, float, int, str]:
-    """Take a step of size η, backing off (η/2) while it overshoots CAP or raises L beyond loss_tol.
+    """Take a step of size η, halving it until the step is acceptable.
 
-    Returns the objective after the accepted step (None when every try failed and ``restore`` put
-    the weights back), the η that worked (kept for the next step), the back-offs and, on failure,
-    why: "cap" or "loss_tol".
+    Acceptable: L and ‖∇L‖² finite, ‖∇L‖² ≤ CAP, |L − L₀| ≤ loss_tol·|L₀| (a rise or a fall), and —
+    given the ‖∇L‖² before the step — an ascent. Returns the objective after the accepted step (None
+    when every try failed and ``restore`` put the weights back), the η that worked (kept for the
+    next step), the back-offs and, on failure, why: "not_finite", "cap", "loss_tol" or "no_ascent".
     """
+    why = "steps"
     for attempt in range(config.max_backoff + 1):
         move(eta)
         new = evaluate()
-        over_cap = new.grad_norm_sq > config.cap
-        loss_up = new.loss - loss0 > config.loss_tol * max(abs(loss0), 1e-12)
-        if not (over_cap or loss_up):
-            return new, eta, attempt, "steps"
+        why = step_verdict(new, loss0, config, grad_norm_sq)
+        if why == "steps":
+            return new, eta, attempt, why
         if attempt < config.max_backoff:
             eta /= 2
     restore()
-    return None, eta, config.max_backoff + 1, "cap" if over_cap else "loss_tol"
+    return None, eta, config.max_backoff + 1, why
+
+
+def step_verdict(new: Objective, loss0: float, config: TeleportConfig, grad_norm_sq: float | None) -> str:
+    """"steps" for an acceptable step, else the first rule it breaks."""
+    if not (math.isfinite(new.loss) and math.isfinite(new.grad_norm_sq)):
+        return "not_finite"
+    if new.grad_norm_sq > config.cap:
+        return "cap"
+    if abs(new.loss - loss0) > config.loss_tol * max(abs(loss0), 1e-12):
+        return "loss_tol"
+    if grad_norm_sq is not None and new.grad_norm_sq < grad_norm_sq:
+        return "no_ascent"
+    return "steps"
 
 
 def scalar(t: Tensor) -> float:
@@ -189,6 +176,8 @@ def scalar(t: Tensor) -> float:
 
 def _shard_share(n: int, comm: Collective | None, device: torch.device) -> float:
     """w_r = n_r / N: this rank's weight in the whole batch's mean loss."""
+    if n == 0:
+        raise ValueError("the teleport batch (or this rank's shard of it) is empty: pass at least one sample")
     if comm is None or comm.world_size == 1:
         return 1.0
     total = torch.tensor([float(n)], dtype=torch.float64, device=device)
@@ -201,6 +190,12 @@ def heldout_loss(model: nn.Module, loss_fn: LossFn, holdout: tuple[Tensor, Tenso
         return None
     with torch.no_grad():
         return scalar(loss_fn(model(holdout[0]), holdout[1]))
+
+
+def _batch_size(x: Tensor) -> int:
+    if x.dim() == 0:
+        raise ValueError("the teleport batch x is a scalar: pass a batch with a leading sample dimension")
+    return x.shape[0]
 
 
 def teleport_batch(
@@ -217,74 +212,102 @@ def teleport_batch(
 
     Runs in eval mode (dropout off, BatchNorm on its running statistics, which are never changed)
     and restores the model's mode afterwards. ``holdout`` adds the loss on held-out data before
-    and after, which — unlike the batch loss — is free to drift.
+    and after, which — unlike the batch loss — is free to drift. A batch already at CAP, or whose
+    loss is not finite (NaN targets, every target ignored), is decided before any basis is built.
 
     With ``comm`` (data-parallel ranks, see ``teleport.distributed``), (x, y) is this rank's shard
     of the teleport batch; pass the bare module, not a DDP wrapper (DDP's hooks would all-reduce
     inside the double backward). Every rank returns the same report and the same weights.
     """
     config = config or TeleportConfig()
-    executor = executor or SerialExecutor()
     start = time.perf_counter()
     was_training = model.training
     model.eval()
     try:
-        params = [p for p in model.parameters() if p.requires_grad]
-        share = _shard_share(x.shape[0], comm, x.device)
+        names, params = trainable(model)
+        share = _shard_share(_batch_size(x), comm, x.device)
 
-        def evaluate() -> Objective:
-            return objective(model, loss_fn, x, y, params, comm, share)
+        def evaluate(recorder: UseRecorder | None = None) -> Objective:
+            return objective(model, loss_fn, x, y, params, comm, share, recorder)
 
         heldout_before = heldout_loss(model, loss_fn, holdout)
-        with capture_inputs(model) as captured:  # step 1: R per layer, from the same forward as L
-            cur = evaluate()
-        layers = layer_bases(captured, config.tau, executor, comm)  # step 2
-        for layer in layers:  # the bases are all that is needed of R from here on
-            layer.inputs.chunks = []
-        loss0, gn0 = cur.loss, cur.grad_norm_sq
-        weights = [p for layer in layers for p in layer.params]
-        steps = backoffs = 0
-        reason = "steps"
-        eta = config.lr
-        if not any(b.free_dims for layer in layers for b in layer.bases):
-            reason = "no_free_directions"
-        while reason == "steps" and steps < config.steps:  # step 3: t projected ascent steps
-            if cur.grad_norm_sq >= config.cap:
-                reason = "cap"
-                break
-            grads = teleport_gradient(cur, weights, params, comm)
-            direction: list[Tensor] = []
-            i = 0
-            for layer in layers:
-                n = len(layer.params)
-                direction += layer.projected(grads[i : i + n])
-                i += n
-            origin = [w.detach().clone() for w in weights]
-
-            def move(step: float, origin: list[Tensor] = origin, direction: list[Tensor] = direction) -> None:
-                with torch.no_grad():
-                    for w, w0, u in zip(weights, origin, direction, strict=True):
-                        w.copy_(w0).add_(u, alpha=step)  # no temporaries of the weights' size
-
-            new, eta, tries, why = guarded_step(move, lambda: move(0.0), evaluate, loss0, eta, config)
-            backoffs += tries
-            if new is None:
-                reason = why
-                break
-            cur, steps = new, steps + 1
+        recorder = UseRecorder(names, params)
+        cur = evaluate(recorder)  # step 1: every use of every parameter, from the same forward as L
+        blocks, untouched = build_blocks(recorder.uses)
+        run = _Run(model, params, blocks, cur, config, comm)
+        reason = run.decide_early()
+        if reason == "steps":  # step 2 (bases), then step 3: t projected ascent steps
+            layer_bases(run.blocks, config.tau, executor or SerialExecutor(), comm, config.tau_rule)
+            recorder.uses.keepalive.clear()  # the bases are all that is needed of R from here on
+            reason = run.ascend(evaluate)
         return TeleportReport(
-            loss_before=loss0,
-            loss_after=cur.loss,
-            grad_norm_sq_before=gn0,
-            grad_norm_sq_after=cur.grad_norm_sq,
-            steps=steps,
-            backoffs=backoffs,
+            loss_before=run.loss0,
+            loss_after=run.cur.loss,
+            grad_norm_sq_before=run.gn0,
+            grad_norm_sq_after=run.cur.grad_norm_sq,
+            steps=run.steps,
+            backoffs=run.backoffs,
             stop_reason=reason,
             seconds=time.perf_counter() - start,
-            layers=[r for layer in layers for r in layer.reports()],
-            untouched=untouched_parameters(model, {layer.inputs.name: layer.inputs for layer in layers}),
+            layers=[r for block in run.blocks for r in block.reports()],
+            untouched=untouched,
             heldout_loss_before=heldout_before,
             heldout_loss_after=heldout_loss(model, loss_fn, holdout),
         )
     finally:
         model.train(was_training)
+
+
+class _Run:
+    """The state of one teleport: the blocks that move, the objective now, steps and back-offs so far."""
+
+    def __init__(self, model: nn.Module, params: list[Tensor], blocks: list[Block], cur: Objective,
+                 config: TeleportConfig, comm: Collective | None) -> None:
+        self.params, self.blocks, self.cur, self.config, self.comm = params, blocks, cur, config, comm
+        self.loss0, self.gn0 = cur.loss, cur.grad_norm_sq
+        self.steps = self.backoffs = 0
+        if comm is not None and comm.world_size > 1:  # rows looked up on any rank stay fixed on all
+            any_across_(comm, [b.frozen for b in blocks if b.frozen is not None])
+
+    def decide_early(self) -> str:
+        """Why no step can be taken, known before any basis is built (else "steps")."""
+        if not (math.isfinite(self.loss0) and math.isfinite(self.gn0)):
+            return "not_finite"
+        if self.gn0 >= self.config.cap:
+            return "cap"
+        if not self.blocks or self.config.steps == 0:
+            return "no_free_directions" if not self.blocks else "steps"
+        return "steps"
+
+    def ascend(self, evaluate: Callable[[], Objective]) -> str:
+        blocks = [b for b in self.blocks if any(c.basis is not None and c.basis.free_dims for c in b.classes)]
+        if not blocks:
+            return "no_free_directions"
+        weights = [p for b in blocks for p in b.params]
+        origin = [w.detach().clone() for w in weights]  # reused every step: no new buffers
+        eta = self.config.lr
+        while self.steps < self.config.steps:
+            if self.cur.grad_norm_sq >= self.config.cap:
+                return "cap"
+            grads = teleport_gradient(self.cur, weights, self.params, self.comm)
+            direction: list[Tensor] = []
+            i = 0
+            for b in blocks:
+                direction += b.projected(grads[i : i + len(b.params)])
+                i += len(b.params)
+            with torch.no_grad():
+                for w0, w in zip(origin, weights, strict=True):
+                    w0.copy_(w)
+
+            def move(step: float, direction: list[Tensor] = direction) -> None:
+                with torch.no_grad():
+                    for w, w0, u in zip(weights, origin, direction, strict=True):
+                        w.copy_(w0).add_(u, alpha=step)  # no temporaries of the weights' size
+
+            new, eta, tries, why = guarded_step(move, lambda: move(0.0), evaluate, self.loss0, eta, self.config,
+                                                self.cur.grad_norm_sq)
+            self.backoffs += tries
+            if new is None:
+                return why
+            self.cur, self.steps = new, self.steps + 1
+        return "steps"

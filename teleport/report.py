@@ -5,14 +5,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+TAU_RULES = ("numerical_rank", "energy")
+
 
 @dataclass(frozen=True)
 class TeleportConfig:
     """Hyperparameters of one teleport batch (paper symbols).
 
     steps: t ascent steps; lr: η_tele; cap: CAP on ‖∇L‖²; tau: eq. 3 threshold;
-    loss_tol: largest relative rise of the batch loss a step may cause before it is backed off;
-    max_backoff: halvings of η tried before the teleport stops.
+    loss_tol: largest relative change of the batch loss, either way, a step may cause before it is
+    backed off; max_backoff: halvings of η tried before the teleport stops; tau_rule: how eq. 3 reads
+    τ ("numerical_rank": exact, never fewer directions than the numerical rank; "energy": the
+    cumulative energy in the model's precision, which at τ = 1 frees the negligible tail).
     """
 
     steps: int = 8
@@ -21,6 +25,7 @@ class TeleportConfig:
     tau: float = 1.0
     loss_tol: float = 1e-3
     max_backoff: int = 6
+    tau_rule: str = "numerical_rank"
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -31,13 +36,16 @@ class TeleportConfig:
             raise ValueError(f"teleport.cap must be > 0, got {self.cap}")
         if not 0 < self.tau <= 1:
             raise ValueError(f"teleport.tau must be in (0, 1], got {self.tau}")
+        if self.tau_rule not in TAU_RULES:
+            raise ValueError(f"teleport.tau_rule must be one of {', '.join(TAU_RULES)}, got {self.tau_rule!r}")
         if self.loss_tol < 0 or self.max_backoff < 0:
             raise ValueError("teleport.loss_tol and teleport.max_backoff must be >= 0")
 
 
 @dataclass(frozen=True)
 class LayerReport:
-    """One layer (or one group of a grouped conv): input dim d, kept rank k, free directions d − k."""
+    """One weight (or the rows of it that share their uses, e.g. a conv group): input dim d, kept rank k,
+    free directions d − k."""
 
     name: str
     kind: str
@@ -55,11 +63,11 @@ class TeleportReport:
     grad_norm_sq_after: float
     steps: int
     backoffs: int
-    stop_reason: str  # "steps" | "cap" | "loss_tol" | "no_free_directions"
+    stop_reason: str  # "steps" | "cap" | "loss_tol" | "no_ascent" | "not_finite" | "no_free_directions"
     seconds: float
     method: str = "nullspace"
     layers: list[LayerReport] = field(default_factory=list)
-    untouched: list[str] = field(default_factory=list)
+    untouched: dict[str, str] = field(default_factory=dict)  # parameter name -> why it stays as it is
     heldout_loss_before: float | None = None
     heldout_loss_after: float | None = None
 

@@ -20,18 +20,10 @@ from teleport import (
     teleport_batch,
 )
 from teleport.bases import project_split
-from teleport.capture import weight_matrix
 from teleport.nullspace import layer_bases, objective, teleport_gradient
 from workers import models
 
-
-@pytest.fixture(autouse=True)
-def float64():
-    """Invariants are checked in float64; the default dtype is restored for the other tests."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 def MLP(dims: list[int]) -> nn.Module:  # noqa: N802 - reads like the class it builds
@@ -121,23 +113,25 @@ def test_projected_update_annihilates_each_layers_representation(kind: str) -> N
     params = [p for p in model.parameters() if p.requires_grad]
     with capture_inputs(model) as captured:
         obj = objective(model, F.cross_entropy, x, y, params)
-    layers = layer_bases(captured, 0.9 if kind == "cnn" else 1.0, SerialExecutor())
-    all_grads = teleport_gradient(obj, [p for layer in layers for p in layer.params], params)
-    for layer in layers:
-        grads, all_grads = all_grads[: len(layer.params)], all_grads[len(layer.params) :]
-        update = layer.projected(grads)
-        u = update[0].reshape(update[0].shape[0], -1)
+    blocks = layer_bases(captured, 0.9 if kind == "cnn" else 1.0, SerialExecutor())
+    all_grads = teleport_gradient(obj, [p for block in blocks for p in block.params], params)
+    for block in blocks:
+        grads, all_grads = all_grads[: len(block.params)], all_grads[len(block.params) :]
+        update = block.projected(grads)
+        u = block.matrix(update[0])  # (rows, C)
         if len(update) == 2:
             u = torch.cat([u, update[1].reshape(-1, 1)], dim=1)
-        rep = layer.inputs.representation(0)
-        kept = layer.bases[0]
-        if kept.free_dims == kept.dim:  # nothing kept: nothing to check
-            continue
-        # U·R = 0 in the kept span: exactly at τ=1; at τ<1 only the dropped σ's leak through
-        residual = (u @ rep).norm() / (u.norm() * rep.norm() + 1e-300)
-        assert residual < (1e-10 if kind != "cnn" else 0.35)
-        if kept.kept is not None:
-            assert (u @ kept.kept).abs().max() < 1e-10
+        for cls in block.classes:
+            rep, basis = block.representation(cls), cls.basis
+            assert basis is not None
+            if basis.free_dims == basis.dim:  # nothing kept: nothing to check
+                continue
+            uc = u if cls.rows is None else u[cls.rows]
+            # U·R = 0 in the kept span: exactly at τ=1; at τ<1 only the dropped σ's leak through
+            residual = (uc @ rep).norm() / (uc.norm() * rep.norm() + 1e-300)
+            assert residual < (1e-10 if kind != "cnn" else 0.35)
+            if basis.kept is not None:
+                assert (uc @ basis.kept).abs().max() < 1e-10
 
 
 def test_projection_is_idempotent_and_orthogonal_for_both_forms() -> None:
@@ -215,30 +209,27 @@ def test_loss_tolerance_backs_off_steps() -> None:
 
 
 def test_representation_reproduces_each_layers_output() -> None:
-    """W̃ R equals the layer's output: the capture honours stride, padding modes, dilation and groups."""
+    """[W | b] R equals the layer's output: the capture honours stride, padding modes, dilation and groups."""
     torch.manual_seed(4)
     layers = [
         nn.Conv2d(4, 6, 3, stride=2, padding=2, dilation=2, groups=2, padding_mode="reflect"),
         nn.Conv2d(4, 6, (3, 5), padding="same", bias=False),
         nn.Conv1d(4, 6, 5, stride=2, padding=1, groups=2),
+        nn.Conv3d(4, 6, (2, 3, 2), stride=(1, 2, 1), padding=1, dilation=(2, 1, 1), groups=2),
         nn.Linear(4, 3),
     ]
+    shapes = {nn.Conv2d: (2, 4, 9, 9), nn.Conv1d: (2, 4, 11), nn.Conv3d: (2, 4, 5, 6, 5), nn.Linear: (2, 5, 4)}
     for layer in layers:
-        x = torch.randn(2, 4, 9, 9) if isinstance(layer, nn.Conv2d) else torch.randn(2, 4, 11)
-        if isinstance(layer, nn.Linear):
-            x = torch.randn(2, 5, 4)
+        x = torch.randn(*shapes[type(layer)])
         with capture_inputs(layer) as captured:
             out = layer(x)
-        entry = next(iter(captured.values()))
-        w = weight_matrix(layer)
-        rows = w.shape[0] // entry.groups
-        for g in range(entry.groups):
-            pred = w[g * rows : (g + 1) * rows] @ entry.representation(g)  # (C_o/g, n·L)
-            if isinstance(layer, nn.Linear):
-                ref = out.reshape(-1, 3).T
-            else:
-                ref = out[:, g * rows : (g + 1) * rows].reshape(2, rows, -1).transpose(0, 1).reshape(rows, -1)
-            assert torch.allclose(pred, ref, atol=1e-10)
+        [block] = layer_bases(captured, 1.0, SerialExecutor())
+        w = block.augmented()
+        for cls in block.classes:
+            rows = torch.arange(w.shape[0]) if cls.rows is None else cls.rows
+            pred = w[rows] @ block.representation(cls)  # (rows, n·positions)
+            ref = out.reshape(-1, 3).T if isinstance(layer, nn.Linear) else out[:, rows].transpose(0, 1)
+            assert torch.allclose(pred, ref.reshape(len(rows), -1), atol=1e-10)
 
 
 def test_shared_inputs_share_one_basis_and_norms_are_untouched() -> None:

@@ -1,0 +1,262 @@
+"""From recorded uses to what moves: per weight, the rows that share one null space, and π on them.
+
+A *block* is a weight and the bias added to its rows, moved as the matrix ``[W | b]`` laid out
+(rows, C + 1). Each use of some rows is a Part with input columns X. Rows are grouped into
+*classes* by the set of uses that read them; a class's representation stacks all of them,
+
+    R_class = [X_use1 | X_use2 | ...]     (with a row of ones under X where the use adds the bias,
+                                           zeros where it does not)
+
+so its null space is the intersection of every use's (a weight used twice, a Linear in a loop,
+a tied LM head). Rows an embedding lookup reads, and rows no linear map reads, stay fixed.
+Parameters that cannot be expressed so are left exactly as they are, each with its reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from teleport.bases import Basis, project_split
+from teleport.capture import Uses
+from teleport.report import LayerReport
+from teleport.uses import Part, Unsupported, arange_index
+
+
+@dataclass
+class RowClass:
+    """Layout rows read by exactly the same uses (None: all rows), and their basis once computed."""
+
+    rows: Tensor | None
+    parts: list[Part]
+    basis: Basis | None = None
+
+    def key(self, has_bias: bool, bias_id: int | None) -> tuple:
+        """Equal keys, equal R: one basis serves every class with the key (Q, K, V on one input)."""
+        return (has_bias, *((p.key, p.bias is not None and p.bias == bias_id) for p in self.parts))
+
+
+@dataclass
+class Block:
+    """One weight (and its bias) as a (rows, C[+1]) matrix in its layout, with the uses of its rows."""
+
+    name: str
+    weight: Tensor
+    bias: Tensor | None
+    layout: str  # "natural" | "transposed"
+    bias_rows: Tensor | None  # (rows,) the bias element of each row, -1 for none; None: row r <-> element r
+    parts: list[Part]
+    frozen: Tensor | None  # (rows,) bool: rows an embedding lookup reads
+    bias_id: int | None = None  # the bias' index among the recorded parameters
+    classes: list[RowClass] = field(default_factory=list)
+
+    @property
+    def params(self) -> list[Tensor]:
+        return [self.weight] if self.bias is None else [self.weight, self.bias]
+
+    @property
+    def rows(self) -> int:
+        return self.weight.shape[0] if self.layout == "natural" else self.weight.shape[1]
+
+    def matrix(self, g: Tensor) -> Tensor:
+        """A tensor of the weight's shape as its layout (rows, C): a view."""
+        return g.reshape(self.rows, -1) if self.layout == "natural" else g.T
+
+    def unmatrix(self, m: Tensor) -> Tensor:
+        return m.reshape(self.weight.shape) if self.layout == "natural" else m.T
+
+    def augmented(self) -> Tensor:
+        """[W | b] in the layout, (rows, C[+1]): ``augmented()[rows] @ representation(cls)`` is the output."""
+        w = self.matrix(self.weight.detach())
+        if self.bias is None:
+            return w.clone()
+        return torch.cat([w, self._bias_per_row(self.bias.detach())[:, None]], dim=1)
+
+    def representation(self, cls: RowClass) -> Tensor:
+        """R of one class: (C[+1], N), the columns of every use of its rows."""
+        blocks = []
+        for p in cls.parts:
+            x = p.columns()
+            if self.bias is not None:
+                x = torch.cat([x, (x.new_ones if p.bias == self.bias_id else x.new_zeros)(1, x.shape[1])])
+            blocks.append(x)
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+
+    def projected(self, grads: list[Tensor]) -> list[Tensor]:
+        """π applied class by class to [∇W | ∇b]; rows outside every class (fixed rows) get 0."""
+        gw = self.matrix(grads[0])  # (rows, C)
+        gb = self._bias_per_row(grads[1]) if self.bias is not None else None
+        whole = len(self.classes) == 1 and self.classes[0].rows is None
+        uw = None if whole else torch.zeros_like(gw)
+        ub = None if whole or gb is None else torch.zeros_like(gb)
+        for cls in self.classes:
+            assert cls.basis is not None
+            w = gw if cls.rows is None else gw[cls.rows]
+            b = None if gb is None else (gb if cls.rows is None else gb[cls.rows])
+            pw, pb = _project(w, b, cls.basis)
+            if whole:
+                uw, ub = pw, pb
+            else:
+                assert uw is not None
+                uw[cls.rows] = pw
+                if ub is not None and pb is not None:
+                    ub[cls.rows] = pb
+        assert uw is not None
+        out = [self.unmatrix(uw)]
+        if self.bias is not None:
+            assert ub is not None
+            out.append(self._bias_from_rows(ub))
+        return out
+
+    def _bias_per_row(self, gb: Tensor) -> Tensor:
+        flat = gb.reshape(-1)
+        if self.bias_rows is None:
+            return flat
+        valid = self.bias_rows >= 0
+        return torch.where(valid, flat[self.bias_rows.clamp_min(0)], flat.new_zeros(()))
+
+    def _bias_from_rows(self, ub: Tensor) -> Tensor:
+        assert self.bias is not None
+        if self.bias_rows is None:
+            return ub.reshape(self.bias.shape)
+        out = ub.new_zeros(self.bias.numel())
+        valid = self.bias_rows >= 0
+        out[self.bias_rows[valid]] = ub[valid]
+        return out.reshape(self.bias.shape)
+
+    def reports(self) -> list[LayerReport]:
+        out = []
+        for cls in self.classes:
+            assert cls.basis is not None
+            b, name = cls.basis, self.name
+            if cls.rows is not None:
+                r = cls.rows
+                contiguous = bool((r[1:] - r[:-1] == 1).all()) if len(r) > 1 else True
+                name += f"[rows {int(r[0])}:{int(r[-1]) + 1}]" if contiguous else f"[{len(r)} rows]"
+            kind = "+".join(sorted({p.kind for p in cls.parts}))
+            out.append(LayerReport(name, kind, b.dim, b.rank, b.free_dims, b.captured_variance))
+        return out
+
+
+def _project(gw: Tensor, gb: Tensor | None, basis: Basis) -> tuple[Tensor, Tensor | None]:
+    """project_split in the basis' precision (float32 at least), returned in the gradient's dtype."""
+    vectors = basis.kept if basis.kept is not None else basis.free
+    dtype = gw.dtype if vectors is None else vectors.dtype
+    if gw.dtype == dtype:
+        return project_split(gw, gb, basis)
+    uw, ub = project_split(gw.to(dtype), None if gb is None else gb.to(dtype), basis)
+    return uw.to(gw.dtype), None if ub is None else ub.to(gw.dtype)
+
+
+# ------------------------------------------------------------------ building blocks from uses
+
+
+def build_blocks(uses: Uses) -> tuple[list[Block], dict[str, str]]:
+    """Blocks of the weights that can move, and why every other trainable parameter stays."""
+    reasons = {uses.names[i]: why for i, why in uses.reasons.items()}
+    blocks: list[Block] = []
+    biases: dict[int, int] = {}  # bias param -> its weight
+    for b, weights in uses.bias_of.items():
+        name = uses.names[b]
+        if len(weights) > 1:
+            reasons.setdefault(name, "the bias of several weights (not supported)")
+        elif b in uses.parts or b in uses.frozen:
+            reasons.setdefault(name, "used as a bias and as a weight")
+        else:
+            biases[b] = next(iter(weights))
+    for i, name in enumerate(uses.names):
+        if name in reasons or i in biases:
+            continue
+        if i not in uses.parts:
+            reasons[name] = ("only looked up (an embedding): the rows read stay fixed, the others get no "
+                             "teleport gradient" if i in uses.frozen else "not used in the teleport forward pass")
+            continue
+        bias = next((b for b, w in biases.items() if w == i), None)
+        if bias is not None and uses.names[bias] in reasons:
+            reasons[name] = f"its bias {uses.names[bias]} cannot move"
+            continue
+        try:
+            blocks.append(_block(uses, i, bias))
+        except Unsupported as e:
+            reasons[name] = str(e)
+    movable = {id(p) for blk in blocks for p in blk.params}
+    for b, w in biases.items():
+        if id(uses.params[b]) not in movable:
+            why = "cannot move" if uses.names[w] in reasons else "moves with another of its biases only"
+            reasons.setdefault(uses.names[b], f"the bias of {uses.names[w]}, which {why}")
+    return blocks, {n: reasons[n] for n in uses.names if n in reasons}
+
+
+def _block(uses: Uses, i: int, bias: int | None) -> Block:
+    p, parts = uses.params[i], uses.parts[i]
+    layouts = {part.layout for part in parts}
+    if len(layouts) > 1:
+        raise Unsupported("used both as W and as Wᵀ (its null space is not a space of rows)")
+    layout = layouts.pop()
+    rows = p.shape[0] if layout == "natural" else p.shape[1]
+    bias_rows = None if bias is None else _bias_rows(parts, rows, uses.params[bias], bias)
+    frozen = _frozen_rows(uses.frozen.get(i, []), p, layout, rows)
+    name = uses.names[i].removesuffix(".weight")
+    return Block(name, p, None if bias is None else uses.params[bias], layout, bias_rows, parts, frozen, bias)
+
+
+def _bias_rows(parts: list[Part], rows: int, bias: Tensor, b: int) -> Tensor | None:
+    """Which bias element each layout row adds (one element per row, one row per element)."""
+    device = bias.device
+    out = torch.full((rows,), -1, dtype=torch.long, device=device)
+    for part in parts:
+        if part.bias != b:
+            continue
+        r = torch.arange(rows, device=device) if part.rows is None else part.rows
+        elems = arange_index(bias, part.bias_index).reshape(-1)
+        if elems.numel() != r.numel():
+            raise Unsupported("its bias does not match its rows")
+        if bool(((out[r] >= 0) & (out[r] != elems)).any()):
+            raise Unsupported("rows added to different bias elements in different uses")
+        out[r] = elems
+    valid = out[out >= 0]
+    if valid.numel() != torch.unique(valid).numel():
+        raise Unsupported("one bias element added to several rows")
+    if bool((out == torch.arange(rows, device=device)).all()):
+        return None
+    return out
+
+
+def _frozen_rows(looked_up: list[tuple[str, Tensor]], p: Tensor, layout: str, rows: int) -> Tensor | None:
+    if not looked_up:
+        return None
+    mask = torch.zeros(rows, dtype=torch.bool, device=p.device)
+    for how, idx in looked_up:
+        if how == "rows" and layout == "natural":
+            mask[idx] = True
+            continue
+        elems = torch.zeros(p.numel(), dtype=torch.bool, device=p.device)
+        if how == "rows":
+            elems.view(p.shape[0], -1)[idx] = True
+        else:
+            elems[idx] = True
+        mask |= elems.view(rows, -1).any(1) if layout == "natural" else elems.view(p.shape).any(0)
+    return mask
+
+
+def partition(block: Block) -> list[RowClass]:
+    """Group the block's rows by the set of uses reading them; fixed and unread rows form no class."""
+    parts = block.parts
+    if block.frozen is None and all(p.rows is None for p in parts):
+        return [RowClass(None, parts)]
+    member = torch.zeros(len(parts) + 1, block.rows, dtype=torch.uint8, device=block.weight.device)
+    for k, p in enumerate(parts):
+        member[k, slice(None) if p.rows is None else p.rows] = 1
+    if block.frozen is not None:
+        member[-1] = block.frozen.to(torch.uint8)
+    signatures, inverse = torch.unique(member.T, dim=0, return_inverse=True)  # (classes, P+1), (rows,)
+    classes = []
+    for c, sig in enumerate(signatures.tolist()):
+        if sig[-1] or not any(sig[:-1]):
+            continue  # looked up by an embedding, or read by no linear map: stays
+        rows = (inverse == c).nonzero().squeeze(1)
+        whole = rows.numel() == block.rows
+        classes.append(RowClass(None if whole else rows, [p for k, p in enumerate(parts) if sig[k]]))
+    return classes
