@@ -122,10 +122,12 @@ class DryRun(_Strict):
 
 
 class QueueEntry(_Strict):
+    """One queued job. A non-admin sees another user's job only as a position: id, owner, name and reason are null."""
+
     position: int
-    id: str
-    owner: str
-    name: str
+    id: str | None = Field(..., description="null for another user's job (unless the caller is an admin)")
+    owner: str | None = Field(..., description="null for another user's job (unless the caller is an admin)")
+    name: str | None = Field(..., description="null for another user's job (unless the caller is an admin)")
     priority: int
     demand: Demand
     created_at: float
@@ -167,6 +169,7 @@ class UserCreate(_Strict):
     name: str = Field(..., pattern=r"^[a-z][a-z0-9_.-]{0,62}$", description="lower-case login name")
     role: Role = Role.USER
     quotas: Quotas = Field(default_factory=Quotas)
+    can_submit_code: bool = False
 
 
 class UserPublic(_Strict):
@@ -174,6 +177,17 @@ class UserPublic(_Strict):
     role: Role
     quotas: Quotas
     created_at: float
+    can_submit_code: bool = Field(False, description="may submit jobs that run an uploaded code package")
+    disabled: bool = Field(False, description="a disabled user's tokens are refused (401)")
+    token_rotated_at: float | None = Field(None, description="when the current token was issued by a rotation")
+
+
+class UserUpdate(_Strict):
+    """``PATCH /v1/users/{name}`` (admin): only the fields given change; ``quotas`` merges field by field."""
+
+    quotas: dict[str, Any] | None = Field(None, description="quota fields to change (see Quotas); the rest stay")
+    can_submit_code: bool | None = None
+    disabled: bool | None = Field(None, description="true refuses the user's tokens at once; false lets them in")
 
 
 class UserCreated(_Strict):

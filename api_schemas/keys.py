@@ -84,3 +84,13 @@ def queue_view() -> str:
 def trials(job_id: str) -> str:
     """Hash of a sweep's trials: trial id -> JSON row (config, state, last/best metric, epochs, stopped early)."""
     return f"{PREFIX}:job:{job_id}:trials"
+
+
+def user_token(name: str) -> str:
+    """String: sha256 of the user's current token; a token whose hash is not this one is refused (rotated)."""
+    return f"{PREFIX}:user:{name}:token"
+
+
+def auth_generation() -> str:
+    """Counter bumped on every token rotation and user change: API processes drop cached logins when it moves."""
+    return f"{PREFIX}:auth:generation"
