@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -49,13 +49,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+Tag = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[^\x00-\x1f]*$")]  # a label: no control chars
+
+
 class ExperimentSubmit(_Strict):
     """``POST /v1/experiments``: a spec plus how to file it."""
 
     spec: ExperimentSpec
     name: str = Field("", max_length=200, description="a label for listings; defaults to the job id")
     priority: int = Field(0, ge=-100, le=100, description="higher starts first; fair share orders equal priorities")
-    tags: list[str] = Field(default_factory=list, max_length=32)
+    tags: list[Tag] = Field(default_factory=list, max_length=32)
 
 
 class Demand(_Strict):
@@ -163,6 +166,11 @@ class ClusterView(_Strict):
 class Quotas(_Strict):
     max_gpus: float = Field(8, ge=0, description="GPUs the user's starting/running jobs may hold at once")
     max_running_jobs: int = Field(4, ge=1, description="jobs the user may have starting/running at once")
+    max_queued_jobs: int = Field(100, ge=0, description="jobs the user may have queued at once (more: 429 with "
+                                                        "Retry-After)")
+    max_priority: int = Field(0, ge=-100, le=100, description="the highest priority the user may give a job "
+                                                              "(admins may raise it; admins themselves are not bound)")
+    max_cpus: float = Field(64, ge=0, description="CPUs one job's gang may ask for")
 
 
 class UserCreate(_Strict):
