@@ -21,14 +21,24 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from api_schemas.datasets import (
+    DEFAULT_IMAGE,
+    DEFAULT_PTB_LEN,
+    DEFAULT_WINDOW,
+    TINY_NEEDED,
+    cifar_files,
+    missing,
+    mnist_files,
+    npz_file,
+    ptb_files,
+    series_file,
+    tiny_imagenet_base,
+)
+from api_schemas.datasets import DatasetNotFound as DatasetNotFound  # the loaders raise it; callers import it here
 from api_schemas.spec import DatasetSpec
 from workers.data_files import DataFormatError, read_bytes, read_matrix, read_npz_xy, read_pickled_batch, read_text
 
 Task = Literal["classification", "regression", "lm"]
-
-
-class DatasetNotFound(FileNotFoundError):
-    """The expected files are not there; the message names them, the directory and the fix."""
 
 
 @dataclass(frozen=True)
@@ -40,23 +50,6 @@ class DataBundle:
     num_classes: int | None  # classes, or the vocabulary size for lm
     output_dim: int | None  # regression target size
     name: str
-
-
-def _missing(name: str, root: Path, files: list[str]) -> DatasetNotFound:
-    return DatasetNotFound(
-        f"dataset {name}: expected {', '.join(files)} in {root} — put the files there or set dataset.root "
-        f"to the directory that holds them (no downloads: this machine may be offline)"
-    )
-
-
-def _find(root: Path, names: list[str], subdirs: tuple[str, ...] = ("",)) -> Path | None:
-    """The first existing ``root/sub/name`` (names may be given with or without .gz)."""
-    for sub in subdirs:
-        for name in names:
-            for candidate in (root / sub / name, root / sub / f"{name}.gz"):
-                if candidate.exists():
-                    return candidate
-    return None
 
 
 def _standardize(train: np.ndarray, test: np.ndarray, axis: int | tuple[int, ...] | None = None
@@ -133,16 +126,8 @@ def read_idx(path: Path) -> np.ndarray:
     return data.reshape(tuple(int(d) for d in dims)).astype(dtype.newbyteorder("="))
 
 
-MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-               "t10k-labels-idx1-ubyte"]
-
-
 def _mnist_arrays(name: str, root: Path) -> list[np.ndarray]:
-    subdirs = ("", "raw", "MNIST/raw", "FashionMNIST/raw")
-    paths = [_find(root, [f], subdirs) for f in MNIST_FILES]
-    if any(p is None for p in paths):
-        raise _missing(name, root, MNIST_FILES)
-    return [read_idx(p) for p in paths]  # type: ignore[arg-type]
+    return [read_idx(p) for p in mnist_files(name, root)]
 
 
 def load_mnist(spec: DatasetSpec, seed: int) -> DataBundle:
@@ -160,22 +145,16 @@ def load_smnist(spec: DatasetSpec, seed: int) -> DataBundle:
 
 def load_cifar(spec: DatasetSpec, seed: int) -> DataBundle:
     """CIFAR-10/100 python pickles (dicts with b'data' (N, 3072) uint8 and the labels)."""
-    root = Path(spec.root or ".")
     ten = spec.name == "cifar10"
-    folder = "cifar-10-batches-py" if ten else "cifar-100-python"
-    train_files = [f"data_batch_{i}" for i in range(1, 6)] if ten else ["train"]
-    files = train_files + (["test_batch"] if ten else ["test"])
-    base = root / folder if (root / folder).is_dir() else root
-    if not all((base / f).exists() for f in files):
-        raise _missing(spec.name, base, files if base.name == folder else [f"{folder}/{f}" for f in files])
+    train_files, test_files = cifar_files(spec.name, Path(spec.root or "."))
     label_key = b"labels" if ten else b"fine_labels"
 
-    def read(names: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        parts = [read_pickled_batch(base / n, (b"data", label_key)) for n in names]
+    def read(paths: list[Path]) -> tuple[np.ndarray, np.ndarray]:
+        parts = [read_pickled_batch(p, (b"data", label_key)) for p in paths]
         x = np.concatenate([np.asarray(p[b"data"], dtype=np.uint8) for p in parts]).reshape(-1, 3, 32, 32)
         return x / 255.0, np.concatenate([np.asarray(p[label_key]) for p in parts])
 
-    (xtr, ytr), (xte, yte) = read(train_files), read(files[len(train_files):])
+    (xtr, ytr), (xte, yte) = read(train_files), read(test_files)
     return _classification(spec.name, xtr, ytr, xte, yte, spec, classes=10 if ten else 100)
 
 
@@ -183,14 +162,10 @@ def load_tiny_imagenet(spec: DatasetSpec, seed: int) -> DataBundle:
     """Tiny-ImageNet folders: train/<wnid>/images/*.JPEG, val/images + val_annotations.txt (as test)."""
     from PIL import Image
 
-    root = Path(spec.root or ".")
-    base = root / "tiny-imagenet-200" if (root / "tiny-imagenet-200").is_dir() else root
-    needed = ["wnids.txt", "train/<wnid>/images/*.JPEG", "val/val_annotations.txt", "val/images/*.JPEG"]
-    if not (base / "wnids.txt").exists() or not (base / "val" / "val_annotations.txt").exists():
-        raise _missing("tiny_imagenet", base, needed)
+    base = tiny_imagenet_base(Path(spec.root or "."))
     wnids = read_text(base / "wnids.txt").split()
     index = {w: i for i, w in enumerate(wnids)}
-    size = spec.image_size or 64
+    size = spec.image_size or DEFAULT_IMAGE
 
     def image(path: Path) -> np.ndarray:
         with Image.open(path) as im:
@@ -204,7 +179,7 @@ def load_tiny_imagenet(spec: DatasetSpec, seed: int) -> DataBundle:
             val.append((base / "val" / "images" / parts[0], index[parts[1]]))
     train, val = train[: spec.max_train], val[: spec.max_test]
     if not train or not val:
-        raise _missing("tiny_imagenet", base, needed)
+        raise missing("tiny_imagenet", base, TINY_NEEDED)
     xtr = np.stack([image(p) for p, _ in train])
     xte = np.stack([image(p) for p, _ in val])
     return _classification("tiny_imagenet", xtr, np.array([c for _, c in train]), xte,
@@ -213,13 +188,8 @@ def load_tiny_imagenet(spec: DatasetSpec, seed: int) -> DataBundle:
 
 def load_series(spec: DatasetSpec, seed: int) -> DataBundle:
     """electricity / traffic: a window of ``seq_len`` hours in, the row ``horizon`` hours after it out."""
-    root = Path(spec.root or ".")
-    files = [f"{spec.name}.txt", f"{spec.name}.csv"]
-    path = _find(root, files, ("", spec.name))
-    if path is None:
-        raise _missing(spec.name, root, [f"{spec.name}.txt (or .csv / .gz)"])
-    series = read_matrix(path)  # (hours, series)
-    window, horizon = spec.seq_len or 168, spec.horizon
+    series = read_matrix(series_file(spec.name, Path(spec.root or ".")))  # (hours, series)
+    window, horizon = spec.seq_len or DEFAULT_WINDOW, spec.horizon
     count = len(series) - window - horizon + 1
     if count < 2:
         raise ValueError(f"dataset {spec.name}: {len(series)} rows are too few for dataset.seq_len={window} and "
@@ -245,18 +215,14 @@ def load_series(spec: DatasetSpec, seed: int) -> DataBundle:
 
 def load_ptb(spec: DatasetSpec, seed: int) -> DataBundle:
     """Penn Treebank word level: vocabulary from ptb.train.txt (+ <unk>, <eos>), next-token targets."""
-    root = Path(spec.root or ".")
-    files = ["ptb.train.txt", "ptb.valid.txt", "ptb.test.txt"]
-    paths = [_find(root, [f], ("", "ptb")) for f in files]
-    if paths[0] is None or paths[2] is None:
-        raise _missing("ptb", root, files)
+    train_path, _valid, test_path = ptb_files(Path(spec.root or "."))
 
     def words(path: Path) -> list[str]:
         return [w for line in read_text(path).splitlines() for w in [*line.split(), "<eos>"]]
 
-    train_words = words(paths[0])
+    train_words = words(train_path)
     vocab = {w: i for i, w in enumerate(sorted(set(train_words) | {"<unk>", "<eos>"}))}
-    seq = spec.seq_len or 256
+    seq = spec.seq_len or DEFAULT_PTB_LEN
 
     def chunks(tokens: list[str], limit: int | None) -> TensorDataset:
         ids = torch.tensor([vocab.get(w, vocab["<unk>"]) for w in tokens], dtype=torch.long)
@@ -267,16 +233,13 @@ def load_ptb(spec: DatasetSpec, seed: int) -> DataBundle:
         y = ids[1 : n * seq + 1].view(n, seq)[:limit]
         return TensorDataset(x, y)
 
-    return DataBundle(chunks(train_words, spec.max_train), chunks(words(paths[2]), spec.max_test), "lm", (seq,),
+    return DataBundle(chunks(train_words, spec.max_train), chunks(words(test_path), spec.max_test), "lm", (seq,),
                       len(vocab), None, "ptb")
 
 
 def load_npz(spec: DatasetSpec, seed: int) -> DataBundle:
     """A user's .npz with arrays X and y: integer y = classification, float y = regression."""
-    path = Path(spec.path or "")
-    if not path.is_file():
-        raise DatasetNotFound(f"dataset.path: {path}: no such file — set dataset.path to a .npz with arrays X, y")
-    x, y = read_npz_xy(path)
+    x, y = read_npz_xy(npz_file(Path(spec.path or "")))
     if len(x) != len(y):
         raise ValueError(f"dataset npz: X has {len(x)} rows but y has {len(y)}")
     integer = np.issubdtype(y.dtype, np.integer)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from api_schemas.compat import check_model_data
 from api_schemas.spec import CNNModel, MLPModel, ResNetModel, TransformerModel
 
 if TYPE_CHECKING:
@@ -30,10 +31,6 @@ TASKS = ("classification", "regression", "lm")
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _where(dataset: str | None) -> str:
-    return f"dataset {dataset}" if dataset else "the dataset"
 
 
 def _output_size(kind: str, task: str, num_classes: int | None, output_dim: int | None) -> int:
@@ -51,14 +48,6 @@ def _output_size(kind: str, task: str, num_classes: int | None, output_dim: int 
             raise ValueError(f"model.kind={kind}: a language-model dataset must give its vocabulary size")
         return int(num_classes)
     raise ValueError(f"unknown task {task!r}: expected one of {', '.join(TASKS)}")
-
-
-def _no_lm(kind: str, task: str, dataset: str | None) -> None:
-    if task == "lm":
-        raise ValueError(
-            f"model.kind={kind} cannot do language modelling ({_where(dataset)} gives token sequences): "
-            "use model.kind=transformer"
-        )
 
 
 # --------------------------------------------------------------------------------- MLP
@@ -96,9 +85,7 @@ class MLP(nn.Module):
         return self.layers[-1](h)  # (B, out)
 
 
-def _build_mlp(spec: MLPModel, task: str, input_shape: tuple[int, ...], out: int,
-               dataset: str | None) -> MLP:
-    _no_lm("mlp", task, dataset)
+def _build_mlp(spec: MLPModel, input_shape: tuple[int, ...], out: int) -> MLP:
     in_features = math.prod(input_shape)
     return MLP(in_features, list(spec.hidden), out, spec.activation, spec.negative_slope, spec.bias)
 
@@ -106,14 +93,8 @@ def _build_mlp(spec: MLPModel, task: str, input_shape: tuple[int, ...], out: int
 # --------------------------------------------------------------------------------- CNN
 
 
-def _image_shape(kind: str, input_shape: tuple[int, ...], dataset: str | None) -> tuple[int, int, int]:
-    if len(input_shape) != 3:
-        hint = "model.kind=transformer" if len(input_shape) == 2 else "model.kind=mlp"
-        raise ValueError(
-            f"model.kind={kind} needs image input (C,H,W); {_where(dataset)} gives {tuple(input_shape)}: "
-            f"use {hint}"
-        )
-    c, h, w = (int(s) for s in input_shape)
+def _image_shape(input_shape: tuple[int, ...]) -> tuple[int, int, int]:
+    c, h, w = (int(s) for s in input_shape)  # (C, H, W): check_model_data has checked the rank
     return c, h, w
 
 
@@ -293,38 +274,8 @@ class Transformer(nn.Module):
         return self.head(h)  # (B, out) or (B, T, V) for lm
 
 
-def _build_transformer(spec: TransformerModel, task: str, input_shape: tuple[int, ...], out: int,
-                       dataset: str | None) -> Transformer:
-    if task == "lm":
-        if len(input_shape) != 1:
-            raise ValueError(
-                f"model.kind=transformer for language modelling needs token input (T,); "
-                f"{_where(dataset)} gives {tuple(input_shape)}"
-            )
-        if spec.pooling not in (None, "none"):
-            raise ValueError(
-                f"model.pooling={spec.pooling} does not fit a language model: set model.pooling=none"
-            )
-        in_features = None
-    else:
-        if len(input_shape) != 2:
-            hint = "model.kind=cnn" if len(input_shape) == 3 else "model.kind=mlp"
-            raise ValueError(
-                f"model.kind=transformer needs sequence input (T,D); {_where(dataset)} gives "
-                f"{tuple(input_shape)}: use {hint}"
-            )
-        if spec.pooling == "none":
-            raise ValueError(
-                f"model.pooling=none gives one output per position, which only a language model uses: "
-                f"set model.pooling=mean or last for {task}"
-            )
-        in_features = int(input_shape[1])
-    t = int(input_shape[0])
-    if t > spec.max_len:
-        raise ValueError(
-            f"{_where(dataset)} has sequences of length {t} > model.max_len={spec.max_len}: "
-            f"set model.max_len>={t}"
-        )
+def _build_transformer(spec: TransformerModel, task: str, input_shape: tuple[int, ...], out: int) -> Transformer:
+    in_features = None if task == "lm" else int(input_shape[1])  # tokens (T,) or sequences (T, D)
     return Transformer(spec, task, in_features, out)
 
 
@@ -341,17 +292,15 @@ def build_model(spec: AnyModelSpec, *, task: str, input_shape: tuple[int, ...], 
         raise ValueError(f"unknown task {task!r}: expected one of {', '.join(TASKS)}")
     input_shape = tuple(int(s) for s in input_shape)
     out = _output_size(spec.kind, task, num_classes, output_dim)
+    check_model_data(spec, task, input_shape, dataset)  # the rule the service also applies at submit
     if isinstance(spec, MLPModel):
-        return _build_mlp(spec, task, input_shape, out, dataset)
+        return _build_mlp(spec, input_shape, out)
     if isinstance(spec, CNNModel):
-        _no_lm("cnn", task, dataset)
-        return CNN(_image_shape("cnn", input_shape, dataset), list(spec.channels), out, spec.kernel_size,
-                   spec.pool)
+        return CNN(_image_shape(input_shape), list(spec.channels), out, spec.kernel_size, spec.pool)
     if isinstance(spec, ResNetModel):
-        _no_lm("resnet", task, dataset)
-        return ResNet(_image_shape("resnet", input_shape, dataset), list(spec.channels), out, spec.batch_norm)
+        return ResNet(_image_shape(input_shape), list(spec.channels), out, spec.batch_norm)
     if isinstance(spec, TransformerModel):
-        return _build_transformer(spec, task, input_shape, out, dataset)
+        return _build_transformer(spec, task, input_shape, out)
     kind = getattr(spec, "kind", spec)
     raise ValueError(f"model.kind={kind!r} is not one of mlp, cnn, resnet, transformer")
 

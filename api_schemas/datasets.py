@@ -1,0 +1,141 @@
+"""What each built-in dataset is without reading it: its task, one sample's shape, the files it needs.
+
+Shared by the workers' loaders (``workers/datasets.py`` finds its files here) and the service's checks at
+submit (``service/admission.py``), so the two never disagree on a file name. Pure stdlib: existence checks
+only, nothing is opened.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from api_schemas.spec import DatasetSpec
+
+DEFAULT_WINDOW = 168  # electricity/traffic hours per sample when dataset.seq_len is not set
+DEFAULT_PTB_LEN = 256  # PTB tokens per sample when dataset.seq_len is not set
+DEFAULT_IMAGE = 64  # Tiny-ImageNet side when dataset.image_size is not set
+
+MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+               "t10k-labels-idx1-ubyte"]
+MNIST_SUBDIRS = ("", "raw", "MNIST/raw", "FashionMNIST/raw")
+PTB_FILES = ["ptb.train.txt", "ptb.valid.txt", "ptb.test.txt"]
+TINY_NEEDED = ["wnids.txt", "train/<wnid>/images/*.JPEG", "val/val_annotations.txt", "val/images/*.JPEG"]
+
+
+class DatasetNotFound(FileNotFoundError):
+    """The expected files are not there; the message names them, the directory and the fix."""
+
+
+@dataclass(frozen=True)
+class SampleShape:
+    """A dataset's task and one sample's x; None in the shape = known only from the files."""
+
+    task: str
+    input_shape: tuple[int | None, ...]
+
+
+def sample_shape(spec: DatasetSpec) -> SampleShape | None:
+    """The task and sample shape of a built-in dataset (None for ``npz``: only its file knows)."""
+    if spec.name in ("mnist", "fashion_mnist"):
+        return SampleShape("classification", (1, 28, 28))
+    side = spec.image_size or DEFAULT_IMAGE
+    shapes = {
+        "digits": SampleShape("classification", (1, 8, 8)),
+        "synthetic": SampleShape("classification", (20,)),
+        "smnist": SampleShape("classification", (784, 1)),
+        "cifar10": SampleShape("classification", (3, 32, 32)),
+        "cifar100": SampleShape("classification", (3, 32, 32)),
+        "tiny_imagenet": SampleShape("classification", (3, side, side)),
+        "electricity": SampleShape("regression", (spec.seq_len or DEFAULT_WINDOW, None)),
+        "traffic": SampleShape("regression", (spec.seq_len or DEFAULT_WINDOW, None)),
+        "ptb": SampleShape("lm", (spec.seq_len or DEFAULT_PTB_LEN,)),
+    }
+    return shapes.get(spec.name)
+
+
+def missing(name: str, root: Path, files: list[str]) -> DatasetNotFound:
+    return DatasetNotFound(
+        f"dataset {name}: expected {', '.join(files)} in {root} — put the files there or set dataset.root "
+        f"to the directory that holds them (no downloads: this machine may be offline)"
+    )
+
+
+def find(root: Path, names: list[str], subdirs: tuple[str, ...] = ("",)) -> Path | None:
+    """The first existing ``root/sub/name`` (names may be given with or without .gz)."""
+    for sub in subdirs:
+        for name in names:
+            for candidate in (root / sub / name, root / sub / f"{name}.gz"):
+                if candidate.exists():
+                    return candidate
+    return None
+
+
+def mnist_files(name: str, root: Path) -> list[Path]:
+    """The four IDX files (train/test images/labels) of MNIST, FashionMNIST or sMNIST."""
+    paths = [find(root, [f], MNIST_SUBDIRS) for f in MNIST_FILES]
+    if any(p is None for p in paths):
+        raise missing(name, root, MNIST_FILES)
+    return [p for p in paths if p is not None]
+
+
+def cifar_files(name: str, root: Path) -> tuple[list[Path], list[Path]]:
+    """CIFAR-10/100 python batches: (train files, test files), in ``root`` or its archive's folder."""
+    ten = name == "cifar10"
+    folder = "cifar-10-batches-py" if ten else "cifar-100-python"
+    train = [f"data_batch_{i}" for i in range(1, 6)] if ten else ["train"]
+    test = ["test_batch"] if ten else ["test"]
+    base = root / folder if (root / folder).is_dir() else root
+    if not all((base / f).exists() for f in train + test):
+        raise missing(name, base, train + test if base.name == folder else [f"{folder}/{f}" for f in train + test])
+    return [base / f for f in train], [base / f for f in test]
+
+
+def tiny_imagenet_base(root: Path) -> Path:
+    """The Tiny-ImageNet folder (``root`` or ``root/tiny-imagenet-200``) holding wnids.txt and val/."""
+    base = root / "tiny-imagenet-200" if (root / "tiny-imagenet-200").is_dir() else root
+    if not (base / "wnids.txt").exists() or not (base / "val" / "val_annotations.txt").exists():
+        raise missing("tiny_imagenet", base, TINY_NEEDED)
+    return base
+
+
+def series_file(name: str, root: Path) -> Path:
+    """electricity/traffic: ``<name>.txt`` or ``.csv`` (or .gz), in ``root`` or ``root/<name>``."""
+    path = find(root, [f"{name}.txt", f"{name}.csv"], ("", name))
+    if path is None:
+        raise missing(name, root, [f"{name}.txt (or .csv / .gz)"])
+    return path
+
+
+def ptb_files(root: Path) -> tuple[Path, Path | None, Path]:
+    """PTB's train, valid (optional) and test text files, in ``root`` or ``root/ptb``."""
+    train, valid, test = (find(root, [f], ("", "ptb")) for f in PTB_FILES)
+    if train is None or test is None:
+        raise missing("ptb", root, PTB_FILES)
+    return train, valid, test
+
+
+def npz_file(path: Path) -> Path:
+    if not path.is_file():
+        raise DatasetNotFound(f"dataset.path: {path}: no such file — set dataset.path to a .npz with arrays X, y")
+    return path
+
+
+def required_files(spec: DatasetSpec) -> list[Path]:
+    """The files the dataset reads first (raises DatasetNotFound naming what is missing); [] = none needed."""
+    root = Path(spec.root or ".")
+    if spec.name in ("mnist", "fashion_mnist", "smnist"):
+        return mnist_files(spec.name, root)
+    if spec.name in ("cifar10", "cifar100"):
+        train, test = cifar_files(spec.name, root)
+        return train + test
+    if spec.name == "tiny_imagenet":
+        base = tiny_imagenet_base(root)
+        return [base / "wnids.txt", base / "val" / "val_annotations.txt"]
+    if spec.name in ("electricity", "traffic"):
+        return [series_file(spec.name, root)]
+    if spec.name == "ptb":
+        return [p for p in ptb_files(root) if p is not None]
+    if spec.name == "npz":
+        return [npz_file(Path(spec.path or ""))]
+    return []
