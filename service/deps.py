@@ -10,17 +10,19 @@ from typing import Annotated, Any
 
 import redis.asyncio as aioredis
 from fastapi import Depends, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from api_schemas import keys
 from api_schemas.jobs import ClusterView, JobState, Role, UserPublic
-from service.errors import Forbidden, JobNotFound
+from service.errors import Forbidden, JobNotFound, Unauthorized
 from service.events import Hub
 from service.settings import Settings
 from service.store import Store
 from service.views import JobFilter, Page, read_cluster_view
 
-USER_CACHE_S = 5.0  # a token's user is looked up at most this often per API process
+USER_CACHE_S = 5.0  # a token's user is re-read at least this often (and at once when the auth generation moves)
 CLUSTER_CACHE_S = 0.5  # the scheduler's published cluster view is re-read at most this often
 
 
@@ -43,7 +45,7 @@ class State:
                                  buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
         self.submissions = Counter("tlab_submissions", "experiments accepted", registry=self.registry)
         self._jobs_client: Any = None
-        self._users: dict[str, tuple[UserPublic, float]] = {}  # token -> (user, expiry): one lookup per 5 s
+        self._users: dict[str, tuple[UserPublic, float, int]] = {}  # token -> (user, expiry, auth generation)
         self._cluster: tuple[tuple[ClusterView | None, float], float] = ((None, 0.0), 0.0)
 
     async def aclose(self) -> None:
@@ -52,15 +54,30 @@ class State:
         self.store.r.close()
 
     def authenticate(self, token: str) -> UserPublic:
+        """The token's user, from the cache while Redis's auth generation has not moved (one GET), else from
+        Redis: a rotation, a disable or a quota change in any API process is seen by the next request here."""
+        generation = self.store.auth_generation()  # read first: a change after it moves it again
         now = time.monotonic()
         hit = self._users.get(token)
-        if hit and hit[1] > now:
+        if hit and hit[1] > now and hit[2] == generation:
             return hit[0]
         user = self.store.authenticate(token)
         if len(self._users) > 10_000:
             self._users.clear()
-        self._users[token] = (user, now + USER_CACHE_S)
+        self._users[token] = (user, now + USER_CACHE_S, generation)
         return user
+
+    async def still_valid(self, token: str) -> bool:
+        """Whether ``token`` still signs in (for a long-lived stream): one async GET while nothing changed."""
+        generation = int(await self.aredis.get(keys.auth_generation()) or 0)
+        hit = self._users.get(token)
+        if hit and hit[1] > time.monotonic() and hit[2] == generation:
+            return True
+        try:
+            await run_in_threadpool(self.authenticate, token)
+        except Unauthorized:
+            return False
+        return True
 
     def cluster_view(self) -> tuple[ClusterView | None, float]:
         """The scheduler's last published view and its age in seconds (re-read at most every 0.5 s)."""
@@ -93,12 +110,19 @@ def current_user(st: StateDep, creds: Credentials) -> UserPublic:
 CurrentUser = Annotated[UserPublic, Depends(current_user)]
 
 
-def stream_user(st: StateDep, creds: Credentials,
-                token: Annotated[str | None, Query(max_length=200, description=(
-                    "the token, for EventSource clients that cannot send headers; the Authorization header "
-                    "wins"))] = None) -> UserPublic:
+def stream_token(creds: Credentials,
+                 token: Annotated[str | None, Query(max_length=200, description=(
+                     "the token, for EventSource clients that cannot send headers; the Authorization header "
+                     "wins"))] = None) -> str:
     """The bearer token, or ``?token=`` on the SSE routes (a browser's EventSource sends no headers)."""
-    return st.authenticate(creds.credentials if creds else token or "")
+    return creds.credentials if creds else token or ""
+
+
+StreamToken = Annotated[str, Depends(stream_token)]
+
+
+def stream_user(st: StateDep, token: StreamToken) -> UserPublic:
+    return st.authenticate(token)
 
 
 StreamUser = Annotated[UserPublic, Depends(stream_user)]

@@ -45,3 +45,7 @@ class DoesNotFit(ServiceError):
     """The gang can never fit the cluster: refused at submit."""
 
     status = 422
+
+
+class UserNotFound(ServiceError):
+    status = 404

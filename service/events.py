@@ -13,7 +13,8 @@ import asyncio
 import contextlib
 import json
 import math
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -21,6 +22,7 @@ import redis.asyncio as aioredis
 from api_schemas import keys
 
 Entry = tuple[str, dict[str, str]]
+REAUTH_S = 2.0  # a live stream re-checks its token this often: a rotated token's stream ends within it
 Batch = tuple[list[Entry], bytes]  # entries and their SSE text, encoded once for every follower
 
 
@@ -103,9 +105,12 @@ class Hub:
         self.feeds.clear()
 
 
-async def follow(hub: Hub, job_id: str, last_id: str | None, heartbeat_s: float) -> AsyncIterator[str | bytes]:
+async def follow(hub: Hub, job_id: str, last_id: str | None, heartbeat_s: float,
+                 still_valid: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[str | bytes]:
     """SSE text for a job: history after ``last_id``, then live until the ``end`` event; a comment
-    line every ``heartbeat_s`` of silence keeps proxies and clients from timing out."""
+    line every ``heartbeat_s`` of silence keeps proxies and clients from timing out. While live, the
+    caller's token is re-checked every ``REAUTH_S``: once it is rotated or its user disabled, the stream
+    ends, and the client's reconnect (with ``Last-Event-ID``) is answered 401."""
     queue = await hub.subscribe(job_id)
     sent = stream_id(last_id) if last_id else (0, 0)
     try:
@@ -120,12 +125,22 @@ async def follow(hub: Hub, job_id: str, last_id: str | None, heartbeat_s: float)
             if any(f.get("kind") == "end" for _, f in page):
                 return
             cursor = f"({page[-1][0]}"
+        gate = _Reauth(still_valid)
+        quiet = 0.0
         while True:  # live
+            step = min(heartbeat_s, REAUTH_S)
             try:
-                batch, text = await asyncio.wait_for(queue.get(), timeout=heartbeat_s)
+                batch, text = await asyncio.wait_for(queue.get(), timeout=step)
             except TimeoutError:
-                yield ": keep-alive\n\n"
+                if not await gate.ok():
+                    return
+                quiet += step
+                if quiet >= heartbeat_s:
+                    quiet = 0.0
+                    yield ": keep-alive\n\n"
                 continue
+            if not await gate.ok():
+                return
             if stream_id(batch[0][0]) > sent:  # the usual case: all new, send the shared text
                 fresh = batch
                 yield text
@@ -139,6 +154,19 @@ async def follow(hub: Hub, job_id: str, last_id: str | None, heartbeat_s: float)
                 return
     finally:
         hub.unsubscribe(job_id, queue)
+
+
+class _Reauth:
+    """Asks ``still_valid`` at most every ``REAUTH_S`` (one Redis GET while nothing about users changed)."""
+
+    def __init__(self, still_valid: Callable[[], Awaitable[bool]] | None) -> None:
+        self.still_valid, self.checked = still_valid, time.monotonic()
+
+    async def ok(self) -> bool:
+        if self.still_valid is None or time.monotonic() - self.checked < REAUTH_S:
+            return True
+        self.checked = time.monotonic()
+        return await self.still_valid()
 
 
 def records(entries: list[Entry]) -> list[dict[str, Any]]:

@@ -6,10 +6,11 @@ import hashlib
 import json
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis
+from pydantic import ValidationError
 
 from api_schemas import keys
 from api_schemas.jobs import (
@@ -24,10 +25,19 @@ from api_schemas.jobs import (
     Role,
     UserCreate,
     UserPublic,
+    UserUpdate,
 )
 from api_schemas.redis_scripts import SUBMIT, TRANSITION
 from api_schemas.sweeps import SweepSubmit
-from service.errors import IdempotencyConflict, InvalidState, JobNotFound, Unauthorized, UserExists
+from service.errors import (
+    IdempotencyConflict,
+    InvalidInput,
+    InvalidState,
+    JobNotFound,
+    Unauthorized,
+    UserExists,
+    UserNotFound,
+)
 
 IDEMPOTENCY_TTL_S = 24 * 3600
 
@@ -39,6 +49,29 @@ def new_job_id(now: float) -> str:
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_token() -> str:
+    return f"tl_{secrets.token_urlsafe(32)}"
+
+
+def _point_token(pipe: redis.client.Pipeline, name: str, token: str, old_hash: str | None) -> None:
+    """Queue: ``token`` signs in as ``name`` and is its only valid token (the old one's key goes)."""
+    digest = hash_token(token)
+    if old_hash and old_hash != digest:
+        pipe.delete(keys.token(old_hash))
+    pipe.set(keys.token(digest), name)
+    pipe.set(keys.user_token(name), digest)
+
+
+def merged_quotas(quotas: Quotas, change: dict[str, Any]) -> Quotas:
+    """``quotas`` with the fields in ``change`` replaced, validated whole (an error names ``quotas.FIELD``)."""
+    try:
+        return Quotas.model_validate({**quotas.model_dump(), **change})
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(p) for p in ("quotas", *first["loc"]))
+        raise InvalidInput(first["msg"], field=field) from None
 
 
 def demand_of(submit: ExperimentSubmit | SweepSubmit) -> Demand:
@@ -189,23 +222,62 @@ class Store:
 
     # ---- users -------------------------------------------------------------------------------
     def create_user(self, body: UserCreate, token: str | None = None) -> tuple[UserPublic, str]:
-        user = UserPublic(name=body.name, role=body.role, quotas=body.quotas, created_at=time.time())
-        token = token or f"tl_{secrets.token_urlsafe(32)}"
+        user = UserPublic(name=body.name, role=body.role, quotas=body.quotas, created_at=time.time(),
+                          can_submit_code=body.can_submit_code)
+        token = token or new_token()
         if not self.r.hsetnx(keys.users(), user.name, user.model_dump_json()):
             raise UserExists(f"user {body.name!r} exists: pick another name", field="name")
-        self.r.set(keys.token(hash_token(token)), user.name)
+        pipe = self.r.pipeline()
+        _point_token(pipe, user.name, token, None)
+        pipe.execute()
         return user, token
 
     def ensure_admin(self, name: str, token: str) -> UserPublic:
-        """Create the admin (or re-point its token) idempotently: ``tlab up`` calls it on every start."""
-        existing = self.r.hget(keys.users(), name)
-        if existing:
-            self.r.set(keys.token(hash_token(token)), name)
-            return UserPublic.model_validate_json(existing)
-        user, _ = self.create_user(UserCreate(name=name, role=Role.ADMIN, quotas=Quotas(max_gpus=1e6,
-                                                                                       max_running_jobs=1000)),
-                                   token)
+        """Create the admin, or point its token at ``token`` (the previous one stops working); ``tlab up`` calls it
+        on every start, so the same token again changes nothing."""
+        if self.r.hexists(keys.users(), name):
+            return self.rotate_token(name, token)[0]
+        user, _ = self.create_user(UserCreate(name=name, role=Role.ADMIN, can_submit_code=True,
+                                              quotas=Quotas(max_gpus=1e6, max_running_jobs=1000)), token)
         return user
+
+    def rotate_token(self, name: str, token: str | None = None) -> tuple[UserPublic, str]:
+        """A new token for ``name``; the old one is refused from this moment, in every API process."""
+        token = token or new_token()
+        same = self.r.get(keys.user_token(name)) == hash_token(token)
+        user = self._change_user(name, lambda u: u if same else u.model_copy(update={"token_rotated_at": time.time()}),
+                                 token=token)
+        return user, token
+
+    def update_user(self, name: str, change: UserUpdate) -> UserPublic:
+        """Apply a PATCH: quotas merge field by field (re-validated whole), flags replace."""
+        def apply(user: UserPublic) -> UserPublic:
+            update: dict[str, Any] = {k: v for k, v in (("can_submit_code", change.can_submit_code),
+                                                        ("disabled", change.disabled)) if v is not None}
+            if change.quotas is not None:
+                update["quotas"] = merged_quotas(user.quotas, change.quotas)
+            return user.model_copy(update=update)
+
+        return self._change_user(name, apply)
+
+    def _change_user(self, name: str, apply: Callable[[UserPublic], UserPublic],
+                     token: str | None = None) -> UserPublic:
+        """Read, change and write a user atomically (WATCH on the users hash), optionally pointing its token at
+        ``token``; the auth generation moves so every API process re-checks its cached logins."""
+        def run(pipe: redis.client.Pipeline) -> UserPublic:
+            raw = pipe.hget(keys.users(), name)
+            if not raw:
+                raise UserNotFound(f"no user {name!r}: `tlab users list` shows them", field="name")
+            user = apply(UserPublic.model_validate_json(raw))
+            old = pipe.get(keys.user_token(name))
+            pipe.multi()
+            pipe.hset(keys.users(), name, user.model_dump_json())
+            if token is not None:
+                _point_token(pipe, name, token, old)
+            pipe.incr(keys.auth_generation())
+            return user
+
+        return self.r.transaction(run, keys.users(), keys.user_token(name), value_from_callable=True)
 
     def user(self, name: str) -> UserPublic | None:
         raw = self.r.hget(keys.users(), name)
@@ -214,12 +286,24 @@ class Store:
     def users(self) -> list[UserPublic]:
         return sorted((UserPublic.model_validate_json(v) for v in self.r.hvals(keys.users())), key=lambda u: u.name)
 
+    def auth_generation(self) -> int:
+        return int(self.r.get(keys.auth_generation()) or 0)
+
     def authenticate(self, token: str) -> UserPublic:
-        name = self.r.get(keys.token(hash_token(token))) if token else None
-        user = self.user(name) if name else None
-        if user is None:
-            raise Unauthorized("unknown or missing bearer token: send `Authorization: Bearer <token>` "
+        """The token's user; 401 for an unknown or rotated token and for a disabled user."""
+        digest = hash_token(token)
+        name = self.r.get(keys.token(digest)) if token else None
+        raw = current = None
+        if name:
+            raw, current = self.r.pipeline(transaction=False).hget(keys.users(), name).get(
+                keys.user_token(name)).execute()
+        if not raw or (current is not None and current != digest):  # no current hash: made before rotation existed
+            raise Unauthorized("unknown, rotated or missing bearer token: send `Authorization: Bearer <token>` "
                                "(tlab up writes the admin's to $TLAB_HOME/admin.token)")
+        user = UserPublic.model_validate_json(raw)
+        if user.disabled:
+            raise Unauthorized(f"user {user.name!r} is disabled: an admin re-enables it with "
+                               f"`tlab users enable {user.name}`")
         return user
 
     # ---- fair share --------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from api_schemas.jobs import DryRun, ExperimentSubmit, JobList, JobView, MetricsView, UserPublic
 from api_schemas.sweeps import SweepSubmit
-from service.deps import CurrentUser, JobFilterDep, PageDep, State, StateDep, StreamUser, own_job
+from service.deps import CurrentUser, JobFilterDep, PageDep, State, StateDep, StreamToken, StreamUser, own_job
 from service.errors import DoesNotFit, InvalidInput
 from service.events import downsample, follow, records, valid_stream_id
 from service.store import demand_of
@@ -36,11 +36,13 @@ def queue_job(st: State, user: UserPublic, body: ExperimentSubmit | SweepSubmit,
     return job
 
 
-def event_stream(st: State, job_id: str, last_event_id: str | None) -> StreamingResponse:
-    """The job's stream as SSE: history after ``last_event_id`` (all if None), then live events."""
+def event_stream(st: State, job_id: str, last_event_id: str | None, token: str) -> StreamingResponse:
+    """The job's stream as SSE: history after ``last_event_id`` (all if None), then live events, while ``token``
+    still signs in (a rotation or a disable ends it)."""
     if last_event_id is not None and not valid_stream_id(last_event_id):
         raise InvalidInput("Last-Event-ID must be a stream id like 1712345678901-0", field="Last-Event-ID")
-    return StreamingResponse(follow(st.hub, job_id, last_event_id, st.settings.heartbeat_s),
+    return StreamingResponse(follow(st.hub, job_id, last_event_id, st.settings.heartbeat_s,
+                                    lambda: st.still_valid(token)),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -90,11 +92,11 @@ def cancel(job_id: str, st: StateDep, user: CurrentUser) -> JobView:
 @router.get("/{job_id}/events",
             responses={200: {"content": {"text/event-stream": {}},
                              "description": "SSE: metric, teleport, status, log, end"}})
-async def events(job_id: str, st: StateDep, user: StreamUser,
+async def events(job_id: str, st: StateDep, user: StreamUser, token: StreamToken,
                  last_event_id: LastEventId = None) -> StreamingResponse:
     """Server-Sent Events: history, then live; ``Last-Event-ID`` resumes after that stream id."""
     await run_in_threadpool(own_job, st, user, job_id)
-    return event_stream(st, job_id, last_event_id)
+    return event_stream(st, job_id, last_event_id, token)
 
 
 @router.get("/{job_id}/metrics", responses={200: {"content": {"text/csv": {}}}})

@@ -8,7 +8,7 @@ from fastapi.responses import StreamingResponse
 
 from api_schemas.jobs import JobList, JobView, StudyView, SweepView
 from api_schemas.sweeps import SweepSubmit
-from service.deps import CurrentUser, JobFilterDep, PageDep, StateDep, StreamUser, own_sweep
+from service.deps import CurrentUser, JobFilterDep, PageDep, StateDep, StreamToken, StreamUser, own_sweep
 from service.errors import DoesNotFit
 from service.routes.experiments import IdempotencyKey, LastEventId, event_stream, job_records, queue_job
 from service.store import demand_of
@@ -60,11 +60,11 @@ def cancel_sweep(sweep_id: str, st: StateDep, user: CurrentUser) -> JobView:
 @router.get("/{sweep_id}/events",
             responses={200: {"content": {"text/event-stream": {}},
                              "description": "every trial's events (data.trial), then end"}})
-async def sweep_events(sweep_id: str, st: StateDep, user: StreamUser,
+async def sweep_events(sweep_id: str, st: StateDep, user: StreamUser, token: StreamToken,
                        last_event_id: LastEventId = None) -> StreamingResponse:
     """SSE of every trial's events, tagged with the trial id; resumable with ``Last-Event-ID``."""
     await run_in_threadpool(own_sweep, st, user, sweep_id)
-    return event_stream(st, sweep_id, last_event_id)
+    return event_stream(st, sweep_id, last_event_id, token)
 
 
 @router.get("/{sweep_id}/plot.png", responses={200: {"content": {"image/png": {}}}})

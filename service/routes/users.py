@@ -1,11 +1,12 @@
-"""Users and their quotas (admin only), and who a token belongs to."""
+"""Users and their quotas (admin only), token rotation (an admin, or the user for themself), and who a token is."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api_schemas.jobs import UserCreate, UserCreated, UserPublic
+from api_schemas.jobs import Role, UserCreate, UserCreated, UserPublic, UserUpdate
 from service.deps import AdminUser, CurrentUser, StateDep
+from service.errors import Forbidden, InvalidInput
 
 router = APIRouter(prefix="/v1", tags=["users"])
 
@@ -21,6 +22,26 @@ def create_user(body: UserCreate, st: StateDep, admin: AdminUser) -> UserCreated
 def list_users(st: StateDep, admin: AdminUser) -> list[UserPublic]:
     """Every user and their quotas (admin only)."""
     return st.store.users()
+
+
+@router.patch("/users/{name}", responses={404: {"description": "no such user"}})
+def update_user(name: str, body: UserUpdate, st: StateDep, admin: AdminUser) -> UserPublic:
+    """Change a user's quotas (field by field), ``can_submit_code`` or ``disabled`` (admin only); a disabled
+    user's tokens are refused at once, in every API process."""
+    if name == admin.name and body.disabled:
+        raise InvalidInput("an admin cannot disable themself: ask another admin", field="disabled")
+    return st.store.update_user(name, body)
+
+
+@router.post("/users/{name}/token", responses={403: {"description": "another user's token"},
+                                               404: {"description": "no such user"}})
+def rotate_token(name: str, st: StateDep, user: CurrentUser) -> UserCreated:
+    """A new token for ``name`` (an admin, or the user for themself), shown once; the old token is refused from
+    now on, and a stream it opened ends within 2 s."""
+    if user.role != Role.ADMIN and user.name != name:
+        raise Forbidden("you can rotate only your own token", field="name")
+    changed, token = st.store.rotate_token(name)
+    return UserCreated(user=changed, token=token)
 
 
 @router.get("/me")

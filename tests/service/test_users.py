@@ -1,0 +1,124 @@
+"""Token lifecycle and user changes over real HTTP on a real Redis: rotation, PATCH, disable, across API processes,
+and what a stream opened with a token does when that token is rotated."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from api_schemas import keys
+from service.stack import Stack
+from service.store import hash_token
+from tests.service.conftest import STATIC_NODES, Api, tiny
+
+
+def status(api: Api, token: str, path: str = "/v1/me") -> int:
+    with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as c:
+        return c.get(path).status_code
+
+
+def test_rotation_refuses_the_old_token_at_once(api_only: Api, redis_server: str) -> None:
+    old = api_only.add_user("alice")
+    assert status(api_only, old) == 200  # now in this API process's cache
+    with api_only.client("alice") as c:
+        r = c.post("/v1/users/alice/token")
+    assert r.status_code == 200, r.text
+    new = r.json()["token"]
+    assert new != old and r.json()["user"]["token_rotated_at"]
+    assert status(api_only, old) == 401 and status(api_only, new) == 200  # the cache too
+    r = redis.Redis.from_url(redis_server, decode_responses=True)
+    assert r.get(keys.token(hash_token(old))) is None and r.get(keys.user_token("alice")) == hash_token(new)
+    # an admin rotates anyone's; a user only their own; an unknown name is 404
+    bob = api_only.add_user("bob")
+    assert httpx.post(f"{api_only.url}/v1/users/alice/token", headers={"Authorization": f"Bearer {bob}"}).status_code \
+        == 403
+    with api_only.client() as admin:
+        assert admin.post("/v1/users/nobody/token").status_code == 404
+        newer = admin.post("/v1/users/alice/token").json()["token"]
+    assert status(api_only, new) == 401 and status(api_only, newer) == 200
+
+
+def test_patch_changes_quotas_flags_and_disables(api_only: Api) -> None:
+    token = api_only.add_user("carol", max_gpus=2)
+    with api_only.client() as admin:
+        r = admin.patch("/v1/users/carol", json={"quotas": {"max_running_jobs": 7}, "can_submit_code": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["quotas"]["max_gpus"] == 2 and r.json()["quotas"]["max_running_jobs"] == 7  # merged
+        assert r.json()["can_submit_code"] is True
+        bad = admin.patch("/v1/users/carol", json={"quotas": {"max_gpus": -1}})
+        assert bad.status_code == 422 and bad.json()["errors"][0]["field"] == "quotas.max_gpus", bad.text
+        bad = admin.patch("/v1/users/carol", json={"quotas": {"nonsense": 1}})
+        assert bad.status_code == 422 and bad.json()["errors"][0]["field"] == "quotas.nonsense", bad.text
+        assert admin.patch("/v1/users/nobody", json={"disabled": True}).status_code == 404
+        assert admin.patch("/v1/users/admin", json={"disabled": True}).status_code == 422  # no self lock-out
+        with api_only.client("carol") as c:
+            assert c.get("/v1/me").json()["quotas"]["max_running_jobs"] == 7  # the cached login was refreshed
+            assert c.patch("/v1/users/carol", json={"quotas": {"max_gpus": 100}}).status_code == 403
+            assert admin.patch("/v1/users/carol", json={"disabled": True}).status_code == 200
+            r = c.get("/v1/me")
+            assert r.status_code == 401 and "disabled" in r.json()["detail"]
+            assert c.post("/v1/experiments", json={"spec": tiny()}).status_code == 401
+            assert c.post("/v1/users/carol/token").status_code == 401  # a disabled user cannot mint a way back
+            assert admin.patch("/v1/users/carol", json={"disabled": False}).status_code == 200
+            assert c.get("/v1/me").status_code == 200 and status(api_only, token) == 200
+
+
+@pytest.fixture()
+def two_apis(api_only: Api, redis_server: str, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A second API process on the same Redis: its own token cache."""
+    other = Stack(tmp_path / "home2", redis_url=redis_server, ray_address="http://127.0.0.1:9",
+                  extra_env={"TLAB_CLUSTER_NODES": STATIC_NODES})
+    other.home.mkdir(parents=True)
+    other.start_service(("api",))
+    try:
+        yield api_only, other.url
+    finally:
+        other.stop()
+
+
+def test_a_rotation_through_one_api_process_is_seen_by_another(two_apis: tuple[Api, str]) -> None:
+    api, second = two_apis
+    old = api.add_user("dave")
+    headers = {"Authorization": f"Bearer {old}"}
+    assert httpx.get(f"{second}/v1/me", headers=headers).status_code == 200  # cached in the second process
+    with api.client("dave") as c:
+        new = c.post("/v1/users/dave/token").json()["token"]
+    assert httpx.get(f"{second}/v1/me", headers=headers).status_code == 401  # not after USER_CACHE_S: now
+    assert httpx.get(f"{second}/v1/me", headers={"Authorization": f"Bearer {new}"}).status_code == 200
+    with api.client() as admin:
+        admin.patch("/v1/users/dave", json={"disabled": True})
+    assert httpx.get(f"{second}/v1/me", headers={"Authorization": f"Bearer {new}"}).status_code == 401
+
+
+def test_a_stream_ends_when_its_token_is_rotated_and_the_reconnect_is_401(api_only: Api) -> None:
+    old = api_only.add_user("erin")
+    with api_only.client("erin") as c:
+        job = c.post("/v1/experiments", json={"spec": tiny()}).json()["id"]  # stays queued: no scheduler
+        lines: list[str] = []
+        ended = threading.Event()
+
+        def read() -> None:
+            with httpx.stream("GET", f"{api_only.url}/v1/experiments/{job}/events",
+                              headers={"Authorization": f"Bearer {old}"}, timeout=60) as r:
+                assert r.status_code == 200
+                lines.extend(r.iter_lines())  # returns when the server closes the stream
+            ended.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 30
+        while not any(line.startswith("event: status") for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not ended.is_set()  # open, live, waiting for events
+        c.post("/v1/users/erin/token")
+        assert ended.wait(30), "the stream opened with a rotated token did not end"
+        assert not any(line.startswith("event: end") for line in lines)  # closed, not a finished job
+        last = [line.split(": ", 1)[1] for line in lines if line.startswith("id: ")][-1]
+        again = httpx.get(f"{api_only.url}/v1/experiments/{job}/events",
+                          headers={"Authorization": f"Bearer {old}", "Last-Event-ID": last})
+        assert again.status_code == 401
