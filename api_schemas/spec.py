@@ -176,7 +176,13 @@ class TeleportSpec(_Strict):
     lr: float = Field(0.2, gt=0, description="eta_tele: teleport learning rate")
     cap: float = Field(5.0, gt=0, description="CAP: stop ascent once ||grad L||^2 reaches this")
     tau: float = Field(1.0, gt=0, le=1, description="eq. 3 threshold: kept share of ||R||_F^2")
-    loss_tol: float = Field(1e-3, ge=0, description="largest relative batch-loss rise a step may cause")
+    tau_rule: Literal["numerical_rank", "energy"] = Field(
+        "numerical_rank",
+        description="how eq. 3 reads tau: numerical_rank (exact, never below the numerical rank) or energy "
+        "(cumulative energy in the model's precision: at tau=1 the negligible tail counts as captured, as in "
+        "the paper's CNN results)",
+    )
+    loss_tol: float = Field(1e-3, ge=0, description="largest relative batch-loss change, rise or fall, of a step")
     max_backoff: int = Field(6, ge=0, description="halvings of eta before a step is given up")
     reset_optimizer: bool = Field(False, description="clear optimizer state (momentum, Adam moments) after teleport")
     parallel: Literal["auto", "serial", "threads", "ray"] = "auto"

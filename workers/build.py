@@ -48,7 +48,7 @@ def reset_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 def teleport_config(spec: TeleportSpec) -> TeleportConfig:
     """``teleport`` section -> the algorithm's hyperparameters (paper symbols: t, η, CAP, τ)."""
     return TeleportConfig(steps=spec.steps, lr=spec.lr, cap=spec.cap, tau=spec.tau, loss_tol=spec.loss_tol,
-                          max_backoff=spec.max_backoff)
+                          max_backoff=spec.max_backoff, tau_rule=spec.tau_rule)
 
 
 def basis_executor(spec: TeleportSpec) -> BasisExecutor:
