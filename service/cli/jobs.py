@@ -20,6 +20,7 @@ from service.cli.common import (
     progress,
     spec_from,
 )
+from service.compare import add_parser as add_compare  # stdlib only at import: `tlab --help` stays fast
 
 if TYPE_CHECKING:
     from service.client import Client
@@ -156,8 +157,6 @@ def add_commands(sub: Any) -> None:
     p.add_argument("ids", nargs="+")
     p.add_argument("-o", "--output", default="curves.png")
     p.set_defaults(func=cmd_plot)
-
-    from service.compare import add_parser as add_compare  # argparse only: service.client is imported lazily there
 
     add_compare(sub, add_spec_args, cmd_compare)
     for name in ("submit", "follow", "cancel", "plot", "compare"):
