@@ -75,17 +75,20 @@ def list_jobs(store: Store, user: UserPublic, kind: str, flt: JobFilter, page: P
         cursor = ids[-1]
 
 
-def queue_view(store: Store) -> QueueView:
-    """Queued jobs in the scheduler's order, each with why it waits (the scheduler publishes both)."""
+def queue_view(store: Store, user: UserPublic) -> QueueView:
+    """Queued jobs in the scheduler's order, each with why it waits (the scheduler publishes both). A non-admin
+    sees another user's job only as its position, priority and gang: no id, owner, name or reason."""
     ids = store.r.zrange(keys.queue(), 0, -1)
     order = {k: json.loads(v) for k, v in store.r.hgetall(keys.queue_view()).items()}
     entries = []
     for data in store.raws(ids):
         q = order.get(data["id"], {})
         job = store.view(data["id"], data, with_progress=False)
-        entries.append(QueueEntry(position=q.get("position", len(ids)), id=job.id, owner=job.owner,
-                                  name=job.name, priority=job.priority, demand=job.demand,
-                                  created_at=job.created_at, pending_reason=q.get("reason", PENDING_REASON)))
+        shown = user.role == Role.ADMIN or job.owner == user.name
+        entries.append(QueueEntry(position=q.get("position", len(ids)), id=job.id if shown else None,
+                                  owner=job.owner if shown else None, name=job.name if shown else None,
+                                  priority=job.priority, demand=job.demand, created_at=job.created_at,
+                                  pending_reason=q.get("reason", PENDING_REASON) if shown else None))
     entries.sort(key=lambda e: (e.position, e.created_at))
     return QueueView(items=entries)
 

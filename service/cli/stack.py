@@ -31,8 +31,8 @@ def cmd_queue(args: argparse.Namespace) -> int:
         print("the queue is empty")
         return 0
     rows = [("POS", "ID", "OWNER", "NAME", "PRIO", "GANG", "WHY IT WAITS")]
-    rows += [(str(e["position"]), e["id"], e["owner"], cut(e["name"], 24), str(e["priority"]), gang(e["demand"]),
-              e.get("pending_reason") or "") for e in items]
+    rows += [(str(e["position"]), e["id"] or "-", e["owner"] or "(another user)", cut(e["name"] or "", 24),
+              str(e["priority"]), gang(e["demand"]), e.get("pending_reason") or "") for e in items]
     print_table(rows)
     return 0
 

@@ -13,8 +13,9 @@ router = APIRouter(prefix="/v1", tags=["cluster"])
 
 @router.get("/queue")
 def queue(st: StateDep, user: CurrentUser) -> QueueView:
-    """Queued experiments in the order they will start, with why each one waits."""
-    return queue_view(st.store)
+    """Queued experiments in the order they will start, with why each one waits; another user's job shows only
+    as a position, priority and gang (admins see everything)."""
+    return queue_view(st.store, user)
 
 
 @router.get("/cluster", responses={503: {"description": "no scheduler has reported"}})

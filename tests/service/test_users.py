@@ -122,3 +122,22 @@ def test_a_stream_ends_when_its_token_is_rotated_and_the_reconnect_is_401(api_on
         again = httpx.get(f"{api_only.url}/v1/experiments/{job}/events",
                           headers={"Authorization": f"Bearer {old}", "Last-Event-ID": last})
         assert again.status_code == 401
+
+
+def test_the_queue_shows_other_users_jobs_only_as_positions(api_only: Api, redis_server: str) -> None:
+    api_only.add_user("fay")
+    api_only.add_user("gus")
+    with api_only.client("fay") as fay, api_only.client("gus") as gus, api_only.client() as admin:
+        mine = fay.post("/v1/experiments", json={"spec": tiny(), "name": "fay-secret"}).json()["id"]
+        theirs = gus.post("/v1/experiments", json={"spec": tiny(), "name": "gus-secret"}).json()["id"]
+        r = redis.Redis.from_url(redis_server, decode_responses=True)
+        r.hset(keys.queue_view(), mapping={mine: '{"position": 2, "reason": "quota max_gpus"}',
+                                           theirs: '{"position": 1, "reason": "gus over quota max_gpus"}'})
+        seen = fay.get("/v1/queue")
+        assert seen.status_code == 200
+        first, second = seen.json()["items"]
+        assert (first["position"], first["id"], first["owner"], first["name"], first["pending_reason"]) == \
+            (1, None, None, None, None) and first["demand"]["workers"] == 1
+        assert (second["id"], second["owner"], second["pending_reason"]) == (mine, "fay", "quota max_gpus")
+        assert "gus" not in seen.text and theirs not in seen.text
+        assert {e["owner"] for e in admin.get("/v1/queue").json()["items"]} == {"fay", "gus"}

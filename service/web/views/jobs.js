@@ -23,7 +23,8 @@ function jobRow(j) {
 }
 
 const queueRow = (q) => html`<tr>
-  <td>${q.position}</td><td><a href="#/job/${q.id}">${q.name || q.id}</a></td><td>${q.owner}</td><td>${q.priority}</td>
+  <td>${q.position}</td><td>${q.id ? html`<a href="#/job/${q.id}">${q.name || q.id}</a>`
+    : html`<span class="muted">another user's job</span>`}</td><td>${q.owner ?? ""}</td><td>${q.priority}</td>
   <td class="small">${demandText(q.demand)}</td><td class="reason">${clip(q.pending_reason)}</td>
   <td class="small">${ago(q.created_at)}</td></tr>`;
 
