@@ -19,8 +19,33 @@ from teleport.distributed import TorchDistributed
 CONFIG = TeleportConfig(steps=4, lr=0.3, cap=1e6, tau=1.0, loss_tol=1e-6)
 
 
+class TiedAttentionLM(nn.Module):
+    """Token embedding tied to the LM head, and an nn.MultiheadAttention block (packed Q/K/V)."""
+
+    def __init__(self, vocab: int = 24, d: int = 16) -> None:
+        super().__init__()
+        self.wte, self.pre = nn.Embedding(vocab, d), nn.Linear(d, d)
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.pre(self.wte(tokens)))  # (B, T, d)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        return F.linear(torch.tanh(h + a), self.wte.weight)  # (B, T, V)
+
+
+def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def loss_for(kind: str):  # noqa: ANN201 - a loss function
+    return lm_loss if kind == "lm" else F.cross_entropy
+
+
 def build(kind: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
+    if kind == "lm":  # 5 samples × 3 tokens = 15 columns < 17 inputs of every projection
+        tokens = torch.randint(0, 12, (5, 3))  # rows 12.. of the table are never looked up: free to move
+        return TiedAttentionLM().double(), tokens, tokens
     if kind == "mlp":  # 10 samples < 33 inputs: the thin-SVD route (columns all-gathered)
         model = nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
         return model.double(), torch.randn(10, 12, dtype=torch.float64), torch.randint(0, 4, (10,))
@@ -48,14 +73,14 @@ def _rank_main(rank: int, world: int, port: int, kind: str, tau: float, out: str
         model, x, y = build(kind)
         shards = torch.tensor_split(torch.arange(x.shape[0]), world)  # unequal shards on purpose
         idx = shards[rank]
-        report = teleport_batch(model, F.cross_entropy, x[idx], y[idx], config(tau), comm=TorchDistributed())
+        report = teleport_batch(model, loss_for(kind), x[idx], y[idx], config(tau), comm=TorchDistributed())
         torch.save({"state": model.state_dict(), "report": report.to_dict()}, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("kind", "tau"), [("mlp", 1.0), ("cnn", 0.95)])
+@pytest.mark.parametrize(("kind", "tau"), [("mlp", 1.0), ("cnn", 0.95), ("lm", 1.0)])
 def test_distributed_teleport_matches_single_process_and_keeps_replicas_identical(
     kind: str, tau: float, tmp_path: Path
 ) -> None:
@@ -69,7 +94,8 @@ def test_distributed_teleport_matches_single_process_and_keeps_replicas_identica
         assert other["report"]["loss_after"] == results[0]["report"]["loss_after"]
 
     model, x, y = build(kind)
-    single = teleport_batch(model, F.cross_entropy, x, y, config(tau))
+    table = model.wte.weight.detach().clone() if kind == "lm" else None
+    single = teleport_batch(model, loss_for(kind), x, y, config(tau))
     dist_report = results[0]["report"]
     assert dist_report["steps"] == single.steps > 0
     assert dist_report["loss_before"] == pytest.approx(single.loss_before, rel=1e-12)
@@ -79,3 +105,9 @@ def test_distributed_teleport_matches_single_process_and_keeps_replicas_identica
         assert abs(dist_report["loss_after"] - dist_report["loss_before"]) <= 1e-6 * dist_report["loss_before"]
     for name, value in model.state_dict().items():
         assert torch.allclose(results[0]["state"][name], value, atol=1e-9), name
+    if table is not None:  # rows looked up on any rank stay fixed on every rank; the others moved
+        looked_up = torch.unique(x)
+        state = results[0]["state"]["wte.weight"]
+        assert torch.equal(state[looked_up], table[looked_up])
+        assert (state[12:] - table[12:]).norm() > 0
+        assert {"attn.in_proj_weight", "attn.out_proj"} <= {lr["name"] for lr in dist_report["layers"]}
