@@ -31,11 +31,16 @@ browser:
 demo: setup
 	$(BIN)/tlab demo --home runs/demo
 
+# The suite mostly waits (Ray start-ups, subprocesses): 3 xdist workers overlap the waits on 2 cores. Tests that
+# start Ray on its default ports share one worker (tests/conftest.py). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 3
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadgroup
+
 test: setup browser
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(PYTEST)
 
 test-fast: setup browser
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow"
+	$(PYTEST) -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check .

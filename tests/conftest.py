@@ -12,6 +12,19 @@ from typing import Any
 
 import pytest
 
+# Tests that start a Ray cluster on Ray's default ports (ray.init() here or in a child process, ray.cluster_utils)
+# cannot run beside each other: under pytest-xdist (`make test` runs -n 3 --dist loadgroup) they share one worker.
+# Stacks started by service.stack.Stack take free ports for everything and run side by side.
+DEFAULT_PORT_RAY = ("tests/workers/test_ray_train.py", "tests/workers/test_executors.py",
+                    "tests/workers/test_run_entrypoint.py", "tests/benchmarks/test_ray_benchmarks_smoke.py",
+                    "tests/service/test_cli.py::test_run_on_ray_writes_the_same_outputs_as_local")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "ray_local" in getattr(item, "fixturenames", ()) or item.nodeid.startswith(DEFAULT_PORT_RAY):
+            item.add_marker(pytest.mark.xdist_group("default_port_ray"))
+
 
 @pytest.fixture(scope="session")
 def ray_local() -> Iterator[object]:
