@@ -3,6 +3,7 @@ and what a stream opened with a token does when that token is rotated."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import redis
 
 from api_schemas import keys
+from api_schemas.jobs import Quotas
 from service.stack import Stack
 from service.store import hash_token
 from tests.service.conftest import STATIC_NODES, Api, tiny
@@ -141,3 +143,34 @@ def test_the_queue_shows_other_users_jobs_only_as_positions(api_only: Api, redis
         assert (second["id"], second["owner"], second["pending_reason"]) == (mine, "fay", "quota max_gpus")
         assert "gus" not in seen.text and theirs not in seen.text
         assert {e["owner"] for e in admin.get("/v1/queue").json()["items"]} == {"fay", "gus"}
+
+
+def test_cli_rotate_set_disable_enable_and_bootstrap(api_only: Api, tmp_path: Path) -> None:
+    from service.cli.users import QUOTA_OPTIONS
+    from tests.service.test_cli import tlab
+
+    assert set(Quotas.model_fields) <= set(QUOTA_OPTIONS)  # every quota has its option in `users create|set`
+    env = {"TLAB_URL": api_only.url, "TLAB_TOKEN": api_only.stack.admin_token, "TLAB_HOME": str(tmp_path),
+           "REDIS_URL": api_only.stack.redis_url or ""}
+    old = api_only.add_user("hal")
+    out = tlab("users", "set", "hal", "--max-gpus", "3", "--can-submit-code", "yes", "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["quotas"]["max_gpus"] == 3 and json.loads(out.stdout)["can_submit_code"]
+    assert tlab("users", "set", "hal", env=env).stderr.startswith("error: nothing to change")
+    rotated = tlab("users", "rotate", "hal", "--json", env={**env, "TLAB_TOKEN": old})  # a user, for themself
+    assert rotated.returncode == 0, rotated.stderr
+    new = json.loads(rotated.stdout)["token"]
+    assert status(api_only, old) == 401 and status(api_only, new) == 200
+    assert tlab("users", "disable", "hal", env=env).returncode == 0
+    assert status(api_only, new) == 401 and "disabled" in tlab("users", "list", env=env).stdout
+    refused = tlab("me", env={**env, "TLAB_TOKEN": new})
+    assert refused.returncode == 1 and "is disabled" in refused.stderr and "Traceback" not in refused.stderr
+    assert tlab("users", "enable", "hal", env=env).returncode == 0 and status(api_only, new) == 200
+    # bootstrap: weak tokens refused in one line; re-pointing the admin refuses the old admin token
+    for weak in ("change-me", "tl_short"):
+        out = tlab("admin", "bootstrap", env={**env, "TLAB_ADMIN_TOKEN": weak})
+        assert out.returncode == 1 and out.stderr.startswith("error: TLAB_ADMIN_TOKEN is too weak"), out.stderr
+        assert out.stderr.count("\n") == 1
+    strong = "tl_" + "k" * 40
+    assert tlab("admin", "bootstrap", env={**env, "TLAB_ADMIN_TOKEN": strong}).returncode == 0
+    assert status(api_only, api_only.stack.admin_token) == 401 and status(api_only, strong) == 200
