@@ -20,6 +20,7 @@ MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-image
                "t10k-labels-idx1-ubyte"]
 MNIST_SUBDIRS = ("", "raw", "MNIST/raw", "FashionMNIST/raw")
 PTB_FILES = ["ptb.train.txt", "ptb.valid.txt", "ptb.test.txt"]
+FILELESS = ("digits", "synthetic")  # generated or bundled: no dataset.root, no files
 TINY_NEEDED = ["wnids.txt", "train/<wnid>/images/*.JPEG", "val/val_annotations.txt", "val/images/*.JPEG"]
 
 

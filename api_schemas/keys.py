@@ -94,3 +94,12 @@ def user_token(name: str) -> str:
 def auth_generation() -> str:
     """Counter bumped on every token rotation and user change: API processes drop cached logins when it moves."""
     return f"{PREFIX}:auth:generation"
+
+
+JOB_ID_PATTERN = r"^[0-9a-f]{11,16}-[0-9a-f]{6}$"  # what service.store.new_job_id makes; checked before any key use
+
+
+def user_queued(user: str) -> str:
+    """Sorted set of a user's jobs submitted and perhaps still queued (pruned at their next submit): the
+    ``max_queued_jobs`` quota's count."""
+    return f"{PREFIX}:user:{user}:queued"

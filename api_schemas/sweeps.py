@@ -9,11 +9,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from api_schemas.jobs import Tag
 from api_schemas.spec import ExperimentSpec
 from api_schemas.spec_io import apply_overrides, format_validation_error
 
 DISTRIBUTIONS = ("loguniform", "uniform", "randint", "choice", "grid")
 # the sweep metric -> the key Ray Train reports each epoch (workers/local.py: summarize)
+MAX_VALUES = 1000  # values one choice/grid axis may list (refused before any is looked at)
+MAX_TRIALS = 100_000  # grid points x num_samples; a service sets its own lower limit (TLAB_MAX_TRIALS)
 METRICS = {"train_loss": "final_train_loss", "test_loss": "final_test_loss", "test_acc": "final_test_acc"}
 
 
@@ -31,6 +34,8 @@ def _check_distribution(path: str, dist: Any) -> tuple[str, Any]:
         raise ValueError(f"search_space.{path}: unknown distribution {kind!r}; use one of {', '.join(DISTRIBUTIONS)}")
     if not isinstance(args, list) or not args:
         raise ValueError(f"search_space.{path}.{kind}: give a non-empty list")
+    if len(args) > MAX_VALUES:
+        raise ValueError(f"search_space.{path}.{kind}: {len(args)} values; at most {MAX_VALUES} per axis")
     if kind in ("loguniform", "uniform", "randint"):
         if len(args) != 2 or not all(isinstance(a, int | float) and not isinstance(a, bool) for a in args):
             raise ValueError(f"search_space.{path}.{kind}: give [low, high] numbers")
@@ -60,11 +65,11 @@ def _leaves(data: dict[str, Any], prefix: str = "") -> set[str]:
     return out
 
 
-def _probe_values(kind: str, args: list[Any]) -> list[Any]:
-    """The values to validate against the spec: the bounds of ranges, every listed value."""
+def probe_values(kind: str, args: list[Any]) -> list[Any]:
+    """The values to validate against the spec: the bounds of ranges, every listed value once."""
     if kind == "randint":
         return [int(args[0]), int(args[1]) - 1]
-    return list(args)
+    return list({json.dumps(v, sort_keys=True): v for v in args}.values())
 
 
 class SweepSubmit(_Strict):
@@ -97,15 +102,20 @@ class SweepSubmit(_Strict):
             raise ValueError("search_space: name at least one spec field to vary")
         base = self.base.model_dump(mode="json")
         known = _leaves(base)
-        for path, dist in self.search_space.items():
+        axes = {}
+        for path, dist in self.search_space.items():  # shapes first: cheap, and caps before any value is probed
             if path not in known:
                 raise ValueError(f"search_space.{path}: the spec has no such field (see `tlab validate` for the "
                                  "fields, e.g. teleport.lr, optimizer.name, training.seed)")
-            kind, args = _check_distribution(path, dist)
+            axes[path] = kind, args = _check_distribution(path, dist)
             if kind == "grid" and self.searcher == "optuna":
                 raise ValueError(f"search_space.{path}: the optuna searcher samples and cannot run a grid; use "
                                  "choice, or searcher random")
-            for value in _probe_values(kind, args):
+        if self.trial_count() > MAX_TRIALS:
+            raise ValueError(f"search_space: {self.trial_count()} trials (grid points x num_samples); at most "
+                             f"{MAX_TRIALS}")
+        for path, (kind, args) in axes.items():
+            for value in probe_values(kind, args):
                 try:
                     ExperimentSpec.model_validate(apply_overrides(base, [f"{path}={json.dumps(value)}"]))
                 except ValidationError as err:

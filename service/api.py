@@ -19,7 +19,7 @@ from fastapi.staticfiles import StaticFiles
 
 from service.deps import State
 from service.http_errors import add_error_handlers
-from service.middleware import Measure
+from service.middleware import BodyLimit, Measure
 from service.routes import cluster, experiments, health, presets, sweeps, users
 from service.settings import Settings
 
@@ -41,6 +41,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="Teleport Lab", version="0.1.0", lifespan=lifespan,
                   description="Submit teleportation experiments to a shared Ray cluster; follow their curves.")
     add_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(Measure)
     for module in ROUTERS:
         app.include_router(module.router)

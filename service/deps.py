@@ -5,7 +5,10 @@ Routes take them as ``Annotated`` aliases (``st: StateDep, user: CurrentUser``),
 
 from __future__ import annotations
 
+import re
 import time
+import weakref
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import redis.asyncio as aioredis
@@ -16,12 +19,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from api_schemas import keys
 from api_schemas.jobs import ClusterView, JobState, Role, UserPublic
-from service.errors import Forbidden, JobNotFound, Unauthorized
+from service.errors import Forbidden, JobNotFound, TooManyRequests, Unauthorized
 from service.events import Hub
 from service.settings import Settings
 from service.store import Store
 from service.views import JobFilter, Page, read_cluster_view
 
+JOB_ID = re.compile(keys.JOB_ID_PATTERN)
+STREAM_RETRY_S = 10  # Retry-After when a user holds the most SSE streams: a closed one frees its slot at once
 USER_CACHE_S = 5.0  # a token's user is re-read at least this often (and at once when the auth generation moves)
 CLUSTER_CACHE_S = 0.5  # the scheduler's published cluster view is re-read at most this often
 
@@ -47,6 +52,7 @@ class State:
         self._jobs_client: Any = None
         self._users: dict[str, tuple[UserPublic, float, int]] = {}  # token -> (user, expiry, auth generation)
         self._cluster: tuple[tuple[ClusterView | None, float], float] = ((None, 0.0), 0.0)
+        self._streams: dict[str, int] = {}  # user -> SSE streams open in this process
 
     async def aclose(self) -> None:
         await self.hub.close()
@@ -78,6 +84,24 @@ class State:
         except Unauthorized:
             return False
         return True
+
+    def count_stream(self, user: str, stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """Count ``stream`` as one of ``user``'s open SSE streams until it is gone (ended, cancelled, or never
+        started: a finalizer, not the generator's own ``finally``); 429 past ``TLAB_MAX_STREAMS_PER_USER``."""
+        cap = self.settings.max_streams_per_user
+        if self._streams.get(user, 0) >= cap:
+            raise TooManyRequests(f"you have {cap} event streams open (TLAB_MAX_STREAMS_PER_USER): close one; a "
+                                  "sweep's stream carries all its trials", field="events", retry_after_s=STREAM_RETRY_S)
+        self._streams[user] = self._streams.get(user, 0) + 1
+        weakref.finalize(stream, self._stream_closed, user)
+        return stream
+
+    def _stream_closed(self, user: str) -> None:
+        left = self._streams.get(user, 1) - 1
+        if left > 0:
+            self._streams[user] = left
+        else:
+            self._streams.pop(user, None)
 
     def cluster_view(self) -> tuple[ClusterView | None, float]:
         """The scheduler's last published view and its age in seconds (re-read at most every 0.5 s)."""
@@ -138,7 +162,11 @@ AdminUser = Annotated[UserPublic, Depends(admin_user)]
 
 
 def own_job(st: State, user: UserPublic, job_id: str) -> dict[str, str]:
-    """The job's raw hash if ``user`` owns it (or is an admin); 404 if there is none, 403 if it is another's."""
+    """The job's raw hash if ``user`` owns it (or is an admin); 404 if there is none (or the id is not one), 403
+    if it is another's."""
+    if not JOB_ID.fullmatch(job_id):  # before any Redis key is made of it: `<id>:trials` is another key's name
+        raise JobNotFound(f"{job_id[:40]!r} is not an experiment id (like 18f3a2b4c5d-9e1f2a): `tlab ls` lists yours",
+                          field="id")
     data = st.store.raw(job_id)
     if user.role != Role.ADMIN and data["owner"] != user.name:
         raise Forbidden(f"experiment {job_id} belongs to another user", field="id")

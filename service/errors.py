@@ -49,3 +49,13 @@ class DoesNotFit(ServiceError):
 
 class UserNotFound(ServiceError):
     status = 404
+
+
+class TooManyRequests(ServiceError):
+    """Over a per-user cap that frees up by itself (queued jobs, open streams): try again after a while."""
+
+    status = 429
+
+    def __init__(self, message: str, field: str | None = None, retry_after_s: int = 30) -> None:
+        super().__init__(message, field)
+        self.retry_after_s = retry_after_s

@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from service.errors import ServiceError
+from service.errors import ServiceError, TooManyRequests
 
 # location parts that say where a value came from or which union member was tried, not which field it is
 _NOT_FIELDS = ("body", "query", "header", "path", "mlp", "cnn", "resnet", "transformer")
@@ -38,6 +38,8 @@ async def on_validation_error(_request: Request, exc: Exception) -> JSONResponse
 async def on_service_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ServiceError)
     headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    if isinstance(exc, TooManyRequests):
+        headers = {"Retry-After": str(exc.retry_after_s)}
     return JSONResponse(error_body([{"field": exc.field or "", "message": exc.message}]), status_code=exc.status,
                         headers=headers)
 

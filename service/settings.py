@@ -46,3 +46,27 @@ class Settings(BaseSettings):
     @property
     def storage_path(self) -> str:
         return self.storage or str(self.home / "storage")
+    # admission: what one request may ask for (service/admission.py, docs/rest.md "Limits")
+    data_roots: str = Field("", validation_alias="TLAB_DATA_ROOTS",
+                            description="colon-separated directories the service reads datasets from "
+                                        "(default $TLAB_HOME/data); a relative dataset.root is looked up in each")
+    max_body_bytes: int = Field(1 << 20, ge=1024, validation_alias="TLAB_MAX_BODY_BYTES",
+                                description="largest JSON request body (413 above it)")
+    max_epochs: int = Field(1000, ge=1, validation_alias="TLAB_MAX_EPOCHS")
+    max_width: int = Field(16384, ge=1, validation_alias="TLAB_MAX_WIDTH",
+                           description="units or channels of one layer; a transformer's heads x head_dim x mlp_ratio")
+    max_layers: int = Field(128, ge=1, validation_alias="TLAB_MAX_LAYERS")
+    max_teleport_batches: int = Field(2000, ge=1, validation_alias="TLAB_MAX_TELEPORT_BATCHES",
+                                      description="teleport.batches x the teleport epochs within training.epochs")
+    max_teleport_steps: int = Field(1000, ge=1, validation_alias="TLAB_MAX_TELEPORT_STEPS")
+    min_cpus_per_worker: float = Field(0.1, gt=0, validation_alias="TLAB_MIN_CPUS_PER_WORKER")
+    max_trials: int = Field(1000, ge=1, validation_alias="TLAB_MAX_TRIALS", description="trials of one sweep")
+    max_streams_per_user: int = Field(16, ge=1, validation_alias="TLAB_MAX_STREAMS_PER_USER",
+                                      description="SSE streams one user may hold open per API process (429 above)")
+    max_compare: int = Field(8, ge=1, validation_alias="TLAB_MAX_COMPARE", description="runs in one plot.png")
+
+    @property
+    def data_root_paths(self) -> list[Path]:
+        """The data roots, resolved (symlinks and ``..``), in the order a relative dataset.root is looked up."""
+        given = [p for p in self.data_roots.split(":") if p.strip()] or [str(self.home / "data")]
+        return [Path(p).expanduser().resolve() for p in given]

@@ -11,6 +11,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from api_schemas.jobs import DryRun, ExperimentSubmit, JobList, JobView, MetricsView, UserPublic
 from api_schemas.sweeps import SweepSubmit
+from service.admission import admit_experiment
 from service.deps import CurrentUser, JobFilterDep, PageDep, State, StateDep, StreamToken, StreamUser, own_job
 from service.errors import DoesNotFit, InvalidInput
 from service.events import downsample, follow, records, valid_stream_id
@@ -27,7 +28,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connecti
 def queue_job(st: State, user: UserPublic, body: ExperimentSubmit | SweepSubmit, response: Response,
               idempotency_key: str | None) -> JobView:
     """Queue it; an Idempotency-Key replay answers 200 with the original job."""
-    job, created = enqueue(st.store, user.name, body, idempotency_key)
+    job, created = enqueue(st.store, user, body, idempotency_key)
     if created:
         st.submissions.inc()
     else:
@@ -36,14 +37,15 @@ def queue_job(st: State, user: UserPublic, body: ExperimentSubmit | SweepSubmit,
     return job
 
 
-def event_stream(st: State, job_id: str, last_event_id: str | None, token: str) -> StreamingResponse:
+def event_stream(st: State, user: UserPublic, job_id: str, last_event_id: str | None, token: str
+                 ) -> StreamingResponse:
     """The job's stream as SSE: history after ``last_event_id`` (all if None), then live events, while ``token``
-    still signs in (a rotation or a disable ends it)."""
+    still signs in (a rotation or a disable ends it); one of the user's capped open streams."""
     if last_event_id is not None and not valid_stream_id(last_event_id):
         raise InvalidInput("Last-Event-ID must be a stream id like 1712345678901-0", field="Last-Event-ID")
-    return StreamingResponse(follow(st.hub, job_id, last_event_id, st.settings.heartbeat_s,
-                                    lambda: st.still_valid(token)),
-                             media_type="text/event-stream", headers=SSE_HEADERS)
+    stream = follow(st.hub, job_id, last_event_id, st.settings.heartbeat_s, lambda: st.still_valid(token))
+    return StreamingResponse(st.count_stream(user.name, stream), media_type="text/event-stream",
+                             headers=SSE_HEADERS)
 
 
 def job_records(st: State, job_id: str) -> list[dict[str, Any]]:
@@ -53,10 +55,15 @@ def job_records(st: State, job_id: str) -> list[dict[str, Any]]:
 @router.post("", status_code=201, response_model=JobView | DryRun,
              responses={200: {"description": "an Idempotency-Key replay: the original job"},
                         409: {"description": "Idempotency-Key reused with another body"},
-                        422: {"description": "invalid spec, or a gang that can never fit"}})
+                        413: {"description": "the body is over TLAB_MAX_BODY_BYTES"},
+                        422: {"description": "invalid spec, a model that cannot take the data, missing data or data "
+                                             "outside the data roots, over a limit or quota, or a gang that can "
+                                             "never fit"},
+                        429: {"description": "max_queued_jobs reached: see Retry-After"}})
 def submit(body: ExperimentSubmit, st: StateDep, user: CurrentUser, response: Response, dry_run: bool = False,
            idempotency_key: IdempotencyKey = None) -> JobView | DryRun:
     """Queue an experiment (or, with ``dry_run=true``, say whether and where it would fit)."""
+    body = admit_experiment(st.settings, user, body)
     demand = demand_of(body)
     view, _ = st.cluster_view()
     nodes = known_nodes(st.settings.cluster_nodes, view)
@@ -96,7 +103,7 @@ async def events(job_id: str, st: StateDep, user: StreamUser, token: StreamToken
                  last_event_id: LastEventId = None) -> StreamingResponse:
     """Server-Sent Events: history, then live; ``Last-Event-ID`` resumes after that stream id."""
     await run_in_threadpool(own_job, st, user, job_id)
-    return event_stream(st, job_id, last_event_id, token)
+    return event_stream(st, user, job_id, last_event_id, token)
 
 
 @router.get("/{job_id}/metrics", responses={200: {"content": {"text/csv": {}}}})
@@ -121,9 +128,12 @@ def plot(job_id: str, st: StateDep, user: CurrentUser,
     """Train/test loss (teleport epochs marked); ``compare=id2,id3`` overlays other experiments."""
     from plots.curves import plot_curves
 
-    ids = [job_id] + [i for i in (compare or "").split(",") if i.strip()]
+    ids = list(dict.fromkeys([job_id] + [i.strip() for i in (compare or "").split(",") if i.strip()]))
+    if len(ids) > st.settings.max_compare:
+        raise InvalidInput(f"{len(ids)} runs in one plot; at most {st.settings.max_compare} (TLAB_MAX_COMPARE): "
+                           "compare fewer", field="compare")
     runs = {}
-    for i in (i.strip() for i in ids):
+    for i in ids:
         name = own_job(st, user, i).get("name") or i
         runs[name if name not in runs else f"{name} ({i})"] = job_records(st, i)
     buf = io.BytesIO()

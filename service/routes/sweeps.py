@@ -8,6 +8,7 @@ from fastapi.responses import StreamingResponse
 
 from api_schemas.jobs import JobList, JobView, StudyView, SweepView
 from api_schemas.sweeps import SweepSubmit
+from service.admission import admit_sweep
 from service.deps import CurrentUser, JobFilterDep, PageDep, StateDep, StreamToken, StreamUser, own_sweep
 from service.errors import DoesNotFit
 from service.routes.experiments import IdempotencyKey, LastEventId, event_stream, job_records, queue_job
@@ -21,10 +22,14 @@ router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"])
 
 @router.post("", status_code=201,
              responses={200: {"description": "an Idempotency-Key replay"}, 409: {"description": "key reused"},
-                        422: {"description": "a bad search space (the path is named), or a gang that never fits"}})
+                        413: {"description": "the body is over TLAB_MAX_BODY_BYTES"},
+                        422: {"description": "a bad search space (the path is named), a base spec or axis value "
+                                             "refused at admission, or a gang that never fits"},
+                        429: {"description": "max_queued_jobs reached: see Retry-After"}})
 def submit_sweep(body: SweepSubmit, st: StateDep, user: CurrentUser, response: Response,
                  idempotency_key: IdempotencyKey = None) -> JobView:
     """Queue a hyperparameter sweep: one job whose gang is ``max_concurrent_trials`` trials' workers."""
+    body = admit_sweep(st.settings, user, body)
     view, _ = st.cluster_view()
     why = never_fits(demand_of(body), known_nodes(st.settings.cluster_nodes, view))
     if why:
@@ -64,7 +69,7 @@ async def sweep_events(sweep_id: str, st: StateDep, user: StreamUser, token: Str
                        last_event_id: LastEventId = None) -> StreamingResponse:
     """SSE of every trial's events, tagged with the trial id; resumable with ``Last-Event-ID``."""
     await run_in_threadpool(own_sweep, st, user, sweep_id)
-    return event_stream(st, sweep_id, last_event_id, token)
+    return event_stream(st, user, sweep_id, last_event_id, token)
 
 
 @router.get("/{sweep_id}/plot.png", responses={200: {"content": {"image/png": {}}}})

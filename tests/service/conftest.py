@@ -48,10 +48,16 @@ class Api:
 
 
 @pytest.fixture()
-def api_only(redis_server: str, tmp_path: Path) -> Iterator[Api]:
+def api_env() -> dict[str, str]:
+    """More environment for ``api_only``'s API: a test module overrides this fixture to set its own."""
+    return {}
+
+
+@pytest.fixture()
+def api_only(redis_server: str, tmp_path: Path, api_env: dict[str, str]) -> Iterator[Api]:
     """The API alone (no scheduler, no Ray) on a fixed 2-node cluster: jobs stay queued."""
     stack = Stack(tmp_path / "home", redis_url=redis_server, ray_address="http://127.0.0.1:9",
-                  extra_env={"TLAB_CLUSTER_NODES": STATIC_NODES, "TLAB_SSE_HEARTBEAT_S": "0.5"})
+                  extra_env={"TLAB_CLUSTER_NODES": STATIC_NODES, "TLAB_SSE_HEARTBEAT_S": "0.5", **api_env})
     stack.home.mkdir(parents=True)
     stack.ensure_admin()
     stack.start_service(("api",))

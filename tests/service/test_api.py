@@ -15,7 +15,7 @@ def submit(c: httpx.Client, spec: dict | None = None, **kw: object) -> httpx.Res
 
 
 def test_submit_get_list_and_queue(api_only: Api) -> None:
-    api_only.add_user("alice")
+    api_only.add_user("alice", max_priority=3)  # the default quota is 0
     with api_only.client("alice") as c:
         r = submit(c, name="first", tags=["a"], priority=3)
         assert r.status_code == 201, r.text

@@ -5,8 +5,8 @@ own message."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
+import numpy as np
 import pytest
 
 from service.client import Client
@@ -44,10 +44,13 @@ def wait_ended(c: Client, job: str, timeout: float = 300) -> dict:
 
 
 @pytest.mark.slow
-def test_a_job_whose_dataset_is_missing_fails_with_one_short_line(stack: Stack, tmp_path: Path) -> None:
-    missing = tmp_path / "nowhere" / "x.npz"
+def test_a_job_whose_dataset_is_missing_fails_with_one_short_line(stack: Stack) -> None:
+    missing = (stack.home / "data" / "x.npz").resolve()  # under the data root: found at submit, gone at run
+    missing.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(missing, X=np.zeros((4, 2)), y=np.zeros(4, dtype=np.int64))
     with Client(stack.url, stack.admin_token) as c:
         job = c.submit(tiny(dataset={"name": "npz", "path": str(missing)}), name="missing-data")["id"]
+        missing.unlink()  # the worker's own check, the second line after the one at submit, must say it
         view = wait_ended(c, job)
         reason = view["failure_reason"]
         assert view["state"] == "failed", view
