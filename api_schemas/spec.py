@@ -202,6 +202,10 @@ class ResourcesSpec(_Strict):
     workers: int = Field(1, ge=1)
     gpus_per_worker: float = Field(0, ge=0)
     cpus_per_worker: float = Field(1, gt=0)
+    time_limit_s: float | None = Field(
+        None, gt=0, description="running time after which the job is stopped (its last checkpoint kept) and ends "
+                                "failed; none: the cluster default TLAB_DEFAULT_TIME_LIMIT_S. At most the user's "
+                                "max_time_limit_s quota and TLAB_MAX_TIME_LIMIT_S. In a sweep: each trial's limit")
 
 
 # ---------------------------------------------------------------------------- spec

@@ -94,6 +94,8 @@ class SweepSubmit(_Strict):
     perturbation_interval: int = Field(2, ge=1, description="PBT: epochs between two exploit/explore rounds")
     name: str = Field("", max_length=200)
     priority: int = Field(0, ge=-100, le=100)
+    time_limit_s: float | None = Field(None, gt=0, description="the whole sweep's running time limit (default "
+                                       "TLAB_DEFAULT_TIME_LIMIT_S); base.resources.time_limit_s is each trial's")
     tags: list[str] = Field(default_factory=list, max_length=32)
 
     @model_validator(mode="after")

@@ -5,7 +5,8 @@ Each tick (every ``TLAB_TICK_S``, and at once when the API pushes to the wake li
 1. reconcile: every starting/running job is compared with its Ray job's status. Ray RUNNING moves
    ``starting -> running``; SUCCEEDED/FAILED/STOPPED end it; a Ray job that Ray no longer knows
    (the cluster restarted) goes back to the queue to resume from its checkpoint, or fails after
-   ``TLAB_MAX_ATTEMPTS``; a cancel request stops the Ray job (SIGTERM, SIGKILL after the grace).
+   ``TLAB_MAX_ATTEMPTS``; a cancel request stops the Ray job (SIGTERM, SIGKILL after the grace), and so
+   does a running job's time limit (``service.limits``: it then ends failed, its last checkpoint kept).
 2. dispatch: ``policy.decide`` picks what starts; each is moved ``queued -> starting`` with its
    Ray submission id *before* the submit, so a scheduler killed in between finds it in ``starting``
    and submits the same id again (Ray refuses duplicates): no job is lost or started twice.
@@ -28,6 +29,7 @@ from redis.exceptions import LockError
 from api_schemas import keys
 from api_schemas.jobs import ClusterView, Demand, JobState, NodeView
 from service import policy
+from service.limits import TIME_LIMITED, over_limit, time_limit_reason
 from service.policy import ActiveJob, Node, QueuedJob
 from service.ray_cluster import RAY_ACTIVE, ClusterSource, RayJobs, RayNodes, StaticCluster
 from service.settings import Settings
@@ -51,6 +53,7 @@ def job_env(settings: Settings) -> dict[str, str]:
     env = {"REDIS_URL": settings.redis_url, "TLAB_STORAGE": settings.storage_path,
            "TLAB_MAX_FAILURES": str(settings.max_failures),
            "RAY_JOB_STOP_WAIT_TIME_S": str(int(settings.stop_grace_s)),
+           "TLAB_KEEP_CHECKPOINTS": str(settings.keep_checkpoints),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     for name in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "TLAB_DATA"):
         if os.environ.get(name):
@@ -132,6 +135,15 @@ class Scheduler:
         if cancel and status in RAY_ACTIVE:
             self.launcher.stop(sid)  # Ray reports STOPPED once the process is gone; then it is cancelled
             return
+        limit = data.get(TIME_LIMITED) or self.check_limit(data, status, now)
+        if limit and not cancel and status != "SUCCEEDED":  # a job that finished within its grace succeeded
+            if status in RAY_ACTIVE:
+                self.launcher.stop(sid)  # SIGTERM: the driver exports its artifacts; SIGKILL after the grace
+            else:
+                reason = time_limit_reason(self.store, job_id, float(limit))
+                self.store.transition(job_id, JobState.FAILED, expect=active, reason=reason, failure_reason=reason,
+                                      now=now)
+            return
         if status is None:
             if cancel:
                 self.store.transition(job_id, JobState.CANCELLED, expect=active, reason="cancelled by user", now=now)
@@ -171,6 +183,16 @@ class Scheduler:
                 reason = "its Ray job was stopped outside Teleport Lab"
                 self.store.transition(job_id, JobState.FAILED, expect=active, reason=reason, failure_reason=reason,
                                       now=now)
+
+    def check_limit(self, data: dict[str, str], status: str | None, now: float) -> str:
+        """Mark a running job that reached its time limit (the limit, as the mark); '' if it has not."""
+        limit = over_limit(self.settings, data, now) if status in RAY_ACTIVE else None
+        if limit is None:
+            return ""
+        log.info("%s reached its time limit of %g s: stopping it (grace %g s)", data["id"], limit,
+                 self.settings.stop_grace_s)
+        self.store.r.hset(keys.job(data["id"]), TIME_LIMITED, repr(limit))
+        return repr(limit)
 
     # ---- 2. dispatch -------------------------------------------------------------------------
     def nodes(self) -> list[Node]:

@@ -36,6 +36,12 @@ class Settings(BaseSettings):
     stop_grace_s: float = Field(30.0, ge=0, validation_alias="TLAB_STOP_GRACE_S",
                                 description="SIGTERM-to-SIGKILL time for a cancelled running job")
     starting_timeout_s: float = Field(600.0, gt=0, validation_alias="TLAB_STARTING_TIMEOUT_S")
+    default_time_limit_s: float = Field(86400.0, gt=0, validation_alias="TLAB_DEFAULT_TIME_LIMIT_S",
+                                        description="a job's running time limit when its spec gives none")
+    max_time_limit_s: float = Field(7 * 86400.0, gt=0, validation_alias="TLAB_MAX_TIME_LIMIT_S",
+                                    description="the longest resources.time_limit_s anyone may ask for (422 above)")
+    keep_checkpoints: int = Field(2, ge=1, validation_alias="TLAB_KEEP_CHECKPOINTS",
+                                  description="checkpoints Ray Train keeps per job (the latest ones)")
     max_failures: int = Field(3, ge=0, validation_alias="TLAB_MAX_FAILURES",
                               description="Ray Train worker restarts within one attempt")
     cluster_nodes: str = Field("", validation_alias="TLAB_CLUSTER_NODES",

@@ -75,6 +75,7 @@ class RunContext:
     sink: MetricSink = field(default_factory=NullSink)
     rank: int = 0
     world_size: int = 1
+    artifacts_dir: Path | None = None  # files written here (by rank 0) are the job's artifacts; None: not kept
 
     @property
     def is_chief(self) -> bool:
@@ -105,9 +106,10 @@ class RunContext:
 class RayTrainContext(RunContext):
     """One rank of a Ray Train TorchTrainer: DDP model, sharded loaders, ``ray.train.report``."""
 
-    def __init__(self, sink: MetricSink, resume_from: Any = None) -> None:
+    def __init__(self, sink: MetricSink, resume_from: Any = None, artifacts_dir: str | None = None) -> None:
         """``resume_from``: a checkpoint (``ray.train``/``ray.tune`` Checkpoint) to start from when this
-        run has none of its own yet: a PBT trial continuing from another trial's weights."""
+        run has none of its own yet: a PBT trial continuing from another trial's weights. ``artifacts_dir``:
+        the job's artifacts directory (on storage every node sees), created by rank 0."""
         import ray.train
         import ray.train.torch
 
@@ -116,6 +118,10 @@ class RayTrainContext(RunContext):
                          world_size=ctx.get_world_size())
         self._comm = TorchDistributed() if self.world_size > 1 else None
         self._resume_from = resume_from
+        if artifacts_dir is not None:
+            self.artifacts_dir = Path(artifacts_dir)
+            if self.is_chief:
+                self.artifacts_dir.mkdir(parents=True, exist_ok=True)
 
     @property
     def comm(self) -> Collective | None:

@@ -23,6 +23,14 @@ def scaling_config(spec: ExperimentSpec) -> ScalingConfig:
     return ScalingConfig(num_workers=r.workers, use_gpu=r.gpus_per_worker > 0, resources_per_worker=per_worker)
 
 
+def keep_checkpoints() -> int:
+    """``TLAB_KEEP_CHECKPOINTS``: how many of a run's latest checkpoints Ray Train keeps (at least 1)."""
+    raw = os.environ.get("TLAB_KEEP_CHECKPOINTS", "2")
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"TLAB_KEEP_CHECKPOINTS={raw!r}: give a whole number of at least 1")
+    return int(raw)
+
+
 def _worker_sink(config: dict[str, Any], rank: int) -> MetricSink:
     """Rank 0 writes the metrics (to the job's Redis stream, or to DIR/metrics.jsonl); the others don't."""
     if rank != 0:
@@ -48,7 +56,7 @@ def train_worker(config: dict[str, Any]) -> None:
         Path(config["pid_dir"], f"rank{rank}.pid").write_text(str(os.getpid()))
     spec = ExperimentSpec.model_validate(config["spec"])
     ctx = RayTrainContext(_worker_sink(config, ray.train.get_context().get_world_rank()),
-                          resume_from=config.get("resume_from"))
+                          resume_from=config.get("resume_from"), artifacts_dir=config.get("artifacts_dir"))
     try:
         train(spec, ctx)
     except TrainingDiverged as err:
@@ -71,10 +79,13 @@ def build_trainer(
     trial: str | None = None,
     callbacks: list[Any] | None = None,
     resume_from: Any = None,
+    artifacts: str | Path | None = None,
 ) -> TorchTrainer:
     """One place turns a spec into a TorchTrainer (scaling, storage, failures, checkpoints).
     ``trial`` tags the events of a sweep's trial in the sweep's stream; ``callbacks`` go to RunConfig;
-    ``resume_from``: a checkpoint to start from (Ray Train V2 takes it through the loop's config)."""
+    ``resume_from``: a checkpoint to start from (Ray Train V2 takes it through the loop's config);
+    ``artifacts``: the directory the loop sees as ``ctx.artifacts_dir``. Checkpoints kept: the last
+    ``TLAB_KEEP_CHECKPOINTS`` (default 2)."""
     loop_config = {
         "spec": spec.model_dump(mode="json"),
         "redis_url": redis_url,
@@ -83,6 +94,7 @@ def build_trainer(
         "out_dir": None if out_dir is None else str(out_dir),
         "pid_dir": None if pid_dir is None else str(pid_dir),
         "resume_from": resume_from,
+        "artifacts_dir": None if artifacts is None else str(artifacts),
     }
     return TorchTrainer(
         train_worker,
@@ -92,7 +104,7 @@ def build_trainer(
             name=name,
             storage_path=str(storage_path),
             failure_config=FailureConfig(max_failures=max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
+            checkpoint_config=CheckpointConfig(num_to_keep=keep_checkpoints()),
             callbacks=callbacks,
         ),
     )

@@ -6,8 +6,12 @@ the job hash. Exit status: 0 succeeded, 1 failed, 2 bad setup (missing environme
 A failure's reason is one line (``workers.failure``): the last error ``log`` event, and a line of
 the job's log after ``TLAB-FAILURE:``; the traceback goes to the job's log above it.
 
+However it ends (a SIGTERM from a cancel or a time limit too), the driver writes the job's artifacts to
+``$TLAB_STORAGE/<job>/artifacts/`` from its last checkpoint (``workers.artifacts``).
+
 Environment: ``REDIS_URL`` (the service's Redis), ``TLAB_STORAGE`` (Ray Train storage path for
-checkpoints, shared by all nodes), ``TLAB_MAX_FAILURES`` (worker restarts, default 3).
+checkpoints, shared by all nodes), ``TLAB_MAX_FAILURES`` (worker restarts, default 3),
+``TLAB_KEEP_CHECKPOINTS`` (checkpoints kept per run, default 2).
 """
 
 from __future__ import annotations
@@ -15,13 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import redis
 
 from api_schemas import ExperimentSpec, keys
+from workers.artifacts import artifacts_dir
 from workers.failure import MARK, JobFailed, failure_reason, one_line
 from workers.redis_sink import RedisSink
 
@@ -58,14 +65,39 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
     spec = load_job_spec(client, job_id)
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
+    out = artifacts_dir(storage, job_id)
     trainer = build_trainer(spec, name=job_id, storage_path=storage, redis_url=redis_url, job_id=job_id,
-                            max_failures=max_failures)
-    result = trainer.fit()
+                            max_failures=max_failures, artifacts=out)
+    try:
+        result = trainer.fit()
+    finally:  # however it ended (a stop too: SIGTERM leaves the grace period for this), from the last checkpoint
+        export_artifacts(spec, [Path(storage) / job_id], out)
     summary = dict(result.metrics or {})
     if summary.get("failed"):
         raise JobFailed(str(summary.get("reason", "training failed")))
     client.hset(keys.job(job_id), "summary", json.dumps(summary))
     return summary
+
+
+def export_artifacts(spec: ExperimentSpec, run_dirs: list[Path], out: Path, extra: dict | None = None) -> None:
+    """``workers.artifacts.export``; a failure to export is logged, never the job's own failure."""
+    from workers.artifacts import export
+
+    try:
+        names = export(spec, run_dirs, out, extra)
+        print(f"artifacts: {', '.join(names) or 'none (no checkpoint yet)'} in {out}", file=sys.stderr, flush=True)
+    except Exception:
+        traceback.print_exc()
+        print(f"artifacts: could not export them to {out} (see above)", file=sys.stderr, flush=True)
+
+
+class Stopped(Exception):
+    """SIGTERM: Ray stopped the job (a cancel, a time limit); SIGKILL follows after the grace period."""
+
+
+def raise_stopped(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise Stopped("stopped by the scheduler (cancel or time limit)")
 
 
 def report_failure(sink: RedisSink, reason: str) -> None:
@@ -88,8 +120,12 @@ def job_main(prog: str, description: str, run: Callable[[str, str, str], dict], 
         return 2
     sink = RedisSink(redis_url, args.job)
     sink.emit({"kind": "status", "state": "running", "pid": os.getpid()})
+    signal.signal(signal.SIGTERM, raise_stopped)  # unwinds through run()'s finally: the artifacts are exported
     try:
         summary = run(args.job, redis_url, storage)
+    except Stopped as err:
+        sink.emit({"kind": "log", "level": "info", "message": str(err)})
+        return 143
     except SetupError as err:
         report_failure(sink, one_line(str(err)))
         return 2

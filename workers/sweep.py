@@ -21,14 +21,16 @@ import os
 import shutil
 import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
 import redis
 
 from api_schemas import keys
 from api_schemas.sweeps import SweepSubmit, trial_spec
+from workers.artifacts import artifacts_dir
 from workers.redis_sink import RedisSink
-from workers.run import SetupError, job_main
+from workers.run import SetupError, export_artifacts, job_main
 
 
 def param_space(sweep: SweepSubmit) -> dict[str, Any]:
@@ -155,6 +157,33 @@ def checkpoint_epoch(checkpoint: Any) -> int:
         return int(json.load(f)["epoch"])
 
 
+def trial_stop(sweep: SweepSubmit) -> dict[str, float] | None:
+    """Each trial's time limit (``base.resources.time_limit_s``) as Tune's stop criterion: checked at each
+    epoch's result, on the time the trial has run (``time_total_s``)."""
+    limit = sweep.base.resources.time_limit_s
+    return None if limit is None else {"time_total_s": limit}
+
+
+def best_trial(client: redis.Redis, job_id: str, mode: str) -> dict[str, Any] | None:
+    """The trials table's row with the best metric so far (None before any trial reported)."""
+    rows = [json.loads(v) for v in client.hvals(keys.trials(job_id))]
+    rows = [r for r in rows if r.get("best") is not None]
+    if not rows:
+        return None
+    return (min if mode == "min" else max)(rows, key=lambda r: r["best"])
+
+
+def export_best(client: redis.Redis, job_id: str, sweep: SweepSubmit, storage: str) -> None:
+    """The best trial's artifacts (its weights, checkpoint, metrics) as the sweep's own artifacts."""
+    row = best_trial(client, job_id, sweep.mode)
+    if row is None:
+        return
+    spec = trial_spec(sweep.base.model_dump(mode="json"), row["config"])
+    runs = [Path(p) for p in glob.glob(os.path.join(storage, f"{job_id}-{row['trial']}*")) if os.path.isdir(p)]
+    export_artifacts(spec, runs, artifacts_dir(storage, job_id),
+                     {"trial": row["trial"], "config": row["config"], sweep.metric: row["best"]})
+
+
 def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
     import ray
     from ray import tune
@@ -263,10 +292,13 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
                                         scheduler=scheduler, search_alg=search_alg,
                                         max_concurrent_trials=sweep.max_concurrent_trials),
             run_config=tune.RunConfig(name=f"sweep-{job_id}", storage_path=storage, callbacks=[table.callback],
-                                      checkpoint_config=checkpoints),
+                                      checkpoint_config=checkpoints, stop=trial_stop(sweep)),
         )
     sink.close()
-    results = tuner.fit()
+    try:
+        results = tuner.fit()
+    finally:  # also when stopped (the sweep's own time limit): the best trial so far
+        export_best(client, job_id, sweep, storage)
     shutil.rmtree(os.path.join(storage, f"pbt-{job_id}"), ignore_errors=True)
     best = results.get_best_result(metric=metric, mode=sweep.mode, scope="all")
     summary = {"trials": len(results), "best_trial": (best.metrics or {}).get("trial_id"),

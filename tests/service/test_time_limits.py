@@ -1,0 +1,72 @@
+"""Time limits (issue 16): a limit over the cluster's maximum or the user's quota is a 422 naming the field;
+a running job that reaches its limit is stopped, ends failed with a reason naming the limit and its last
+epoch, and keeps its last checkpoint as an artifact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import redis
+
+from api_schemas import keys
+from service.client import Client
+from service.limits import time_limit
+from service.settings import Settings
+from service.stack import Stack
+from tests.service.conftest import Api, tiny
+from tests.service.test_admission import refused
+from tests.service.test_failure_reasons import wait_ended
+
+
+def test_a_limit_over_the_cap_is_refused_naming_the_field(api_only: Api) -> None:
+    api_only.add_user("ann", max_time_limit_s=600)
+    with api_only.client("ann") as c:
+        r = c.post("/v1/experiments", json={"spec": tiny(resources={"time_limit_s": 601})})
+        refused(r, "spec.resources.time_limit_s", "601", "max_time_limit_s", "600")
+        assert c.post("/v1/experiments", json={"spec": tiny(resources={"time_limit_s": 600})}).status_code == 201
+        r = c.post("/v1/experiments", json={"spec": tiny(resources={"time_limit_s": 0})})
+        assert r.status_code == 422 and "time_limit_s" in r.text  # > 0: the contract itself
+        sweep = {"base": tiny(), "search_space": {"optimizer.lr": {"choice": [0.1, 0.01]}}}
+        refused(c.post("/v1/sweeps", json={**sweep, "time_limit_s": 900}), "time_limit_s", "max_time_limit_s")
+        base = tiny(resources={"time_limit_s": 900})
+        refused(c.post("/v1/sweeps", json={**sweep, "base": base}), "base.resources.time_limit_s")
+    with api_only.client() as c:  # an admin is bound only by the cluster's maximum (a week by default)
+        assert c.post("/v1/experiments", json={"spec": tiny(resources={"time_limit_s": 7200})}).status_code == 201
+        r = c.post("/v1/experiments", json={"spec": tiny(resources={"time_limit_s": 8 * 86400})})
+        refused(r, "spec.resources.time_limit_s", "TLAB_MAX_TIME_LIMIT_S")
+
+
+def test_the_limit_is_the_specs_else_the_cluster_default() -> None:
+    settings = Settings(TLAB_DEFAULT_TIME_LIMIT_S=50)
+    assert time_limit(settings, {"spec": json.dumps(tiny(resources={"time_limit_s": 20}))}) == 20
+    assert time_limit(settings, {"spec": json.dumps(tiny())}) == 50
+    sweep = {"base": tiny(resources={"time_limit_s": 20}), "time_limit_s": 70}
+    assert time_limit(settings, {"kind": "sweep", "sweep": json.dumps(sweep)}) == 70  # the trials' is not the sweep's
+    assert time_limit(settings, {"kind": "sweep", "sweep": json.dumps({"base": tiny()})}) == 50
+
+
+@pytest.mark.slow
+def test_a_job_at_its_time_limit_ends_failed_and_keeps_its_checkpoint(stack: Stack) -> None:
+    # many short epochs: it reports epochs for as long as it runs, and cannot finish within its limit
+    limit = 60
+    spec = tiny(training={"epochs": 1000, "batch_size": 64, "max_steps_per_epoch": 1},
+                resources={"time_limit_s": limit})
+    with Client(stack.url, stack.admin_token) as c:
+        job = c.submit(spec, name="limited")["id"]
+        view = wait_ended(c, job, timeout=600)
+        assert view["state"] == "failed", view
+        reason = view["failure_reason"]
+        assert reason.startswith(f"time limit of {limit} s reached at epoch "), reason
+        epoch = int(reason.split("at epoch ")[1].split(":")[0])
+        assert 1 <= epoch < 1000
+        r = redis.Redis.from_url(stack.redis_url, decode_responses=True)
+        assert float(r.hget(keys.job(job), "time_limited")) == limit
+        ran = view["finished_at"] - view["started_at"]
+        assert ran >= limit  # stopped no earlier than its limit (counted from started_at)
+        names = {a["name"]: a for a in c.json("GET", f"/v1/experiments/{job}/artifacts")["items"]}
+        assert {"checkpoint.pt", "model.safetensors", "metrics.csv", "summary.json"} <= set(names), names
+        summary = json.loads(c.request("GET", f"/v1/experiments/{job}/artifacts/summary.json").content)
+        assert summary["complete"] is False and summary["epochs"] >= 1
+        rows = c.request("GET", f"/v1/experiments/{job}/artifacts/metrics.csv").text.splitlines()
+        assert len(rows) == 1 + summary["epochs"]  # the header, then one row per epoch in the checkpoint
