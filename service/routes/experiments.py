@@ -98,7 +98,8 @@ def cancel(job_id: str, st: StateDep, user: CurrentUser) -> JobView:
 
 @router.get("/{job_id}/events",
             responses={200: {"content": {"text/event-stream": {}},
-                             "description": "SSE: metric, teleport, status, log, end"}})
+                             "description": "SSE: metric, teleport, status, log, end"},
+                       429: {"description": "TLAB_MAX_STREAMS_PER_USER streams open: see Retry-After"}})
 async def events(job_id: str, st: StateDep, user: StreamUser, token: StreamToken,
                  last_event_id: LastEventId = None) -> StreamingResponse:
     """Server-Sent Events: history, then live; ``Last-Event-ID`` resumes after that stream id."""
@@ -121,7 +122,8 @@ def get_metrics(job_id: str, st: StateDep, user: CurrentUser,
                        teleports=[r for r in recs if r.get("kind") == "teleport"])
 
 
-@router.get("/{job_id}/plot.png", responses={200: {"content": {"image/png": {}}}})
+@router.get("/{job_id}/plot.png", responses={200: {"content": {"image/png": {}}},
+                                            422: {"description": "more than TLAB_MAX_COMPARE runs"}})
 def plot(job_id: str, st: StateDep, user: CurrentUser,
          compare: Annotated[str | None, Query(max_length=2000, description="more ids, comma-separated")] = None,
          ) -> Response:

@@ -64,7 +64,8 @@ def cancel_sweep(sweep_id: str, st: StateDep, user: CurrentUser) -> JobView:
 
 @router.get("/{sweep_id}/events",
             responses={200: {"content": {"text/event-stream": {}},
-                             "description": "every trial's events (data.trial), then end"}})
+                             "description": "every trial's events (data.trial), then end"},
+                       429: {"description": "TLAB_MAX_STREAMS_PER_USER streams open: see Retry-After"}})
 async def sweep_events(sweep_id: str, st: StateDep, user: StreamUser, token: StreamToken,
                        last_event_id: LastEventId = None) -> StreamingResponse:
     """SSE of every trial's events, tagged with the trial id; resumable with ``Last-Event-ID``."""
