@@ -1,0 +1,53 @@
+"""Artifacts: list a job's files (name, bytes, sha256) and download one (Range requests supported).
+A sweep's are its best trial's."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import FileResponse
+
+from api_schemas.artifacts import ArtifactList
+from service import artifacts
+from service.deps import CurrentUser, StateDep, own_job, own_sweep
+
+router = APIRouter(tags=["artifacts"])
+FILE_RESPONSES: dict[int | str, dict] = {
+    200: {"content": {"application/octet-stream": {}}, "description": "the file"},
+    206: {"description": "the bytes a Range header asked for (Content-Range says which)"},
+    404: {"description": "no such artifact (or a name that leads outside the job's directory)"},
+    416: {"description": "the Range is outside the file"},
+    422: {"description": "an absolute name, or one with '..'"},
+}
+
+
+def download(st: StateDep, job_id: str, name: str) -> FileResponse:
+    path = artifacts.resolve(st.settings, job_id, name)
+    return FileResponse(path, filename=name.rsplit("/", 1)[-1], media_type="application/octet-stream")
+
+
+@router.get("/v1/experiments/{job_id}/artifacts")
+def list_artifacts(job_id: str, st: StateDep, user: CurrentUser) -> ArtifactList:
+    """The experiment's artifacts: model.safetensors, checkpoint.pt, metrics.csv, summary.json, its own files."""
+    own_job(st, user, job_id)
+    return ArtifactList(id=job_id, items=artifacts.listing(st.settings, job_id))
+
+
+@router.get("/v1/experiments/{job_id}/artifacts/{name:path}", response_class=FileResponse, responses=FILE_RESPONSES)
+def get_artifact(job_id: str, name: str, st: StateDep, user: CurrentUser) -> FileResponse:
+    """One artifact's bytes (owner or admin); ``Range: bytes=a-b`` for a part."""
+    own_job(st, user, job_id)
+    return download(st, job_id, name)
+
+
+@router.get("/v1/sweeps/{sweep_id}/artifacts")
+def list_sweep_artifacts(sweep_id: str, st: StateDep, user: CurrentUser) -> ArtifactList:
+    """The sweep's best trial's artifacts (its weights first of all; summary.json names the trial)."""
+    own_sweep(st, user, sweep_id)
+    return ArtifactList(id=sweep_id, items=artifacts.listing(st.settings, sweep_id))
+
+
+@router.get("/v1/sweeps/{sweep_id}/artifacts/{name:path}", response_class=FileResponse, responses=FILE_RESPONSES)
+def get_sweep_artifact(sweep_id: str, name: str, st: StateDep, user: CurrentUser) -> FileResponse:
+    """One of the best trial's artifacts."""
+    own_sweep(st, user, sweep_id)
+    return download(st, sweep_id, name)
