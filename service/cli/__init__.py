@@ -2,6 +2,7 @@
 
 ===============  ====================================================================================
 ``jobs``         ``submit``, ``ls``, ``show``, ``follow``, ``cancel``, ``plot``, ``compare``
+``artifacts``    ``pull``
 ``sweeps``       ``sweep``, ``sweeps``, ``sweep-show``
 ``users``        ``users create|list``, ``me``, ``admin bootstrap`` (Redis directly, for deployments)
 ``stack``        ``up``, ``demo``, ``queue``, ``cluster``, ``completion``
@@ -20,7 +21,7 @@ import argparse
 import os
 import sys
 
-from service.cli import jobs, local, stack, sweeps, users
+from service.cli import artifacts, jobs, local, stack, sweeps, users
 
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
 
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--url", default=None, help="the API (default: TLAB_URL, else the local `tlab up`)")
     parser.add_argument("--token", default=None, help="bearer token (default: TLAB_TOKEN, else the local admin's)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for group in (stack, jobs, sweeps, users, local):
+    for group in (stack, jobs, artifacts, sweeps, users, local):
         group.add_commands(sub)
     return parser
 

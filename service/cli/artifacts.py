@@ -1,0 +1,91 @@
+"""``tlab pull ID [-o DIR]``: an experiment's (or a sweep's best trial's) artifacts, downloaded with a progress
+bar, each checked against the sha256 the API lists. A file already there with that sha256 is skipped; a
+``.part`` left by an interrupted pull is continued with a Range request."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any
+
+from service.cli.common import add_remote_args, client, fail
+
+if TYPE_CHECKING:
+    from service.client import Client
+
+CHUNK = 1 << 20
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def target(out: Path, name: str) -> Path:
+    """Where artifact ``name`` goes under ``out``; a name that would leave it is refused."""
+    rel = PurePosixPath(name)
+    if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+        fail(f"the API listed an artifact named {name!r}, which would be written outside {out}: not pulled")
+    return out.joinpath(*rel.parts)
+
+
+def fetch(c: Client, job_id: str, item: dict[str, Any], dest: Path, bar: Any) -> None:
+    """One artifact into ``dest`` (through ``dest.part``, continued if one is there), its sha256 checked."""
+    from service.client import ApiError
+
+    part = dest.with_name(dest.name + ".part")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    have = part.stat().st_size if part.exists() else 0
+    if have > item["bytes"]:
+        part.unlink()
+        have = 0
+    headers = {"Range": f"bytes={have}-"} if 0 < have < item["bytes"] else {}
+    bar.update(have)
+    if have < item["bytes"] or item["bytes"] == 0:
+        with c.http.stream("GET", f"/v1/experiments/{job_id}/artifacts/{item['name']}", headers=headers) as r:
+            if r.status_code >= 400:
+                r.read()
+                raise ApiError(r.status_code, str(r.json().get("detail", r.text)))
+            with part.open("ab" if r.status_code == 206 else "wb") as f:
+                for chunk in r.iter_bytes(CHUNK):
+                    f.write(chunk)
+                    bar.update(len(chunk))
+    if file_sha256(part) != item["sha256"]:
+        part.unlink()
+        fail(f"{item['name']}: its sha256 does not match the API's listing (changed while pulling?): pull again")
+    part.replace(dest)
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    out = Path(args.output or args.id)
+    with client(args) as c:
+        items = c.json("GET", f"/v1/experiments/{args.id}/artifacts")["items"]
+        if not items:
+            print(f"{args.id} has no artifacts yet (they are written when it ends)")
+            return 1
+        todo = [(i, target(out, i["name"])) for i in items]
+        todo = [(i, d) for i, d in todo if not (d.is_file() and file_sha256(d) == i["sha256"])]
+        total = sum(i["bytes"] for i, _ in todo)
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"pull {args.id}",
+                  disable=args.quiet) as bar:
+            for item, dest in todo:
+                fetch(c, args.id, item, dest, bar)
+    for item in items:
+        print(f"{target(out, item['name'])}  {item['bytes']} bytes  sha256 {item['sha256'][:12]}")
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("pull", help="download an experiment's artifacts (a sweep's: its best trial's): "
+                                    "`tlab pull ID [-o DIR]`")
+    p.add_argument("id")
+    p.add_argument("-o", "--output", default=None, help="directory to write them to (default: ./ID)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_pull)
+    add_remote_args(p)
