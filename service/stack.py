@@ -23,7 +23,7 @@ import httpx
 import redis
 
 from service.signals import stop_on_signals
-from service.store import Store
+from service.store import Store, redact_url
 
 ADMIN = "admin"
 
@@ -60,14 +60,29 @@ def wait_for(check: object, what: str, timeout: float, proc: subprocess.Popen | 
     raise RuntimeError(f"{what} did not come up within {timeout:.0f} s" + (f"; see {log}" if log else ""))
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to a file that is mode 0600 from its creation (never readable by others, not even briefly)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def read_or_create(path: Path, make: object) -> str:
     if path.exists():
         return path.read_text().strip()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    value = make()  # type: ignore[operator]
-    path.write_text(value + "\n")
-    path.chmod(0o600)
-    return str(value)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    value = str(make())  # type: ignore[operator]
+    write_private(path, value + "\n")
+    return value
+
+
+def loopback_ray_env(ports: dict[str, int]) -> dict[str, str]:
+    """Environment for ``ray start`` that keeps every Ray server on 127.0.0.1. On Linux Ray replaces
+    ``--node-ip-address 127.0.0.1`` by the machine's address, and its servers then listen on all interfaces
+    (GCS, raylet, dashboard agent, metrics); with clusters "disabled" the node address stays loopback and each
+    server binds it. The two metrics servers with fixed default ports get free ones (two stacks side by side)."""
+    return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "DASHBOARD_METRIC_PORT": str(ports["dashboard_metrics"]),
+            "AUTOSCALER_METRIC_PORT": str(ports["autoscaler_metrics"])}
 
 
 class Stack:
@@ -103,23 +118,27 @@ class Stack:
         env.update(self.extra_env)
         return env
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         self.logs.mkdir(parents=True, exist_ok=True)
         with (self.logs / f"{name}.log").open("ab") as out:  # the child keeps its own copy of the descriptor
-            proc = subprocess.Popen(argv, env=self.env(), stdout=out, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(argv, env={**self.env(), **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)  # Ctrl-C reaches us; we stop the children in order
         self.procs[name] = proc
         return proc
 
     # ---- the parts ------------------------------------------------------------------------------
     def start_redis(self) -> None:
+        """Redis on loopback with a password (made once, kept in ``redis.password``, 0600); the password goes to
+        Redis in a 0600 config file, not on its command line, and to the API and scheduler in ``REDIS_URL``."""
         data = self.home / "redis"
-        data.mkdir(parents=True, exist_ok=True)
+        data.mkdir(parents=True, exist_ok=True, mode=0o700)
+        password = read_or_create(self.home / "redis.password", lambda: secrets.token_hex(32))
+        write_private(self.home / "redis.conf", f"requirepass {password}\n")
         port = free_port()
-        proc = self._spawn("redis", [redis_binary(), "--port", str(port), "--bind", "127.0.0.1",
-                                     "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(data),
-                                     "--save", ""])
-        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        proc = self._spawn("redis", [redis_binary(), str(self.home / "redis.conf"), "--port", str(port),
+                                     "--bind", "127.0.0.1", "--appendonly", "yes", "--appendfsync", "everysec",
+                                     "--dir", str(data), "--save", ""])
+        self.redis_url = f"redis://:{password}@127.0.0.1:{port}/0"
         client = redis.Redis.from_url(self.redis_url)
         wait_for(client.ping, "redis", 30, proc, self.logs / "redis.log")
         client.close()
@@ -141,7 +160,8 @@ class Stack:
             argv += [flag, str(free_port())]
         if self.num_cpus is not None:
             argv += ["--num-cpus", str(self.num_cpus)]
-        proc = self._spawn("ray", argv)
+        proc = self._spawn("ray", argv, loopback_ray_env({"dashboard_metrics": free_port(),
+                                                          "autoscaler_metrics": free_port()}))
         self.ray_address = f"http://127.0.0.1:{dash}"
         headers = {"Authorization": f"Bearer {self.ray_token}"}
         wait_for(lambda: httpx.get(f"{self.ray_address}/api/version", headers=headers, timeout=2).is_success,
@@ -159,10 +179,10 @@ class Stack:
         store = Store.from_url(self.redis_url or "")
         store.ensure_admin(ADMIN, self.admin_token)
         store.r.close()
-        (self.home / "api.url").write_text(self.url + "\n")
+        write_private(self.home / "api.url", self.url + "\n")
 
     def start(self) -> Stack:
-        self.home.mkdir(parents=True, exist_ok=True)
+        self.home.mkdir(parents=True, exist_ok=True, mode=0o700)
         if not self.redis_url:
             self.start_redis()
         if not self.ray_address:
@@ -205,12 +225,13 @@ def up(home: Path, port: int | None, num_cpus: int | None) -> int:
     """Start the stack and wait for Ctrl-C (or SIGTERM)."""
     stack = Stack(home, port=port, redis_url=os.environ.get("REDIS_URL") or None,
                   ray_address=os.environ.get("RAY_ADDRESS") or None, num_cpus=num_cpus)
+    os.umask(0o077)  # what the stack writes under TLAB_HOME (Redis's AOF, checkpoints, logs) is the owner's only
     stopping = stop_on_signals()
     print(f"starting Teleport Lab in {home} (logs: {stack.logs}) ...", file=sys.stderr, flush=True)
     try:
         stack.start()
         print(f"Teleport Lab is up at {stack.url}\n"
-              f"  redis {stack.redis_url}   ray {stack.ray_address}\n"
+              f"  redis {redact_url(stack.redis_url or '')}   ray {stack.ray_address}\n"
               f"  admin token: {home / 'admin.token'}   (tlab reads it from there)\n"
               "Ctrl-C stops everything.", flush=True)
         while not stopping.is_set():

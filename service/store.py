@@ -51,6 +51,13 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def redact_url(url: str) -> str:
+    """``url`` with its password, if any, replaced by ``***`` (for logs and the console)."""
+    head, at, tail = url.rpartition("@")
+    scheme, sep, _ = head.partition("://")
+    return f"{scheme}{sep}:***@{tail}" if at else url
+
+
 def new_token() -> str:
     return f"tl_{secrets.token_urlsafe(32)}"
 

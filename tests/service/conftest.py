@@ -4,7 +4,13 @@ and scheduler processes, talked to over real HTTP."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +133,28 @@ def wait_ray_idle(stack: Stack, timeout_s: float = 120.0) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"the Ray head is still busy after {timeout_s:g} s: {json.dumps(held)}")
         time.sleep(1.0)
+
+
+@contextmanager
+def tlab_up(home: Path, *args: str, timeout_s: float = 180) -> Iterator[tuple[subprocess.Popen[str], str, list[str]]]:
+    """``tlab up ARGS`` on its own Redis and Ray (REDIS_URL/RAY_ADDRESS unset), as a user starts it: yields the
+    process, the URL it printed, and what it printed; stops it with Ctrl-C (SIGINT) on the way out."""
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "RAY_ADDRESS", "RAY_AUTH_MODE")}
+    env["TLAB_HOME"] = str(home)
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "tlab"), "up", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url, printed = "", []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not url:
+            line = proc.stdout.readline() if proc.stdout else ""
+            printed.append(line)
+            if line.startswith("Teleport Lab is up at "):
+                url = line.split()[-1]
+        assert url, "tlab up never printed its URL"
+        yield proc, url, printed
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=90)
+        if proc.stdout:
+            proc.stdout.close()

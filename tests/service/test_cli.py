@@ -161,26 +161,15 @@ def test_submit_follow_runs_to_the_end(stack, tmp_path: Path) -> None:  # noqa: 
 
 @pytest.mark.slow
 def test_tlab_up_prints_its_url_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
-    import signal
     import time
 
     import httpx
     import psutil
 
+    from tests.service.conftest import tlab_up
+
     home = tmp_path / "home"
-    env = {**os.environ, "TLAB_HOME": str(home)}
-    env.pop("REDIS_URL", None)
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen([TLAB, "up", "--num-cpus", "1"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
-    try:
-        url = ""
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not url:
-            line = proc.stdout.readline() if proc.stdout else ""
-            if line.startswith("Teleport Lab is up at "):
-                url = line.split()[-1]
-        assert url, "tlab up never printed its URL"
+    with tlab_up(home, "--num-cpus", "1") as (proc, url, _printed):
         token = (home / "admin.token").read_text().strip()
         assert (home / "api.url").read_text().strip() == url
         me = httpx.get(f"{url}/v1/me", headers={"Authorization": f"Bearer {token}"}, timeout=10)
@@ -192,12 +181,7 @@ def test_tlab_up_prints_its_url_and_ctrl_c_stops_everything(tmp_path: Path) -> N
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert "redis" in names and "raylet" in names and "service.api" in names and "service.scheduler" in names
-    finally:
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=90)
-        if proc.stdout:
-            proc.stdout.close()
-    assert code == 0
+    assert proc.returncode == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/healthz", timeout=5)
     time.sleep(1.0)
