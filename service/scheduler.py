@@ -34,7 +34,7 @@ from service.policy import ActiveJob, Node, QueuedJob
 from service.ray_cluster import RAY_ACTIVE, ClusterSource, RayJobs, RayNodes, StaticCluster
 from service.settings import Settings
 from service.signals import stop_on_signals
-from service.store import Store
+from service.store import Store, redact_url
 
 log = logging.getLogger("tlab.scheduler")
 ENTRYPOINT = {"experiment": "workers.run", "sweep": "workers.sweep"}  # job kind -> the module its Ray job runs
@@ -286,7 +286,7 @@ def serve(settings: Settings) -> None:
 
     log.info("scheduler waiting for the lock")
     take_lock()
-    log.info("scheduler holds the lock; Redis %s, Ray %s", settings.redis_url, settings.ray_address)
+    log.info("scheduler holds the lock; Redis %s, Ray %s", redact_url(settings.redis_url), settings.ray_address)
     try:
         while not stop.is_set():
             try:
