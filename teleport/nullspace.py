@@ -137,24 +137,35 @@ def guarded_step(
     config: TeleportConfig,
     grad_norm_sq: float | None = None,
 ) -> tuple[Objective | None, float, int, str]:
-    """Take a step of size η, halving it until the step is acceptable.
+    """Take a step of size η, shortening it until the step is acceptable.
 
     Acceptable: L and ‖∇L‖² finite, ‖∇L‖² ≤ CAP, |L − L₀| ≤ loss_tol·|L₀| (a rise or a fall), and —
-    given the ‖∇L‖² before the step — an ascent. Returns the objective after the accepted step (None
-    when every try failed and ``restore`` put the weights back), the η that worked (kept for the
-    next step), the back-offs and, on failure, why: "not_finite", "cap", "loss_tol" or "no_ascent".
+    given the ‖∇L‖² before the step — an ascent. A step over CAP is shortened by the secant to CAP
+    (from the ‖∇L‖² before and after it, given ``grad_norm_sq``), anything else by halving.
+    Returns the objective after the accepted step (None when every try failed and ``restore`` put
+    the weights back), the η that worked (kept for the next step), the back-offs and why it ended:
+    "steps" (accepted), "cap" (accepted once shortened to fit under CAP: CAP is reached), or on
+    failure "not_finite", "cap", "loss_tol" or "no_ascent".
     """
     why = "steps"
     for attempt in range(config.max_backoff + 1):
         move(eta)
         new = evaluate()
-        why = step_verdict(new, loss0, config, grad_norm_sq)
-        if why == "steps":
-            return new, eta, attempt, why
+        verdict = step_verdict(new, loss0, config, grad_norm_sq)
+        if verdict == "steps":
+            return new, eta, attempt, "cap" if why == "cap" else "steps"
+        why = verdict
         if attempt < config.max_backoff:
-            eta /= 2
+            eta *= _shorten(why, new.grad_norm_sq, grad_norm_sq, config.cap)
     restore()
     return None, eta, config.max_backoff + 1, why
+
+
+def _shorten(why: str, after: float, before: float | None, cap: float) -> float:
+    """η's factor for the next try: the secant to 0.95·CAP for a CAP overshoot (in [0.05, 0.5]), else ½."""
+    if why != "cap" or before is None or not after > before:
+        return 0.5
+    return min(0.5, max(0.05, (0.95 * cap - before) / (after - before)))
 
 
 def step_verdict(new: Objective, loss0: float, config: TeleportConfig, grad_norm_sq: float | None) -> str:
@@ -310,4 +321,6 @@ class _Run:
             if new is None:
                 return why
             self.cur, self.steps = new, self.steps + 1
+            if why == "cap":  # shortened to fit under CAP: CAP is reached, further steps would overshoot
+                return "cap"
         return "steps"

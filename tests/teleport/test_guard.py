@@ -162,3 +162,21 @@ def test_the_spec_reaches_the_tau_rule() -> None:
 
     assert teleport_config(TeleportSpec(tau_rule="energy")).tau_rule == "energy"
     assert teleport_config(TeleportSpec()).tau_rule == "numerical_rank"
+
+
+def test_a_cap_overshoot_is_shortened_by_the_secant_and_ends_the_teleport() -> None:
+    from teleport.nullspace import guarded_step
+
+    state = {"eta": 0.0}
+
+    def move(eta: float) -> None:
+        state["eta"] = eta
+
+    def evaluate() -> Objective:  # ‖∇L‖² grows linearly with η from 1
+        return Objective(1.0, 1.0 + 10 * state["eta"], [], [])
+
+    config = TeleportConfig(cap=5.0, loss_tol=1e-3, max_backoff=3)
+    new, eta, tries, why = guarded_step(move, lambda: move(0.0), evaluate, 1.0, 1.0, config, 1.0)
+    assert new is not None and why == "cap" and tries == 1
+    assert eta == pytest.approx((0.95 * 5.0 - 1.0) / 10.0)  # one secant step lands at 0.95·CAP
+    assert new.grad_norm_sq <= config.cap
