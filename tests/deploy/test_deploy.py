@@ -221,10 +221,12 @@ def test_compose_service_env_points_at_redis_and_the_ray_head() -> None:
     svcs = services()
     for name in ("api", "scheduler"):
         env = service_env(svcs[name])
-        assert re.fullmatch(r"redis://(:\$\{REDIS_PASSWORD:-\}@)?redis:6379/0", env["REDIS_URL"]), env["REDIS_URL"]
+        assert re.fullmatch(r"redis://:\$\{REDIS_PASSWORD:\?[^}]+\}@redis:6379/0", env["REDIS_URL"]), env["REDIS_URL"]
         assert env["RAY_ADDRESS"] == "http://ray-head:8265"
     assert svcs["api"]["command"][-1].strip().endswith("exec python -m service.api")
     assert svcs["scheduler"]["command"] == ["python", "-m", "service.scheduler"]
+    redis_cmd = svcs["redis"]["command"][-1]  # a password always, not only when one is set
+    assert '--requirepass "$$REDIS_PASSWORD"' in redis_cmd and ":+" not in redis_cmd
 
 
 def test_admin_bootstrap_is_a_real_tlab_command() -> None:
@@ -387,7 +389,7 @@ def test_k8s_secret_refs_exist_in_the_example_secret() -> None:
     secrets = {}
     for s in of_kind("Secret"):
         secrets[s["metadata"]["name"]] = set(s.get("stringData", {})) | set(s.get("data", {}))
-    assert secrets.get("tlab-secrets", set()) >= {"ray-auth-token", "admin-token"}
+    assert secrets.get("tlab-secrets", set()) >= {"ray-auth-token", "admin-token", "redis-password"}
     refs = list(walk(all_k8s(), "secretKeyRef"))
     assert refs
     for ref in refs:
@@ -454,13 +456,21 @@ def test_k8s_service_env_points_at_redis_and_the_ray_head() -> None:
     for name in ("tlab-api", "tlab-scheduler"):
         for c in containers(workload(name)["spec"]["template"]):
             env = container_env(c)
-            assert env["REDIS_URL"] == f"redis://{redis_host}:6379/0", name
+            assert env["REDIS_URL"] == f"redis://:$(REDIS_PASSWORD)@{redis_host}:6379/0", name
+            names = [e["name"] for e in c["env"]]  # Kubernetes expands $(VAR) only for a VAR defined earlier
+            assert names.index("REDIS_PASSWORD") < names.index("REDIS_URL"), name
+            assert env["REDIS_PASSWORD"]["secretKeyRef"]["key"] == "redis-password", name
             if c["name"] != "ensure-admin":
                 assert env["RAY_ADDRESS"] == f"http://{rc['metadata']['name']}-head-svc:8265", name
                 assert env["RAY_AUTH_MODE"] == "token"
     assert workload("tlab-scheduler")["spec"]["replicas"] == 1
-    redis_args = redis["spec"]["template"]["spec"]["containers"][0]["args"]
+    redis_container = redis["spec"]["template"]["spec"]["containers"][0]
+    redis_args = redis_container["args"]
     assert redis_args[redis_args.index("--appendonly") + 1] == "yes"
+    assert redis_args[redis_args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    redis_env = container_env(redis_container)
+    for name in ("REDIS_PASSWORD", "REDISCLI_AUTH"):  # the server's password, and the probes' redis-cli
+        assert redis_env[name]["secretKeyRef"]["key"] == "redis-password", name
 
 
 def test_k8s_ingress_backend_exists() -> None:
