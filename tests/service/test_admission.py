@@ -156,7 +156,7 @@ def test_queued_jobs_are_capped_per_user_with_retry_after(api: Api) -> None:
         assert post(c, tiny()).status_code == 201
         assert post(c, tiny()).status_code == 429
     with api.client() as c:
-        assert post(c, tiny()).status_code == 201  # another user's queue is their own
+        assert post(c, tiny()).status_code == 201  # bob's cap is his own (and admins have none)
 
 
 def raw_post(url: str, token: str, length: int) -> tuple[int, bytes]:
