@@ -96,7 +96,7 @@ class SweepSubmit(_Strict):
     priority: int = Field(0, ge=-100, le=100)
     time_limit_s: float | None = Field(None, gt=0, description="the whole sweep's running time limit (default "
                                        "TLAB_DEFAULT_TIME_LIMIT_S); base.resources.time_limit_s is each trial's")
-    tags: list[str] = Field(default_factory=list, max_length=32)
+    tags: list[Tag] = Field(default_factory=list, max_length=32)
 
     @model_validator(mode="after")
     def _space(self) -> SweepSubmit:

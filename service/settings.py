@@ -48,10 +48,6 @@ class Settings(BaseSettings):
                                description="JSON list of {id, cpus, gpus}: a fixed cluster instead of Ray's "
                                            "(simulations and benchmarks)")
     heartbeat_s: float = Field(15.0, gt=0, validation_alias="TLAB_SSE_HEARTBEAT_S")
-
-    @property
-    def storage_path(self) -> str:
-        return self.storage or str(self.home / "storage")
     # admission: what one request may ask for (service/admission.py, docs/rest.md "Limits")
     data_roots: str = Field("", validation_alias="TLAB_DATA_ROOTS",
                             description="colon-separated directories the service reads datasets from "
@@ -70,6 +66,10 @@ class Settings(BaseSettings):
     max_streams_per_user: int = Field(16, ge=1, validation_alias="TLAB_MAX_STREAMS_PER_USER",
                                       description="SSE streams one user may hold open per API process (429 above)")
     max_compare: int = Field(8, ge=1, validation_alias="TLAB_MAX_COMPARE", description="runs in one plot.png")
+
+    @property
+    def storage_path(self) -> str:
+        return self.storage or str(self.home / "storage")
 
     @property
     def data_root_paths(self) -> list[Path]:
