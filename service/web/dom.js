@@ -50,3 +50,10 @@ export function progressCell(p, state) {
   return html`<div class="bar" title="${p.epoch} of ${p.epochs ?? "?"} epochs"><div class="fill ${state}" style="width:${(100 * frac).toFixed(1)}%"></div></div>
     <span class="small">${p.epoch}/${p.epochs ?? "?"}</span>`;
 }
+
+// A run summary's time to its target loss, epochs beside wall-clock seconds: "7 epochs · 12.3 s".
+export function toTarget(s) {
+  if (!s || s.target_loss === null || s.target_loss === undefined) return "–";
+  if (s.epochs_to_target === null || s.epochs_to_target === undefined) return `< ${num(s.target_loss)}: not reached`;
+  return `< ${num(s.target_loss)}: ${s.epochs_to_target} epochs · ${num(s.seconds_to_target, 3)} s`;
+}

@@ -2,7 +2,7 @@
 
 import { api, ApiError, token, url } from "../api.js";
 import { PALETTE, TEST, throttle, TRAIN } from "../charts.js";
-import { $, ago, badge, demandText, duration, html, num, POLL_MS, put, TERMINAL } from "../dom.js";
+import { $, ago, badge, demandText, duration, html, num, POLL_MS, put, TERMINAL, toTarget } from "../dom.js";
 import { cancelButton, liveEnded, liveState, showError } from "../page.js";
 import { EPOCH_ROWS, groupByEpoch, teleportTable, toggleOnClick } from "./teleports.js";
 
@@ -41,6 +41,7 @@ function jobFacts(j) {
   ];
   if (j.state === "queued") facts.push(["queue position", j.queue_position ?? "–"], ["why pending", j.pending_reason || "–"]);
   if (j.failure_reason) facts.push(["failure", j.failure_reason]);
+  if ((j.summary?.target_loss ?? null) !== null) facts.push(["to target loss", toTarget(j.summary)]);
   if (j.summary) facts.push(["summary", Object.entries(j.summary).filter(([, v]) => typeof v !== "object")
     .map(([k, v]) => `${k}=${num(v)}`).join("  ")]);
   return facts.map(([k, v]) => html`<dt>${k}</dt><dd>${v}</dd>`);
