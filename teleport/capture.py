@@ -13,11 +13,15 @@ to a *parameter*: an update is loss-preserving only if it is null for every use 
 - anything else (an elementwise use, a norm, an op it does not know): the parameter stays
   exactly as it is, with the reason (``pos: used by add (not a linear map)``).
 
-Decision (measured, see docs/algorithm.md): the mode replaces the module hooks. It sees raw
-``F.linear``, tied and shared weights and MultiheadAttention's internals, which hooks cannot, and
-the capture forward runs once per teleport batch (not per step), where it costs little next to
-the bases. ``F.multi_head_attention_forward`` is one overridable call: the mode runs a copy of it
-whose own dispatch check is off, so its ``linear`` calls on slices of ``in_proj_weight`` are seen.
+Decision (measured): the mode replaces the module hooks. It sees raw ``F.linear``, tied and
+shared weights and MultiheadAttention's internals, which hooks cannot, and it costs no more: one
+capture forward (L and ∇L with its graph, 1 thread, medians of 25) over the plain 7.45 ms of an
+MLP [1024, 1024] on 32 digits-sized inputs costs +0.40 ms with the mode, +0.41 ms with the old
+hooks; on a 2-layer transformer (32 × 16 tokens) +1.2 ms vs +5.5 ms, since the mode only keeps
+references and builds X lazily (not at all for a batch already at CAP). It runs once per teleport
+batch, not per step. ``F.multi_head_attention_forward`` is one overridable call: the mode runs a
+copy of it whose own dispatch check is off, so its ``linear`` calls on slices of ``in_proj_weight``
+are seen one by one.
 """
 
 from __future__ import annotations
