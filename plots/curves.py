@@ -1,7 +1,9 @@
 """Loss curves from metric records: one run or several overlaid, and mean ± std bands over seeds.
 
 The x axis counts epochs trained (epoch record ``e`` sits at ``e + 1``), so a teleport scheduled
-before epoch ``e`` sits at ``x = e``, drawn as a dotted vertical line in the run's colour.
+before epoch ``e`` sits at ``x = e``, drawn as a dotted vertical line in the run's colour. With
+``x="seconds"`` it is wall-clock time instead: an epoch record sits at its cumulative ``seconds``
+(teleport included) and a teleport before epoch ``e`` where epoch ``e - 1`` ended (0 before the first).
 Uses matplotlib's object API (no pyplot state): safe in threads and in workers without a display.
 """
 
@@ -20,6 +22,7 @@ from matplotlib.ticker import LogFormatter, MaxNLocator
 
 Records = list[dict[str, Any]]
 PANELS = (("train_loss", "train loss"), ("test_loss", "test loss"))
+X_AXES = {"epoch": "epochs trained", "seconds": "wall-clock seconds (teleport included)"}
 
 
 def read_metrics(path: str | Path) -> Records:
@@ -28,16 +31,36 @@ def read_metrics(path: str | Path) -> Records:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def epoch_series(records: Records, key: str) -> tuple[np.ndarray, np.ndarray]:
-    """(epochs trained, values) of ``key`` over the epoch records, finite values only."""
-    pts = [(r["epoch"] + 1, float(r[key])) for r in records
-           if r.get("kind") == "epoch" and isinstance(r.get(key), int | float) and math.isfinite(r[key])]
+def _check_x(x: str) -> None:
+    if x not in X_AXES:
+        raise ValueError(f"x={x!r}: the x axis is 'epoch' or 'seconds'")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and math.isfinite(v)
+
+
+def epoch_series(records: Records, key: str, x: str = "epoch") -> tuple[np.ndarray, np.ndarray]:
+    """(epochs trained or cumulative seconds, values) of ``key`` over the epoch records, finite values only."""
+    _check_x(x)
+    pts = [(r["epoch"] + 1 if x == "epoch" else float(r["seconds"]), float(r[key])) for r in records
+           if r.get("kind") == "epoch" and _number(r.get(key)) and (x == "epoch" or _number(r.get("seconds")))]
     xs, ys = zip(*pts, strict=True) if pts else ((), ())
     return np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
 
 
 def teleport_epochs(records: Records) -> list[int]:
     return sorted({int(r["epoch"]) for r in records if r.get("kind") == "teleport"})
+
+
+def teleport_xs(records: Records, x: str = "epoch") -> list[float]:
+    """Where each teleport epoch starts: ``e`` epochs trained, or the seconds at which epoch ``e - 1`` ended."""
+    _check_x(x)
+    if x == "epoch":
+        return [float(e) for e in teleport_epochs(records)]
+    ends = [(r["epoch"], float(r["seconds"])) for r in records
+            if r.get("kind") == "epoch" and _number(r.get("seconds"))]
+    return [max((s for ep, s in ends if ep < e), default=0.0) for e in teleport_epochs(records)]
 
 
 class PlainLogFormatter(LogFormatter):
@@ -51,30 +74,38 @@ def _color(i: int) -> str:
     return f"C{i % 10}"
 
 
-def _finish(ax: Axes, ylabel: str, values: Sequence[np.ndarray]) -> None:
+def _finish(ax: Axes, ylabel: str, values: Sequence[np.ndarray], x: str = "epoch") -> None:
     """Log y when the values are positive and span over 3x (losses), labels, grid, legend if labelled."""
     flat = np.concatenate([v for v in values if v.size]) if any(v.size for v in values) else np.array([])
     if flat.size and (flat > 0).all() and flat.max() > 3 * flat.min():
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(PlainLogFormatter())
         ax.yaxis.set_minor_formatter(PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("epochs trained")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=x == "epoch"))
+    ax.set_xlabel(X_AXES[x])
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small")
 
 
-def _mark_teleports(ax: Axes, epochs: list[int], color: str, label: str | None) -> None:
-    for j, e in enumerate(epochs):
+def _mark_teleports(ax: Axes, xs: Sequence[float], color: str, label: str | None) -> None:
+    for j, e in enumerate(xs):
         ax.axvline(e, color=color, linestyle=":", linewidth=1.0, alpha=0.6, label=label if j == 0 else None)
 
 
 def plot_curves(runs: dict[str, Records], path: str | Path | BinaryIO, title: str | None = None,
-                fmt: str | None = None) -> Path | BinaryIO:
-    """Train and test loss vs epoch (log y) for each run, teleport epochs marked; a third panel shows
-    ‖∇L‖² on the teleport batches before and after each teleport when there are any."""
+                fmt: str | None = None, x: str = "epoch") -> Path | BinaryIO:
+    """Train and test loss vs epochs trained or wall-clock ``seconds`` (log y) for each run, teleports
+    marked; a third panel shows ‖∇L‖² on the teleport batches before and after each teleport when there are any."""
+    fig = curves_figure(runs, title, x)
+    fig.savefig(path, dpi=110, format=fmt)
+    return path if hasattr(path, "write") else Path(path)
+
+
+def curves_figure(runs: dict[str, Records], title: str | None = None, x: str = "epoch") -> Figure:
+    """The figure ``plot_curves`` saves."""
+    _check_x(x)
     tele = {label: [r for r in recs if r.get("kind") == "teleport"] for label, recs in runs.items()}
     has_tele = any(tele.values())
     fig = Figure(figsize=(5.0 * (3 if has_tele else 2), 4.0), layout="constrained")
@@ -82,12 +113,12 @@ def plot_curves(runs: dict[str, Records], path: str | Path | BinaryIO, title: st
     for ax, (key, name) in zip(axes, PANELS, strict=False):
         plotted = []
         for i, (label, recs) in enumerate(runs.items()):
-            xs, ys = epoch_series(recs, key)
+            xs, ys = epoch_series(recs, key, x)
             ax.plot(xs, ys, color=_color(i), marker="o", markersize=3, linewidth=1.6, label=label)
             legend = f"teleports ({label})" if key == "train_loss" else None
-            _mark_teleports(ax, teleport_epochs(recs), _color(i), legend)
+            _mark_teleports(ax, teleport_xs(recs, x), _color(i), legend)
             plotted.append(ys)
-        _finish(ax, name, plotted)
+        _finish(ax, name, plotted, x)
     if has_tele:
         ax = axes[2]
         plotted = []
@@ -105,8 +136,7 @@ def plot_curves(runs: dict[str, Records], path: str | Path | BinaryIO, title: st
         ax.set_xlabel("teleport batch (in order)")
     if title:
         fig.suptitle(title)
-    fig.savefig(path, dpi=110, format=fmt)
-    return path if hasattr(path, "write") else Path(path)
+    return fig
 
 
 def band(runs: list[Records], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -98,8 +98,10 @@ class Client:
     def cancel(self, job_id: str) -> dict[str, Any]:
         return self.json("DELETE", f"/v1/experiments/{job_id}")
 
-    def plot(self, job_ids: list[str]) -> bytes:
+    def plot(self, job_ids: list[str], x: str = "epoch") -> bytes:
         params = {"compare": ",".join(job_ids[1:])} if len(job_ids) > 1 else {}
+        if x != "epoch":
+            params["x"] = x
         return self.request("GET", f"/v1/experiments/{job_ids[0]}/plot.png", params=params).content
 
     def events(self, job_id: str, last_id: str | None = None, reconnect: bool = True) -> Iterator[Event]:

@@ -58,8 +58,9 @@ def _describe(summary: dict[str, Any]) -> str:
     if summary.get("final_test_ppl") is not None:
         parts.append(f"test ppl {_fmt(summary['final_test_ppl'])}")
     if summary.get("target_loss") is not None:
-        hit = summary.get("epochs_to_target")
-        parts.append(f"target {summary['target_loss']:g} " + (f"at epoch {hit}" if hit else "not reached"))
+        hit, secs = summary.get("epochs_to_target"), summary.get("seconds_to_target")
+        reached = f"reached after {hit} epochs, {secs:.1f} s" if hit else "not reached"
+        parts.append(f"target {summary['target_loss']:g} {reached}")
     parts.append(f"{summary['seconds']:.1f} s (teleport {summary['teleport_share']:.0%})")
     return " · ".join(parts)
 

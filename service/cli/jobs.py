@@ -115,7 +115,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     with client(args) as c:
-        png = c.plot(args.ids)
+        png = c.plot(args.ids, x=args.x)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(png)
@@ -153,9 +153,11 @@ def add_commands(sub: Any) -> None:
     p.add_argument("ids", nargs="+")
     p.set_defaults(func=cmd_cancel)
 
-    p = sub.add_parser("plot", help="overlaid loss curves of experiments: `tlab plot ID... -o FILE.png`")
+    p = sub.add_parser("plot", help="overlaid loss curves of experiments: `tlab plot ID... -o FILE.png [--x seconds]`")
     p.add_argument("ids", nargs="+")
     p.add_argument("-o", "--output", default="curves.png")
+    p.add_argument("--x", choices=("epoch", "seconds"), default="epoch",
+                   help="x axis: epochs trained (default) or wall-clock seconds, teleport included")
     p.set_defaults(func=cmd_plot)
 
     add_compare(sub, add_spec_args, cmd_compare)

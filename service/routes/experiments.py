@@ -126,8 +126,10 @@ def get_metrics(job_id: str, st: StateDep, user: CurrentUser,
                                             422: {"description": "more than TLAB_MAX_COMPARE runs"}})
 def plot(job_id: str, st: StateDep, user: CurrentUser,
          compare: Annotated[str | None, Query(max_length=2000, description="more ids, comma-separated")] = None,
+         x: Annotated[Literal["epoch", "seconds"], Query(description="x axis: epochs trained or wall-clock "
+                                                                      "seconds (teleport included)")] = "epoch",
          ) -> Response:
-    """Train/test loss (teleport epochs marked); ``compare=id2,id3`` overlays other experiments."""
+    """Train/test loss (teleports marked); ``compare=id2,id3`` overlays other experiments, ``x=seconds`` on time."""
     from plots.curves import plot_curves
 
     ids = list(dict.fromkeys([job_id] + [i.strip() for i in (compare or "").split(",") if i.strip()]))
@@ -139,7 +141,7 @@ def plot(job_id: str, st: StateDep, user: CurrentUser,
         name = own_job(st, user, i).get("name") or i
         runs[name if name not in runs else f"{name} ({i})"] = job_records(st, i)
     buf = io.BytesIO()
-    plot_curves(runs, buf, title=None, fmt="png")
+    plot_curves(runs, buf, title=None, fmt="png", x=x)
     return Response(buf.getvalue(), media_type="image/png")
 
 
