@@ -8,14 +8,16 @@ export const TEST = "#ff7f0e"; // orange
 const WHOLE = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6];
 const MARK = "rgba(148, 103, 189, 0.45)"; // teleport epochs: faint purple verticals
 
-// A chart that fills its container's width. `marks()` returns x values drawn as vertical lines.
-export function lineChart(el, { series, yLabel, xLabel = "epoch", height = 260, log = false, marks = null }) {
+// A chart that fills its container's width. `marks()` returns x values (or {x, color}) drawn as vertical lines;
+// `whole` keeps x ticks on whole numbers (counts: epochs, teleports), off for seconds; `origin` starts x at 0.
+export function lineChart(el, { series, yLabel, xLabel = "epoch", height = 260, log = false, marks = null, whole = true,
+  origin = false }) {
+  const x = { time: false, ...(origin ? { range: (_u, _lo, hi) => [0, hi > 0 ? hi : 1] } : {}) };
   const opts = {
     width: Math.max(240, el.clientWidth),
     height,
-    scales: { x: { time: false }, y: log ? { distr: 3 } : {} },
-    // x is a count (epochs, teleports): whole-number ticks only
-    axes: [{ label: xLabel, incrs: WHOLE }, { label: yLabel, size: 64 }],
+    scales: { x, y: log ? { distr: 3 } : {} },
+    axes: [whole ? { label: xLabel, incrs: WHOLE } : { label: xLabel }, { label: yLabel, size: 64 }],
     legend: { live: true },
     series: [
       { label: xLabel },
@@ -33,15 +35,18 @@ export function lineChart(el, { series, yLabel, xLabel = "epoch", height = 260, 
   });
   ro.observe(el);
   u.tlabStop = () => ro.disconnect();
+  u.tlabMarks = marks; // what the marks are, for the page's tests
   return u;
 }
 
 function drawMarks(u, xs) {
   const { ctx, bbox } = u;
   ctx.save();
-  ctx.strokeStyle = MARK;
   ctx.lineWidth = 1;
-  for (const x of xs) {
+  for (const m of xs) {
+    const x = typeof m === "number" ? m : m.x;
+    ctx.strokeStyle = typeof m === "number" ? MARK : m.color;
+    ctx.setLineDash(typeof m === "number" ? [] : [4, 3]); // a run's own marks: dashed, in its colour
     const px = u.valToPos(x, "x", true);
     if (px < bbox.left || px > bbox.left + bbox.width) continue;
     ctx.beginPath();

@@ -2,7 +2,7 @@
 
 import { api } from "../api.js";
 import { aligned, destroy, lineChart, PALETTE, throttle } from "../charts.js";
-import { $, ago, badge, clip, html, jobLink, num, POLL_MS, put, TERMINAL } from "../dom.js";
+import { $, ago, badge, clip, html, jobLink, num, POLL_MS, put, TERMINAL, toTarget } from "../dom.js";
 import { cancelButton, liveEnded, liveState, showError } from "../page.js";
 
 const sweepRow = (j) => html`<tr><td>${jobLink(j)}</td>
@@ -32,7 +32,7 @@ const layout = (id) => html`
   <section class="card"><h3 id="sweep-metric">Trials</h3><div id="sweep-chart" class="chart"></div>
     <p id="no-curves" class="muted small">no trial has reported an epoch yet</p>
     <table><thead><tr><th>trial</th><th>config</th><th>state</th><th>epochs</th><th>last</th><th>best</th>
-      <th>scheduler</th></tr></thead><tbody id="trials-body"></tbody></table></section>`;
+      <th>to target loss</th><th>scheduler</th></tr></thead><tbody id="trials-body"></tbody></table></section>`;
 
 const config = (c) => Object.entries(c).map(([k, x]) => `${k}=${num(x)}`).join("  ");
 
@@ -45,7 +45,7 @@ function bestLine(v) {
 
 const trialRow = (v, t) => html`<tr class="${v.best?.trial === t.trial ? "best" : ""}">
   <td class="mono">${t.trial}</td><td class="small mono">${clip(config(t.config))}</td><td>${t.state}</td><td>${t.epochs}</td>
-  <td class="mono">${num(t.last)}</td><td class="mono">${num(t.best)}</td>
+  <td class="mono">${num(t.last)}</td><td class="mono">${num(t.best)}</td><td class="to-target">${toTarget(t.summary)}</td>
   <td>${t.stopped_early ? "stopped early" : t.perturbed ? `PBT moves: ${t.perturbed}` : ""}</td></tr>`;
 
 // One series per trial; the chart is rebuilt when a trial appears, otherwise only its data changes.
@@ -93,7 +93,7 @@ export async function sweepPage(page, [id]) {
     $("#sweep-metric").textContent = `Trials: ${v.metric} (${v.mode})`;
     put($("#sweep-best"), bestLine(v));
     put($("#trials-body"), v.trials.length ? v.trials.map((t) => trialRow(v, t))
-      : html`<tr><td colspan="7" class="muted">no trial has reported yet</td></tr>`);
+      : html`<tr><td colspan="8" class="muted">no trial has reported yet</td></tr>`);
     return !TERMINAL.has(v.job.state);
   };
   cancelButton(page, `/v1/sweeps/${id}`, "Cancel sweep", refresh);
