@@ -125,3 +125,27 @@ def test_a_finished_job_keeps_its_artifacts(stack: Stack, tmp_path: Path) -> Non
     assert again.returncode == 0 and not list(out.rglob("*.part")), again.stderr
     refused = pull(stack, api.tokens["bob"], job, tmp_path / "bob")
     assert refused.returncode == 1 and "belongs to another user" in refused.stderr
+
+
+@pytest.mark.slow
+def test_a_sweep_offers_its_best_trials_weights(stack: Stack) -> None:
+    from service.client import Client
+    from tests.service.conftest import wait_ray_idle
+
+    body = {"base": tiny(training={"epochs": 2}, resources={"cpus_per_worker": 0.9}),
+            "search_space": {"optimizer.lr": {"grid": [0.0001, 0.1]}}, "max_concurrent_trials": 2,
+            "metric": "train_loss", "mode": "min"}
+    wait_ray_idle(stack)
+    with Client(stack.url, stack.admin_token) as c:
+        sweep = c.json("POST", "/v1/sweeps", json=body)["id"]
+        list(c.events(sweep))  # until the sweep ends
+        view = c.json("GET", f"/v1/sweeps/{sweep}")
+        assert view["job"]["state"] == "succeeded", view["job"]
+        items = {a["name"] for a in c.json("GET", f"/v1/sweeps/{sweep}/artifacts")["items"]}
+        assert {"model.safetensors", "checkpoint.pt", "metrics.csv", "summary.json"} <= items, items
+        summary = json.loads(c.request("GET", f"/v1/sweeps/{sweep}/artifacts/summary.json").content)
+        assert summary["trial"] == view["best"]["trial"] and summary["config"] == view["best"]["config"]
+        assert summary["epochs"] == 2 and summary["complete"] is True
+        weights = c.request("GET", f"/v1/sweeps/{sweep}/artifacts/model.safetensors").content
+        listed = {a["name"]: a["sha256"] for a in c.json("GET", f"/v1/sweeps/{sweep}/artifacts")["items"]}
+        assert hashlib.sha256(weights).hexdigest() == listed["model.safetensors"]
