@@ -125,6 +125,13 @@ def test_the_compare_chart_switches_between_epochs_and_seconds(api_only: Api, ta
     assert "x=" not in page.evaluate("location.hash")
     assert not tab.errors, tab.errors
 
+    # [5] the API's figure takes the same choice; another axis is a 422 that names it
+    with api_only.client() as c:
+        png = c.get(f"/v1/experiments/{ids[0]}/plot.png", params={"compare": ids[1], "x": "seconds"})
+        assert png.status_code == 200 and png.content[:4] == b"\x89PNG"
+        bad = c.get(f"/v1/experiments/{ids[0]}/plot.png", params={"x": "steps"})
+        assert bad.status_code == 422 and [e["field"] for e in bad.json()["errors"]] == ["x"], bad.text
+
 
 def test_the_job_page_and_a_sweeps_trials_show_seconds_beside_epochs_to_target(api_only: Api,
                                                                                 tab_factory: Any) -> None:
