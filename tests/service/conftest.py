@@ -79,7 +79,9 @@ def stack(redis_server: str, ray_head: Stack, tmp_path: Path) -> Iterator[Stack]
     s = Stack(tmp_path / "home", redis_url=redis_server, ray_address=ray_head.ray_address,
               ray_token=ray_head.ray_token, tick_s=0.2,
               extra_env={"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1", "TLAB_STOP_GRACE_S": "5",
-                         "RAY_AUTH_MODE": "token"})
+                         "RAY_AUTH_MODE": "token",
+                         # tests that cancel a running job submit one of 100_000 epochs (the default cap is 1000)
+                         "TLAB_MAX_EPOCHS": "100000"})
     s.home.mkdir(parents=True)
     s.ensure_admin()
     s.start_service()
