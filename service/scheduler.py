@@ -28,6 +28,7 @@ from redis.exceptions import LockError
 
 from api_schemas import keys
 from api_schemas.jobs import ClusterView, Demand, JobState, NodeView
+from api_schemas.reasons import FAILURE_MARK, one_line
 from service import policy
 from service.limits import TIME_LIMITED, over_limit, time_limit_reason
 from service.policy import ActiveJob, Node, QueuedJob
@@ -59,15 +60,6 @@ def job_env(settings: Settings) -> dict[str, str]:
         if os.environ.get(name):
             env[name] = os.environ[name]
     return env
-
-
-MAX_REASON = 300  # a failure reason is one line of at most this many characters (workers.failure writes them)
-FAILURE_MARK = "TLAB-FAILURE: "  # what workers.failure puts before the reason on the Ray job's last log line
-
-
-def one_line(text: str, limit: int = MAX_REASON) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def last_error(store: Store, job_id: str) -> str:

@@ -1,9 +1,10 @@
 """A failure as one line a user can read: ``epoch 3: loss is NaN``, ``mylab/models.py:88: NameError: ...``.
 
 The Ray job's entrypoint (``workers.run.job_main``) turns whatever ended the job into this line, writes it
-to the job's stream as the error ``log`` event and prints it after ``MARK`` as a line of its log (the
-scheduler's fallback); the full traceback goes to the job's log only. A line is at most ``MAX_REASON``
-characters, and names the innermost frame of the user's own code when the error passed through it.
+to the job's stream as the error ``log`` event and prints it after ``FAILURE_MARK`` as a line of its log
+(the scheduler's fallback); the full traceback goes to the job's log only. The line's format (one line, at
+most ``MAX_REASON`` characters) is in ``api_schemas.reasons``; it names the innermost frame of the user's
+own code when the error passed through it.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import sysconfig
 import traceback
 from pathlib import Path
 
-MAX_REASON = 300
-MARK = "TLAB-FAILURE: "  # service.scheduler looks for it in the Ray job's logs
+from api_schemas.reasons import one_line
+
 OURS = ("workers", "teleport", "api_schemas", "service", "plots")  # this repository's packages
 _REPO = Path(__file__).resolve().parents[1]
 _STDLIB = sysconfig.get_paths()["stdlib"]
@@ -24,12 +25,6 @@ _RAY_PACKAGE = re.compile(r"^.*/_ray_pkg_[^/]+/")  # where Ray unpacks a runtime
 
 class JobFailed(RuntimeError):
     """A failure whose message is already the reason to show (the training loop said why)."""
-
-
-def one_line(text: str, limit: int = MAX_REASON) -> str:
-    """``text`` with its whitespace runs as single spaces, cut to ``limit`` characters."""
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def is_internal(path: str) -> bool:

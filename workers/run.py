@@ -28,8 +28,9 @@ from pathlib import Path
 import redis
 
 from api_schemas import ExperimentSpec, keys
+from api_schemas.reasons import FAILURE_MARK, one_line
 from workers.artifacts import artifacts_dir
-from workers.failure import MARK, JobFailed, failure_reason, one_line
+from workers.failure import JobFailed, failure_reason
 from workers.redis_sink import RedisSink
 
 
@@ -103,7 +104,7 @@ def raise_stopped(signum: int, frame: object) -> None:
 def report_failure(sink: RedisSink, reason: str) -> None:
     """The one-line reason, as a marked line of the job's log (first: it needs no Redis) and as the job's
     last error event."""
-    print(f"{MARK}{reason}", file=sys.stderr, flush=True)
+    print(f"{FAILURE_MARK}{reason}", file=sys.stderr, flush=True)
     sink.emit({"kind": "log", "level": "error", "message": reason})
 
 

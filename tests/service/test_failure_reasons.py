@@ -9,8 +9,9 @@ import time
 import numpy as np
 import pytest
 
+from api_schemas.reasons import MAX_REASON, one_line
 from service.client import Client
-from service.scheduler import MAX_REASON, one_line, reason_from_ray
+from service.scheduler import reason_from_ray
 from service.stack import Stack
 from tests.service.conftest import tiny
 

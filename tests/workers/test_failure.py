@@ -14,8 +14,9 @@ import pytest
 import torch
 from ray.train import WorkerGroupError
 
+from api_schemas.reasons import MAX_REASON
 from workers.data_files import DataFormatError
-from workers.failure import MAX_REASON, failure_reason
+from workers.failure import failure_reason
 
 MODELS = """\
 import torch
