@@ -12,18 +12,20 @@ from typing import Any
 
 import pytest
 
-# Tests that start a Ray cluster on Ray's default ports (ray.init() here or in a child process, ray.cluster_utils)
-# cannot run beside each other: under pytest-xdist (`make test` runs -n 3 --dist loadgroup) they share one worker.
-# Stacks started by service.stack.Stack take free ports for everything and run side by side.
+# Under pytest-xdist (`make test` runs -n 3 --dist loadgroup) every test that runs Ray — the session's head
+# (ray_head, stack), ray.init() here (ray_local), a Ray cluster of its own on Ray's default ports, or any slow
+# integration test — runs in one worker, in file order, as it would serially: two or three Ray clusters training
+# side by side on 2 cores thrashed (load 40+, 300 s timeouts). The other workers take the fast tests meanwhile.
+RAY_FIXTURES = frozenset({"ray_head", "stack", "ray_local"})
 DEFAULT_PORT_RAY = ("tests/workers/test_ray_train.py", "tests/workers/test_executors.py",
-                    "tests/workers/test_run_entrypoint.py", "tests/benchmarks/test_ray_benchmarks_smoke.py",
-                    "tests/service/test_cli.py::test_run_on_ray_writes_the_same_outputs_as_local")
+                    "tests/workers/test_run_entrypoint.py", "tests/benchmarks/test_ray_benchmarks_smoke.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if "ray_local" in getattr(item, "fixturenames", ()) or item.nodeid.startswith(DEFAULT_PORT_RAY):
-            item.add_marker(pytest.mark.xdist_group("default_port_ray"))
+        uses_ray = RAY_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        if uses_ray or item.get_closest_marker("slow") or item.nodeid.startswith(DEFAULT_PORT_RAY):
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture(scope="session")
