@@ -12,20 +12,41 @@ from typing import Any
 
 import pytest
 
-# Under pytest-xdist (`make test` runs -n 3 --dist loadgroup) every test that runs Ray — the session's head
-# (ray_head, stack), ray.init() here (ray_local), a Ray cluster of its own on Ray's default ports, or any slow
-# integration test — runs in one worker, in file order, as it would serially: two or three Ray clusters training
-# side by side on 2 cores thrashed (load 40+, 300 s timeouts). The other workers take the fast tests meanwhile.
+# Under pytest-xdist (`make test` runs -n 3) the modules that run Ray — the session's head (ray_head, stack),
+# ray.init() here (ray_local), a Ray cluster of their own on Ray's default ports, any slow integration test — go to
+# one worker together, in file order, as they would run serially: two or three Ray clusters training side by side on
+# 2 cores thrashed (load 40+, 300 s timeouts). The other workers take the fast modules meanwhile. (xdist's own
+# --dist loadgroup cannot do this under pytest 9.2: it renames node ids through an attribute pytest no longer reads.)
 RAY_FIXTURES = frozenset({"ray_head", "stack", "ray_local"})
-DEFAULT_PORT_RAY = ("tests/workers/test_ray_train.py", "tests/workers/test_executors.py",
-                    "tests/workers/test_run_entrypoint.py", "tests/benchmarks/test_ray_benchmarks_smoke.py")
+RAY_MODULES = frozenset({
+    "tests/benchmarks/test_ray_benchmarks_smoke.py", "tests/benchmarks/test_service_bench.py",
+    "tests/benchmarks/test_sweep_bench.py", "tests/service/test_artifacts.py", "tests/service/test_cli.py",
+    "tests/service/test_e2e.py", "tests/service/test_failure_reasons.py", "tests/service/test_fuzz.py",
+    "tests/service/test_sweeps.py", "tests/service/test_time_limits.py", "tests/service/test_up_security.py",
+    "tests/teleport/test_distributed.py", "tests/web/test_dashboard.py", "tests/workers/test_executors.py",
+    "tests/workers/test_ray_train.py", "tests/workers/test_run_entrypoint.py",
+})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that runs Ray (or is slow) outside RAY_MODULES would run beside the Ray chain: refuse to start."""
     for item in items:
-        uses_ray = RAY_FIXTURES.intersection(getattr(item, "fixturenames", ()))
-        if uses_ray or item.get_closest_marker("slow") or item.nodeid.startswith(DEFAULT_PORT_RAY):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+        runs_ray = RAY_FIXTURES.intersection(getattr(item, "fixturenames", ())) or item.get_closest_marker("slow")
+        if runs_ray and item.nodeid.split("::", 1)[0] not in RAY_MODULES:
+            raise pytest.UsageError(f"{item.nodeid} runs Ray or is slow: add its file to RAY_MODULES in "
+                                    "tests/conftest.py (so pytest-xdist keeps it with the other Ray tests)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Load scheduling where every RAY_MODULES test is one scope (one worker, file order), any other its own."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "ray" if nodeid.split("::", 1)[0] in RAY_MODULES else nodeid
+
+    return RayTogether(config, log)
 
 
 @pytest.fixture(scope="session")
