@@ -63,21 +63,24 @@ class State:
         """The token's user, from the cache while Redis's auth generation has not moved (one GET), else from
         Redis: a rotation, a disable or a quota change in any API process is seen by the next request here."""
         generation = self.store.auth_generation()  # read first: a change after it moves it again
-        now = time.monotonic()
-        hit = self._users.get(token)
-        if hit and hit[1] > now and hit[2] == generation:
-            return hit[0]
+        hit = self._cached(token, generation)
+        if hit is not None:
+            return hit
         user = self.store.authenticate(token)
         if len(self._users) > 10_000:
             self._users.clear()
-        self._users[token] = (user, now + USER_CACHE_S, generation)
+        self._users[token] = (user, time.monotonic() + USER_CACHE_S, generation)
         return user
+
+    def _cached(self, token: str, generation: int) -> UserPublic | None:
+        """The token's user if cached, fresh, and read under this auth generation."""
+        hit = self._users.get(token)
+        return hit[0] if hit and hit[1] > time.monotonic() and hit[2] == generation else None
 
     async def still_valid(self, token: str) -> bool:
         """Whether ``token`` still signs in (for a long-lived stream): one async GET while nothing changed."""
         generation = int(await self.aredis.get(keys.auth_generation()) or 0)
-        hit = self._users.get(token)
-        if hit and hit[1] > time.monotonic() and hit[2] == generation:
+        if self._cached(token, generation) is not None:
             return True
         try:
             await run_in_threadpool(self.authenticate, token)
