@@ -28,10 +28,19 @@ from service.store import Store, redact_url
 ADMIN = "admin"
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port, never one this process handed out before: the kernel may give a just-closed
+    port again, and Ray refuses to start when two of its components are given the same one."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def redis_binary() -> str:

@@ -27,8 +27,10 @@ from typing import Any
 import redis
 
 from api_schemas import keys
+from api_schemas.reasons import one_line
 from api_schemas.sweeps import SweepSubmit, trial_spec
 from workers.artifacts import artifacts_dir
+from workers.failure import JobFailed, failure_reason
 from workers.redis_sink import RedisSink
 from workers.run import SetupError, export_artifacts, job_main
 
@@ -57,6 +59,24 @@ def searcher(sweep: SweepSubmit) -> Any:
     # a generator given to Tune ignores TuneConfig(max_concurrent_trials): it must carry the limit itself,
     # or every trial's driver starts at once and their TorchTrainers all wait for workers
     return BasicVariantGenerator(max_concurrent=sweep.max_concurrent_trials, random_state=sweep.seed)
+
+
+TRIAL_FAILED = "TrialFailed: "  # marks the reason line in Tune's text of a trial's error
+
+
+class TrialFailed(RuntimeError):
+    """A trial's failure, its message already the one line to show (``workers.failure.failure_reason``)."""
+
+
+def trial_reason(trial: Any) -> str:
+    """The one line a failed trial's row shows, read from the error text Tune kept for it."""
+    try:
+        text = trial.get_error() or ""
+    except Exception:  # noqa: BLE001 - the storage went away: the row still says failed
+        text = ""
+    marked = [line.split(TRIAL_FAILED, 1)[1] for line in text.splitlines() if TRIAL_FAILED in line]
+    lines = [line for line in text.splitlines() if line.strip()]
+    return one_line(marked[-1] if marked else lines[-1] if lines else "the trial failed (no error was kept)")
 
 
 def pbt_scheduler(epochs: int, **kw: Any) -> Any:
@@ -106,7 +126,7 @@ class TrialTable:
                 table.update(trial, state="done")
 
             def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-                table.update(trial, state="failed")
+                table.update(trial, state="failed", reason=trial_reason(trial))
 
         self.callback = _Callback()
         self.redis_url = redis_url
@@ -126,7 +146,8 @@ class TrialTable:
             self._r = redis.Redis.from_url(url, decode_responses=True)
         return self._r
 
-    def update(self, trial: Any, state: str | None = None, result: dict | None = None) -> None:
+    def update(self, trial: Any, state: str | None = None, result: dict | None = None,
+               reason: str | None = None) -> None:
         raw = self.r.hget(self.key, trial.trial_id)
         row = json.loads(raw) if raw else {"trial": trial.trial_id, "config": trial.config, "state": "pending",
                                            "epochs": 0, "last": None, "best": None, "stopped_early": False}
@@ -146,6 +167,8 @@ class TrialTable:
             row["state"] = "stopped early" if row["stopped_early"] else "succeeded"
         elif state is not None:
             row["state"] = state
+        if reason is not None:
+            row["reason"] = reason
         self.r.hset(self.key, trial.trial_id, json.dumps(row))
 
 
@@ -210,7 +233,10 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
         spec = trial_spec(base, config)
         trainer = build_trainer(spec, name=f"{job_id}-{trial_id}", storage_path=storage, redis_url=redis_url,
                                 job_id=job_id, trial=trial_id, callbacks=[TuneReportCallback()])
-        trainer.fit()
+        try:
+            trainer.fit()
+        except Exception as err:
+            raise TrialFailed(failure_reason(err)) from None
 
     def pbt_trial(config: dict[str, Any]) -> None:
         # PBT needs a Tune checkpoint to copy from one trial to another, and TuneReportCallback forwards
@@ -306,7 +332,10 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
                "errors": sum(1 for r in results if r.error)}
     client.hset(keys.job(job_id), "summary", json.dumps(summary))
     if summary["errors"]:
-        raise RuntimeError(f"{summary['errors']} of {summary['trials']} trials failed (see the trials table)")
+        reasons = [f"{r['trial']}: {r['reason']}" for r in map(json.loads, client.hvals(keys.trials(job_id)))
+                   if r.get("reason")]
+        first = f"; {reasons[0]}" if reasons else " (see the trials table)"
+        raise JobFailed(one_line(f"{summary['errors']} of {summary['trials']} trials failed{first}"))
     return summary
 
 

@@ -227,7 +227,8 @@ def test_a_sweep_cut_off_by_a_stack_restart_resumes_its_trials(tmp_path: Path) -
         events: list[Event] = list(c.events(sweep))
         view = c.json("GET", f"/v1/sweeps/{sweep}")
         job = view["job"]
-        assert job["state"] == "succeeded" and job["attempts"] == 2, (job, [e.data for e in events if e.kind == "log"])
+        assert job["state"] == "succeeded" and job["attempts"] == 2, (
+            job, [e.data for e in events if e.kind == "log"], view["trials"])
         after = {t["trial"]: t for t in view["trials"]}
         assert set(after) == set(before), (before, after)  # the same trials, not a new sweep
         assert all(t["state"] == "succeeded" and t["epochs"] == epochs for t in after.values()), after
