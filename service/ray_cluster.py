@@ -8,9 +8,12 @@ configured (``TLAB_CLUSTER_NODES``), for simulations and benchmarks of the sched
 from __future__ import annotations
 
 import json
+import re
 import sys
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol
 
+from api_schemas.jobs import Demand
 from service.policy import Node
 
 
@@ -79,6 +82,31 @@ class RayNodes:
             return {}  # no monitor on the head, another Ray's format, or the head is busy: the ledger alone
 
 
+IN_DRIVER = "TLAB_IN_DRIVER"  # "0": a 1-worker experiment runs as a TorchTrainer too (workers.run.in_driver)
+NODE_ID_LABEL = "ray.io/node-id"  # every Ray node's own label: its node id
+_RAY_NODE_ID = re.compile(r"[0-9a-f]{56}")  # a Ray node id in hex (a static cluster's names are not)
+
+
+def trains_in_driver(module: str, demand: Demand | None, env: dict[str, str]) -> bool:
+    """A 1-worker experiment trains in its Ray job's driver (``workers.driver``) unless ``TLAB_IN_DRIVER=0``;
+    a sweep's driver only waits for its trials, which hold the CPUs."""
+    return module == "workers.run" and demand is not None and demand.workers == 1 and env.get(IN_DRIVER) != "0"
+
+
+def driver_options(demand: Demand | None, placement: Sequence[str] = ()) -> dict[str, Any]:
+    """What a Ray job's driver asks Ray for: nothing for one that starts a worker group or trials (they hold the
+    resources), else the worker's CPUs and GPUs on the node the scheduler planned (Ray schedules the driver, and
+    sets its ``CUDA_VISIBLE_DEVICES``), so Ray holds exactly what the scheduler's ledger counts."""
+    if demand is None:
+        return {"entrypoint_num_cpus": 0}
+    options: dict[str, Any] = {"entrypoint_num_cpus": demand.cpus_per_worker}
+    if demand.gpus_per_worker > 0:
+        options["entrypoint_num_gpus"] = demand.gpus_per_worker
+    if placement and _RAY_NODE_ID.fullmatch(placement[0]):
+        options["entrypoint_label_selector"] = {NODE_ID_LABEL: placement[0]}
+    return options
+
+
 # Ray job status -> how the scheduler reads it
 RAY_ACTIVE = {"PENDING", "RUNNING"}
 RAY_DONE = {"SUCCEEDED", "FAILED", "STOPPED"}
@@ -99,15 +127,21 @@ class RayJobs:
     def submission_id(job_id: str, attempt: int) -> str:
         return f"tlab-{job_id}-{attempt}"
 
-    def submit(self, job_id: str, submission_id: str, module: str = "workers.run") -> None:
-        """Start ``python -m MODULE --job ID`` as a Ray job; a second call with the id is a no-op."""
+    def submit(self, job_id: str, submission_id: str, module: str = "workers.run", demand: Demand | None = None,
+               placement: Sequence[str] = ()) -> None:
+        """Start ``python -m MODULE --job ID`` as a Ray job; a second call with the id is a no-op. ``demand`` and
+        ``placement`` (the scheduler's node per worker) decide what the driver holds: ``driver_options``."""
+        in_driver = trains_in_driver(module, demand, self.env)
+        env = dict(self.env)
+        if module == "workers.run":  # the driver takes the path the resources were asked for
+            env[IN_DRIVER] = "1" if in_driver else "0"
         try:
             self.client.submit_job(
                 entrypoint=f"{self.python} -m {module} --job {job_id}",
                 submission_id=submission_id,
-                runtime_env={"env_vars": dict(self.env)},
-                entrypoint_num_cpus=0,
+                runtime_env={"env_vars": env},
                 metadata={"tlab_job": job_id},
+                **driver_options(demand if in_driver else None, placement),
             )
         except RuntimeError as err:  # the Jobs API answers an existing id with HTTP 400 "already exists"
             if "already exists" not in str(err):

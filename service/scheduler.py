@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 import redis
@@ -43,7 +44,8 @@ ENTRYPOINT = {"experiment": "workers.run", "sweep": "workers.sweep"}  # job kind
 
 class Launcher(Protocol):
     def submission_id(self, job_id: str, attempt: int) -> str: ...
-    def submit(self, job_id: str, submission_id: str, module: str = ...) -> None: ...
+    def submit(self, job_id: str, submission_id: str, module: str = ..., demand: Demand | None = None,
+               placement: Sequence[str] = ()) -> None: ...
     def status(self, submission_id: str) -> str | None: ...
     def message(self, submission_id: str) -> str: ...
     def stop(self, submission_id: str) -> None: ...
@@ -56,7 +58,7 @@ def job_env(settings: Settings) -> dict[str, str]:
            "RAY_JOB_STOP_WAIT_TIME_S": str(int(settings.stop_grace_s)),
            "TLAB_KEEP_CHECKPOINTS": str(settings.keep_checkpoints),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    for name in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "TLAB_DATA"):
+    for name in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "TLAB_DATA", "TLAB_IN_DRIVER"):
         if os.environ.get(name):
             env[name] = os.environ[name]
     return env
@@ -141,7 +143,8 @@ class Scheduler:
                 self.store.transition(job_id, JobState.CANCELLED, expect=active, reason="cancelled by user", now=now)
             elif state == JobState.STARTING:
                 # killed between the transition and the submit: the same id again
-                self.launcher.submit(job_id, sid, ENTRYPOINT[data.get("kind", "experiment")])
+                job = self.as_active(data)
+                self.launcher.submit(job_id, sid, ENTRYPOINT[data.get("kind", "experiment")], job.demand, job.placement)
             elif int(data.get("attempts", 1)) < self.settings.max_attempts:
                 self.store.transition(job_id, JobState.QUEUED, expect=[state], now=now,
                                       reason="its Ray job vanished (cluster restarted?): queued again to "
@@ -212,7 +215,7 @@ class Scheduler:
                 continue  # cancelled meanwhile
             self.static.pop(job.id, None)
             try:
-                self.launcher.submit(job.id, sid, ENTRYPOINT[kind or "experiment"])
+                self.launcher.submit(job.id, sid, ENTRYPOINT[kind or "experiment"], job.demand, placement)
             except Exception as err:  # Ray refused or is down: back to the queue, tried again next tick
                 log.exception("submitting %s", job.id)
                 self.store.transition(job.id, JobState.QUEUED, expect=[JobState.STARTING], now=now,

@@ -8,6 +8,7 @@ checkpoints go and which rank writes metrics.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 import tempfile
@@ -25,6 +26,15 @@ from teleport.distributed import Collective, TorchDistributed
 from workers.sinks import MetricSink, NullSink
 
 CHECKPOINT_FILE = "checkpoint.pt"
+
+
+def keep_checkpoints() -> int:
+    """``TLAB_KEEP_CHECKPOINTS``: how many of a run's latest checkpoints are kept (at least 1), by Ray Train
+    and by a job training in its driver alike."""
+    raw = os.environ.get("TLAB_KEEP_CHECKPOINTS", "2")
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"TLAB_KEEP_CHECKPOINTS={raw!r}: give a whole number of at least 1")
+    return int(raw)
 
 
 class CheckpointRefused(RuntimeError):

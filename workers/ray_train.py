@@ -11,6 +11,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from api_schemas import ExperimentSpec
+from workers.context import keep_checkpoints
 from workers.sinks import JsonlSink, MetricSink, NullSink
 
 
@@ -21,14 +22,6 @@ def scaling_config(spec: ExperimentSpec) -> ScalingConfig:
     if r.gpus_per_worker > 0:
         per_worker["GPU"] = r.gpus_per_worker
     return ScalingConfig(num_workers=r.workers, use_gpu=r.gpus_per_worker > 0, resources_per_worker=per_worker)
-
-
-def keep_checkpoints() -> int:
-    """``TLAB_KEEP_CHECKPOINTS``: how many of a run's latest checkpoints Ray Train keeps (at least 1)."""
-    raw = os.environ.get("TLAB_KEEP_CHECKPOINTS", "2")
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"TLAB_KEEP_CHECKPOINTS={raw!r}: give a whole number of at least 1")
-    return int(raw)
 
 
 def _worker_sink(config: dict[str, Any], rank: int) -> MetricSink:

@@ -1,8 +1,9 @@
 """``python -m workers.run --job ID``: what the scheduler submits as a Ray job for one experiment.
 
 Reads the job's spec from Redis, runs it as a Ray Train TorchTrainer on the cluster this Ray job
-lives in, streams events to the job's Redis stream (rank 0), and on success stores the summary in
-the job hash. Exit status: 0 succeeded, 1 failed, 2 bad setup (missing environment, unknown job).
+lives in (a 1-worker job trains right here in the driver instead: ``workers.driver``), streams events
+to the job's Redis stream (rank 0), and on success stores the summary in the job hash.
+Exit status: 0 succeeded, 1 failed, 2 bad setup (missing environment, unknown job).
 A failure's reason is one line (``workers.failure``): the last error ``log`` event, and a line of
 the job's log after ``TLAB-FAILURE:``; the traceback goes to the job's log above it.
 
@@ -11,7 +12,8 @@ However it ends (a SIGTERM from a cancel or a time limit too), the driver writes
 
 Environment: ``REDIS_URL`` (the service's Redis), ``TLAB_STORAGE`` (Ray Train storage path for
 checkpoints, shared by all nodes), ``TLAB_MAX_FAILURES`` (worker restarts, default 3),
-``TLAB_KEEP_CHECKPOINTS`` (checkpoints kept per run, default 2).
+``TLAB_KEEP_CHECKPOINTS`` (checkpoints kept per run, default 2), ``TLAB_IN_DRIVER`` (``0``: a 1-worker job
+runs as a TorchTrainer too; the scheduler sets it with the resources it asks Ray for: ``RayJobs.submit``).
 """
 
 from __future__ import annotations
@@ -53,31 +55,52 @@ def load_job_spec(client: redis.Redis, job_id: str) -> ExperimentSpec:
     return ExperimentSpec.model_validate_json(raw)
 
 
+def in_driver(spec: ExperimentSpec) -> bool:
+    """A 1-worker job needs no process group: it trains in this driver (``workers.driver``), unless
+    ``TLAB_IN_DRIVER=0`` (the scheduler sets it per Ray job, with the resources it asks Ray for)."""
+    return spec.resources.workers == 1 and os.environ.get("TLAB_IN_DRIVER", "1") != "0"
+
+
 def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None = None) -> dict:
-    """Train the job's spec on the current Ray cluster; return the summary (raises on failure).
-    ``max_failures`` (worker restarts) defaults to ``TLAB_MAX_FAILURES``, else 3."""
+    """Train the job's spec (in this driver, or as a TorchTrainer on the current Ray cluster); return the
+    summary (raises on failure). ``max_failures`` (retries) defaults to ``TLAB_MAX_FAILURES``, else 3."""
     if max_failures is None:
         max_failures = int(os.environ.get("TLAB_MAX_FAILURES", "3"))
-    import ray
-
-    from workers.ray_train import build_trainer
-
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     spec = load_job_spec(client, job_id)
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
     out = artifacts_dir(storage, job_id)
-    trainer = build_trainer(spec, name=job_id, storage_path=storage, redis_url=redis_url, job_id=job_id,
-                            max_failures=max_failures, artifacts=out)
     try:
-        result = trainer.fit()
+        if in_driver(spec):
+            from workers.driver import run_in_driver
+
+            summary = run_in_driver(spec, job_id, redis_url, storage, max_failures, out)
+        else:
+            summary = fit_trainer(spec, job_id, redis_url, storage, max_failures, out)
     finally:  # however it ended (a stop too: SIGTERM leaves the grace period for this), from the last checkpoint
         export_artifacts(spec, [Path(storage) / job_id], out)
-    summary = dict(result.metrics or {})
     if summary.get("failed"):
         raise JobFailed(str(summary.get("reason", "training failed")))
     client.hset(keys.job(job_id), "summary", json.dumps(summary))
     return summary
+
+
+def fit_trainer(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str, max_failures: int,
+                out: Path) -> dict:
+    """The spec as a Ray Train TorchTrainer; its ``result.metrics``. It starts from the run's newest checkpoint
+    when Ray Train has none of its own (an earlier attempt trained in the driver)."""
+    import ray
+    from ray.train import Checkpoint
+
+    from workers.artifacts import checkpoints
+    from workers.ray_train import build_trainer
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
+    found = checkpoints([Path(storage) / job_id])
+    trainer = build_trainer(spec, name=job_id, storage_path=storage, redis_url=redis_url, job_id=job_id,
+                            max_failures=max_failures, artifacts=out,
+                            resume_from=Checkpoint.from_directory(str(found[0])) if found else None)
+    return dict(trainer.fit().metrics or {})
 
 
 def export_artifacts(spec: ExperimentSpec, run_dirs: list[Path], out: Path, extra: dict | None = None) -> None:

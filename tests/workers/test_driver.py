@@ -1,0 +1,101 @@
+"""A 1-worker job trained in its Ray job's driver (``workers.driver``): checkpoints, retries, exactly-once
+epochs and artifacts, on a real Redis (the driver path needs no Ray)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import torch
+
+from api_schemas import keys
+from tests.workers.test_run_entrypoint import put_job
+from workers import run
+from workers.artifacts import checkpoints
+from workers.driver import TMP_PREFIX, DriverContext
+from workers.failure import JobFailed
+from workers.redis_sink import read_events
+from workers.sinks import MemorySink
+
+
+def epochs_of(events: list[dict[str, Any]]) -> list[int]:
+    return [e["data"]["epoch"] for e in events if e["kind"] == "metric"]
+
+
+def starts_of(events: list[dict[str, Any]]) -> list[int]:
+    return [e["data"]["resumed_from_epoch"] for e in events if e["data"].get("kind") == "start"]
+
+
+def test_checkpoints_are_whole_newest_first_and_only_the_last_n_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TLAB_KEEP_CHECKPOINTS", "2")
+    run_dir = tmp_path / "job"
+    half = run_dir / f"{TMP_PREFIX}killed"  # what a kill during a save leaves behind
+    half.mkdir(parents=True)
+    (half / "checkpoint.pt").write_bytes(b"half a file")
+    ctx = DriverContext(MemorySink(), run_dir)
+    assert not half.exists() and ctx.restore() is None
+    for epoch in range(1, 5):
+        ctx.save({"epoch": epoch, "w": torch.full((2,), float(epoch))}, {"epochs": epoch})
+    kept = checkpoints([run_dir])  # what workers.artifacts exports from
+    assert len(kept) == 2 == len(list(run_dir.iterdir()))
+    assert [json.loads((p / "meta.json").read_text())["epoch"] for p in kept] == [4, 3]
+    state = DriverContext(MemorySink(), run_dir).restore()
+    assert state is not None and state["epoch"] == 4 and torch.equal(state["w"], torch.full((2,), 4.0))
+    assert ctx.metrics == {"epochs": 4}
+
+
+def test_a_failure_retries_from_the_last_checkpoint_and_reports_every_epoch_once(
+    redis_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TLAB_KEEP_CHECKPOINTS", "3")
+    put_job(redis_server, "flaky", training={"epochs": 5, "batch_size": 32})
+    save, crashed = DriverContext.save, []
+
+    def save_then_crash_once(self: DriverContext, state: dict[str, Any], metrics: dict[str, Any]) -> None:
+        save(self, state, metrics)
+        if state["epoch"] == 3 and not crashed:  # epoch 2 is reported and checkpointed, then the process fails
+            crashed.append(True)
+            raise ConnectionError("lost the node's disk for a moment")
+
+    monkeypatch.setattr(DriverContext, "save", save_then_crash_once)
+    summary = run.run_job("flaky", redis_server, str(tmp_path), max_failures=1)
+    events = read_events(redis_server, "flaky")
+    assert epochs_of(events) == [0, 1, 2, 3, 4]  # the retry redid nothing it had reported
+    assert starts_of(events) == [0, 3]  # it went on from its last checkpoint
+    assert any("retry 1 of TLAB_MAX_FAILURES=1" in e["data"].get("message", "") for e in events)
+    assert summary["epochs"] == 5 and "params" not in summary  # the last checkpoint's metrics, as Ray Train
+    assert json.loads(redis.Redis.from_url(redis_server).hget(keys.job("flaky"), "summary")) == summary
+    assert len(checkpoints([tmp_path / "flaky"])) == 3
+    artifacts = tmp_path / "flaky" / "artifacts"
+    exported = json.loads((artifacts / "summary.json").read_text())
+    assert exported["complete"] and exported["epochs"] == 5 and (artifacts / "model.safetensors").is_file()
+    assert (artifacts / "metrics.csv").read_text().count("\n") == 6
+
+
+@pytest.mark.parametrize("error", [RuntimeError("flaky"), ValueError("teleport.lr: too large")])
+def test_retries_stop_at_max_failures_and_a_deterministic_error_is_not_retried(
+    redis_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: Exception
+) -> None:
+    put_job(redis_server, "bad", training={"epochs": 3, "batch_size": 32})
+
+    def fail(self: DriverContext, state: dict[str, Any], metrics: dict[str, Any]) -> None:
+        raise error
+
+    monkeypatch.setattr(DriverContext, "save", fail)
+    with pytest.raises(type(error)):
+        run.run_job("bad", redis_server, str(tmp_path), max_failures=2)
+    tries = 1 if isinstance(error, ValueError) else 3
+    assert starts_of(read_events(redis_server, "bad")) == [0] * tries
+
+
+def test_a_diverging_job_fails_once_with_its_reason_and_no_summary(redis_server: str, tmp_path: Path) -> None:
+    put_job(redis_server, "nan", optimizer={"name": "sgd", "lr": 1e30}, teleport={"enabled": False})
+    with pytest.raises(JobFailed, match="diverged at epoch 0"):
+        run.run_job("nan", redis_server, str(tmp_path), max_failures=3)
+    assert starts_of(read_events(redis_server, "nan")) == [0]
+    assert redis.Redis.from_url(redis_server).hget(keys.job("nan"), "summary") is None

@@ -1,0 +1,136 @@
+"""A 1-worker job trains in its Ray job's driver: the same loop, no Ray Train controller or worker group.
+
+A single rank needs no process group, so ``run_in_driver`` runs ``workers.local.train`` right in the
+driver process (Ray gives the entrypoint the job's CPUs and GPUs: ``service.ray_cluster.RayJobs.submit``)
+and does by hand the three things Ray Train did for it:
+
+- checkpoints: ``DriverContext.save`` writes ``<storage>/<job>/checkpoint_<time>/`` in Ray Train's own layout
+  and naming (``checkpoint.pt`` + ``meta.json``; written to a hidden directory, then renamed, so a kill never
+  leaves half a checkpoint) and keeps the last ``TLAB_KEEP_CHECKPOINTS``; ``restore`` reads the newest, so
+  ``workers.artifacts`` exports them and a job that changes path on a retry goes on from where it was;
+- retries: a failure other than a deterministic one goes on from the last checkpoint, at most
+  ``max_failures`` times (Ray Train's ``FailureConfig``); a diverged run ends as failed, as ``train_worker``;
+- the summary: the metrics of the last checkpoint, what Ray Train's ``result.metrics`` holds.
+
+Each epoch and teleport batch still reaches the job's stream once: the ``RedisSink`` deduplicates them
+(``workers.sinks.identity``), so a retry that redoes an epoch does not report it twice.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import traceback
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from api_schemas import ExperimentSpec
+from workers.artifacts import checkpoints
+from workers.context import CheckpointRefused, RunContext, keep_checkpoints, read_checkpoint, write_checkpoint
+from workers.failure import JobFailed, failure_reason
+from workers.redis_sink import RedisSink
+from workers.sinks import MetricSink
+
+TMP_PREFIX = ".tmp-checkpoint_"  # never matches ``checkpoint_*``: a half-written one is never read
+# errors that a retry from the checkpoint would only repeat: a bad spec, the user's code not importing, a refused
+# checkpoint, a failure already explained; anything else (a lost connection, a full disk, a CUDA error) is retried
+NOT_RETRIED: tuple[type[BaseException], ...] = (
+    ValueError, TypeError, LookupError, AttributeError, NameError, ImportError, SyntaxError, NotImplementedError,
+    CheckpointRefused, JobFailed,
+)
+
+
+def driver_device(spec: ExperimentSpec) -> torch.device:
+    """CUDA when the spec asks for a GPU (Ray sets ``CUDA_VISIBLE_DEVICES`` for an entrypoint given GPUs),
+    else the CPU: what ``ray.train.torch.get_device`` gives a worker."""
+    if spec.resources.gpus_per_worker <= 0:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"resources.gpus_per_worker={spec.resources.gpus_per_worker:g} but no CUDA device is "
+                         "visible to the driver: submit through the scheduler (it asks Ray for the GPU) or set "
+                         "gpus_per_worker=0")
+    return torch.device("cuda", 0)
+
+
+def checkpoint_name() -> str:
+    """Ray Train's own name for a checkpoint (``checkpoint_<date>_<time>.<µs>``): the two kinds sort together."""
+    return f"checkpoint_{datetime.today().strftime('%Y-%m-%d_%H-%M-%S.%f')}"
+
+
+class DriverContext(RunContext):
+    """One rank in the driver process: checkpoints under ``run_dir``, kept ``keep`` at a time."""
+
+    def __init__(self, sink: MetricSink, run_dir: str | Path, *, device: torch.device | None = None,
+                 artifacts_dir: str | Path | None = None, keep: int | None = None) -> None:
+        super().__init__(device=device or torch.device("cpu"), sink=sink)
+        self.run_dir = Path(run_dir)
+        self.keep = keep_checkpoints() if keep is None else keep
+        self.metrics: dict[str, Any] = {}  # the last checkpoint's metrics: the run's summary
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.run_dir.glob(f"{TMP_PREFIX}*"):  # what a kill left mid-write
+            shutil.rmtree(stale, ignore_errors=True)
+        if artifacts_dir is not None:
+            self.artifacts_dir = Path(artifacts_dir)
+            self.artifacts_dir.mkdir(parents=True, exist_ok=True)
+
+    def checkpoints(self) -> list[Path]:
+        """This run's complete checkpoints, newest first (``workers.artifacts.checkpoints``)."""
+        return checkpoints([self.run_dir])
+
+    def save(self, state: dict[str, Any], metrics: dict[str, Any]) -> None:
+        tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=self.run_dir))
+        write_checkpoint(state, tmp)
+        final = self.run_dir / checkpoint_name()
+        while final.exists():  # two saves within one microsecond
+            final = self.run_dir / checkpoint_name()
+        os.rename(tmp, final)  # atomic on one filesystem: readers see all of it or none
+        self.metrics = dict(metrics)
+        for old in self.checkpoints()[self.keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def restore(self) -> dict[str, Any] | None:
+        found = self.checkpoints()
+        return read_checkpoint(found[0]) if found else None
+
+
+def retried(err: BaseException) -> bool:
+    """Whether a failure is worth another try from the last checkpoint."""
+    from workers.run import Stopped  # a cancel or a time limit: never retried
+
+    return isinstance(err, Exception) and not isinstance(err, (Stopped, *NOT_RETRIED))
+
+
+def run_in_driver(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str | Path, max_failures: int,
+                  artifacts: str | Path | None = None) -> dict[str, Any]:
+    """Train ``spec`` in this process, reporting to the job's Redis stream; retry from the last checkpoint up
+    to ``max_failures`` times. Returns the summary (``{"failed": True, "reason": ...}`` when it diverged)."""
+    from workers.local import TrainingDiverged, train
+
+    device = driver_device(spec)
+    failures = 0
+    while True:
+        sink = RedisSink(redis_url, job_id)
+        ctx = DriverContext(sink, Path(storage) / job_id, device=device, artifacts_dir=artifacts)
+        try:
+            train(spec, ctx)
+            return ctx.metrics
+        except TrainingDiverged as err:
+            # it would diverge again from its last checkpoint: end the run as failed instead of a retry
+            ctx.save({"failed": str(err)}, {"failed": True, "reason": str(err)})
+            return ctx.metrics
+        except Exception as err:
+            failures += 1
+            if not retried(err) or failures > max_failures:
+                raise
+            traceback.print_exc()  # the whole story, for the job's log
+            note = (f"retry {failures} of TLAB_MAX_FAILURES={max_failures} from the last checkpoint after: "
+                    f"{failure_reason(err)}")
+            print(note, file=sys.stderr, flush=True)
+            sink.emit({"kind": "log", "level": "warning", "message": note})
+        finally:
+            sink.close()
