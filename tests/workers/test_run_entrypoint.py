@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,3 +78,54 @@ def test_a_diverging_job_fails_once_with_the_epoch_and_reason(
     assert len(starts) == 1  # not retried: it would diverge again from its checkpoint
     assert "diverged at epoch 0" in events[-1]["data"]["message"]
     assert redis.Redis.from_url(redis_server).hget(keys.job("nan"), "summary") is None
+
+
+def metric_values(url: str, job: str) -> list[tuple[float, ...]]:
+    """Each epoch's numbers, as the job's stream has them (times left out: they differ run to run)."""
+    return [(e["data"]["epoch"], e["data"]["train_loss"], e["data"]["test_loss"], e["data"]["test_acc"])
+            for e in read_events(url, job) if e["kind"] == "metric"]
+
+
+@pytest.mark.slow
+def test_in_driver_and_torchtrainer_give_the_same_epochs_and_summary_keys(
+    ray_local: object, redis_server: str, job_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One rank, the same seeds: the driver path is the TorchTrainer path without the worker group, bit for bit."""
+    overrides = {"training": {"epochs": 3, "batch_size": 32}}
+    put_job(redis_server, "driver", **overrides)
+    put_job(redis_server, "trainer", **overrides)
+    assert run.main(["--job", "driver"]) == 0
+    monkeypatch.setenv("TLAB_IN_DRIVER", "0")
+    assert run.main(["--job", "trainer"]) == 0
+    in_driver, trainer = metric_values(redis_server, "driver"), metric_values(redis_server, "trainer")
+    assert len(in_driver) == 3 and in_driver == trainer  # exactly equal, not close
+    client = redis.Redis.from_url(redis_server)
+    summaries = [json.loads(client.hget(keys.job(j), "summary")) for j in ("driver", "trainer")]
+    assert sorted(summaries[0]) == sorted(summaries[1])  # what Ray Train's result.metrics gave
+    assert summaries[0]["final_train_loss"] == summaries[1]["final_train_loss"]
+
+
+@pytest.mark.slow
+def test_a_driver_killed_mid_run_resumes_from_its_checkpoint_with_every_epoch_once(
+    redis_server: str, tmp_path: Path, job_env: None
+) -> None:
+    """SIGKILL (no grace, no cleanup) between epochs; the next attempt goes on from the last whole checkpoint."""
+    epochs = 150
+    put_job(redis_server, "killed", dataset={"name": "digits"}, training={"epochs": epochs, "batch_size": 32},
+            teleport={"enabled": False})
+    proc = subprocess.Popen([sys.executable, "-m", "workers.run", "--job", "killed"], env=dict(os.environ))
+    deadline = time.monotonic() + 120
+    while len(metric_values(redis_server, "killed")) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, "the driver ended before its third epoch"
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait(timeout=30)
+    reported = len(metric_values(redis_server, "killed"))
+    assert reported < epochs, "the run finished before the kill: raise epochs"
+    assert run.main(["--job", "killed"]) == 0
+    events = read_events(redis_server, "killed")
+    assert [m[0] for m in metric_values(redis_server, "killed")] == list(range(epochs))
+    resumed = [e["data"]["resumed_from_epoch"] for e in events if e["data"].get("kind") == "start"]
+    assert resumed[0] == 0 and 0 < resumed[1] <= reported
+    summary = json.loads((tmp_path / "killed" / "artifacts" / "summary.json").read_text())
+    assert summary["complete"] and summary["epochs"] == epochs
