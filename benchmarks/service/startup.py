@@ -1,7 +1,11 @@
 """Part 4, submit to first epoch on an idle local stack (Redis, Ray head, API, scheduler): the job's own
 event stream, timed by its Redis stream ids (the server's clock when each event was written), split into
 queue (submit -> starting), Ray job start (starting -> the worker's driver process reports running) and
-worker start (driver running -> first metric event)."""
+worker start (driver running -> the loop's ``start`` event, after imports, data and model -> first metric).
+
+Side by side in one run (``MODES``): a stack whose scheduler sets ``TLAB_IN_DRIVER=0`` (every job a
+TorchTrainer, the path before issue 15) with 1-worker jobs, and a default stack (a 1-worker job trains in its
+Ray job's driver, ``workers.driver``) with 1- and 2-worker jobs; each against the issue's floors."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import print_table
+from benchmarks.common import print_table, verdict
 from benchmarks.service.common import Sizes, ms
 from service.stack import Stack
 
@@ -50,6 +54,8 @@ def follow_job(client: httpx.Client, job_id: str, timeout_s: float = 180.0) -> d
                     name = "starting"
                 elif event == "status" and d.get("state") == "running":
                     name = "driver_running" if "pid" in d else "scheduler_running"
+                elif event == "status" and d.get("kind") == "start":
+                    name = "train_start"
                 elif event == "metric":
                     name = "first_metric"
                 elif event == "end":
@@ -75,6 +81,8 @@ SEGMENTS = [  # name, from, to
     ("Ray job start: starting -> driver running", "starting", "driver_running"),
     ("  (scheduler sees Ray RUNNING: starting ->)", "starting", "scheduler_running"),
     ("worker start: driver running -> first epoch", "driver_running", "first_metric"),
+    ("  driver running -> loop set up (imports, workers, data, model)", "driver_running", "train_start"),
+    ("  loop set up -> first epoch", "train_start", "first_metric"),
     ("total: submit -> first epoch", "submit_sent", "first_metric"),
     ("rest: first epoch -> end", "first_metric", "end"),
 ]
@@ -92,10 +100,11 @@ def _wait_ready(client: httpx.Client, timeout_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def _one_job(client: httpx.Client, i: int, timeout_s: float) -> tuple[str, dict[str, Any] | Exception]:
+def _one_job(client: httpx.Client, spec: dict[str, Any], name: str,
+             timeout_s: float) -> tuple[str, dict[str, Any] | Exception]:
     """Submit one job and follow it to its end: (job id, its record), or (job id, why it did not finish)."""
     sent = time.time()
-    r = client.post("/v1/experiments", json={"spec": E2E_SPEC, "name": f"e2e-{i}"})
+    r = client.post("/v1/experiments", json={"spec": spec, "name": name})
     got = time.time()
     r.raise_for_status()
     job_id = r.json()["id"]
@@ -111,9 +120,14 @@ def _one_job(client: httpx.Client, i: int, timeout_s: float) -> tuple[str, dict[
                     "receive_lag_s": lag, "timeline_s": timeline}
 
 
-def bench_e2e(sizes: Sizes, home: Path) -> dict[str, Any]:
-    stack = Stack(home, num_cpus=2, tick_s=0.2)
-    jobs: list[dict[str, Any]] = []
+def _spec(workers: int) -> dict[str, Any]:
+    return {**E2E_SPEC, "resources": {"workers": workers, "cpus_per_worker": 1}}
+
+
+def _run_mode(sizes: Sizes, home: Path, label: str, env: dict[str, str], workers: tuple[int, ...]) -> dict[str, Any]:
+    """One stack (its scheduler's environment picks the path); ``sizes.e2e_jobs`` jobs per worker count."""
+    stack = Stack(home, num_cpus=2, tick_s=0.2, extra_env=env)
+    runs: dict[int, list[dict[str, Any]]] = {w: [] for w in workers}
     error = None
     startup_s = ready_s = math.nan
     try:
@@ -124,35 +138,70 @@ def bench_e2e(sizes: Sizes, home: Path) -> dict[str, Any]:
                           timeout=60) as client:
             _wait_ready(client)
             ready_s = time.perf_counter() - t
-            for i in range(sizes.e2e_jobs):
-                job_id, job = _one_job(client, i, sizes.e2e_timeout_s)
-                if isinstance(job, Exception):  # say why, keep the other parts' results
-                    log = (stack.logs / "scheduler.log").read_text()[-1500:]
-                    error = f"{job!r}; scheduler log tail: {log}"
-                    print(f"   job {i + 1} {job_id} did not finish: {job!r}", flush=True)
-                    break
-                jobs.append(job)
-                print(f"   job {i + 1}/{sizes.e2e_jobs} {job_id}: {job['final']}, submit -> first epoch "
-                      f"{ms(job['segments']['total: submit -> first epoch'])} ms", flush=True)
+            for w in workers:
+                for i in range(sizes.e2e_jobs):
+                    job_id, job = _one_job(client, _spec(w), f"e2e-{w}w-{i}", sizes.e2e_timeout_s)
+                    if isinstance(job, Exception):  # say why, keep the other parts' results
+                        log = (stack.logs / "scheduler.log").read_text()[-1500:]
+                        error = f"{job!r}; scheduler log tail: {log}"
+                        print(f"   {label}, {w} worker(s), job {i + 1} {job_id} did not finish: {job!r}", flush=True)
+                        break
+                    runs[w].append(job)
+                    print(f"   {label}, {w} worker(s), job {i + 1}/{sizes.e2e_jobs} {job_id}: {job['final']}, "
+                          f"submit -> first epoch {ms(job['segments']['total: submit -> first epoch'])} ms",
+                          flush=True)
     finally:
         stack.stop()
         shutil.rmtree(home, ignore_errors=True)
-    medians = {}
+    return {"label": label, "env": env, "stack_startup_s": startup_s, "ready_s": ready_s, "error": error,
+            "by_workers": {str(w): {"jobs": jobs, "median_s": _medians(jobs)} for w, jobs in runs.items()}}
+
+
+def _medians(jobs: list[dict[str, Any]]) -> dict[str, float | None]:
+    out = {}
     for name, _a, _b in SEGMENTS:
         vals = [j["segments"][name] for j in jobs if j["segments"][name] is not None]
-        medians[name] = statistics.median(vals) if vals else None
-    _print_e2e(jobs, medians, startup_s, ready_s, error)
-    return {"stack_startup_s": startup_s, "ready_s": ready_s, "error": error, "spec": E2E_SPEC, "tick_s": 0.2,
-            "jobs": jobs, "median_s": medians,
-            "all_succeeded": error is None and all(j["final"] == "succeeded" for j in jobs)}
+        out[name] = statistics.median(vals) if vals else None
+    return out
 
 
-def _print_e2e(jobs: list[dict[str, Any]], medians: dict[str, float | None], startup_s: float, ready_s: float,
-               error: str | None) -> None:
-    print(f"\n4. submit to first epoch on an idle local stack (Redis, Ray head with 2 CPUs, API, scheduler ticking "
-          f"every 0.2 s); {len(jobs)} job(s) one after another; times from the events' Redis stream ids")
-    print(f"   stack start-up: {startup_s:.1f} s (until the scheduler sees the Ray node: {ready_s:.1f} s)")
-    if error:
-        print(f"   ERROR: {error[:300]}")
-    print_table(["segment", "median ms"] + [f"job {i + 1}" for i in range(len(jobs))],
-                [[name, ms(medians[name])] + [ms(j["segments"][name]) for j in jobs] for name, _a, _b in SEGMENTS])
+# (label, the scheduler's extra environment, worker counts): the TorchTrainer path first, as it was before
+MODES = [("TorchTrainer (TLAB_IN_DRIVER=0)", {"TLAB_IN_DRIVER": "0"}, (1,)), ("default", {}, (1, 2))]
+FLOORS_S = {"1": 5.0, "2": 8.0}  # issue 15: submit -> first epoch, median, 1 and 2 workers
+
+
+def bench_e2e(sizes: Sizes, home: Path) -> dict[str, Any]:
+    modes = [_run_mode(sizes, home / f"m{i}", label, env, workers) for i, (label, env, workers) in enumerate(MODES)]
+    base, default = modes[0], modes[-1]
+    total = "total: submit -> first epoch"
+    floors = {w: {"floor_s": f, "median_s": default["by_workers"][w]["median_s"][total]}
+              for w, f in FLOORS_S.items()}
+    for row in floors.values():
+        row["meets_floor"] = row["median_s"] is not None and row["median_s"] <= row["floor_s"]
+    one = default["by_workers"]["1"]
+    errors = [m["error"] for m in modes if m["error"]]
+    result = {"spec": E2E_SPEC, "tick_s": 0.2, "modes": modes, "floors": floors,
+              # the default path, 1 worker (the shape this part had before the modes)
+              "stack_startup_s": default["stack_startup_s"], "ready_s": default["ready_s"], "jobs": one["jobs"],
+              "median_s": one["median_s"], "error": "; ".join(errors) or None,
+              "all_succeeded": not errors and all(j["final"] == "succeeded" for m in modes
+                                                  for r in m["by_workers"].values() for j in r["jobs"])}
+    before, after = base["by_workers"]["1"]["median_s"][total], one["median_s"][total]
+    result["one_worker_speedup"] = before / after if before and after else None
+    _print_e2e(modes, floors, result["one_worker_speedup"])
+    return result
+
+
+def _print_e2e(modes: list[dict[str, Any]], floors: dict[str, dict[str, Any]], speedup: float | None) -> None:
+    print("\n4. submit to first epoch on an idle local stack (Redis, Ray head with 2 CPUs, API, scheduler ticking "
+          "every 0.2 s); jobs one after another; times from the events' Redis stream ids; medians")
+    columns = [(m, w) for m in modes for w in m["by_workers"]]
+    for m in modes:
+        print(f"   {m['label']}: stack start-up {m['stack_startup_s']:.1f} s (until the scheduler sees the Ray node: "
+              f"{m['ready_s']:.1f} s)" + (f"; ERROR: {m['error'][:300]}" if m["error"] else ""))
+    print_table(["segment"] + [f"{m['label']}, {w} worker(s) ms" for m, w in columns],
+                [[name] + [ms(m["by_workers"][w]["median_s"][name]) for m, w in columns] for name, _a, _b in SEGMENTS])
+    if speedup:
+        print(f"   1 worker, submit -> first epoch: TorchTrainer / default = {speedup:.2f}x")
+    print("   floors: " + ", ".join(f"{w} worker(s) {ms(r['median_s'])} ms <= {1000 * r['floor_s']:.0f} ms "
+                                     f"{verdict(r['meets_floor'])}" for w, r in floors.items()))
