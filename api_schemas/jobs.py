@@ -192,10 +192,22 @@ class UserPublic(_Strict):
     token_rotated_at: float | None = Field(None, description="when the current token was issued by a rotation")
 
 
+def _quota_change_schema(schema: dict[str, Any]) -> None:
+    """``UserUpdate.quotas`` in the JSON Schema: some of Quotas' fields, with their bounds and no defaults (a field
+    left out stays as it is), or null."""
+    change = Quotas.model_json_schema()
+    for prop in change["properties"].values():
+        prop.pop("default", None)
+    change.update(title="QuotasChange", description="quota fields to change (see Quotas); the rest stay")
+    schema.pop("anyOf", None)
+    schema["anyOf"] = [change, {"type": "null"}]
+
+
 class UserUpdate(_Strict):
     """``PATCH /v1/users/{name}`` (admin): only the fields given change; ``quotas`` merges field by field."""
 
-    quotas: dict[str, Any] | None = Field(None, description="quota fields to change (see Quotas); the rest stay")
+    quotas: dict[str, Any] | None = Field(None, description="quota fields to change (see Quotas); the rest stay",
+                                          json_schema_extra=_quota_change_schema)
     can_submit_code: bool | None = None
     disabled: bool | None = Field(None, description="true refuses the user's tokens at once; false lets them in")
 

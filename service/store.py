@@ -72,9 +72,10 @@ def _point_token(pipe: redis.client.Pipeline, name: str, token: str, old_hash: s
 
 
 def merged_quotas(quotas: Quotas, change: dict[str, Any]) -> Quotas:
-    """``quotas`` with the fields in ``change`` replaced, validated whole (an error names ``quotas.FIELD``)."""
+    """``quotas`` with the fields in ``change`` replaced, validated whole and strictly, as JSON types (``"5"`` is
+    no number): an error names ``quotas.FIELD``."""
     try:
-        return Quotas.model_validate({**quotas.model_dump(), **change})
+        return Quotas.model_validate({**quotas.model_dump(), **change}, strict=True)
     except ValidationError as err:
         first = err.errors()[0]
         field = ".".join(str(p) for p in ("quotas", *first["loc"]))

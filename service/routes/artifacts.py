@@ -9,14 +9,18 @@ from fastapi.responses import FileResponse
 from api_schemas.artifacts import ArtifactList
 from service import artifacts
 from service.deps import CurrentUser, StateDep, own_job, own_sweep
+from service.responses import AUTHED, OWNED, error
 
-router = APIRouter(tags=["artifacts"])
-FILE_RESPONSES: dict[int | str, dict] = {
+router = APIRouter(tags=["artifacts"], responses=AUTHED)
+FILE_RESPONSES: dict[int | str, dict] = OWNED | {
     200: {"content": {"application/octet-stream": {}}, "description": "the file"},
     206: {"description": "the bytes a Range header asked for (Content-Range says which)"},
-    404: {"description": "no such artifact (or a name that leads outside the job's directory)"},
-    416: {"description": "the Range is outside the file"},
-    422: {"description": "an absolute name, or one with '..'"},
+    # Starlette's FileResponse answers a Range it cannot serve itself, in plain text
+    400: {"description": "a malformed Range header", "content": {"text/plain": {"schema": {"type": "string"}}}},
+    404: error("no such job or artifact (or a name that leads outside the job's directory)"),
+    416: {"description": "the Range is outside the file (Content-Range says its size)",
+          "content": {"text/plain": {"schema": {"type": "string"}}}},
+    422: error("an absolute name, or one with '..'"),
 }
 
 
@@ -25,7 +29,7 @@ def download(st: StateDep, job_id: str, name: str) -> FileResponse:
     return FileResponse(path, filename=name.rsplit("/", 1)[-1], media_type="application/octet-stream")
 
 
-@router.get("/v1/experiments/{job_id}/artifacts")
+@router.get("/v1/experiments/{job_id}/artifacts", responses=OWNED)
 def list_artifacts(job_id: str, st: StateDep, user: CurrentUser) -> ArtifactList:
     """The experiment's artifacts: model.safetensors, checkpoint.pt, metrics.csv, summary.json, its own files."""
     own_job(st, user, job_id)
@@ -39,7 +43,7 @@ def get_artifact(job_id: str, name: str, st: StateDep, user: CurrentUser) -> Fil
     return download(st, job_id, name)
 
 
-@router.get("/v1/sweeps/{sweep_id}/artifacts")
+@router.get("/v1/sweeps/{sweep_id}/artifacts", responses=OWNED)
 def list_sweep_artifacts(sweep_id: str, st: StateDep, user: CurrentUser) -> ArtifactList:
     """The sweep's best trial's artifacts (its weights first of all; summary.json names the trial)."""
     own_sweep(st, user, sweep_id)

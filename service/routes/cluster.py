@@ -6,9 +6,10 @@ from fastapi import APIRouter
 
 from api_schemas.jobs import ClusterView, QueueView
 from service.deps import CurrentUser, StateDep
+from service.responses import AUTHED
 from service.views import empty_cluster, queue_view
 
-router = APIRouter(prefix="/v1", tags=["cluster"])
+router = APIRouter(prefix="/v1", tags=["cluster"], responses=AUTHED)
 
 
 @router.get("/queue")
@@ -18,7 +19,7 @@ def queue(st: StateDep, user: CurrentUser) -> QueueView:
     return queue_view(st.store, user)
 
 
-@router.get("/cluster", responses={503: {"description": "no scheduler has reported"}})
+@router.get("/cluster")
 def cluster(st: StateDep, user: CurrentUser) -> ClusterView:
     """Nodes with total and free CPUs/GPUs, and the running experiments, as the scheduler last saw them."""
     view, _ = st.cluster_view()

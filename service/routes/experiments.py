@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Header, Query, Response
+from fastapi import APIRouter, Depends, Header, Query, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
@@ -15,11 +15,13 @@ from service.admission import admit_experiment
 from service.deps import CurrentUser, JobFilterDep, PageDep, State, StateDep, StreamToken, StreamUser, own_job
 from service.errors import DoesNotFit, InvalidInput
 from service.events import downsample, follow, records, valid_stream_id
+from service.responses import AUTHED, LISTED, OWNED, STREAMS, SUBMIT, error
 from service.store import demand_of
+from service.strict import strict_json
 from service.submit import dry_run_view, enqueue, known_nodes, never_fits
 from service.views import list_jobs, log_text, metrics_csv
 
-router = APIRouter(prefix="/v1/experiments", tags=["experiments"])
+router = APIRouter(prefix="/v1/experiments", tags=["experiments"], responses=AUTHED)
 IdempotencyKey = Annotated[str | None, Header(max_length=200)]
 LastEventId = Annotated[str | None, Header(max_length=64)]
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}  # proxies: no buffer
@@ -53,13 +55,8 @@ def job_records(st: State, job_id: str) -> list[dict[str, Any]]:
 
 
 @router.post("", status_code=201, response_model=JobView | DryRun,
-             responses={200: {"description": "an Idempotency-Key replay: the original job"},
-                        409: {"description": "Idempotency-Key reused with another body"},
-                        413: {"description": "the body is over TLAB_MAX_BODY_BYTES"},
-                        422: {"description": "invalid spec, a model that cannot take the data, missing data or data "
-                                             "outside the data roots, over a limit or quota, or a gang that can "
-                                             "never fit"},
-                        429: {"description": "max_queued_jobs reached: see Retry-After"}})
+             dependencies=[Depends(strict_json(ExperimentSubmit))],
+             responses={200: {"description": "an Idempotency-Key replay (the original job), or a dry run"}} | SUBMIT)
 def submit(body: ExperimentSubmit, st: StateDep, user: CurrentUser, response: Response, dry_run: bool = False,
            idempotency_key: IdempotencyKey = None) -> JobView | DryRun:
     """Queue an experiment (or, with ``dry_run=true``, say whether and where it would fit)."""
@@ -76,21 +73,25 @@ def submit(body: ExperimentSubmit, st: StateDep, user: CurrentUser, response: Re
     return queue_job(st, user, body, response, idempotency_key)
 
 
-@router.get("")
+@router.get("", responses=LISTED)
 def list_experiments(st: StateDep, user: CurrentUser, flt: JobFilterDep, page: PageDep) -> JobList:
     """Your experiments, newest first (admins: everyone's, or ``owner=``); filter by state and tag."""
     return list_jobs(st.store, user, "experiment", flt, page)
 
 
-@router.get("/{job_id}")
+@router.get("/{job_id}", responses=OWNED)
 def get_experiment(job_id: str, st: StateDep, user: CurrentUser) -> JobView:
     """One experiment: state, why it is pending, progress, summary or failure reason."""
     return st.store.view(job_id, own_job(st, user, job_id))
 
 
-@router.delete("/{job_id}", status_code=202, responses={409: {"description": "already ended"}})
+@router.delete("/{job_id}", status_code=202, summary="Cancel an experiment; its record stays readable",
+               responses=OWNED | {409: error("the experiment has already ended: nothing to cancel")})
 def cancel(job_id: str, st: StateDep, user: CurrentUser) -> JobView:
-    """Cancel: a queued job leaves the queue; a running one is stopped (SIGTERM, then SIGKILL after the grace)."""
+    """Cancel, not delete: a queued experiment leaves the queue and is `cancelled` at once; a starting or running
+    one is stopped (SIGTERM, then SIGKILL after the grace) and becomes `cancelled` shortly after (the 202 shows its
+    state now). Its record, metrics, logs and artifacts stay: GET answers 200 with state `cancelled` from then on.
+    An experiment that has already ended (succeeded, failed or cancelled) answers 409."""
     own_job(st, user, job_id)
     st.store.cancel(job_id)
     return st.store.view(job_id)
@@ -98,8 +99,7 @@ def cancel(job_id: str, st: StateDep, user: CurrentUser) -> JobView:
 
 @router.get("/{job_id}/events",
             responses={200: {"content": {"text/event-stream": {}},
-                             "description": "SSE: metric, teleport, status, log, end"},
-                       429: {"description": "TLAB_MAX_STREAMS_PER_USER streams open: see Retry-After"}})
+                             "description": "SSE: metric, teleport, status, log, end"}} | OWNED | STREAMS)
 async def events(job_id: str, st: StateDep, user: StreamUser, token: StreamToken,
                  last_event_id: LastEventId = None) -> StreamingResponse:
     """Server-Sent Events: history, then live; ``Last-Event-ID`` resumes after that stream id."""
@@ -107,7 +107,7 @@ async def events(job_id: str, st: StateDep, user: StreamUser, token: StreamToken
     return event_stream(st, user, job_id, last_event_id, token)
 
 
-@router.get("/{job_id}/metrics", responses={200: {"content": {"text/csv": {}}}})
+@router.get("/{job_id}/metrics", responses={200: {"content": {"text/csv": {}}}} | OWNED)
 def get_metrics(job_id: str, st: StateDep, user: CurrentUser,
                 max_points: Annotated[int | None, Query(ge=1, le=100_000)] = None,
                 format: Literal["json", "csv"] = "json") -> Any:
@@ -122,8 +122,8 @@ def get_metrics(job_id: str, st: StateDep, user: CurrentUser,
                        teleports=[r for r in recs if r.get("kind") == "teleport"])
 
 
-@router.get("/{job_id}/plot.png", responses={200: {"content": {"image/png": {}}},
-                                            422: {"description": "more than TLAB_MAX_COMPARE runs"}})
+@router.get("/{job_id}/plot.png", responses={200: {"content": {"image/png": {}}}} | OWNED | {
+    422: error("more than TLAB_MAX_COMPARE runs, or an invalid x")})
 def plot(job_id: str, st: StateDep, user: CurrentUser,
          compare: Annotated[str | None, Query(max_length=2000, description="more ids, comma-separated")] = None,
          x: Annotated[Literal["epoch", "seconds"], Query(description="x axis: epochs trained or wall-clock "
@@ -145,7 +145,7 @@ def plot(job_id: str, st: StateDep, user: CurrentUser,
     return Response(buf.getvalue(), media_type="image/png")
 
 
-@router.get("/{job_id}/logs", response_class=PlainTextResponse)
+@router.get("/{job_id}/logs", response_class=PlainTextResponse, responses=OWNED)
 def logs(job_id: str, st: StateDep, user: CurrentUser) -> str:
     """The Ray job's driver log while Ray still has it, then the job's own log events."""
     sid = own_job(st, user, job_id).get("ray_job_id")

@@ -8,8 +8,9 @@ from fastapi import APIRouter
 
 from api_schemas.presets import PRESET_NOTES, PRESETS
 from service.deps import CurrentUser
+from service.responses import AUTHED
 
-router = APIRouter(prefix="/v1/presets", tags=["experiments"])
+router = APIRouter(prefix="/v1/presets", tags=["experiments"], responses=AUTHED)
 
 
 @router.get("")

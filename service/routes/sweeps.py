@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Depends, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
@@ -11,21 +11,21 @@ from api_schemas.sweeps import SweepSubmit
 from service.admission import admit_sweep
 from service.deps import CurrentUser, JobFilterDep, PageDep, StateDep, StreamToken, StreamUser, own_sweep
 from service.errors import DoesNotFit
+from service.responses import AUTHED, LISTED, OWNED, STREAMS, SUBMIT, error
 from service.routes.experiments import IdempotencyKey, LastEventId, event_stream, job_records, queue_job
 from service.store import demand_of
+from service.strict import strict_json
 from service.studies import best_trial, study_view, sweep_png, trial_rows
 from service.submit import known_nodes, never_fits
 from service.views import list_jobs
 
-router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"])
+router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"], responses=AUTHED)
 
 
-@router.post("", status_code=201,
-             responses={200: {"description": "an Idempotency-Key replay"}, 409: {"description": "key reused"},
-                        413: {"description": "the body is over TLAB_MAX_BODY_BYTES"},
-                        422: {"description": "a bad search space (the path is named), a base spec or axis value "
-                                             "refused at admission, or a gang that never fits"},
-                        429: {"description": "max_queued_jobs reached: see Retry-After"}})
+@router.post("", status_code=201, dependencies=[Depends(strict_json(SweepSubmit))],
+             responses={200: {"description": "an Idempotency-Key replay: the original sweep"}} | SUBMIT | {
+                 422: error("a bad search space (the path is named), a base spec or axis value refused at admission, "
+                            "over a service limit or quota, or a gang that can never fit")})
 def submit_sweep(body: SweepSubmit, st: StateDep, user: CurrentUser, response: Response,
                  idempotency_key: IdempotencyKey = None) -> JobView:
     """Queue a hyperparameter sweep: one job whose gang is ``max_concurrent_trials`` trials' workers."""
@@ -38,13 +38,13 @@ def submit_sweep(body: SweepSubmit, st: StateDep, user: CurrentUser, response: R
     return queue_job(st, user, body, response, idempotency_key)
 
 
-@router.get("")
+@router.get("", responses=LISTED)
 def list_sweeps(st: StateDep, user: CurrentUser, flt: JobFilterDep, page: PageDep) -> JobList:
     """Your sweeps, newest first."""
     return list_jobs(st.store, user, "sweep", flt, page)
 
 
-@router.get("/{sweep_id}")
+@router.get("/{sweep_id}", responses=OWNED)
 def get_sweep(sweep_id: str, st: StateDep, user: CurrentUser) -> SweepView:
     """The sweep's state, its trials table (config, state, last/best metric, epochs, stopped early), the best."""
     data = own_sweep(st, user, sweep_id)
@@ -54,9 +54,13 @@ def get_sweep(sweep_id: str, st: StateDep, user: CurrentUser) -> SweepView:
                      best=best_trial(rows, sweep.mode))
 
 
-@router.delete("/{sweep_id}", status_code=202, responses={409: {"description": "already ended"}})
+@router.delete("/{sweep_id}", status_code=202, summary="Cancel a sweep; its record stays readable",
+               responses=OWNED | {409: error("the sweep has already ended: nothing to cancel")})
 def cancel_sweep(sweep_id: str, st: StateDep, user: CurrentUser) -> JobView:
-    """Cancel a sweep: its Ray job (the Tune driver, and with it every trial) is stopped."""
+    """Cancel, not delete: a queued sweep leaves the queue and is `cancelled` at once; a running one's Ray job (the
+    Tune driver, and with it every trial) is stopped and the sweep becomes `cancelled` shortly after (the 202 shows
+    its state now). Its record, trials table, metrics and artifacts stay: GET answers 200 with state `cancelled`
+    from then on. A sweep that has already ended answers 409."""
     own_sweep(st, user, sweep_id)
     st.store.cancel(sweep_id)
     return st.store.view(sweep_id)
@@ -64,8 +68,7 @@ def cancel_sweep(sweep_id: str, st: StateDep, user: CurrentUser) -> JobView:
 
 @router.get("/{sweep_id}/events",
             responses={200: {"content": {"text/event-stream": {}},
-                             "description": "every trial's events (data.trial), then end"},
-                       429: {"description": "TLAB_MAX_STREAMS_PER_USER streams open: see Retry-After"}})
+                             "description": "every trial's events (data.trial), then end"}} | OWNED | STREAMS)
 async def sweep_events(sweep_id: str, st: StateDep, user: StreamUser, token: StreamToken,
                        last_event_id: LastEventId = None) -> StreamingResponse:
     """SSE of every trial's events, tagged with the trial id; resumable with ``Last-Event-ID``."""
@@ -73,7 +76,7 @@ async def sweep_events(sweep_id: str, st: StateDep, user: StreamUser, token: Str
     return event_stream(st, user, sweep_id, last_event_id, token)
 
 
-@router.get("/{sweep_id}/plot.png", responses={200: {"content": {"image/png": {}}}})
+@router.get("/{sweep_id}/plot.png", responses={200: {"content": {"image/png": {}}}} | OWNED)
 def sweep_plot(sweep_id: str, st: StateDep, user: CurrentUser) -> Response:
     """Every trial's curves; with ``training.seed`` in the space, mean ± std bands per setting of the rest."""
     sweep = SweepSubmit.model_validate_json(own_sweep(st, user, sweep_id)["sweep"])
@@ -81,7 +84,7 @@ def sweep_plot(sweep_id: str, st: StateDep, user: CurrentUser) -> Response:
     return Response(png, media_type="image/png")
 
 
-@router.get("/{sweep_id}/study")
+@router.get("/{sweep_id}/study", responses=OWNED)
 def sweep_study(sweep_id: str, st: StateDep, user: CurrentUser) -> StudyView:
     """The paper-style table: per setting of the non-seed parameters, mean ± std over seeds of the final
     train/test loss and accuracy, epochs and seconds to ``training.target_loss``, teleport's share of time."""

@@ -2,29 +2,33 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 
 from api_schemas.jobs import Role, UserCreate, UserCreated, UserPublic, UserUpdate
-from service.deps import AdminUser, CurrentUser, StateDep
+from service.deps import AdminUser, CurrentUser, StateDep, admin_user
 from service.errors import Forbidden, InvalidInput
+from service.responses import ADMIN, AUTHED, BODY, USER, error
+from service.strict import strict_json
 
-router = APIRouter(prefix="/v1", tags=["users"])
+router = APIRouter(prefix="/v1", tags=["users"], responses=AUTHED)
 
 
-@router.post("/users", status_code=201, responses={409: {"description": "name taken"}})
+@router.post("/users", status_code=201, responses=ADMIN | BODY | {409: error("the name is taken")},
+             dependencies=[Depends(strict_json(UserCreate, admin_user))])
 def create_user(body: UserCreate, st: StateDep, admin: AdminUser) -> UserCreated:
     """Create a user with quotas (admin only); the token is in this response and nowhere else."""
     user, token = st.store.create_user(body)
     return UserCreated(user=user, token=token)
 
 
-@router.get("/users")
+@router.get("/users", responses=ADMIN)
 def list_users(st: StateDep, admin: AdminUser) -> list[UserPublic]:
     """Every user and their quotas (admin only)."""
     return st.store.users()
 
 
-@router.patch("/users/{name}", responses={404: {"description": "no such user"}})
+@router.patch("/users/{name}", responses=ADMIN | USER | BODY,
+              dependencies=[Depends(strict_json(UserUpdate, admin_user))])
 def update_user(name: str, body: UserUpdate, st: StateDep, admin: AdminUser) -> UserPublic:
     """Change a user's quotas (field by field), ``can_submit_code`` or ``disabled`` (admin only); a disabled
     user's tokens are refused at once, in every API process."""
@@ -33,8 +37,7 @@ def update_user(name: str, body: UserUpdate, st: StateDep, admin: AdminUser) -> 
     return st.store.update_user(name, body)
 
 
-@router.post("/users/{name}/token", responses={403: {"description": "another user's token"},
-                                               404: {"description": "no such user"}})
+@router.post("/users/{name}/token", responses={403: error("a user may rotate only their own token")} | USER)
 def rotate_token(name: str, st: StateDep, user: CurrentUser) -> UserCreated:
     """A new token for ``name`` (an admin, or the user for themself), shown once; the old token is refused from
     now on, and a stream it opened ends within 2 s."""
