@@ -10,7 +10,7 @@ and does by hand the three things Ray Train did for it:
   ``workers.artifacts`` exports them and a job that changes path on a retry goes on from where it was;
 - retries: a failure other than a deterministic one goes on from the last checkpoint, at most
   ``max_failures`` times (Ray Train's ``FailureConfig``); a diverged run ends as failed, as ``train_worker``;
-- the summary: the metrics of the last checkpoint, what Ray Train's ``result.metrics`` holds.
+- the summary: the loop's own, which is what its last checkpoint reported (Ray Train's ``result.metrics``).
 
 Each epoch and teleport batch still reaches the job's stream once: the ``RedisSink`` deduplicates them
 (``workers.sinks.identity``), so a retry that redoes an epoch does not report it twice.
@@ -70,7 +70,6 @@ class DriverContext(RunContext):
         super().__init__(device=device or torch.device("cpu"), sink=sink)
         self.run_dir = Path(run_dir)
         self.keep = keep_checkpoints() if keep is None else keep
-        self.metrics: dict[str, Any] = {}  # the last checkpoint's metrics: the run's summary
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for stale in self.run_dir.glob(f"{TMP_PREFIX}*"):  # what a kill left mid-write
             shutil.rmtree(stale, ignore_errors=True)
@@ -89,7 +88,6 @@ class DriverContext(RunContext):
         while final.exists():  # two saves within one microsecond
             final = self.run_dir / checkpoint_name()
         os.rename(tmp, final)  # atomic on one filesystem: readers see all of it or none
-        self.metrics = dict(metrics)
         for old in self.checkpoints()[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -117,12 +115,14 @@ def run_in_driver(spec: ExperimentSpec, job_id: str, redis_url: str, storage: st
         sink = RedisSink(redis_url, job_id)
         ctx = DriverContext(sink, Path(storage) / job_id, device=device, artifacts_dir=artifacts)
         try:
-            train(spec, ctx)
-            return ctx.metrics
+            summary = train(spec, ctx)
+            summary.pop("params")  # what the last checkpoint reported, even when a retry had no epoch left to do
+            return summary
         except TrainingDiverged as err:
             # it would diverge again from its last checkpoint: end the run as failed instead of a retry
-            ctx.save({"failed": str(err)}, {"failed": True, "reason": str(err)})
-            return ctx.metrics
+            failed = {"failed": True, "reason": str(err)}
+            ctx.save({"failed": str(err)}, failed)
+            return failed
         except Exception as err:
             failures += 1
             if not retried(err) or failures > max_failures:
