@@ -170,7 +170,8 @@ class Quotas(_Strict):
                                                         "Retry-After)")
     max_priority: int = Field(0, ge=-100, le=100, description="the highest priority the user may give a job "
                                                               "(admins may raise it; admins themselves are not bound)")
-    max_cpus: float = Field(64, ge=0, description="CPUs one job's gang may ask for")
+    max_cpus: float = Field(64, ge=0, description="CPUs the user's starting/running jobs may hold at once (a gang "
+                                                  "over it alone is refused at submit)")
     max_time_limit_s: float = Field(7 * 86400, gt=0, description="the longest resources.time_limit_s the user may "
                                                                  "ask for (admins are not bound)")
 

@@ -27,17 +27,35 @@ def _lua_transition_table() -> str:
     return "{" + ", ".join(rows) + "}"
 
 
-# KEYS: job hash, jobs zset, user's jobs zset, queue zset, events stream, wake list, idempotency key ('' = none)
-# ARGV: job id, created_at, idempotency value ("id|body-sha"), idempotency ttl s, then hash field/value pairs.
-# Returns {0, existing idempotency value} when the key was used before, else {1, queue length}.
+# KEYS: job hash, jobs zset, user's jobs zset, queue zset, events stream, wake list, idempotency key ('' = none),
+#       the user's queued zset (the max_queued_jobs count)
+# ARGV: job id, created_at, idempotency value ("id|body-sha"), idempotency ttl s, queued cap (-1 = none),
+#       job hash key prefix, then hash field/value pairs.
+# The cap is checked and the job queued in one step: of the user's queued zset, the ids whose job is no longer
+# queued are pruned (they read keys named from ARGV[6]: one Redis, no cluster) and the rest counted.
+# Returns {0, existing idempotency value} when the key was used before, {2, queued count} when the user already
+# has the cap queued, else {1, queue length}.
 SUBMIT = """
 if KEYS[7] ~= '' then
   local prior = redis.call('GET', KEYS[7])
   if prior then return {0, prior} end
-  redis.call('SET', KEYS[7], ARGV[3], 'EX', ARGV[4])
 end
+local cap = tonumber(ARGV[5])
+if cap >= 0 then
+  local queued = 0
+  for _, id in ipairs(redis.call('ZRANGE', KEYS[8], 0, -1)) do
+    if redis.call('HGET', ARGV[6] .. id, 'state') == 'queued' then
+      queued = queued + 1
+    else
+      redis.call('ZREM', KEYS[8], id)
+    end
+  end
+  if queued >= cap then return {2, queued} end
+  redis.call('ZADD', KEYS[8], ARGV[2], ARGV[1])
+end
+if KEYS[7] ~= '' then redis.call('SET', KEYS[7], ARGV[3], 'EX', ARGV[4]) end
 local fields = {}
-for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('ZADD', KEYS[2], 0, ARGV[1])
 redis.call('ZADD', KEYS[3], 0, ARGV[1])

@@ -3,7 +3,8 @@
 Order: priority (higher first), then fair share (the user with less decayed recent usage first;
 starting a job charges its owner at once, so equal users alternate), then age. A job starts only
 when its whole gang of workers fits on the free resources of the cluster's nodes now (what the
-running jobs leave, and never more than Ray itself reports free), and within its owner's quotas.
+running jobs leave, and never more than Ray itself reports free), and within its owner's quotas
+(max_running_jobs, and max_gpus/max_cpus counted over all their starting/running jobs plus this one).
 A job over quota is skipped (it does not hold up other users). The first job that finds no room
 reserves what it is short of: later jobs that need that resource wait behind it, so big gangs are
 not starved by streams of small ones; jobs needing only other resources still start.
@@ -130,11 +131,26 @@ def _describe_free(free: dict[str, list[float]]) -> str:
     return f"{cpus:g} CPUs, {gpus:g} GPUs free on {len(free)} node(s)"
 
 
-def _quota_block(job: QueuedJob, quotas: Quotas, running: int, gpus: float) -> str | None:
-    if running >= quotas.max_running_jobs:
-        return f"quota: {job.owner} has {running} of max_running_jobs={quotas.max_running_jobs} jobs running"
-    if gpus + job.demand.gpus > quotas.max_gpus + EPS:
-        return (f"quota: needs {job.demand.gpus:g} GPUs; {job.owner} holds {gpus:g} of max_gpus={quotas.max_gpus:g}")
+@dataclass
+class Held:
+    """What a user's starting/running jobs hold: the quotas' measure."""
+
+    jobs: int = 0
+    gpus: float = 0.0
+    cpus: float = 0.0
+
+    def add(self, demand: Demand) -> None:
+        self.jobs, self.gpus, self.cpus = self.jobs + 1, self.gpus + demand.gpus, self.cpus + demand.cpus
+
+
+def _quota_block(job: QueuedJob, quotas: Quotas, held: Held) -> str | None:
+    """Why starting ``job`` now would take its owner over a quota (None: within them all)."""
+    if held.jobs >= quotas.max_running_jobs:
+        return f"quota: {job.owner} has {held.jobs} of max_running_jobs={quotas.max_running_jobs} jobs running"
+    if held.gpus + job.demand.gpus > quotas.max_gpus + EPS:
+        return f"quota: needs {job.demand.gpus:g} GPUs; {job.owner} holds {held.gpus:g} of max_gpus={quotas.max_gpus:g}"
+    if held.cpus + job.demand.cpus > quotas.max_cpus + EPS:
+        return f"quota: needs {job.demand.cpus:g} CPUs; {job.owner} holds {held.cpus:g} of max_cpus={quotas.max_cpus:g}"
     return None
 
 
@@ -147,11 +163,9 @@ def decide(queued: list[QueuedJob], active: list[ActiveJob], nodes: list[Node], 
         f" (Ray reports {outside_cpus:g} CPUs, {outside_gpus:g} GPUs in use beyond Teleport Lab's running jobs: "
         "other Ray work on the cluster, or a finished job's workers still being released)")
     usage = dict(usage)
-    running = {u: 0 for u in quotas}
-    held_gpus = {u: 0.0 for u in quotas}
+    held: dict[str, Held] = {}
     for job in active:
-        running[job.owner] = running.get(job.owner, 0) + 1
-        held_gpus[job.owner] = held_gpus.get(job.owner, 0.0) + job.demand.gpus
+        held.setdefault(job.owner, Held()).add(job.demand)
 
     # each user's jobs in (priority, age) order; the users' heads compete on (priority, usage, age)
     per_user: dict[str, list[tuple[int, float, str, QueuedJob]]] = {}
@@ -170,8 +184,7 @@ def decide(queued: list[QueuedJob], active: list[ActiveJob], nodes: list[Node], 
         job = heapq.heappop(per_user[user])[3]
         if not per_user[user]:
             del per_user[user]
-        why = _quota_block(job, quotas.get(job.owner, Quotas()), running.get(job.owner, 0),
-                           held_gpus.get(job.owner, 0.0))
+        why = _quota_block(job, quotas.get(job.owner, Quotas()), held.get(job.owner, Held()))
         if why is None and reserved is not None and ((short_cpu and job.demand.cpus > 0)
                                                      or (short_gpu and job.demand.gpus > 0)):
             why = f"behind {reserved.id}, which is next and waiting for room"
@@ -196,8 +209,7 @@ def decide(queued: list[QueuedJob], active: list[ActiveJob], nodes: list[Node], 
         for node_id in placement:
             free[node_id][0] -= job.demand.cpus_per_worker
             free[node_id][1] -= job.demand.gpus_per_worker
-        running[job.owner] = running.get(job.owner, 0) + 1
-        held_gpus[job.owner] = held_gpus.get(job.owner, 0.0) + job.demand.gpus
+        held.setdefault(job.owner, Held()).add(job.demand)
         usage[job.owner] = usage.get(job.owner, 0.0) + weight(job.demand) * start_charge_s
         decision.starts.append((job, placement))
     return decision

@@ -34,12 +34,14 @@ from service.errors import (
     InvalidInput,
     InvalidState,
     JobNotFound,
+    TooManyRequests,
     Unauthorized,
     UserExists,
     UserNotFound,
 )
 
 IDEMPOTENCY_TTL_S = 24 * 3600
+QUEUED_RETRY_S = 30  # Retry-After when the user's queue is full: about when a short job has moved on
 
 
 def new_job_id(now: float) -> str:
@@ -92,6 +94,21 @@ def demand_of(submit: ExperimentSubmit | SweepSubmit) -> Demand:
                   gpus_per_worker=r.gpus_per_worker)
 
 
+def _job_fields(job_id: str, owner: str, body: ExperimentSubmit | SweepSubmit, payload: str, now: float
+                ) -> dict[str, Any]:
+    """A new job's hash: ``payload`` is the body's JSON (a sweep keeps it whole, an experiment its spec)."""
+    fields: dict[str, Any] = {
+        "id": job_id, "owner": owner, "name": body.name or job_id, "state": JobState.QUEUED.value,
+        "priority": body.priority, "tags": json.dumps(body.tags), "demand": demand_of(body).model_dump_json(),
+        "created_at": repr(now), "updated_at": repr(now), "attempts": 0,
+    }
+    if isinstance(body, SweepSubmit):
+        fields.update(kind="sweep", spec=body.base.model_dump_json(), sweep=payload)
+    else:
+        fields.update(kind="experiment", spec=body.spec.model_dump_json())
+    return fields
+
+
 def _opt_float(value: str | None) -> float | None:
     return float(value) if value not in (None, "") else None
 
@@ -110,32 +127,29 @@ class Store:
 
     # ---- jobs -------------------------------------------------------------------------------
     def submit(self, owner: str, body: ExperimentSubmit | SweepSubmit, idempotency_key: str | None = None,
-               now: float | None = None) -> tuple[str, bool, int, float]:
+               now: float | None = None, queued_cap: int | None = None) -> tuple[str, bool, int, float]:
         """Queue a job: (id, created, queue length, created_at). A repeated Idempotency-Key with the same
-        body returns the original id with created=False; with another body it raises IdempotencyConflict."""
+        body returns the original id with created=False; with another body it raises IdempotencyConflict.
+        With ``queued_cap``, TooManyRequests (429) if ``owner`` has that many jobs queued: counted and queued in
+        one Lua call, so concurrent submits cannot pass it."""
         now = time.time() if now is None else now
         job_id = new_job_id(now)
         payload = body.model_dump_json()
         body_hash = hashlib.sha256(payload.encode()).hexdigest()
-        fields = {
-            "id": job_id, "owner": owner, "name": body.name or job_id, "state": JobState.QUEUED.value,
-            "priority": body.priority, "tags": json.dumps(body.tags), "demand": demand_of(body).model_dump_json(),
-            "created_at": repr(now), "updated_at": repr(now), "attempts": 0,
-        }
-        if isinstance(body, SweepSubmit):
-            fields.update(kind="sweep", spec=body.base.model_dump_json(), sweep=payload)
-        else:
-            fields.update(kind="experiment", spec=body.spec.model_dump_json())
         idem = keys.idempotency(owner, idempotency_key) if idempotency_key else ""
-        args: list[Any] = [job_id, repr(now), f"{job_id}|{body_hash}", IDEMPOTENCY_TTL_S]
-        for k, v in fields.items():
+        args: list[Any] = [job_id, repr(now), f"{job_id}|{body_hash}", IDEMPOTENCY_TTL_S,
+                           -1 if queued_cap is None else queued_cap, keys.job("")]
+        for k, v in _job_fields(job_id, owner, body, payload, now).items():
             args += [k, v]
-        created, value = self._submit(
+        status, value = self._submit(
             keys=[keys.job(job_id), keys.jobs(), keys.user_jobs(owner), keys.queue(), keys.events(job_id),
-                  keys.wake(), idem],
+                  keys.wake(), idem, keys.user_queued(owner)],
             args=args)
-        if int(created):
+        if int(status) == 1:
             return job_id, True, int(value), now
+        if int(status) == 2:
+            raise TooManyRequests(f"you have {value} jobs queued, your max_queued_jobs quota: wait for some to start "
+                                  "or cancel some", field="max_queued_jobs", retry_after_s=QUEUED_RETRY_S)
         prior_id, _, prior_hash = str(value).partition("|")
         if prior_hash != body_hash:
             raise IdempotencyConflict(
@@ -246,7 +260,7 @@ class Store:
         if self.r.hexists(keys.users(), name):
             return self.rotate_token(name, token)[0]
         user, _ = self.create_user(UserCreate(name=name, role=Role.ADMIN, can_submit_code=True,
-                                              quotas=Quotas(max_gpus=1e6, max_running_jobs=1000)), token)
+                                              quotas=Quotas(max_gpus=1e6, max_cpus=1e6, max_running_jobs=1000)), token)
         return user
 
     def rotate_token(self, name: str, token: str | None = None) -> tuple[UserPublic, str]:

@@ -5,11 +5,9 @@ No FastAPI here: the routes in ``service/routes/`` turn these answers into respo
 
 from __future__ import annotations
 
-from api_schemas import keys
 from api_schemas.jobs import ClusterView, Demand, DryRun, ExperimentSubmit, JobState, JobView, Role, UserPublic
 from api_schemas.sweeps import SweepSubmit
 from service import policy
-from service.errors import TooManyRequests
 from service.ray_cluster import StaticCluster
 from service.store import Store, demand_of
 from service.views import PENDING_REASON
@@ -41,42 +39,15 @@ def dry_run_view(demand: Demand, view: ClusterView | None, nodes: list[policy.No
                   reason=reason)
 
 
-QUEUED_RETRY_S = 30  # Retry-After when the user's queue is full: about when a short job has moved on
-
-
-def queued_count(store: Store, owner: str) -> int:
-    """The user's jobs still queued; the ones that left the queue are dropped from the count's set here."""
-    key = keys.user_queued(owner)
-    ids = store.r.zrange(key, 0, -1)
-    pipe = store.r.pipeline(transaction=False)
-    for job_id in ids:
-        pipe.hget(keys.job(job_id), "state")
-    gone = [i for i, state in zip(ids, pipe.execute(), strict=True) if state != JobState.QUEUED.value]
-    if gone:
-        store.r.zrem(key, *gone)
-    return len(ids) - len(gone)
-
-
-def check_queued(store: Store, user: UserPublic) -> None:
-    """429 once the user has ``max_queued_jobs`` queued (concurrent submits may pass it by their number);
-    admins are not bound."""
-    cap = user.quotas.max_queued_jobs
-    if user.role != Role.ADMIN and queued_count(store, user.name) >= cap:
-        raise TooManyRequests(f"you have {cap} jobs queued, your max_queued_jobs quota: wait for some to start "
-                              "or cancel some", field="max_queued_jobs", retry_after_s=QUEUED_RETRY_S)
-
-
 def enqueue(store: Store, user: UserPublic, body: ExperimentSubmit | SweepSubmit,
             idempotency_key: str | None) -> tuple[JobView, bool]:
     """Queue the job: (its view, True), or (the original job, False) on an Idempotency-Key replay; 429 when
-    the user's queue is full."""
+    the user has ``max_queued_jobs`` queued (checked and queued in one Lua call; admins are not bound)."""
     owner = user.name
-    check_queued(store, user)
-    job_id, created, qlen, now = store.submit(owner, body, idempotency_key)
+    cap = None if user.role == Role.ADMIN else user.quotas.max_queued_jobs
+    job_id, created, qlen, now = store.submit(owner, body, idempotency_key, queued_cap=cap)
     if not created:
         return store.view(job_id, with_progress=False), False
-    if user.role != Role.ADMIN:
-        store.r.zadd(keys.user_queued(owner), {job_id: now})
     experiment = isinstance(body, ExperimentSubmit)
     spec = body.spec if isinstance(body, ExperimentSubmit) else body.base
     return JobView(id=job_id, kind="experiment" if experiment else "sweep", name=body.name or job_id, owner=owner,
