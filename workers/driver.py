@@ -83,11 +83,15 @@ class DriverContext(RunContext):
 
     def save(self, state: dict[str, Any], metrics: dict[str, Any]) -> None:
         tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=self.run_dir))
-        write_checkpoint(state, tmp)
-        final = self.run_dir / checkpoint_name()
-        while final.exists():  # two saves within one microsecond
+        try:
+            write_checkpoint(state, tmp)
             final = self.run_dir / checkpoint_name()
-        os.rename(tmp, final)  # atomic on one filesystem: readers see all of it or none
+            while final.exists():  # two saves within one microsecond
+                final = self.run_dir / checkpoint_name()
+            os.rename(tmp, final)  # atomic on one filesystem: readers see all of it or none
+        except BaseException:  # a stop in the middle: leave nothing half-written (a kill leaves it to the next run)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         for old in self.checkpoints()[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -96,41 +100,61 @@ class DriverContext(RunContext):
         return read_checkpoint(found[0]) if found else None
 
 
-def retried(err: BaseException) -> bool:
-    """Whether a failure is worth another try from the last checkpoint."""
-    from workers.run import Stopped  # a cancel or a time limit: never retried
+def retried(err: BaseException, never: tuple[type[BaseException], ...] = ()) -> bool:
+    """Whether a failure is worth another try from the last checkpoint (``never``: more types that are not)."""
+    return isinstance(err, Exception) and not isinstance(err, (*NOT_RETRIED, *never))
 
-    return isinstance(err, Exception) and not isinstance(err, (Stopped, *NOT_RETRIED))
+
+def attempt(spec: ExperimentSpec, ctx: DriverContext) -> dict[str, Any]:
+    """One try of the loop: its summary, which is what its last checkpoint reported (even when a retry had no
+    epoch left to do); a diverged run's is ``{"failed": True, "reason": ...}``, as ``train_worker`` reports it."""
+    from workers.local import TrainingDiverged, train
+
+    try:
+        summary = train(spec, ctx)
+    except TrainingDiverged as err:
+        # it would diverge again from its last checkpoint: end the run as failed instead of a retry
+        failed = {"failed": True, "reason": str(err)}
+        ctx.save({"failed": str(err)}, failed)
+        return failed
+    summary.pop("params")
+    return summary
+
+
+def close_quietly(sink: RedisSink, record: dict[str, Any] | None = None) -> None:
+    """Emit ``record`` and close the sink while another exception is on its way: a stop that arrived in the
+    middle of a write can leave the connection unusable, and that must not hide why the run ended."""
+    try:
+        if record is not None:
+            sink.emit(record)
+        sink.close()
+    except Exception:
+        traceback.print_exc()
 
 
 def run_in_driver(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str | Path, max_failures: int,
-                  artifacts: str | Path | None = None) -> dict[str, Any]:
+                  artifacts: str | Path | None = None,
+                  stopped: tuple[type[BaseException], ...] = ()) -> dict[str, Any]:
     """Train ``spec`` in this process, reporting to the job's Redis stream; retry from the last checkpoint up
-    to ``max_failures`` times. Returns the summary (``{"failed": True, "reason": ...}`` when it diverged)."""
-    from workers.local import TrainingDiverged, train
-
+    to ``max_failures`` times. Returns the summary (``attempt``). ``stopped``: what a stop raises
+    (``workers.run.Stopped``, the class of the running ``__main__``): never retried."""
     device = driver_device(spec)
     failures = 0
     while True:
         sink = RedisSink(redis_url, job_id)
         ctx = DriverContext(sink, Path(storage) / job_id, device=device, artifacts_dir=artifacts)
         try:
-            summary = train(spec, ctx)
-            summary.pop("params")  # what the last checkpoint reported, even when a retry had no epoch left to do
-            return summary
-        except TrainingDiverged as err:
-            # it would diverge again from its last checkpoint: end the run as failed instead of a retry
-            failed = {"failed": True, "reason": str(err)}
-            ctx.save({"failed": str(err)}, failed)
-            return failed
-        except Exception as err:
+            summary = attempt(spec, ctx)
+        except BaseException as err:
             failures += 1
-            if not retried(err) or failures > max_failures:
+            if not retried(err, stopped) or failures > max_failures:
+                close_quietly(sink)
                 raise
             traceback.print_exc()  # the whole story, for the job's log
             note = (f"retry {failures} of TLAB_MAX_FAILURES={max_failures} from the last checkpoint after: "
                     f"{failure_reason(err)}")
             print(note, file=sys.stderr, flush=True)
-            sink.emit({"kind": "log", "level": "warning", "message": note})
-        finally:
-            sink.close()
+            close_quietly(sink, {"kind": "log", "level": "warning", "message": note})
+            continue
+        sink.close()
+        return summary

@@ -73,7 +73,7 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
         if in_driver(spec):
             from workers.driver import run_in_driver
 
-            summary = run_in_driver(spec, job_id, redis_url, storage, max_failures, out)
+            summary = run_in_driver(spec, job_id, redis_url, storage, max_failures, out, stopped=(Stopped,))
         else:
             summary = fit_trainer(spec, job_id, redis_url, storage, max_failures, out)
     finally:  # however it ended (a stop too: SIGTERM leaves the grace period for this), from the last checkpoint

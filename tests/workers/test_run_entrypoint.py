@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -105,6 +106,35 @@ def test_in_driver_and_torchtrainer_give_the_same_epochs_and_summary_keys(
     assert summaries[0]["final_train_loss"] == summaries[1]["final_train_loss"]
 
 
+def start_driver(url: str, job: str, epochs: int) -> subprocess.Popen[bytes]:
+    """``python -m workers.run --job JOB`` as the Ray job's entrypoint runs it, once it has reported ``epochs``."""
+    proc = subprocess.Popen([sys.executable, "-m", "workers.run", "--job", job], env=dict(os.environ))
+    deadline = time.monotonic() + 120
+    while len(metric_values(url, job)) < epochs:
+        assert proc.poll() is None and time.monotonic() < deadline, f"the driver ended before epoch {epochs}"
+        time.sleep(0.02)
+    return proc
+
+
+@pytest.mark.slow
+def test_a_stopped_driver_is_not_retried_and_exports_its_artifacts(
+    redis_server: str, tmp_path: Path, job_env: None
+) -> None:
+    """SIGTERM (a cancel, a time limit) unwinds the loop without a retry; the artifacts are written in the grace."""
+    put_job(redis_server, "stopped", training={"epochs": 100_000, "batch_size": 32, "max_steps_per_epoch": 1},
+            teleport={"enabled": False})
+    proc = start_driver(redis_server, "stopped", epochs=3)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    events = read_events(redis_server, "stopped")
+    assert len([e for e in events if e["data"].get("kind") == "start"]) == 1
+    assert "stopped by the scheduler" in events[-1]["data"]["message"]
+    run_dir = tmp_path / "stopped"
+    summary = json.loads((run_dir / "artifacts" / "summary.json").read_text())
+    assert summary["complete"] is False and summary["epochs"] >= 3
+    assert not list(run_dir.glob(".tmp-*"))  # a save the stop interrupted left nothing behind
+
+
 @pytest.mark.slow
 def test_a_driver_killed_mid_run_resumes_from_its_checkpoint_with_every_epoch_once(
     redis_server: str, tmp_path: Path, job_env: None
@@ -113,11 +143,7 @@ def test_a_driver_killed_mid_run_resumes_from_its_checkpoint_with_every_epoch_on
     epochs = 150
     put_job(redis_server, "killed", dataset={"name": "digits"}, training={"epochs": epochs, "batch_size": 32},
             teleport={"enabled": False})
-    proc = subprocess.Popen([sys.executable, "-m", "workers.run", "--job", "killed"], env=dict(os.environ))
-    deadline = time.monotonic() + 120
-    while len(metric_values(redis_server, "killed")) < 3:
-        assert proc.poll() is None and time.monotonic() < deadline, "the driver ended before its third epoch"
-        time.sleep(0.02)
+    proc = start_driver(redis_server, "killed", epochs=3)
     proc.kill()
     proc.wait(timeout=30)
     reported = len(metric_values(redis_server, "killed"))
