@@ -1,0 +1,68 @@
+"""What a Ray job's driver asks Ray for (``service.ray_cluster``): a 1-worker experiment trains in its driver, so
+the driver holds the worker's CPUs and GPUs on the planned node; everything else holds nothing itself."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from api_schemas.jobs import Demand
+from service.client import Client
+from service.ray_cluster import driver_options, trains_in_driver
+from service.stack import Stack
+from service.store import Store
+from tests.service.conftest import tiny
+
+NODE = "ab" * 28  # a Ray node id: 56 hex digits
+
+
+def test_only_a_one_worker_experiment_trains_in_its_driver_and_holds_what_it_asked_for() -> None:
+    one, two = Demand(workers=1, cpus_per_worker=2, gpus_per_worker=0.5), Demand(workers=2, cpus_per_worker=1,
+                                                                                 gpus_per_worker=0)
+    assert trains_in_driver("workers.run", one, {})
+    assert not trains_in_driver("workers.run", one, {"TLAB_IN_DRIVER": "0"})  # the escape hatch
+    assert not trains_in_driver("workers.run", two, {}) and not trains_in_driver("workers.sweep", one, {})
+    assert driver_options(one, [NODE]) == {"entrypoint_num_cpus": 2, "entrypoint_num_gpus": 0.5,
+                                           "entrypoint_label_selector": {"ray.io/node-id": NODE}}
+    assert driver_options(one, ["n1"]) == {"entrypoint_num_cpus": 2, "entrypoint_num_gpus": 0.5}  # a static node
+    assert driver_options(None, [NODE]) == {"entrypoint_num_cpus": 0}  # the worker group or trials hold them
+
+
+_DRIVERS = """
+import json, sys
+from ray.util.state import list_actors
+print(json.dumps([{"class": a.class_name, "node": a.node_id, "resources": a.required_resources}
+                  for a in list_actors(address=sys.argv[1], filters=[("state", "=", "ALIVE")], detail=True,
+                                       raise_on_missing_output=False)]))
+"""
+
+
+def alive_actors(stack: Stack) -> list[dict]:
+    """Ray's own list of alive actors (from a child process holding the cluster's token)."""
+    out = subprocess.run([sys.executable, "-c", _DRIVERS, stack.ray_address or ""], env=stack.env(),
+                         capture_output=True, text=True, check=True, timeout=60)
+    return json.loads(out.stdout)
+
+
+@pytest.mark.slow
+def test_ray_holds_a_one_worker_jobs_cpu_in_its_driver_on_the_planned_node(stack: Stack) -> None:
+    from tests.service.conftest import wait_ray_idle
+
+    wait_ray_idle(stack)
+    with Client(stack.url, stack.admin_token) as c:
+        job = c.submit(tiny(training={"epochs": 100_000}))["id"]
+        for event in c.events(job):
+            if event.kind == "metric":
+                break
+        placement = json.loads(Store.from_url(stack.redis_url or "").raw(job)["placement"])
+        deadline = time.monotonic() + 30
+        while not (held := [a for a in alive_actors(stack) if (a["resources"] or {}).get("CPU")]):
+            assert time.monotonic() < deadline, alive_actors(stack)
+            time.sleep(0.5)
+        c.cancel(job)
+    # the job's driver (Ray's JobSupervisor actor) holds the worker's 1 CPU; no Ray Train worker exists
+    assert [(a["class"], a["resources"]["CPU"], a["node"]) for a in held] == [("JobSupervisor", 1.0, placement[0])]
