@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import statistics
 import time
@@ -128,6 +129,7 @@ def _run_mode(sizes: Sizes, home: Path, label: str, env: dict[str, str], workers
     """One stack (its scheduler's environment picks the path); ``sizes.e2e_jobs`` jobs per worker count."""
     stack = Stack(home, num_cpus=2, tick_s=0.2, extra_env=env)
     runs: dict[int, list[dict[str, Any]]] = {w: [] for w in workers}
+    load_before = os.getloadavg()[0]  # on a shared machine: how far from idle these timings are
     error = None
     startup_s = ready_s = math.nan
     try:
@@ -154,6 +156,7 @@ def _run_mode(sizes: Sizes, home: Path, label: str, env: dict[str, str], workers
         stack.stop()
         shutil.rmtree(home, ignore_errors=True)
     return {"label": label, "env": env, "stack_startup_s": startup_s, "ready_s": ready_s, "error": error,
+            "load_1min": [load_before, os.getloadavg()[0]],
             "by_workers": {str(w): {"jobs": jobs, "median_s": _medians(jobs)} for w, jobs in runs.items()}}
 
 
@@ -198,7 +201,8 @@ def _print_e2e(modes: list[dict[str, Any]], floors: dict[str, dict[str, Any]], s
     columns = [(m, w) for m in modes for w in m["by_workers"]]
     for m in modes:
         print(f"   {m['label']}: stack start-up {m['stack_startup_s']:.1f} s (until the scheduler sees the Ray node: "
-              f"{m['ready_s']:.1f} s)" + (f"; ERROR: {m['error'][:300]}" if m["error"] else ""))
+              f"{m['ready_s']:.1f} s); 1-min load {m['load_1min'][0]:.1f} before, {m['load_1min'][1]:.1f} after"
+              + (f"; ERROR: {m['error'][:300]}" if m["error"] else ""))
     print_table(["segment"] + [f"{m['label']}, {w} worker(s) ms" for m, w in columns],
                 [[name] + [ms(m["by_workers"][w]["median_s"][name]) for m, w in columns] for name, _a, _b in SEGMENTS])
     if speedup:
