@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from api_schemas import ExperimentSpec
-from workers.artifacts import checkpoints
-from workers.context import CheckpointRefused, RunContext, keep_checkpoints, read_checkpoint, write_checkpoint
+from workers.artifacts import checkpoints, last_training_state
+from workers.context import CheckpointRefused, RunContext, keep_checkpoints, write_checkpoint
 from workers.failure import JobFailed, failure_reason
 from workers.redis_sink import RedisSink
 from workers.sinks import MetricSink
@@ -96,8 +96,9 @@ class DriverContext(RunContext):
             shutil.rmtree(old, ignore_errors=True)
 
     def restore(self) -> dict[str, Any] | None:
-        found = self.checkpoints()
-        return read_checkpoint(found[0]) if found else None
+        """The newest checkpoint that holds a model (a diverged run's last one holds only its failure)."""
+        found = last_training_state([self.run_dir])
+        return None if found is None else found[1]
 
 
 def retried(err: BaseException, never: tuple[type[BaseException], ...] = ()) -> bool:

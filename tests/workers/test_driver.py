@@ -44,8 +44,10 @@ def test_checkpoints_are_whole_newest_first_and_only_the_last_n_kept(
     kept = checkpoints([run_dir])  # what workers.artifacts exports from
     assert len(kept) == 2 == len(list(run_dir.iterdir()))
     assert [json.loads((p / "meta.json").read_text())["epoch"] for p in kept] == [4, 3]
+    ctx.save({"epoch": 5, "model": {"w": torch.full((2,), 5.0)}}, {"epochs": 5})
+    ctx.save({"failed": "diverged at epoch 5"}, {"failed": True})  # what a diverged run's driver saves last
     state = DriverContext(MemorySink(), run_dir).restore()
-    assert state is not None and state["epoch"] == 4 and torch.equal(state["w"], torch.full((2,), 4.0))
+    assert state is not None and state["epoch"] == 5 and torch.equal(state["model"]["w"], torch.full((2,), 5.0))
 
 
 def test_a_failure_retries_from_the_last_checkpoint_and_reports_every_epoch_once(
