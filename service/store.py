@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import secrets
 import time
 from collections.abc import Callable, Iterable
@@ -74,8 +75,10 @@ def _point_token(pipe: redis.client.Pipeline, name: str, token: str, old_hash: s
 
 
 def merged_quotas(quotas: Quotas, change: dict[str, Any]) -> Quotas:
-    """``quotas`` with the fields in ``change`` replaced, validated whole and strictly, as JSON types (``"5"`` is
-    no number): an error names ``quotas.FIELD``."""
+    """``quotas`` with the fields in ``change`` replaced, validated whole and strictly, as JSON Schema types them
+    (``"5"`` is no number, ``true`` no integer, ``5.0`` is one): an error names ``quotas.FIELD``."""
+    change = {k: int(v) if isinstance(v, float) and math.isfinite(v) and v.is_integer() else v
+              for k, v in change.items()}
     try:
         return Quotas.model_validate({**quotas.model_dump(), **change}, strict=True)
     except ValidationError as err:

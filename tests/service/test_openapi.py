@@ -96,6 +96,11 @@ def test_the_api_answers_as_documented(api_only: Api) -> None:
         err = error_of(admin.patch("/v1/users/bob", json={"quotas": {"max_gpus": "2"}}), 422)
         assert err.errors[0].field == "quotas.max_gpus"
         assert admin.patch("/v1/users/bob", json={"quotas": {"max_gpus": 2}}).json()["quotas"]["max_gpus"] == 2
+        # an integral number is an integer to JSON Schema: 5.0 is fine where an integer is asked for
+        r = admin.patch("/v1/users/bob", json={"quotas": {"max_queued_jobs": 5.0}})
+        assert r.status_code == 200 and r.json()["quotas"]["max_queued_jobs"] == 5
+        r = admin.post("/v1/experiments", params={"dry_run": "true"}, json={"spec": tiny(training={"epochs": 2.0})})
+        assert r.status_code == 200 and r.json()["fits_ever"], r.text
 
 
 def test_delete_cancels_and_the_record_stays_readable(api_only: Api) -> None:
