@@ -21,8 +21,7 @@ RAY_FIXTURES = frozenset({"ray_head", "stack", "ray_local"})
 RAY_MODULES = frozenset({
     "tests/benchmarks/test_ray_benchmarks_smoke.py", "tests/benchmarks/test_service_bench.py",
     "tests/benchmarks/test_sweep_bench.py", "tests/service/test_artifacts.py", "tests/service/test_cli.py",
-    "tests/service/test_e2e.py", "tests/service/test_failure_reasons.py", "tests/service/test_fuzz.py",
-    "tests/service/test_ray_cluster.py",
+    "tests/service/test_e2e.py", "tests/service/test_failure_reasons.py", "tests/service/test_ray_cluster.py",
     "tests/service/test_sweeps.py", "tests/service/test_time_limits.py", "tests/service/test_up_security.py",
     "tests/teleport/test_distributed.py", "tests/web/test_dashboard.py", "tests/workers/test_executors.py",
     "tests/workers/test_ray_train.py", "tests/workers/test_run_entrypoint.py",

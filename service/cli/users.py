@@ -29,7 +29,7 @@ QUOTA_OPTIONS: dict[str, tuple[type, str]] = {
     "max_running_jobs": (int, "jobs it may have starting/running at once"),
     "max_queued_jobs": (int, "jobs it may have waiting in the queue at once"),
     "max_priority": (int, "the highest priority its jobs may ask for"),
-    "max_cpus": (float, "CPUs one job's gang may ask for"),
+    "max_cpus": (float, "CPUs its starting/running jobs may hold at once"),
     "max_time_limit_s": (float, "the longest resources.time_limit_s its jobs may ask for"),
 }
 WEAK_TOKENS = {"change-me", "changeme", "secret", "password", "admin", "token"}
