@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from api_schemas.notify import After, Notify
 from api_schemas.spec import ExperimentSpec
 
 
@@ -59,6 +60,8 @@ class ExperimentSubmit(_Strict):
     name: str = Field("", max_length=200, description="a label for listings; defaults to the job id")
     priority: int = Field(0, ge=-100, le=100, description="higher starts first; fair share orders equal priorities")
     tags: list[Tag] = Field(default_factory=list, max_length=32)
+    after: After = Field(default_factory=list)
+    notify: Notify | None = Field(None, description="POST a signed JSON to a webhook when the job ends")
 
 
 class Demand(_Strict):
@@ -106,6 +109,8 @@ class JobView(_Strict):
     progress: Progress = Field(default_factory=Progress)
     summary: dict[str, Any] | None = None
     failure_reason: str | None = None
+    after: list[str] = Field(default_factory=list, description="the jobs this one waits for (all must succeed)")
+    notify: Notify | None = None
 
 
 class JobList(_Strict):

@@ -103,3 +103,23 @@ def user_queued(user: str) -> str:
     """Sorted set of a user's jobs submitted and perhaps still queued (pruned at their next submit): the
     ``max_queued_jobs`` quota's count."""
     return f"{PREFIX}:user:{user}:queued"
+
+
+def notify_outbox() -> str:
+    """Stream: webhook notifications to send (job id, state, reason), added by the transition script."""
+    return f"{PREFIX}:notify:outbox"
+
+
+def notify_cursor() -> str:
+    """String: the last outbox entry the scheduler's sender has taken (it resumes after it on a restart)."""
+    return f"{PREFIX}:notify:cursor"
+
+
+def notified(job_id: str) -> str:
+    """Hash: ``state:attempt`` -> when its webhook was taken for sending: at most one POST per state change."""
+    return f"{PREFIX}:job:{job_id}:notified"
+
+
+def webhook_secret(user: str) -> str:
+    """String: the user's webhook signing secret (made on first use)."""
+    return f"{PREFIX}:user:{user}:webhook_secret"

@@ -1,5 +1,7 @@
 """Lua scripts, in one module: each is atomic on the Redis server and safe to repeat."""
 
+OUTBOX_MAXLEN = 10_000  # webhook entries kept in the outbox (the sender takes them within a tick)
+
 # KEYS[1] = events stream, KEYS[2] = emitted hash; ARGV = maxlen, then (identity, kind, data) triples.
 # An event whose identity is already in the hash is skipped, so a worker restarted from a
 # checkpoint can re-emit the epochs it redoes without duplicating them. Identity "" = always add.
@@ -67,10 +69,12 @@ redis.call('LTRIM', KEYS[6], 0, 0)
 return {1, redis.call('ZCARD', KEYS[4])}
 """
 
-# KEYS: job hash, queue zset, active set, events stream
+# KEYS: job hash, queue zset, active set, events stream, notify outbox stream
 # ARGV: to-state, now, comma-separated states the caller expects the job in ('' = any), reason, field/value pairs.
 # Moves the job only along the transition table; keeps the queue and active sets in step; writes a
-# `status` event (and `end` when the state is terminal). Returns {1, from} or {0, current state}.
+# `status` event (and `end` when the state is terminal); when the job's `notify_on` (comma-separated) names the
+# new state (`preempted` for running -> queued), adds a webhook entry to the outbox in the same step.
+# Returns {1, from} or {0, current state}.
 TRANSITION = """
 local T = __TABLE__
 local cur = redis.call('HGET', KEYS[1], 'state')
@@ -100,5 +104,14 @@ if T[to] and next(T[to]) == nil then
   redis.call('HDEL', KEYS[1], 'cancel_requested')
   redis.call('XADD', KEYS[4], '*', 'kind', 'end', 'data', cjson.encode({kind = 'end', state = to, at = now}))
 end
+local on = redis.call('HGET', KEYS[1], 'notify_on')
+if on and KEYS[5] then
+  local label = to
+  if to == 'queued' and cur == 'running' then label = 'preempted' end
+  if string.find(',' .. on .. ',', ',' .. label .. ',', 1, true) then
+    redis.call('XADD', KEYS[5], 'MAXLEN', '~', __OUTBOX_MAXLEN__, '*', 'job', id, 'state', label,
+               'reason', ARGV[4], 'attempt', redis.call('HGET', KEYS[1], 'attempts') or '0')
+  end
+end
 return {1, cur}
-""".replace("__TABLE__", _lua_transition_table())
+""".replace("__TABLE__", _lua_transition_table()).replace("__OUTBOX_MAXLEN__", str(OUTBOX_MAXLEN))

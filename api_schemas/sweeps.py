@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from api_schemas.jobs import Tag
+from api_schemas.notify import After, Notify
 from api_schemas.spec import ExperimentSpec
 from api_schemas.spec_io import apply_overrides, format_validation_error
 
@@ -97,6 +98,8 @@ class SweepSubmit(_Strict):
     time_limit_s: float | None = Field(None, gt=0, description="the whole sweep's running time limit (default "
                                        "TLAB_DEFAULT_TIME_LIMIT_S); base.resources.time_limit_s is each trial's")
     tags: list[Tag] = Field(default_factory=list, max_length=32)
+    after: After = Field(default_factory=list)
+    notify: Notify | None = Field(None, description="POST a signed JSON to a webhook when the sweep ends")
 
     @model_validator(mode="after")
     def _space(self) -> SweepSubmit:

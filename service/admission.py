@@ -3,8 +3,9 @@
 Each check names the field: the model takes the dataset's samples (``api_schemas.compat``, the rule the
 workers apply), the dataset's files are there and under the data roots (``TLAB_DATA_ROOTS``; ``..`` and
 symlinks resolved), sizes are within the limits an admin sets (``TLAB_MAX_*``), the gang within the user's
-quotas, the priority within ``max_priority``. The accepted spec carries the resolved dataset paths, so the
-workers read exactly what was checked. The workers' own checks stay as the second line.
+quotas, the priority within ``max_priority``, a webhook's host within ``TLAB_WEBHOOK_ALLOW``. The accepted
+spec carries the resolved dataset paths, so the workers read exactly what was checked. The workers' own checks
+stay as the second line.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from api_schemas.compat import check_model_data
 from api_schemas.datasets import FILELESS, DatasetNotFound, required_files, sample_shape
 from api_schemas.jobs import ExperimentSubmit, Role, UserPublic
+from api_schemas.notify import Notify, webhook_host
 from api_schemas.spec import DatasetSpec, ExperimentSpec, MLPModel, TransformerModel
 from api_schemas.spec_io import apply_overrides
 from api_schemas.sweeps import SweepSubmit, probe_values
@@ -31,6 +33,7 @@ def admit_experiment(settings: Settings, user: UserPublic, body: ExperimentSubmi
     """The submission with its dataset paths resolved, or InvalidInput (422) naming the field."""
     check_priority(user, body.priority)
     check_quotas(user, body)
+    check_notify(settings, body.notify)
     check_time_limit(settings, user, body.spec.resources.time_limit_s, "spec.resources.time_limit_s")
     return body.model_copy(update={"spec": admit_spec(settings, body.spec, "spec")})
 
@@ -39,6 +42,7 @@ def admit_sweep(settings: Settings, user: UserPublic, body: SweepSubmit) -> Swee
     """Like ``admit_experiment`` for the base spec, and each value a sweep axis read by the checks can take."""
     check_priority(user, body.priority)
     check_quotas(user, body)
+    check_notify(settings, body.notify)
     check_time_limit(settings, user, body.base.resources.time_limit_s, "base.resources.time_limit_s")
     check_time_limit(settings, user, body.time_limit_s, "time_limit_s")
     trials = body.trial_count()
@@ -76,6 +80,14 @@ def check_quotas(user: UserPublic, body: ExperimentSubmit | SweepSubmit) -> None
     if demand.cpus > q.max_cpus:
         raise InvalidInput(f"the gang needs {demand.cpus:g} CPUs at once; your max_cpus quota is {q.max_cpus:g}: "
                            "lower workers or cpus_per_worker, or ask an admin", field=f"{field}.cpus_per_worker")
+
+
+def check_notify(settings: Settings, notify: Notify | None) -> None:
+    """The webhook's host is one an admin allows (``TLAB_WEBHOOK_ALLOW``; empty: any)."""
+    allow = settings.webhook_hosts
+    if notify is not None and allow and (host := webhook_host(notify.webhook)) not in allow:
+        raise InvalidInput(f"host {host} is not one this service sends webhooks to ({', '.join(sorted(allow))}; "
+                           "TLAB_WEBHOOK_ALLOW): use one of them, or ask an admin", field="notify.webhook")
 
 
 # ---------------------------------------------------------------------------------------- sizes

@@ -44,6 +44,7 @@ class QueuedJob:
     priority: int
     created_at: float
     demand: Demand
+    after: tuple[str, ...] = ()  # jobs that must succeed first (service.dependencies)
 
 
 @dataclass(frozen=True)
@@ -155,8 +156,10 @@ def _quota_block(job: QueuedJob, quotas: Quotas, held: Held) -> str | None:
 
 
 def decide(queued: list[QueuedJob], active: list[ActiveJob], nodes: list[Node], usage: dict[str, float],
-           quotas: dict[str, Quotas], start_charge_s: float = 60.0) -> Decision:
-    """Which queued jobs start now (and where), and the order and reason of those that wait."""
+           quotas: dict[str, Quotas], start_charge_s: float = 60.0, blocked: dict[str, str] | None = None
+           ) -> Decision:
+    """Which queued jobs start now (and where), and the order and reason of those that wait. ``blocked`` (job id
+    -> why: waiting for a dependency) keeps a job in its place in the order without starting or reserving."""
     free = free_resources(nodes, active)
     outside_cpus, outside_gpus = held_outside(nodes, active)
     outside = "" if outside_cpus <= EPS and outside_gpus <= EPS else (
@@ -184,7 +187,8 @@ def decide(queued: list[QueuedJob], active: list[ActiveJob], nodes: list[Node], 
         job = heapq.heappop(per_user[user])[3]
         if not per_user[user]:
             del per_user[user]
-        why = _quota_block(job, quotas.get(job.owner, Quotas()), held.get(job.owner, Held()))
+        why = (blocked or {}).get(job.id) or _quota_block(job, quotas.get(job.owner, Quotas()),
+                                                           held.get(job.owner, Held()))
         if why is None and reserved is not None and ((short_cpu and job.demand.cpus > 0)
                                                      or (short_gpu and job.demand.gpus > 0)):
             why = f"behind {reserved.id}, which is next and waiting for room"

@@ -30,8 +30,9 @@ from redis.exceptions import LockError
 from api_schemas import keys
 from api_schemas.jobs import ClusterView, Demand, JobState, NodeView
 from api_schemas.reasons import FAILURE_MARK, one_line
-from service import policy
+from service import dependencies, policy
 from service.limits import TIME_LIMITED, over_limit, time_limit_reason
+from service.notify import Sender
 from service.policy import ActiveJob, Node, QueuedJob
 from service.ray_cluster import RAY_ACTIVE, ClusterSource, RayJobs, RayNodes, StaticCluster
 from service.settings import Settings
@@ -96,11 +97,12 @@ class Scheduler:
         if missing:
             pipe = self.store.r.pipeline(transaction=False)
             for job_id in missing:
-                pipe.hmget(keys.job(job_id), ["owner", "priority", "created_at", "demand"])
-            for job_id, (owner, prio, created, demand) in zip(missing, pipe.execute(), strict=True):
+                pipe.hmget(keys.job(job_id), ["owner", "priority", "created_at", "demand", "after"])
+            for job_id, (owner, prio, created, demand, after) in zip(missing, pipe.execute(), strict=True):
                 if owner is not None:
                     self.static[job_id] = QueuedJob(job_id, owner, int(prio), float(created),
-                                                    Demand.model_validate_json(demand))
+                                                    Demand.model_validate_json(demand),
+                                                    tuple(json.loads(after or "[]")))
         keep = set(ids)
         self.static = {k: v for k, v in self.static.items() if k in keep}
         return [self.static[i] for i in ids if i in self.static]
@@ -198,7 +200,10 @@ class Scheduler:
         active = [self.as_active(d) for d in self.active()]
         quotas = {u.name: u.quotas for u in self.store.users()}
         usage = self.store.usage(now, self.settings.half_life_s)
-        decision = policy.decide(self.queued(), active, nodes, usage, quotas, self.settings.start_charge_s)
+        queued = self.queued()
+        blocked, gone = dependencies.settle(self.store, queued, now)  # fails those whose dependency failed
+        decision = policy.decide([q for q in queued if q.id not in gone], active, nodes, usage, quotas,
+                                 self.settings.start_charge_s, blocked=blocked)
         self.decisions += 1
         return decision, nodes, active
 
@@ -282,6 +287,7 @@ def serve(settings: Settings) -> None:
     log.info("scheduler waiting for the lock")
     take_lock()
     log.info("scheduler holds the lock; Redis %s, Ray %s", redact_url(settings.redis_url), settings.ray_address)
+    sender = Sender(scheduler.store, settings).start()  # webhooks from their own threads: a tick never waits
     try:
         while not stop.is_set():
             try:
@@ -299,6 +305,7 @@ def serve(settings: Settings) -> None:
                 log.exception("scheduler tick failed; retrying")
             r.blpop([keys.wake()], timeout=settings.tick_s)
     finally:
+        sender.stop()
         try:
             lock.release()
         except Exception:

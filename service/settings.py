@@ -66,10 +66,24 @@ class Settings(BaseSettings):
     max_streams_per_user: int = Field(16, ge=1, validation_alias="TLAB_MAX_STREAMS_PER_USER",
                                       description="SSE streams one user may hold open per API process (429 above)")
     max_compare: int = Field(8, ge=1, validation_alias="TLAB_MAX_COMPARE", description="runs in one plot.png")
+    # notifications (service/notify.py, docs/operations.md "Webhooks")
+    webhook_allow: str = Field("", validation_alias="TLAB_WEBHOOK_ALLOW",
+                               description="comma-separated host names webhooks may go to (empty: any)")
+    public_url: str = Field("", validation_alias="TLAB_PUBLIC_URL",
+                            description="the API's URL as users reach it, for links in webhooks (default: "
+                                        "http://TLAB_BIND:TLAB_PORT)")
+    webhook_timeout_s: float = Field(5.0, gt=0, le=60, validation_alias="TLAB_WEBHOOK_TIMEOUT_S")
+    webhook_attempts: int = Field(3, ge=1, le=10, validation_alias="TLAB_WEBHOOK_ATTEMPTS",
+                                  description="tries per webhook (1 s, 2 s, ... apart)")
 
     @property
     def storage_path(self) -> str:
         return self.storage or str(self.home / "storage")
+
+    @property
+    def webhook_hosts(self) -> set[str]:
+        """TLAB_WEBHOOK_ALLOW as lower-case host names (empty: any host)."""
+        return {h.strip().lower() for h in self.webhook_allow.split(",") if h.strip()}
 
     @property
     def data_root_paths(self) -> list[Path]:

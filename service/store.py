@@ -105,6 +105,10 @@ def _job_fields(job_id: str, owner: str, body: ExperimentSubmit | SweepSubmit, p
         "priority": body.priority, "tags": json.dumps(body.tags), "demand": demand_of(body).model_dump_json(),
         "created_at": repr(now), "updated_at": repr(now), "attempts": 0,
     }
+    if body.after:
+        fields["after"] = json.dumps(list(dict.fromkeys(body.after)))
+    if body.notify:
+        fields.update(notify=body.notify.model_dump_json(), notify_on=",".join(body.notify.on))
     if isinstance(body, SweepSubmit):
         fields.update(kind="sweep", spec=body.base.model_dump_json(), sweep=payload)
     else:
@@ -187,7 +191,8 @@ class Store:
             attempts=int(data.get("attempts", 0)), ray_job_id=data.get("ray_job_id") or None,
             progress=self.progress(job_id, data) if with_progress else Progress(),
             summary=json.loads(data["summary"]) if data.get("summary") else None,
-            failure_reason=data.get("failure_reason") or None,
+            failure_reason=data.get("failure_reason") or None, after=json.loads(data.get("after") or "[]"),
+            notify=json.loads(data["notify"]) if data.get("notify") else None,
         )
 
     def progress(self, job_id: str, data: dict[str, str]) -> Progress:
@@ -220,8 +225,8 @@ class Store:
         args: list[Any] = [to.value, repr(now), ",".join(s.value for s in expect), reason]
         for k, v in fields.items():
             args += [k, v if isinstance(v, str) else json.dumps(v)]
-        ok, _cur = self._transition(keys=[keys.job(job_id), keys.queue(), keys.active(), keys.events(job_id)],
-                                    args=args)
+        ok, _cur = self._transition(keys=[keys.job(job_id), keys.queue(), keys.active(), keys.events(job_id),
+                                          keys.notify_outbox()], args=args)
         return bool(int(ok))
 
     def cancel(self, job_id: str) -> JobState:
@@ -310,6 +315,11 @@ class Store:
 
     def users(self) -> list[UserPublic]:
         return sorted((UserPublic.model_validate_json(v) for v in self.r.hvals(keys.users())), key=lambda u: u.name)
+
+    def webhook_secret(self, name: str) -> str:
+        """The user's webhook signing secret, made on first use (SET NX: two first uses agree)."""
+        self.r.set(keys.webhook_secret(name), secrets.token_hex(32), nx=True)
+        return str(self.r.get(keys.webhook_secret(name)))
 
     def auth_generation(self) -> int:
         return int(self.r.get(keys.auth_generation()) or 0)

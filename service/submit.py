@@ -8,6 +8,7 @@ from __future__ import annotations
 from api_schemas.jobs import ClusterView, Demand, DryRun, ExperimentSubmit, JobState, JobView, Role, UserPublic
 from api_schemas.sweeps import SweepSubmit
 from service import policy
+from service.dependencies import check_after
 from service.ray_cluster import StaticCluster
 from service.store import Store, demand_of
 from service.views import PENDING_REASON
@@ -42,7 +43,9 @@ def dry_run_view(demand: Demand, view: ClusterView | None, nodes: list[policy.No
 def enqueue(store: Store, user: UserPublic, body: ExperimentSubmit | SweepSubmit,
             idempotency_key: str | None) -> tuple[JobView, bool]:
     """Queue the job: (its view, True), or (the original job, False) on an Idempotency-Key replay; 429 when
-    the user has ``max_queued_jobs`` queued (checked and queued in one Lua call; admins are not bound)."""
+    the user has ``max_queued_jobs`` queued (checked and queued in one Lua call; admins are not bound); 422 naming
+    ``after`` for a dependency the user may not wait for, that can no longer succeed, or that closes a cycle."""
+    check_after(store, user, body.after)
     owner = user.name
     cap = None if user.role == Role.ADMIN else user.quotas.max_queued_jobs
     job_id, created, qlen, now = store.submit(owner, body, idempotency_key, queued_cap=cap)
@@ -52,4 +55,5 @@ def enqueue(store: Store, user: UserPublic, body: ExperimentSubmit | SweepSubmit
     spec = body.spec if isinstance(body, ExperimentSubmit) else body.base
     return JobView(id=job_id, kind="experiment" if experiment else "sweep", name=body.name or job_id, owner=owner,
                    state=JobState.QUEUED, priority=body.priority, tags=body.tags, spec=spec, demand=demand_of(body),
-                   created_at=now, queue_position=qlen, pending_reason=PENDING_REASON), True
+                   created_at=now, queue_position=qlen, pending_reason=PENDING_REASON,
+                   after=list(dict.fromkeys(body.after)), notify=body.notify), True

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from api_schemas.jobs import Role, UserCreate, UserCreated, UserPublic, UserUpdate
+from api_schemas.notify import WebhookSecret
 from service.deps import AdminUser, CurrentUser, StateDep, admin_user
 from service.errors import Forbidden, InvalidInput
 from service.responses import ADMIN, AUTHED, BODY, USER, error
@@ -51,3 +52,10 @@ def rotate_token(name: str, st: StateDep, user: CurrentUser) -> UserCreated:
 def me(user: CurrentUser) -> UserPublic:
     """Who this token belongs to."""
     return user
+
+
+@router.get("/me/webhook-secret")
+def webhook_secret(st: StateDep, user: CurrentUser) -> WebhookSecret:
+    """The key your job webhooks are signed with (made on first use): each POST carries
+    ``X-Tlab-Signature: sha256=<HMAC-SHA256 of the raw body, hex>``."""
+    return WebhookSecret(secret=st.store.webhook_secret(user.name))
