@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -57,8 +58,9 @@ def objective(
     comm: Collective | None = None,
     share: float = 1.0,
     recorder: UseRecorder | None = None,
+    graph: bool = True,
 ) -> Objective:
-    """L(W) and ‖∇_W L‖² over every trainable parameter, keeping the graph for H·∇L.
+    """L(W) and ‖∇_W L‖² over every trainable parameter, keeping the graph for H·∇L (unless ``graph`` is False).
 
     ``share`` is this rank's weight n_r / N in the whole batch's mean loss. Fused attention
     kernels (flash, memory-efficient) have no double backward: the math kernel of
@@ -67,17 +69,28 @@ def objective(
     """
     with sdpa_kernel(SDPBackend.MATH), recorder or nullcontext():
         loss = loss_fn(model(x), y) * share
-    grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+    grads = torch.autograd.grad(loss, params, create_graph=graph, allow_unused=True)
     local = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
     total = [g.detach() for g in local] + [loss.detach().reshape(1)]
     if comm is not None and comm.world_size > 1:
         total = [t.clone() for t in total]  # reduced in place: never into the graph's own tensors
         all_reduce_list_(comm, total)  # ∇L = Σ_r w_r ∇L_r, L = Σ_r w_r L_r: one collective
     global_grads, loss_sum = total[:-1], total[-1]
-    # one host sync for both numbers; squares summed in float64 without copying the gradients
-    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in global_grads])
-    gn2, loss_value = torch.stack([norms.pow(2).sum(), loss_sum[0].double()]).tolist()
+    gn2, loss_value = torch.stack([squared_norm(global_grads), loss_sum[0].double()]).tolist()  # one host sync
     return Objective(loss_value, gn2, local, global_grads)
+
+
+def squared_norm(tensors: list[Tensor]) -> Tensor:
+    """Σ ‖g‖², a float64 scalar: each g·g a BLAS dot in g's precision (float32 at least), summed in float64.
+
+    Not ``vector_norm(g, dtype=float64)``: that copies every gradient to float64 first (3 ms of a
+    [1024, 1024] MLP's 32 ms step, 1 thread); nor a float32 ``vector_norm``, 2e-5 off on 1M elements
+    (measured). The float32 dot is within 1e-6 of the float64 sum.
+    """
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64)
+    flat = [g.reshape(-1).float() if g.dtype in (torch.float16, torch.bfloat16) else g.reshape(-1) for g in tensors]
+    return torch.stack([torch.dot(g, g) for g in flat]).double().sum()
 
 
 def teleport_gradient(obj: Objective, weights: list[Tensor], params: list[Tensor],
@@ -238,8 +251,8 @@ def teleport_batch(
         names, params = trainable(model)
         share = _shard_share(_batch_size(x), comm, x.device)
 
-        def evaluate(recorder: UseRecorder | None = None) -> Objective:
-            return objective(model, loss_fn, x, y, params, comm, share, recorder)
+        def evaluate(recorder: UseRecorder | None = None, graph: bool = True) -> Objective:
+            return objective(model, loss_fn, x, y, params, comm, share, recorder, graph)
 
         heldout_before = heldout_loss(model, loss_fn, holdout)
         recorder = UseRecorder(names, params)
@@ -290,33 +303,23 @@ class _Run:
             return "no_free_directions" if not self.blocks else "steps"
         return "steps"
 
-    def ascend(self, evaluate: Callable[[], Objective]) -> str:
+    def ascend(self, evaluate: Callable[..., Objective]) -> str:
         blocks = [b for b in self.blocks if any(c.basis is not None and c.basis.free_dims for c in b.classes)]
         if not blocks:
             return "no_free_directions"
         weights = [p for b in blocks for p in b.params]
-        origin = [w.detach().clone() for w in weights]  # reused every step: no new buffers
+        origin = [w.detach().clone() for w in weights]  # the weights before the step being tried; reused
         eta = self.config.lr
         while self.steps < self.config.steps:
             if self.cur.grad_norm_sq >= self.config.cap:
                 return "cap"
-            grads = teleport_gradient(self.cur, weights, self.params, self.comm)
-            direction: list[Tensor] = []
-            i = 0
-            for b in blocks:
-                direction += b.projected(grads[i : i + len(b.params)])
-                i += len(b.params)
+            direction = self.direction(blocks, weights)
             with torch.no_grad():
-                for w0, w in zip(origin, weights, strict=True):
-                    w0.copy_(w)
-
-            def move(step: float, direction: list[Tensor] = direction) -> None:
-                with torch.no_grad():
-                    for w, w0, u in zip(weights, origin, direction, strict=True):
-                        w.copy_(w0).add_(u, alpha=step)  # no temporaries of the weights' size
-
-            new, eta, tries, why = guarded_step(move, lambda: move(0.0), evaluate, self.loss0, eta, self.config,
-                                                self.cur.grad_norm_sq)
+                torch._foreach_copy_(origin, weights)
+            last = self.steps + 1 == self.config.steps  # no H·∇L follows the last step: its graph is not kept
+            new, eta, tries, why = guarded_step(
+                partial(_move, weights, origin, direction), partial(_restore, weights, origin),
+                partial(evaluate, graph=not last), self.loss0, eta, self.config, self.cur.grad_norm_sq)
             self.backoffs += tries
             if new is None:
                 return why
@@ -324,3 +327,25 @@ class _Run:
             if why == "cap":  # shortened to fit under CAP: CAP is reached, further steps would overshoot
                 return "cap"
         return "steps"
+
+    def direction(self, blocks: list[Block], weights: list[Tensor]) -> list[Tensor]:
+        """π(H·∇L) for every moving weight, block by block."""
+        grads = teleport_gradient(self.cur, weights, self.params, self.comm)
+        out: list[Tensor] = []
+        i = 0
+        for b in blocks:
+            out += b.projected(grads[i : i + len(b.params)])
+            i += len(b.params)
+        return out
+
+
+def _move(weights: list[Tensor], origin: list[Tensor], direction: list[Tensor], step: float) -> None:
+    """W = W₀ + η·U in one pass over the weights (no weight-sized temporaries)."""
+    with torch.no_grad():
+        for w, w0, u in zip(weights, origin, direction, strict=True):
+            torch.add(w0, u, alpha=step, out=w)
+
+
+def _restore(weights: list[Tensor], origin: list[Tensor]) -> None:
+    with torch.no_grad():
+        torch._foreach_copy_(weights, origin)
