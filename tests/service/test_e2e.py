@@ -237,3 +237,30 @@ def test_cpus_held_by_other_ray_work_are_not_handed_out(stack: Stack, capsys: py
             assert wait_state(c, job, {"succeeded", "failed"})["state"] == "succeeded"
     finally:
         outside_ray_job(stack, "stop", holder)
+
+
+def test_a_job_after_another_starts_once_it_succeeded_and_webhooks_hold_up_nothing(stack: Stack) -> None:
+    """``after`` and ``notify`` on the real stack: B waits for A with A as its reason and starts only once A
+    succeeded; A's webhook receiver hangs, yet B starts, ends, and its signed POST arrives meanwhile."""
+    from tests.service.test_notify import Receiver
+
+    hang, ok = Receiver(hang=True), Receiver()
+    try:
+        with Client(stack.url, stack.admin_token) as c:
+            spec = tiny(training={"epochs": 2})
+            a = c.json("POST", "/v1/experiments", json={"spec": spec, "notify": {"webhook": hang.url}})["id"]
+            b = c.json("POST", "/v1/experiments",
+                       json={"spec": spec, "after": [a], "notify": {"webhook": ok.url, "on": ["succeeded"]}})["id"]
+            deadline = time.monotonic() + 30
+            while not (c.get(b).get("pending_reason") or "").startswith(f"waiting for {a} ("):
+                assert time.monotonic() < deadline, c.get(b)
+                time.sleep(0.2)
+            first, second = wait_state(c, a, {"succeeded"}), wait_state(c, b, {"succeeded", "failed"}, timeout=180)
+            assert second["state"] == "succeeded" and second["started_at"] >= first["finished_at"]
+            assert hang.wait(1)[0]["id"] == a and not hang.release.is_set()  # still hanging all along
+            got = ok.wait(1)[0]
+            assert got["id"] == b and got["state"] == "succeeded" and got["summary"]["epochs"] == 2
+            ok.verify(c.json("GET", "/v1/me/webhook-secret")["secret"])
+    finally:
+        hang.close()
+        ok.close()
