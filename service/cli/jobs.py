@@ -33,7 +33,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
             r = c.json("POST", "/v1/experiments", params={"dry_run": "true"}, json={"spec": spec})
             print_json(r)
             return 0 if r["fits_ever"] else 1
-        job = c.submit(spec, name=args.name or "", priority=args.priority, tags=args.tag)
+        if args.after or args.notify:  # the fields the client's submit() does not carry
+            body = {"spec": spec, "name": args.name or "", "priority": args.priority, "tags": args.tag,
+                    "after": args.after, **({"notify": {"webhook": args.notify}} if args.notify else {})}
+            job = c.json("POST", "/v1/experiments", json=body)
+        else:
+            job = c.submit(spec, name=args.name or "", priority=args.priority, tags=args.tag)
         print(f"{job['id']}  {job['state']}  position {fmt(job.get('queue_position'))}", flush=True)
         return follow_one(c, job["id"]) if args.follow else 0
 
@@ -136,6 +141,10 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--name", default=None)
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--tag", action="append", default=[])
+    p.add_argument("--after", action="append", default=[], metavar="ID",
+                   help="start only once job ID has succeeded (repeat for several); fails if it fails")
+    p.add_argument("--notify", metavar="URL", default=None,
+                   help="POST a signed JSON to URL when it succeeds, fails, is cancelled or preempted")
     p.add_argument("--follow", action="store_true", help="show live progress until it ends")
     p.add_argument("--dry-run", action="store_true", help="say whether and where it would fit; queue nothing")
     p.set_defaults(func=cmd_submit)

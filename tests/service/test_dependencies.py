@@ -6,6 +6,9 @@ functions on a static cluster: no training needed)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -125,3 +128,20 @@ def test_a_dependency_that_succeeds_lets_the_job_start() -> None:
     assert [j.id for j, _ in d.starts] == ["j2"] and d.order == [("j1", "waiting for j0 (running)")]
     d = policy.decide([waiting, later], [], nodes, {}, {}, blocked={})
     assert [j.id for j, _ in d.starts] == ["j1"]  # priority 5 first once nothing blocks it
+
+
+def test_tlab_submit_after_and_notify(api_only: Api, tmp_path: Path) -> None:
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(tiny()))
+    with api_only.client() as c:
+        first = submit(c).json()["id"]
+    tlab = [str(Path(sys.executable).parent / "tlab"), "submit", str(spec), "--url", api_only.url,
+            "--token", api_only.tokens["admin"]]
+    out = subprocess.run([*tlab, "--after", first, "--notify", "https://hooks.example.org/x"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    with api_only.client() as c:
+        view = c.get(f"/v1/experiments/{out.stdout.split()[0]}").json()
+    assert view["after"] == [first] and view["notify"]["webhook"] == "https://hooks.example.org/x"
+    out = subprocess.run([*tlab, "--after", UNKNOWN], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "after" in out.stderr and UNKNOWN in out.stderr, out.stderr
