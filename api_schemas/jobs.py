@@ -240,6 +240,7 @@ class TrialRow(_Strict):
     last: float | None = None
     best: float | None = None
     stopped_early: bool = False
+    reason: str | None = Field(None, description="a failed trial: why, in one line")
     perturbed: int = Field(0, description="PBT: times the trial went on from a top trial's checkpoint with "
                                           "mutated values (config is the latest)")
     summary: dict[str, float | int | None] = Field(
