@@ -36,3 +36,27 @@ def test_any_other_error_gives_its_last_line_and_a_missing_one_still_says_failed
     assert trial_reason(KeptError(None)) == "the trial failed (no error was kept)"
     assert trial_reason(KeptError("gone")) == "the trial failed (no error was kept)"
     assert len(trial_reason(KeptError("x" * 5000))) == 300
+
+
+class Trial:
+    """What TrialTable reads of a Tune trial: its id and config."""
+
+    def __init__(self, trial_id: str, config: dict) -> None:
+        self.trial_id, self.config = trial_id, config
+
+
+def test_the_rows_the_driver_writes_are_rows_the_api_reads(redis_server: str) -> None:
+    from service.store import Store
+    from service.studies import trial_rows
+    from workers.sweep import TrialTable
+
+    table = TrialTable(redis_server, "s9", "train_loss", "min", epochs=5)
+    ok, bad = Trial("t0", {"teleport.lr": 0.1}), Trial("t1", {"teleport.lr": 0.2})
+    table.update(ok, state="running")
+    table.update(ok, result={"train_loss": 0.5, "epochs": 5, "final_train_loss": 0.5})
+    table.update(ok, state="done")
+    table.update(bad, result={"train_loss": 0.9, "epochs": 3})
+    table.update(bad, state="failed", reason="epoch 3: loss is NaN")
+    rows = {r.trial: r for r in trial_rows(Store.from_url(redis_server), "s9")}
+    assert rows["t0"].state == "succeeded" and rows["t0"].best == 0.5 and rows["t0"].reason is None
+    assert rows["t1"].state == "failed" and rows["t1"].reason == "epoch 3: loss is NaN" and rows["t1"].epochs == 3
