@@ -59,7 +59,7 @@ def job_env(settings: Settings) -> dict[str, str]:
            "RAY_JOB_STOP_WAIT_TIME_S": str(int(settings.stop_grace_s)),
            "TLAB_KEEP_CHECKPOINTS": str(settings.keep_checkpoints),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    for name in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "TLAB_DATA", "TLAB_IN_DRIVER"):
+    for name in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "TLAB_DATA", "TLAB_IN_DRIVER", "TLAB_TRIAL_RETRIES"):
         if os.environ.get(name):
             env[name] = os.environ[name]
     return env

@@ -180,6 +180,14 @@ def checkpoint_epoch(checkpoint: Any) -> int:
         return int(json.load(f)["epoch"])
 
 
+def trial_retries() -> int:
+    """``TLAB_TRIAL_RETRIES``: how many times Tune starts a failed trial again (default 1)."""
+    raw = os.environ.get("TLAB_TRIAL_RETRIES", "1")
+    if not raw.isdigit():
+        raise SetupError(f"TLAB_TRIAL_RETRIES={raw!r}: give a whole number (0 turns retries off)")
+    return int(raw)
+
+
 def trial_stop(sweep: SweepSubmit) -> dict[str, float] | None:
     """Each trial's time limit (``base.resources.time_limit_s``) as Tune's stop criterion: checked at each
     epoch's result, on the time the trial has run (``time_total_s``)."""
@@ -317,8 +325,11 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
             tune_config=tune.TuneConfig(metric=metric, mode=sweep.mode, num_samples=sweep.num_samples,
                                         scheduler=scheduler, search_alg=search_alg,
                                         max_concurrent_trials=sweep.max_concurrent_trials),
+            # a trial that fails past its TorchTrainer's own retries (the trial's actor or its restore went
+            # wrong) runs once more from its last checkpoint before its row says failed
             run_config=tune.RunConfig(name=f"sweep-{job_id}", storage_path=storage, callbacks=[table.callback],
-                                      checkpoint_config=checkpoints, stop=trial_stop(sweep)),
+                                      checkpoint_config=checkpoints, stop=trial_stop(sweep),
+                                      failure_config=tune.FailureConfig(max_failures=trial_retries())),
         )
     sink.close()
     try:
