@@ -66,7 +66,11 @@ class Sender:
         futures = []
         for _stream, entries in got or []:
             for entry_id, fields in entries:
-                future = self.take(fields)
+                try:
+                    future = self.take(fields)
+                except (KeyError, ValueError):  # a malformed entry or job hash: skip it, never stall on it
+                    log.exception("webhook outbox entry %s", entry_id)
+                    future = None
                 if future is not None:
                     futures.append(future)
                 self.store.r.set(keys.notify_cursor(), entry_id)
