@@ -169,7 +169,7 @@ def breakdown(model: nn.Module, x: Tensor, y: Tensor, warmup: int, repeats: int,
     objective: L and ∇L with its graph and ‖∇L‖²; hvp: the second backward H·∇L; projection: π on
     every layer; bases: capture's R → SVD/eigh per layer (once per batch, not per step).
     """
-    from teleport.nullspace import layer_bases, objective, teleport_gradient
+    from teleport.nullspace import layer_bases, objective, project_blocks, teleport_gradient
 
     m = copy.deepcopy(model).eval()
     params = [p for p in m.parameters() if p.requires_grad]
@@ -179,19 +179,11 @@ def breakdown(model: nn.Module, x: Tensor, y: Tensor, warmup: int, repeats: int,
     weights = [p for layer in layers for p in layer.params]
     grads = teleport_gradient(first, weights, params)
 
-    def project_all(_: object) -> list[Tensor]:
-        out: list[Tensor] = []
-        i = 0
-        for layer in layers:
-            out += layer.projected(grads[i : i + len(layer.params)])
-            i += len(layer.params)
-        return out
-
     t = time_interleaved({
         "objective": (lambda _: objective(m, F.cross_entropy, x, y, params), None),
         "objective_hvp": (lambda _: teleport_gradient(objective(m, F.cross_entropy, x, y, params), weights, params),
                           None),
-        "projection": (project_all, None),
+        "projection": (lambda _: project_blocks(layers, grads), None),
         "bases": (lambda _: layer_bases(captured, 1.0, SerialExecutor()), None),
     }, warmup=warmup, repeats=repeats, max_spread=MAX_SPREAD, retries=RETRIES, canary=canary)
     med = {k: v["median"] for k, v in t.items()}

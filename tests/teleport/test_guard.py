@@ -180,3 +180,37 @@ def test_a_cap_overshoot_is_shortened_by_the_secant_and_ends_the_teleport() -> N
     assert new is not None and why == "cap" and tries == 1
     assert eta == pytest.approx((0.95 * 5.0 - 1.0) / 10.0)  # one secant step lands at 0.95·CAP
     assert new.grad_norm_sq <= config.cap
+
+
+def test_a_step_predicted_to_overshoot_cap_is_aimed_under_it_in_one_try() -> None:
+    from teleport.nullspace import AIM, aim_below_cap, guarded_step
+
+    u = [torch.full((2, 2), 0.5)]  # ‖U‖² = 1: the predicted rise of ‖∇L‖² is 2η
+    assert aim_below_cap(0.1, 1.0, u, 5.0) == (0.1, False)  # 1 + 0.2 < CAP: η as it is
+    eta, aimed = aim_below_cap(10.0, 1.0, u, 5.0)
+    assert aimed and eta == pytest.approx(AIM * 4.0 / 2.0)
+    state, graphs = {"eta": 0.0}, []
+
+    def move(step: float) -> None:
+        state["eta"] = step
+
+    def evaluate(graph: bool) -> Objective:  # ‖∇L‖² rises as predicted
+        graphs.append(graph)
+        return Objective(1.0, 1.0 + 2.0 * state["eta"], [], [])
+
+    config = TeleportConfig(cap=5.0, loss_tol=1e-3)
+    new, used, tries, why = guarded_step(move, lambda: move(0.0), lambda: evaluate(True), 1.0, eta, config, 1.0,
+                                         final_evaluate=lambda: evaluate(False), aimed=True)
+    assert new is not None and why == "cap" and tries == 0 and used == eta
+    assert new.grad_norm_sq == pytest.approx(1.0 + AIM * 4.0) and new.grad_norm_sq <= config.cap
+    assert graphs == [False]  # the teleport ends there: no graph is built for an H·∇L never asked for
+
+
+def test_a_teleport_into_cap_ends_under_it() -> None:
+    torch.manual_seed(5)
+    model, x, y = mlp(), torch.randn(8, 6), torch.randint(0, 3, (8,))
+    start = teleport_batch(copy.deepcopy(model), F.cross_entropy, x, y, TeleportConfig(steps=0))
+    cap = start.grad_norm_sq_before * 1.2
+    report = teleport_batch(model, F.cross_entropy, x, y, TeleportConfig(steps=8, lr=50.0, cap=cap))
+    assert report.stop_reason == "cap" and report.steps >= 1
+    assert start.grad_norm_sq_before < report.grad_norm_sq_after <= cap
