@@ -9,7 +9,9 @@ digits epoch); b = 32 here would teleport on 70 % of the data before every sched
 Per optimizer and seed, with and without teleport: epochs and wall seconds to reach a target
 train loss, the final loss, and teleport's share of the run's time. Floors from issue 2: with
 SGD teleport reaches the target in at most a third of the baseline's epochs, and takes at most
-10 % of the run's time.
+10 % of the run's time. Floors from issue 18 (wall-clock payoff): teleport takes at most 15 % of
+the SGD time to target, and reaches the target in fewer seconds than the baseline with SGD,
+momentum and Adagrad (Adam reported).
 
     python -m benchmarks.convergence [--quick]
 """
@@ -98,20 +100,43 @@ def run(optimizers: list[str], seeds: int, epochs: int, hidden: list[int], batch
     print()
     print_table(["optimizer", "run", "target", "epochs to target", "seconds to target", "final train loss",
                  "teleport share", "epoch speedup"], rows)
-    sgd = table.get("sgd")
-    floors = {}
-    if sgd:
-        floors["sgd_epochs_third"] = bool(sgd["epoch_speedup"] and sgd["epoch_speedup"] >= 3.0)
-        floors["sgd_teleport_share_10pct"] = bool(sgd["teleport"]["teleport_share"][0] is not None
-                                                  and sgd["teleport"]["teleport_share"][0] <= 0.10)
-        print(f"floor: SGD teleport reaches the target in ≤ 1/3 of the baseline's epochs: "
-              f"{verdict(floors['sgd_epochs_third'])} ({sgd['epoch_speedup'] or 0:.2f}x fewer)")
-        print(f"floor: teleport ≤ 10% of the SGD run's time ({epochs} epochs): "
-              f"{verdict(floors['sgd_teleport_share_10pct'])} ({sgd['teleport']['teleport_share'][0]:.1%}; "
-              f"of the time to target: {sgd['teleport']['share_to_target'][0] or 0:.1%})")
+    floors = check_floors(table, epochs)
     return {"epochs": epochs, "hidden": hidden, "teleport_batches": batches, "seeds": seeds, "targets": TARGETS,
             "table": table, "floors": floors,
             "runs": {o: {k: v for k, v in g.items()} for o, g in runs.items()}}
+
+
+WALL_CLOCK = ("sgd", "momentum", "adagrad")  # issue 18: teleport must reach the target sooner in seconds
+
+
+def check_floors(table: dict[str, Any], epochs: int) -> dict[str, bool]:
+    """Issue 2's SGD floors (≤ 1/3 of the epochs, ≤ 10 % of the run) and issue 18's wall-clock floors:
+    teleport ≤ 15 % of the SGD time to target, and fewer seconds to target than the baseline with SGD,
+    momentum and Adagrad (Adam reported)."""
+    floors: dict[str, bool] = {}
+    sgd = table.get("sgd")
+    if sgd:
+        share, to_target = sgd["teleport"]["teleport_share"][0], sgd["teleport"]["share_to_target"][0]
+        floors["sgd_epochs_third"] = bool(sgd["epoch_speedup"] and sgd["epoch_speedup"] >= 3.0)
+        floors["sgd_teleport_share_10pct"] = share is not None and share <= 0.10
+        floors["sgd_share_to_target_15pct"] = to_target is not None and to_target <= 0.15
+        print(f"floor: SGD teleport reaches the target in ≤ 1/3 of the baseline's epochs: "
+              f"{verdict(floors['sgd_epochs_third'])} ({sgd['epoch_speedup'] or 0:.2f}x fewer)")
+        print(f"floor: teleport ≤ 10% of the SGD run's time ({epochs} epochs): "
+              f"{verdict(floors['sgd_teleport_share_10pct'])} ({share or 0:.1%})")
+        print(f"floor: teleport ≤ 15% of the SGD time to target: {verdict(floors['sgd_share_to_target_15pct'])} "
+              f"({to_target or 0:.1%})")
+    for opt, row in table.items():
+        tele, base = row["teleport"]["seconds_to_target"][0], row["baseline"]["seconds_to_target"][0]
+        won = tele is not None and (base is None or tele < base)
+        text = f"{tele or 0:.2f} s vs {base or 0:.2f} s" if tele and base else "target not reached by both"
+        if opt in WALL_CLOCK:
+            floors[f"{opt}_seconds_to_target_below_baseline"] = won
+            print(f"floor: {opt} teleport reaches the target in fewer seconds than the baseline: {verdict(won)} "
+                  f"({text})")
+        else:
+            print(f"(info) {opt}: seconds to target, teleport vs baseline: {text}")
+    return floors
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

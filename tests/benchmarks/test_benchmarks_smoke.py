@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import fig5_scaling, run_all, step_cost
+from benchmarks import convergence, fig5_scaling, run_all, step_cost
 
 
 def _load(path: Path) -> dict:
@@ -39,6 +39,21 @@ def test_fig5_scaling_quick(results: Path) -> None:
             assert r["ratio"] > 0
         assert set(body["slopes"][factor]) == {"symmetry", "nullspace"}
     assert {f["floor"].split(" in ")[-1] for f in body["floors"] if "linearly" in f["floor"]} == {"t", "l", "b"}
+
+
+def test_fig5_scaling_one_factor_goes_to_its_own_file(results: Path) -> None:
+    fig5_scaling.main(["--quick", "--threads", "1", "--factors", "d"])
+    assert not (results / "fig5_scaling.json").exists()  # the full sweep's results are not overwritten
+    body = _load(results / "fig5_scaling_d.json")
+    assert set(body["rows"]) == {"d"} and [r["d"] for r in body["rows"]["d"]] == body["sweeps"]["d"]
+
+
+def test_convergence_reports_the_wall_clock_floors(results: Path) -> None:
+    body = convergence.main(["--quick"])
+    assert {"sgd_epochs_third", "sgd_teleport_share_10pct", "sgd_share_to_target_15pct",
+            "sgd_seconds_to_target_below_baseline"} == set(body["floors"])
+    assert all(isinstance(v, bool) for v in body["floors"].values())
+    assert _load(results / "convergence.json")["quick"] is True
 
 
 def test_step_cost_quick(results: Path) -> None:
