@@ -13,37 +13,83 @@ SGD teleport reaches the target in at most a third of the baseline's epochs, and
 the SGD time to target, and reaches the target in fewer seconds than the baseline with SGD,
 momentum and Adagrad (Adam reported).
 
-    python -m benchmarks.convergence [--quick]
+    python -m benchmarks.convergence [--quick] [--optimizers sgd ...] [--presets cnn-sgd transformer-sgd]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from api_schemas import build_spec
 from benchmarks.common import print_table, verdict, wait_for_quiet, write_result
 
 TARGETS = {"sgd": 2.0, "momentum": 0.5, "adagrad": 0.3, "adam": 0.05}
+TELEPORT = {"epochs": [0, 1, 2, 3, 4], "steps": 8, "batch_size": 32, "tau": 1.0}
+# reported beside the MLP (issue 18), one seed each: the digits CNN preset (its CNN-table teleport rates and
+# 40 warm-up steps), and a 2-layer transformer (d = 64) reading each digit as 8 tokens of 8 pixels
+PRESET_TARGETS = {"cnn-sgd": 0.1, "transformer-sgd": 0.35}
+SEQUENCES = Path(tempfile.gettempdir()) / "teleport-bench-digits-seq.npz"
 
 
-def one_run(optimizer: str, seed: int, teleport: bool, epochs: int, hidden: list[int], batches: int,
-            max_train: int | None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Case:
+    """One row of the table: a spec for (seed, teleport on/off), its target train loss and epochs."""
+
+    name: str
+    target: float
+    epochs: int
+    seeds: int
+    spec: Callable[[int, bool], dict[str, Any]]
+
+
+def mlp_case(optimizer: str, seeds: int, epochs: int, hidden: list[int], batches: int,
+             max_train: int | None) -> Case:
+    """The paper's MNIST row on digits (the table's optimizer rows)."""
+    def spec(seed: int, teleport: bool) -> dict[str, Any]:
+        return {"model": {"kind": "mlp", "hidden": hidden},
+                "dataset": {"name": "digits", "max_train": max_train},
+                "optimizer": {"name": optimizer, "lr": 2e-4},
+                "training": {"epochs": epochs, "batch_size": 32, "seed": seed, "target_loss": TARGETS[optimizer]},
+                "teleport": {**TELEPORT, "enabled": teleport, "batches": batches, "lr": 0.2, "cap": 5.0}}
+    return Case(optimizer, TARGETS[optimizer], epochs, seeds, spec)
+
+
+def preset_case(name: str, epochs: int) -> Case:
+    """The CNN preset on digits, or the transformer on digits as sequences, SGD at the presets' lr 0.05."""
+    cnn = name.startswith("cnn")
+    model = ({"kind": "cnn", "channels": [16, 32], "kernel_size": 3, "pool": True} if cnn else
+             {"kind": "transformer", "heads": 2, "head_dim": 32, "layers": 2, "max_len": 8})
+    if not cnn and not SEQUENCES.exists():
+        from sklearn.datasets import load_digits
+
+        x, y = load_digits(return_X_y=True)
+        np.savez(SEQUENCES, X=(x / 16.0).reshape(-1, 8, 8).astype(np.float32), y=y.astype(np.int64))
+
+    def spec(seed: int, teleport: bool) -> dict[str, Any]:
+        return {"model": model,
+                "dataset": {"name": "digits"} if cnn else {"name": "npz", "path": str(SEQUENCES)},
+                "optimizer": {"name": "sgd", "lr": 0.05},
+                "training": {"epochs": epochs, "batch_size": 32, "seed": seed, "target_loss": PRESET_TARGETS[name],
+                             "warmup_steps": 40 if cnn else 0},
+                "teleport": {**TELEPORT, "enabled": teleport, "batches": 4, "lr": 3e-3 if cnn else 0.2,
+                             "cap": 40.0 if cnn else 5.0}}
+    return Case(name, PRESET_TARGETS[name], epochs, 1, spec)
+
+
+def one_run(case: Case, seed: int, teleport: bool) -> dict[str, Any]:
     from workers.context import RunContext
     from workers.local import train
 
-    spec = build_spec({
-        "model": {"kind": "mlp", "hidden": hidden},
-        "dataset": {"name": "digits", "max_train": max_train},
-        "optimizer": {"name": optimizer, "lr": 2e-4},
-        "training": {"epochs": epochs, "batch_size": 32, "seed": seed, "target_loss": TARGETS[optimizer]},
-        "teleport": {"enabled": teleport, "epochs": [0, 1, 2, 3, 4], "batches": batches, "steps": 8,
-                     "batch_size": 32, "lr": 0.2, "cap": 5.0, "tau": 1.0},
-    })
-    return train(spec, RunContext())
+    return train(build_spec(case.spec(seed, teleport)), RunContext())
 
 
 def _mean_std(values: list[float | None]) -> tuple[float | None, float | None, int]:
@@ -61,20 +107,21 @@ def _fmt(ms: tuple[float | None, float | None, int], seeds: int, digits: int = 3
     return text if n == seeds else f"{text} ({n}/{seeds})"
 
 
-def run(optimizers: list[str], seeds: int, epochs: int, hidden: list[int], batches: int,
-        max_train: int | None) -> dict[str, Any]:
+def run(cases: list[Case]) -> dict[str, Any]:
     torch.set_num_threads(1)  # as a 1-CPU worker runs; 2 busy cores punish 2 BLAS threads
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    for opt in optimizers:
+    for case in cases:
+        opt = case.name
         runs[opt] = {"teleport": [], "baseline": []}
-        for seed in range(seeds):
+        for seed in range(case.seeds):
             for teleport in (True, False):
-                summary = one_run(opt, seed, teleport, epochs, hidden, batches, max_train)
+                summary = one_run(case, seed, teleport)
                 runs[opt]["teleport" if teleport else "baseline"].append(summary)
                 print(f"{opt:8s} seed {seed} {'teleport' if teleport else 'baseline':8s} "
-                      f"epochs to {TARGETS[opt]}: {summary['epochs_to_target']}  "
+                      f"epochs to {case.target}: {summary['epochs_to_target']}  "
                       f"final {summary['final_train_loss']:.4f}  {summary['seconds']:.1f} s "
                       f"(teleport {summary['teleport_share']:.0%})", flush=True)
+    by_name = {c.name: c for c in cases}
     rows, table = [], {}
     for opt, groups in runs.items():
         stats = {}
@@ -90,19 +137,21 @@ def run(optimizers: list[str], seeds: int, epochs: int, hidden: list[int], batch
             }
         tele_e, base_e = stats["teleport"]["epochs_to_target"][0], stats["baseline"]["epochs_to_target"][0]
         speedup = base_e / tele_e if tele_e and base_e else None
-        table[opt] = {**stats, "epoch_speedup": speedup, "target": TARGETS[opt]}
+        seeds, target = by_name[opt].seeds, by_name[opt].target
+        table[opt] = {**stats, "epoch_speedup": speedup, "target": target}
         for label in ("teleport", "baseline"):
             s = stats[label]
-            rows.append([opt, label, TARGETS[opt], _fmt(s["epochs_to_target"], seeds),
+            rows.append([opt, label, target, _fmt(s["epochs_to_target"], seeds),
                          _fmt(s["seconds_to_target"], seeds), _fmt(s["final_train_loss"], seeds),
                          _fmt(s["teleport_share"], seeds, 2) if label == "teleport" else "-",
                          f"{speedup:.2f}x" if speedup and label == "teleport" else ""])
     print()
     print_table(["optimizer", "run", "target", "epochs to target", "seconds to target", "final train loss",
                  "teleport share", "epoch speedup"], rows)
-    floors = check_floors(table, epochs)
-    return {"epochs": epochs, "hidden": hidden, "teleport_batches": batches, "seeds": seeds, "targets": TARGETS,
-            "table": table, "floors": floors,
+    floors = check_floors(table, by_name["sgd"].epochs if "sgd" in by_name else 0)
+    return {"cases": {c.name: {"epochs": c.epochs, "seeds": c.seeds, "target": c.target,
+                               "spec": c.spec(0, True)} for c in cases},
+            "targets": {c.name: c.target for c in cases}, "table": table, "floors": floors,
             "runs": {o: {k: v for k, v in g.items()} for o, g in runs.items()}}
 
 
@@ -143,12 +192,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--optimizers", nargs="+", default=list(TARGETS))
+    parser.add_argument("--presets", nargs="*", default=list(PRESET_TARGETS), choices=list(PRESET_TARGETS),
+                        help="the CNN / transformer rows (default both; none with an empty list)")
     args = parser.parse_args(argv)
     if args.quick:
-        result = {**run(["sgd"], 1, 3, [32], 1, 200), "quick": True}
+        result = {**run([mlp_case("sgd", 1, 3, [32], 1, 200)]), "quick": True}
     else:
         wait_for_quiet()
-        result = run(args.optimizers, 3, 100, [1024, 1024], 4, None)
+        cases = [mlp_case(o, 3, 100, [1024, 1024], 4, None) for o in args.optimizers]
+        cases += [preset_case(p, 20 if p.startswith("cnn") else 12) for p in args.presets]
+        result = run(cases)
     write_result("convergence", result)
     return result
 
