@@ -453,3 +453,16 @@ def test_seeded_determinism(name: str) -> None:
         for t1, t2 in zip(tensors(getattr(a, part)), tensors(getattr(same, part)), strict=True):
             assert torch.equal(t1, t2)
     assert not torch.equal(tensors(a.test)[0][: len(other.test)], tensors(other.test)[0][: len(a.test)])
+
+
+def test_digits_are_scikit_learns_digits_read_without_importing_it() -> None:
+    from sklearn.datasets import load_digits as sk_digits
+
+    from api_schemas.spec import DatasetSpec
+    from workers.datasets import digits_file
+
+    table = np.loadtxt(digits_file(), delimiter=",")
+    x, y = sk_digits(return_X_y=True)
+    assert np.array_equal(table[:, :-1], x) and np.array_equal(table[:, -1].astype(np.int64), y)
+    bundle = load_dataset(DatasetSpec(name="digits"), seed=0)
+    assert len(bundle.train) + len(bundle.test) == len(x) == 1797
