@@ -1,11 +1,14 @@
 """``python -m workers.sweep --job ID``: a sweep's Ray job — Ray Tune over a search space of specs.
 
-Each trial is a driver function (no CPU: only its workers hold CPUs, so a sweep's Ray usage is
-exactly the gang the scheduler counts) that runs the trial's spec as a Ray Train TorchTrainer
-(Ray 2.60 rejects a TorchTrainer handed straight to ``Tuner``); ``TuneReportCallback`` forwards the
-trainer's per-epoch reports to Tune, so ASHA can stop a trial between epochs. Under PBT a trial
-trains ``perturbation_interval`` epochs per TorchTrainer and reports each one's checkpoint to Tune,
-which is what PBT copies from a top trial to a bottom one. Every trial's events
+A 1-worker trial trains in the trial itself (``workers.trial``: the trial holds the worker's CPUs and reports
+each epoch's summary and checkpoint to Tune), under every scheduler; PBT pauses it at a round and starts it
+again from the checkpoint it hands over, with no worker group to start. ``TLAB_IN_DRIVER=0`` or more workers:
+each trial is a driver function (no CPU: only its workers hold CPUs, so a sweep's Ray usage is exactly the
+gang the scheduler counts) that runs the trial's spec as a Ray Train TorchTrainer (Ray 2.60 rejects a
+TorchTrainer handed straight to ``Tuner``); ``TuneReportCallback`` forwards the trainer's per-epoch reports
+to Tune, so ASHA can stop a trial between epochs. Under PBT such a trial trains ``perturbation_interval``
+epochs per TorchTrainer and reports each one's checkpoint to Tune, which is what PBT copies from a top
+trial to a bottom one. Every trial's events
 go to the sweep's Redis stream tagged with the trial id; the trials table is kept in Redis
 (``keys.trials``) by a Tune callback as results arrive.
 
@@ -30,9 +33,11 @@ from api_schemas import keys
 from api_schemas.reasons import one_line
 from api_schemas.sweeps import SweepSubmit, trial_spec
 from workers.artifacts import artifacts_dir
+from workers.context import keep_checkpoints
 from workers.failure import JobFailed, failure_reason
 from workers.redis_sink import RedisSink
 from workers.run import SetupError, export_artifacts, job_main
+from workers.trial import in_trial, train_in_trial, trial_dirs, trial_resources
 
 
 def param_space(sweep: SweepSubmit) -> dict[str, Any]:
@@ -211,6 +216,8 @@ def export_best(client: redis.Redis, job_id: str, sweep: SweepSubmit, storage: s
         return
     spec = trial_spec(sweep.base.model_dump(mode="json"), row["config"])
     runs = [Path(p) for p in glob.glob(os.path.join(storage, f"{job_id}-{row['trial']}*")) if os.path.isdir(p)]
+    # a trial that trained in itself left no training run: its checkpoints are the ones it reported to Tune
+    runs = runs or trial_dirs(storage, job_id, row["trial"])
     export_artifacts(spec, runs, artifacts_dir(storage, job_id),
                      {"trial": row["trial"], "config": row["config"], sweep.metric: row["best"]})
 
@@ -243,6 +250,13 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
                                 job_id=job_id, trial=trial_id, callbacks=[TuneReportCallback()])
         try:
             trainer.fit()
+        except Exception as err:
+            raise TrialFailed(failure_reason(err)) from None
+
+    def own_trial(config: dict[str, Any]) -> None:
+        trial_id = tune.get_context().get_trial_id()
+        try:
+            train_in_trial(trial_spec(base, config), RedisSink(redis_url, job_id, trial=trial_id))
         except Exception as err:
             raise TrialFailed(failure_reason(err)) from None
 
@@ -290,7 +304,9 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
     table = TrialTable(redis_url, job_id, metric, sweep.mode, epochs)
     search_alg = searcher(sweep)
     space = param_space(sweep)
-    checkpoints = None
+    own = in_trial(sweep)
+    # a trial training in itself reports a checkpoint every epoch: Tune keeps the last few, as Ray Train did
+    checkpoints = tune.CheckpointConfig(num_to_keep=keep_checkpoints()) if own else None
     if sweep.scheduler == "asha":
         scheduler: Any = ASHAScheduler(max_t=epochs, grace_period=min(sweep.grace_period, epochs),
                                        reduction_factor=2, time_attr="epochs")
@@ -304,10 +320,14 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
         checkpoints = tune.CheckpointConfig(num_to_keep=4)  # PBT warns of early deletion at 2 or fewer
     else:
         scheduler = FIFOScheduler()
-    # a trial's driver only waits on its TorchTrainer: no CPU (Tune needs some resource in a trial's placement
-    # group, so a token of memory), so max_concurrent_trials x the workers' CPUs is all a sweep holds in Ray
-    trainable = tune.with_resources(pbt_trial if sweep.scheduler == "pbt" else trial,
-                                    {"cpu": 0, "memory": DRIVER_MEMORY})
+    # a trial training in itself holds its one worker's CPUs; a trial's driver only waits on its TorchTrainer:
+    # no CPU (Tune needs some resource in a trial's placement group, so a token of memory); either way
+    # max_concurrent_trials x the workers' CPUs is all a sweep holds in Ray
+    if own:
+        trainable = tune.with_resources(own_trial, trial_resources(sweep))
+    else:
+        trainable = tune.with_resources(pbt_trial if sweep.scheduler == "pbt" else trial,
+                                        {"cpu": 0, "memory": DRIVER_MEMORY})
     path = os.path.join(storage, f"sweep-{job_id}")
     sink = RedisSink(redis_url, job_id)
     if tune.Tuner.can_restore(path):
