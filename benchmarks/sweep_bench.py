@@ -4,10 +4,11 @@ Both parts run on one embedded stack (real Redis, a local Ray head, the API and 
 and submit over REST, as a user would.
 
 1. Overhead: k identical trials (the same spec k times) as one sweep with one trial at a time,
-   against the same spec submitted as k experiments one after another (each waited for), and the
-   sweep again with two trials at once. Wall time from the first submit to the last end; the
-   ratio sweep / sequential is Tune's overhead (its driver, per-trial driver functions, reports
-   forwarded to Tune) net of the Ray Train start-up every trial pays anyway.
+   against the same spec run k times in-process (``tlab run --local``, one process each, one after
+   another), submitted as k experiments one after another (each waited for), and the sweep again
+   with two trials at once. Wall time from the first submit to the last end; the ratio sweep /
+   in-process is what a sweep costs beyond the training itself (issue 15's floor: ≤ 1.5 for k = 4,
+   10 epochs, one at a time), sweep / sequential is Tune's overhead over the experiments' route.
 2. Search: the paper's MNIST row on digits (MLP [1024, 1024], SGD η_prim = 2e-4, teleport before
    epochs 0-4 with n = 32, t = 8, b = 4; see benchmarks/convergence.py) — a 12-trial random search
    with ASHA over η_tele (log-uniform 0.02-2), CAP (1, 2, 5, 10, 20) and τ (1, 0.999, 0.99) on the
@@ -22,6 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,7 +39,7 @@ PARTS = ("overhead", "search")
 TERMINAL = {"succeeded", "failed", "cancelled"}
 TINY = {"dataset": {"name": "digits"}, "model": {"kind": "mlp", "hidden": [32]},
         "training": {"epochs": 10, "batch_size": 64}, "teleport": {"enabled": False},
-        "resources": {"cpus_per_worker": 0.9}}  # as recorded (trial drivers then held 0.1 CPU; now none)
+        "resources": {"cpus_per_worker": 0.9}}  # as recorded (a 1-worker trial now holds these 0.9 itself)
 PAPER_DEFAULT = {"teleport.lr": 0.2, "teleport.cap": 5.0, "teleport.tau": 1.0}
 TARGET = 2.0
 SEARCH_SPACE = {"teleport.lr": {"loguniform": [0.02, 2.0]}, "teleport.cap": {"choice": [1, 2, 5, 10, 20]},
@@ -71,9 +75,24 @@ def run_sweep(c: Client, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     return time.perf_counter() - t0, view
 
 
+def in_process(spec: dict[str, Any], k: int) -> dict[str, Any]:
+    """``tlab run SPEC --local`` k times, one after another, each its own process (as a person runs it)."""
+    per_run = []
+    with tempfile.TemporaryDirectory(prefix="tlab-sweep-bench-local-") as tmp:
+        path = Path(tmp, "spec.json")
+        path.write_text(json.dumps(spec))
+        env = {**os.environ, "RAY_ADDRESS": ""}
+        for i in range(k):
+            s = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "workers.cli", "run", str(path), "--local", "--no-progress",
+                            "--out", str(Path(tmp, f"run-{i}"))], check=True, env=env, stdout=subprocess.DEVNULL)
+            per_run.append(time.perf_counter() - s)
+    return {"seconds": sum(per_run), "per_run_s": per_run}
+
+
 def overhead(c: Client, k: int, epochs: int) -> dict[str, Any]:
     spec = {**TINY, "training": {**TINY["training"], "epochs": epochs}}
-    rows: dict[str, Any] = {}
+    rows: dict[str, Any] = {"in-process": in_process(spec, k)}
     t0 = time.perf_counter()
     per_job = []
     for i in range(k):
@@ -88,11 +107,13 @@ def overhead(c: Client, k: int, epochs: int) -> dict[str, Any]:
         seconds, view = run_sweep(c, body)
         assert len(view["trials"]) == k and all(t["epochs"] == epochs for t in view["trials"]), view["trials"]
         rows[f"sweep, {concurrent} at once"] = {"seconds": seconds, "trials": len(view["trials"])}
-    base = rows["sequential"]["seconds"]
+    base, local = rows["sequential"]["seconds"], rows["in-process"]["seconds"]
     for row in rows.values():
         row["ratio_to_sequential"] = row["seconds"] / base
-    print_table(["route", "k", "seconds", "ratio to sequential"],
-                [[name, k, f"{r['seconds']:.1f}", f"{r['ratio_to_sequential']:.2f}"] for name, r in rows.items()])
+        row["ratio_to_in_process"] = row["seconds"] / local
+    print_table(["route", "k", "seconds", "per run", "ratio to in-process", "ratio to sequential"],
+                [[name, k, f"{r['seconds']:.1f}", f"{r['seconds'] / k:.1f}", f"{r['ratio_to_in_process']:.2f}",
+                  f"{r['ratio_to_sequential']:.2f}"] for name, r in rows.items()])
     return {"k": k, "epochs": epochs, "spec": spec, "rows": rows}
 
 
