@@ -6,6 +6,8 @@ set (the smoke tests point it at a temp dir); ``--quick`` runs go to a temp dir 
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -14,7 +16,7 @@ import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,26 @@ def set_threads(threads: int) -> int:
     """Pin torch's intra-op thread count (the benchmarks say which they used) and return it."""
     torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+def add_machine_args(parser: argparse.ArgumentParser) -> None:
+    """``--threads`` and ``--wait``: the options of every in-process timing benchmark."""
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    parser.add_argument("--wait", type=float, default=None,
+                        help="seconds to wait for a quiet machine first (default 120, quick 0)")
+
+
+@contextlib.contextmanager
+def quiet_machine(name: str, args: argparse.Namespace) -> Iterator[int]:
+    """Wait for a quiet machine (``--wait``; none with ``--quick``), pin ``--threads`` and say so; restore after."""
+    wait_for_quiet(timeout=args.wait if args.wait is not None else (0 if args.quick else 120))
+    previous = torch.get_num_threads()
+    threads = set_threads(args.threads)
+    print(f"{name}: torch {torch.__version__}, torch.set_num_threads({threads})", flush=True)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(previous)
 
 
 def machine_info() -> dict[str, Any]:

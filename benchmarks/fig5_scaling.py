@@ -30,13 +30,13 @@ from torch import nn
 
 from benchmarks.common import (
     Canary,
+    add_machine_args,
     leaky_mlp,
     loglog_slope,
     print_table,
-    set_threads,
+    quiet_machine,
     time_interleaved,
     verdict,
-    wait_for_quiet,
     write_result,
 )
 from teleport import TeleportConfig, TeleportReport, symmetry_teleport_batch, teleport_batch
@@ -184,24 +184,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds), for the smoke test")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per point (default 5, quick 1)")
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--factors", nargs="+", choices=FACTORS, default=list(FACTORS),
                         help="sweep only these factors (results then go to fig5_scaling_<factors>.json)")
-    parser.add_argument("--wait", type=float, default=None,
-                        help="seconds to wait for a quiet machine first (default 120, quick 0)")
+    add_machine_args(parser)
     args = parser.parse_args(argv)
-    wait_for_quiet(timeout=args.wait if args.wait is not None else (0 if args.quick else 120))
-    previous = torch.get_num_threads()
-    threads = set_threads(args.threads)
-    print(f"fig5_scaling: torch {torch.__version__}, torch.set_num_threads({threads})", flush=True)
-    try:
+    with quiet_machine("fig5_scaling", args):
         base, sweeps = (QUICK_BASE, QUICK_SWEEPS) if args.quick else (BASE, SWEEPS)
         result = run(base, {f: sweeps[f] for f in FACTORS if f in args.factors}, warmup=0 if args.quick else 1,
                      repeats=args.repeats or (1 if args.quick else 5))
         name = "fig5_scaling" if set(args.factors) == set(FACTORS) else "fig5_scaling_" + "".join(args.factors)
         write_result(name, {"quick": args.quick, **result})  # machine info: the threads it ran with
-    finally:
-        torch.set_num_threads(previous)
     return result
 
 

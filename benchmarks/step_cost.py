@@ -37,12 +37,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.common import (
     Canary,
+    add_machine_args,
     leaky_mlp,
     print_table,
-    set_threads,
+    quiet_machine,
     time_interleaved,
     verdict,
-    wait_for_quiet,
     write_result,
 )
 from teleport import SerialExecutor, TeleportConfig, TeleportReport, capture_inputs, teleport_batch
@@ -255,22 +255,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="tiny models (seconds), for the smoke test")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 7, quick 1)")
     parser.add_argument("--steps", type=int, default=None, help=f"teleport steps t (default {STEPS}, quick 2)")
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
-    parser.add_argument("--wait", type=float, default=None,
-                        help="seconds to wait for a quiet machine first (default 120, quick 0)")
+    add_machine_args(parser)
     args = parser.parse_args(argv)
-    wait_for_quiet(timeout=args.wait if args.wait is not None else (0 if args.quick else 120))
-    previous = torch.get_num_threads()
-    threads = set_threads(args.threads)
-    print(f"step_cost: torch {torch.__version__}, torch.set_num_threads({threads})", flush=True)
-    try:
+    with quiet_machine("step_cost", args):
         if args.quick:
             result = run(True, args.steps or 2, warmup=0, repeats=args.repeats or 1)
         else:
             result = run(False, args.steps or STEPS, warmup=2, repeats=args.repeats or 7)
         write_result("step_cost", {"quick": args.quick, **result})  # machine info: the threads it ran with
-    finally:
-        torch.set_num_threads(previous)
     return result
 
 
