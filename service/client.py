@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ class ApiError(RuntimeError):
 class Event:
     id: str
     kind: str
-    data: dict[str, Any]
+    data: Any  # a JSON event's object, or a log event's text
 
 
 def home() -> Path:
@@ -106,16 +106,31 @@ class Client:
 
     def events(self, job_id: str, last_id: str | None = None, reconnect: bool = True) -> Iterator[Event]:
         """The job's events until ``end``; on a dropped connection it reconnects with ``Last-Event-ID``."""
+        return self.stream(f"/v1/experiments/{job_id}/events", last_id, reconnect)
+
+    def logs(self, job_id: str, rank: str = "0", tail: int | None = None, attempt: int | None = None) -> str:
+        """What the rank printed, as kept in storage (``GET .../logs``)."""
+        params = {"rank": rank} | ({"tail": tail} if tail is not None else {}) | (
+            {"attempt": attempt} if attempt is not None else {})
+        return self.request("GET", f"/v1/experiments/{job_id}/logs", params=params).text
+
+    def follow_logs(self, job_id: str, rank: str = "0", last_id: str | None = None) -> Iterator[Event]:
+        """The rank's log as ``log`` events (data: the new lines) until the job has ended, then ``end``."""
+        return self.stream(f"/v1/experiments/{job_id}/logs/stream?rank={rank}", last_id, True, decode=str)
+
+    def stream(self, path: str, last_id: str | None, reconnect: bool,
+               decode: Callable[[str], Any] | None = None) -> Iterator[Event]:
+        """An SSE route's events until ``end``; on a dropped connection it reconnects with ``Last-Event-ID``.
+        ``decode`` reads each event's data (default JSON)."""
         while True:
             headers = {"Last-Event-ID": last_id} if last_id else {}
             try:
-                with self.http.stream("GET", f"/v1/experiments/{job_id}/events", headers=headers,
-                                      timeout=httpx.Timeout(30.0, read=60.0)) as r:
+                with self.http.stream("GET", path, headers=headers, timeout=httpx.Timeout(30.0, read=60.0)) as r:
                     if r.status_code >= 400:
                         r.read()
                         raise ApiError(r.status_code, str(r.json().get("detail", r.text)))
-                    for event in parse_sse(r.iter_lines()):
-                        last_id = event.id
+                    for event in parse_sse(r.iter_lines(), decode or json.loads):
+                        last_id = event.id or last_id
                         yield event
                         if event.kind == "end":
                             return
@@ -125,13 +140,14 @@ class Client:
                 time.sleep(1.0)
 
 
-def parse_sse(lines: Iterator[str]) -> Iterator[Event]:
-    """Events from SSE lines (``id:``, ``event:``, ``data:``; comments and ``retry:`` skipped)."""
+def parse_sse(lines: Iterator[str], decode: Callable[[str], Any] = json.loads) -> Iterator[Event]:
+    """Events from SSE lines (``id:``, ``event:``, ``data:``; comments and ``retry:`` skipped); ``decode`` reads
+    an event's data (JSON, or ``str`` for a log's lines)."""
     eid, kind, data = "", "message", []
     for line in lines:
         if not line:
             if data:
-                yield Event(eid, kind, json.loads("\n".join(data)))
+                yield Event(eid, kind, decode("\n".join(data)))
             eid, kind, data = "", "message", []
         elif line.startswith(":"):
             continue

@@ -41,12 +41,25 @@ def train_worker(config: dict[str, Any]) -> None:
     """What every Ray Train worker runs: build the context, then the one training loop."""
     import ray.train
 
-    from workers.context import RayTrainContext
-    from workers.local import TrainingDiverged, train
-
     if config.get("pid_dir"):  # lets tests (and operators) find a worker process to kill
         rank = ray.train.get_context().get_world_rank()
         Path(config["pid_dir"], f"rank{rank}.pid").write_text(str(os.getpid()))
+    if config.get("log_storage"):  # a service job's worker: its log is kept in storage (workers.job_logs)
+        from workers.job_logs import attempt_of, capture
+
+        rank = ray.train.get_context().get_world_rank()
+        name, attempt = f"rank-{rank}", attempt_of(config["redis_url"], config["job_id"])
+        with capture(config["log_storage"], config["job_id"], name, attempt):
+            return _train(config)
+    return _train(config)
+
+
+def _train(config: dict[str, Any]) -> None:
+    import ray.train
+
+    from workers.context import RayTrainContext
+    from workers.local import TrainingDiverged, train
+
     spec = ExperimentSpec.model_validate(config["spec"])
     ctx = RayTrainContext(_worker_sink(config, ray.train.get_context().get_world_rank()),
                           resume_from=config.get("resume_from"), artifacts_dir=config.get("artifacts_dir"))
@@ -73,11 +86,13 @@ def build_trainer(
     callbacks: list[Any] | None = None,
     resume_from: Any = None,
     artifacts: str | Path | None = None,
+    keep_logs: bool = False,
 ) -> TorchTrainer:
     """One place turns a spec into a TorchTrainer (scaling, storage, failures, checkpoints).
     ``trial`` tags the events of a sweep's trial in the sweep's stream; ``callbacks`` go to RunConfig;
     ``resume_from``: a checkpoint to start from (Ray Train V2 takes it through the loop's config);
-    ``artifacts``: the directory the loop sees as ``ctx.artifacts_dir``. Checkpoints kept: the last
+    ``artifacts``: the directory the loop sees as ``ctx.artifacts_dir``; ``keep_logs``: each rank's output is
+    kept under the storage path (``workers.job_logs``; a service job's, not a trial's). Checkpoints kept: the last
     ``TLAB_KEEP_CHECKPOINTS`` (default 2)."""
     loop_config = {
         "spec": spec.model_dump(mode="json"),
@@ -88,6 +103,7 @@ def build_trainer(
         "pid_dir": None if pid_dir is None else str(pid_dir),
         "resume_from": resume_from,
         "artifacts_dir": None if artifacts is None else str(artifacts),
+        "log_storage": str(storage_path) if keep_logs else None,
     }
     return TorchTrainer(
         train_worker,

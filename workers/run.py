@@ -33,6 +33,7 @@ from api_schemas import ExperimentSpec, keys
 from api_schemas.reasons import FAILURE_MARK, one_line
 from workers.artifacts import artifacts_dir
 from workers.failure import JobFailed, failure_reason
+from workers.job_logs import attempt_of, capture
 from workers.redis_sink import RedisSink
 
 
@@ -98,7 +99,7 @@ def fit_trainer(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str,
         ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
     found = checkpoints([Path(storage) / job_id])
     trainer = build_trainer(spec, name=job_id, storage_path=storage, redis_url=redis_url, job_id=job_id,
-                            max_failures=max_failures, artifacts=out,
+                            max_failures=max_failures, artifacts=out, keep_logs=True,
                             resume_from=Checkpoint.from_directory(str(found[0])) if found else None)
     return dict(trainer.fit().metrics or {})
 
@@ -142,11 +143,17 @@ def job_main(prog: str, description: str, run: Callable[[str, str, str], dict], 
     except SetupError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    sink = RedisSink(redis_url, args.job)
+    with capture(storage, args.job, "driver", attempt_of(redis_url, args.job)):
+        return guarded(args.job, redis_url, storage, run)
+
+
+def guarded(job_id: str, redis_url: str, storage: str, run: Callable[[str, str, str], dict]) -> int:
+    """``run`` with its status events and its exit status, every failure a one-line reason."""
+    sink = RedisSink(redis_url, job_id)
     sink.emit({"kind": "status", "state": "running", "pid": os.getpid()})
     signal.signal(signal.SIGTERM, raise_stopped)  # unwinds through run()'s finally: the artifacts are exported
     try:
-        summary = run(args.job, redis_url, storage)
+        summary = run(job_id, redis_url, storage)
     except Stopped as err:
         sink.emit({"kind": "log", "level": "info", "message": str(err)})
         return 143

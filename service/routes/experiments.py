@@ -1,4 +1,4 @@
-"""Experiments: submit (or dry-run), list, get, cancel, follow (SSE), metrics, plot, logs."""
+"""Experiments: submit (or dry-run), list, get, cancel, follow (SSE), metrics, plot (logs: ``routes.logs``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Response
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from api_schemas.jobs import DryRun, ExperimentSubmit, JobList, JobView, MetricsView, UserPublic
 from api_schemas.sweeps import SweepSubmit
@@ -19,7 +19,7 @@ from service.responses import AUTHED, LISTED, OWNED, STREAMS, SUBMIT, error
 from service.store import demand_of
 from service.strict import strict_json
 from service.submit import dry_run_view, enqueue, known_nodes, never_fits
-from service.views import list_jobs, log_text, metrics_csv
+from service.views import list_jobs, metrics_csv
 
 router = APIRouter(prefix="/v1/experiments", tags=["experiments"], responses=AUTHED)
 IdempotencyKey = Annotated[str | None, Header(max_length=200)]
@@ -143,16 +143,3 @@ def plot(job_id: str, st: StateDep, user: CurrentUser,
     buf = io.BytesIO()
     plot_curves(runs, buf, title=None, fmt="png", x=x)
     return Response(buf.getvalue(), media_type="image/png")
-
-
-@router.get("/{job_id}/logs", response_class=PlainTextResponse, responses=OWNED)
-def logs(job_id: str, st: StateDep, user: CurrentUser) -> str:
-    """The Ray job's driver log while Ray still has it, then the job's own log events."""
-    sid = own_job(st, user, job_id).get("ray_job_id")
-    driver_log = None
-    if sid:
-        try:
-            driver_log = st.ray_jobs().logs(sid)
-        except Exception:
-            driver_log = None
-    return log_text(driver_log, job_records(st, job_id))

@@ -153,6 +153,13 @@ def test_tlab_up_restart_mid_run_resumes_from_checkpoint(tmp_path: Path) -> None
         assert states.count("queued") == 2 and "vanished" in json.dumps([e.data for e in events])
         # it resumed: the second attempt did not redo the first three epochs
         assert view["summary"]["epochs"] == 12
+        # both attempts' logs outlive the first cluster: kept in storage, the last words of the second included
+        first, second = c.logs(job, attempt=1), c.logs(job)
+        assert first.startswith("[tlab] driver of job") and ", attempt 1: pid" in first
+        assert ", attempt 2: pid" in second and "model.safetensors" in c.logs(job, tail=1)
+        followed = list(c.follow_logs(job))
+        assert followed[-1].kind == "end" and {e.id.split(":")[0] for e in followed[:-1]} == {"1", "2"}
+        assert [line for e in followed[:-1] for line in e.data.split("\n")] == first.splitlines() + second.splitlines()
 
 
 def test_queue_says_why_jobs_wait_quota_and_room(stack: Stack) -> None:
@@ -179,6 +186,7 @@ def test_queue_says_why_jobs_wait_quota_and_room(stack: Stack) -> None:
         assert cluster["running_jobs"] == [long] and cluster["cpus_free"] == 1 and cluster["scheduler_alive"]
         alice.cancel(long)
         assert wait_state(admin, big, {"succeeded", "failed"})["state"] == "succeeded"
+        assert "[tlab] rank-1 of job" in admin.logs(big, rank="1")  # each Ray Train worker's log is kept
         assert wait_state(alice, second, {"succeeded", "failed"})["state"] == "succeeded"
         assert alice.get(long)["state"] == "cancelled"
 

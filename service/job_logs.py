@@ -1,0 +1,146 @@
+"""Reading the logs a job's processes keep in storage (``workers.job_logs`` writes them): a tail, and a follow.
+
+Files: ``$TLAB_STORAGE/<job>/logs/attempt-<n>/driver.log`` (the Ray job's entrypoint; a 1-worker job trains
+there, so it is also rank 0's) and ``rank-<r>.log`` (Ray Train workers). They are plain files on the storage
+every node shares, so they are readable after Ray has forgotten the job and after a cluster restart.
+
+A follow is Server-Sent Events whose ``id`` is ``<attempt>:<byte offset>``: a reconnect with ``Last-Event-ID``
+goes on from that byte. It moves on to the next attempt's file when the job is started again (a requeue after a
+preemption or a lost cluster), and ends with an ``end`` event once the job has ended and its file is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+from service.errors import InvalidInput
+
+CHUNK = 64 * 1024  # bytes per SSE event at most
+POLL_S = 0.5  # how often a follow looks for new bytes
+_ATTEMPT = re.compile(r"attempt-(\d+)")
+_CURSOR = re.compile(r"(\d+):(\d+)")
+
+
+def root(storage: str | Path, job_id: str) -> Path:
+    return Path(storage) / job_id / "logs"
+
+
+def attempts(storage: str | Path, job_id: str) -> list[int]:
+    base = root(storage, job_id)
+    if not base.is_dir():
+        return []
+    return sorted(int(m.group(1)) for d in base.iterdir() if (m := _ATTEMPT.fullmatch(d.name)) and d.is_dir())
+
+
+def file_of(storage: str | Path, job_id: str, rank: str, attempt: int) -> Path:
+    """The log file of ``rank`` (a number or ``driver``) in ``attempt``; rank 0 of a job that trained in its
+    driver is the driver's file."""
+    folder = root(storage, job_id) / f"attempt-{attempt}"
+    if rank == "driver":
+        return folder / "driver.log"
+    path = folder / f"rank-{rank}.log"
+    return path if path.exists() or rank != "0" else folder / "driver.log"
+
+
+def pick_attempt(storage: str | Path, job_id: str, attempt: int | None) -> int | None:
+    """``attempt`` if it has logs (a 422 listing those that do if not); the newest when None; None: no logs."""
+    have = attempts(storage, job_id)
+    if attempt is None:
+        return have[-1] if have else None
+    if attempt not in have:
+        listed = ", ".join(map(str, have)) or "none yet"
+        raise InvalidInput(f"attempt {attempt} kept no logs (attempts with logs: {listed})", field="attempt")
+    return attempt
+
+
+def tail(path: Path, lines: int | None) -> str:
+    """The file's last ``lines`` lines (all when None); reads only as much of the end as it needs."""
+    if not path.exists():
+        return ""
+    with path.open("rb") as f:
+        size = f.seek(0, 2)
+        if lines is None:
+            f.seek(0)
+            return f.read().decode(errors="replace")
+        block, data = 8192, b""
+        while data.count(b"\n") <= lines and len(data) < size:
+            block = min(block * 2, size)
+            f.seek(size - block)
+            data = f.read(block)
+    kept = data.splitlines(keepends=True)[-lines:] if lines else []
+    return b"".join(kept).decode(errors="replace")
+
+
+def parse_cursor(last_event_id: str | None) -> tuple[int, int] | None:
+    if last_event_id is None:
+        return None
+    m = _CURSOR.fullmatch(last_event_id)
+    if not m:
+        raise InvalidInput("Last-Event-ID of a log stream is <attempt>:<offset>, like 1:2048", field="Last-Event-ID")
+    return int(m.group(1)), int(m.group(2))
+
+
+def sse_chunk(attempt: int, offset: int, data: bytes) -> str:
+    lines = data.decode(errors="replace").split("\n")
+    return f"id: {attempt}:{offset}\nevent: log\n" + "".join(f"data: {line}\n" for line in lines) + "\n"
+
+
+class _Follow:
+    """Where a follow stands: the attempt and the byte offset of the next unsent byte."""
+
+    def __init__(self, storage: str | Path, job_id: str, rank: str, cursor: tuple[int, int] | None) -> None:
+        self.storage, self.job_id, self.rank = storage, job_id, rank
+        self.attempt, self.offset = cursor if cursor else (0, 0)
+
+    def read(self, ended: bool) -> tuple[str | None, bool]:
+        """(an event with what is new, or None; whether there is nothing more to wait for in this attempt)."""
+        newer = [a for a in attempts(self.storage, self.job_id) if a > self.attempt]
+        path = file_of(self.storage, self.job_id, self.rank, self.attempt) if self.attempt else None
+        data = b""
+        if path is not None and path.exists():
+            with path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read(CHUNK)
+        done = bool(newer) or ended
+        cut = data.rfind(b"\n") + 1
+        if cut and (not done or len(data) == CHUNK):
+            data = data[:cut]  # whole lines: a partial last line waits for its end while the job writes
+        elif not done and len(data) < CHUNK:
+            data = b""
+        if data:
+            start, self.offset = self.offset, self.offset + len(data)
+            return sse_chunk(self.attempt, start, data[:-1] if data.endswith(b"\n") else data), False
+        if newer:
+            self.attempt, self.offset = newer[0], 0
+            return None, False
+        return None, ended
+
+
+async def follow(storage: str | Path, job_id: str, rank: str, cursor: tuple[int, int] | None,
+                 ended: Callable[[], Awaitable[bool]], still_valid: Callable[[], Awaitable[bool]],
+                 heartbeat_s: float) -> AsyncIterator[str]:
+    """SSE text: the rank's log from ``cursor`` (the start when None), then what is written, until the job has
+    ended and its last file is read (``end``), or the caller's token stops signing in."""
+    state = _Follow(storage, job_id, rank, cursor)
+    yield "retry: 2000\n\n"
+    quiet = 0.0
+    while True:
+        is_ended = await ended()  # before the read: bytes written before the end are read after it
+        event, finished = await asyncio.to_thread(state.read, is_ended)
+        if event:
+            quiet = 0.0
+            yield event
+            continue
+        if finished:
+            yield "event: end\ndata: {}\n\n"
+            return
+        if not await still_valid():
+            return
+        await asyncio.sleep(POLL_S)
+        quiet += POLL_S
+        if quiet >= heartbeat_s:
+            quiet = 0.0
+            yield ": keep-alive\n\n"

@@ -1,0 +1,67 @@
+"""Logs: what every process of a job printed, kept in storage (``service.job_logs``), as text or followed (SSE)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import PlainTextResponse, StreamingResponse
+
+from api_schemas import keys
+from api_schemas.jobs import TERMINAL, JobState
+from service import job_logs
+from service.deps import CurrentUser, StateDep, StreamToken, StreamUser, own_job
+from service.responses import AUTHED, OWNED, STREAMS
+from service.routes.experiments import SSE_HEADERS, LastEventId, job_records
+from service.views import log_text
+
+router = APIRouter(prefix="/v1/experiments", tags=["logs"], responses=AUTHED)
+Rank = Annotated[str, Query(pattern=r"^(\d{1,4}|driver)$", description="a worker's rank, or `driver` (the Ray job's "
+                            "entrypoint; rank 0 of a 1-worker job, which trains there)")]
+Attempt = Annotated[int | None, Query(ge=1, le=10_000, description="which start of the job (default: the newest)")]
+Tail = Annotated[int | None, Query(ge=0, le=100_000, description="only the last N lines")]
+
+
+@router.get("/{job_id}/logs", response_class=PlainTextResponse, responses=OWNED)
+def logs(job_id: str, st: StateDep, user: CurrentUser, rank: Rank = "0", attempt: Attempt = None,
+         tail: Tail = None) -> str:
+    """What the rank printed (stdout and stderr), kept in storage: readable after Ray forgot the job and after a
+    cluster restart. A job that kept none (it never started, or ran before logs were kept): the Ray driver's log
+    while Ray still has it, then the job's log events."""
+    own_job(st, user, job_id)
+    chosen = job_logs.pick_attempt(st.settings.storage_path, job_id, attempt)
+    if chosen is not None:
+        return job_logs.tail(job_logs.file_of(st.settings.storage_path, job_id, rank, chosen), tail)
+    return log_text(ray_driver_log(st, job_id), job_records(st, job_id))
+
+
+def ray_driver_log(st: StateDep, job_id: str) -> str | None:
+    sid = st.store.raw(job_id).get("ray_job_id")
+    if not sid:
+        return None
+    try:
+        return st.ray_jobs().logs(sid)
+    except Exception:  # Ray forgot the job, or the head is down: the events still say what happened
+        return None
+
+
+@router.get("/{job_id}/logs/stream",
+            responses={200: {"content": {"text/event-stream": {}},
+                             "description": "SSE: `log` events (data: the new lines; id: attempt:offset), `end`"}}
+            | OWNED | STREAMS)
+async def follow_logs(job_id: str, st: StateDep, user: StreamUser, token: StreamToken, rank: Rank = "0",
+                      last_event_id: LastEventId = None) -> StreamingResponse:
+    """Follow the rank's log as it is written, across the job's restarts; ``Last-Event-ID`` resumes at that byte.
+    Ends (event ``end``) when the job has ended and its log is read to the end."""
+    await run_in_threadpool(own_job, st, user, job_id)
+    cursor = job_logs.parse_cursor(last_event_id)
+
+    async def ended() -> bool:
+        state = await st.aredis.hget(keys.job(job_id), "state")
+        return state is None or JobState(state) in TERMINAL
+
+    stream = job_logs.follow(st.settings.storage_path, job_id, rank, cursor, ended,
+                             lambda: st.still_valid(token), st.settings.heartbeat_s)
+    return StreamingResponse(st.count_stream(user.name, stream), media_type="text/event-stream",
+                             headers=SSE_HEADERS)

@@ -1,0 +1,129 @@
+"""Every process of a job keeps its stdout and stderr in storage, so its log outlives Ray's memory of the job.
+
+``capture(storage, job_id, name, attempt)`` tees file descriptors 1 and 2 (Python's prints, C extensions,
+subprocesses that inherit them) through a pipe: each chunk still goes where it went (Ray's own log files) and is
+appended to ``$TLAB_STORAGE/<job>/logs/attempt-<n>/<name>.log``. ``name`` is ``driver`` for the Ray job's
+entrypoint (a 1-worker job trains there: its rank 0) and ``rank-<r>`` for a Ray Train worker.
+
+The job's logs are capped together at ``TLAB_MAX_LOG_MB`` (default 20): each writer re-reads the size of the
+job's log files every 64 KiB it writes, and when the cap is reached writes one line that says so and keeps no more.
+The final lines are never lost: ``sys.stdout`` is line-buffered while captured, and leaving the context (a normal
+end, an exception, the SIGTERM of a cancel, time limit or preemption, which the entrypoint turns into one) flushes
+Python's buffers and drains the pipe before it returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+RECHECK_BYTES = 64 * 1024  # a writer re-reads the job's total log size this often
+DRAIN_TIMEOUT_S = 5.0  # at exit: how long to wait for the pipe to drain (a forked child may hold it open)
+
+
+def max_log_bytes() -> int:
+    return int(float(os.environ.get("TLAB_MAX_LOG_MB", "20")) * 2**20)
+
+
+def logs_root(storage: str | Path, job_id: str) -> Path:
+    return Path(storage) / job_id / "logs"
+
+
+def log_bytes(root: Path) -> int:
+    """The size of every log file of the job (all attempts, all processes)."""
+    if not root.is_dir():
+        return 0
+    return sum(f.stat().st_size for d in root.iterdir() if d.is_dir() for f in d.glob("*.log"))
+
+
+def cap_line(cap: int) -> bytes:
+    return (f"\n[tlab] this job's logs reached their cap of {cap / 2**20:g} MB (TLAB_MAX_LOG_MB): "
+            "output after this line is not kept\n").encode()
+
+
+class _Tee:
+    """The pump: reads the pipe, writes each chunk to the original stdout and, within the cap, to the file."""
+
+    def __init__(self, path: Path, root: Path, cap: int, out_fd: int) -> None:
+        self.file = open(path, "ab", buffering=0)  # noqa: SIM115 - closed by close()
+        self.root, self.cap, self.out_fd = root, cap, out_fd
+        self.since_check = RECHECK_BYTES  # check at the first write
+        self.full = False
+
+    def write(self, chunk: bytes) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self.out_fd, chunk)
+        if self.full:
+            return
+        if self.since_check >= RECHECK_BYTES:
+            self.since_check = 0
+            if log_bytes(self.root) + len(chunk) > self.cap:
+                self.full = True
+                self.file.write(cap_line(self.cap))
+                return
+        self.file.write(chunk)
+        self.since_check += len(chunk)
+
+    def pump(self, read_fd: int) -> None:
+        with contextlib.suppress(ValueError, OSError):  # closed under it: a forked child outlived the drain
+            while chunk := os.read(read_fd, 65536):
+                self.write(chunk)
+        os.close(read_fd)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+@contextlib.contextmanager
+def capture(storage: str | Path, job_id: str, name: str, attempt: int) -> Iterator[Path]:
+    """Keep this process's stdout and stderr in the job's log file ``name`` of ``attempt`` (see the module)."""
+    root = logs_root(storage, job_id)
+    path = root / f"attempt-{attempt}" / f"{name}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    tee = _Tee(path, root, max_log_bytes(), saved[1])
+    tee.file.write(f"[tlab] {name} of job {job_id}, attempt {attempt}: pid {os.getpid()} on "
+                   f"{socket.gethostname()}\n".encode())
+    read_fd, write_fd = os.pipe()
+    pump = threading.Thread(target=tee.pump, args=(read_fd,), name="tlab-log-tee", daemon=True)
+    pump.start()
+    for fd in (1, 2):
+        os.dup2(write_fd, fd)
+    os.close(write_fd)
+    line_buffered = getattr(sys.stdout, "line_buffering", True)
+    with contextlib.suppress(AttributeError, ValueError):
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    try:
+        yield path
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(ValueError, OSError):
+                stream.flush()
+        for fd in (1, 2):  # the pipe's last write ends close here: the pump reads to its end and stops
+            os.dup2(saved[fd], fd)
+        pump.join(DRAIN_TIMEOUT_S)
+        tee.close()
+        for fd in saved.values():
+            os.close(fd)
+        with contextlib.suppress(AttributeError, ValueError):
+            sys.stdout.reconfigure(line_buffering=line_buffered)  # type: ignore[union-attr]
+
+
+def attempt_of(redis_url: str, job_id: str) -> int:
+    """The scheduler's attempt number of the job (the ``attempts`` field it sets at each start; 1 if none)."""
+    import redis
+
+    from api_schemas import keys
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        return int(client.hget(keys.job(job_id), "attempts") or 1)
+    finally:
+        client.close()
