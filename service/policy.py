@@ -59,6 +59,7 @@ class ActiveJob:
 class Decision:
     starts: list[tuple[QueuedJob, list[str]]] = field(default_factory=list)  # (job, node per worker)
     order: list[tuple[str, str]] = field(default_factory=list)  # still queued, in order: (id, why it waits)
+    reserved: QueuedJob | None = None  # the first job that found no room: the one that may preempt (service.preemption)
 
 
 def _ledger_free(nodes: list[Node], active: list[ActiveJob]) -> dict[str, list[float]]:
@@ -199,7 +200,7 @@ def decide(queued: list[QueuedJob], active: list[ActiveJob], nodes: list[Node], 
             why = (f"no room: needs {job.demand.workers} x ({job.demand.cpus_per_worker:g} CPU, "
                    f"{job.demand.gpus_per_worker:g} GPU) at once; {_describe_free(free)}{outside}")
             if reserved is None:
-                reserved = job
+                reserved = decision.reserved = job
                 totals_c = sum(max(0.0, c) for c, _ in free.values())
                 totals_g = sum(max(0.0, g) for _, g in free.values())
                 biggest = max(free.values(), key=lambda cg: (cg[1], cg[0]), default=[0.0, 0.0])

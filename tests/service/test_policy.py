@@ -11,8 +11,9 @@ import pytest
 
 from api_schemas import keys
 from api_schemas.jobs import TERMINAL, TRANSITIONS, Demand, ExperimentSubmit, JobState, Quotas, UserCreate
-from service import policy
+from service import policy, preemption
 from service.policy import ActiveJob, Node, QueuedJob
+from service.preemption import Candidate
 from service.store import Store
 from tests.service.conftest import tiny
 
@@ -187,3 +188,89 @@ def test_what_ray_reports_in_use_beyond_the_ledger_is_not_handed_out() -> None:
     assert order(policy.decide([two, one], [mine], nodes, {}, {})) == [two.id, one.id]
     # not known (no autoscaler report): the ledger alone, as before
     assert policy.free_resources([Node("n", cpus=4, gpus=0)], [mine]) == {"n": [3.0, 0.0]}
+
+
+# ---- preemption (service.preemption): which running jobs make room for a waiting one; pure, no Ray
+
+
+def cpus(n: float, workers: int = 1) -> Demand:
+    return Demand(workers=workers, cpus_per_worker=n, gpus_per_worker=0)
+
+
+def running(job_id: str, n: float, priority: int = 0, started: float = 0.0, node: str = "n",
+            preemptible: bool = True) -> Candidate:
+    return Candidate(ActiveJob(job_id, "bob", cpus(n), (node,)), priority, started, preemptible)
+
+
+def preempted(demand: Demand, priority: int, jobs: list[Candidate], nodes: list[Node] | None = None,
+              stopping: tuple[ActiveJob, ...] = (), enabled: bool = True) -> tuple[list[str], str]:
+    """(the victims' ids, the note added to the waiting job's reason) on a 4-CPU node unless ``nodes``."""
+    nodes = nodes or [Node("n", cpus=4, gpus=0)]
+    free = policy.free_resources(nodes, [c.job for c in jobs] + list(stopping))
+    plan = preemption.plan(demand, priority, free, jobs, list(stopping), enabled)
+    return [v.id for v in plan.victims], plan.note
+
+
+def test_preemption_takes_the_fewest_victims() -> None:
+    jobs = [running("a", 1, started=1), running("b", 1, started=2), running("c", 2, priority=1)]
+    # two priority-0 jobs would make room too, but one priority-1 job is fewer
+    assert preempted(cpus(2), 5, jobs)[0] == ["c"]
+    # a gang over two nodes needs both nodes' jobs: the whole gang must fit
+    nodes = [Node("n1", cpus=2, gpus=0), Node("n2", cpus=2, gpus=0)]
+    spread = [running("x", 2, node="n1"), running("y", 2, node="n2", started=1)]
+    assert sorted(preempted(cpus(2, workers=2), 5, spread, nodes)[0]) == ["x", "y"]
+
+
+def test_preemption_takes_the_lowest_priority_then_the_most_recent_first() -> None:
+    assert preempted(cpus(2), 5, [running("old_p1", 2, priority=1, started=5), running("p0", 2, started=0)])[0] \
+        == ["p0"]
+    victims, note = preempted(cpus(2), 5, [running("older", 2, started=1), running("newer", 2, started=2)])
+    assert victims == ["newer"] and note.startswith("; preempting newer (priority 0)")
+    # among equally few, the set whose highest-ranked victim ranks lowest: two priority-0 jobs, not a priority-3 one
+    jobs = [running("a", 1, started=3), running("b", 1, started=2), running("p3", 2, priority=3)]
+    assert preempted(cpus(2), 5, jobs + [running("d", 0.5, priority=4)], [Node("n", cpus=4.5, gpus=0)])[0] \
+        == ["p3"]  # one victim beats two
+    assert preempted(cpus(3), 5, jobs)[0] == ["a", "p3"]  # the more recent of the priority-0 jobs
+
+
+def test_equal_or_higher_priority_is_never_preempted() -> None:
+    assert preempted(cpus(4), 5, [running("same", 4, priority=5)]) == ([], "")
+    assert preempted(cpus(4), 5, [running("same", 2, priority=5), running("low", 2, priority=0)])[0] == []
+
+
+def test_no_preemption_for_a_job_that_would_still_not_fit() -> None:
+    victims, note = preempted(cpus(4), 5, [running("low", 2), running("high", 2, priority=9)])
+    assert victims == [] and "would still not make room" in note
+    assert preempted(cpus(8), 5, [running("low", 4)])[0] == []  # more than the whole cluster
+
+
+def test_non_preemptible_jobs_are_skipped() -> None:
+    jobs = [running("pinned", 2, started=9, preemptible=False), running("other", 2, started=1)]
+    assert preempted(cpus(2), 5, jobs)[0] == ["other"]
+    victims, note = preempted(cpus(2), 5, [running("pinned", 4, preemptible=False)])
+    assert victims == [] and note == "; cannot preempt pinned: resources.preemptible=false"
+
+
+def test_preemption_off_and_jobs_already_stopping() -> None:
+    assert preempted(cpus(4), 5, [running("low", 4)], enabled=False) == ([], "")
+    # a job already on its way out (preempted earlier, cancelled, at its time limit) counts as freed
+    leaving = ActiveJob("leaving", "bob", cpus(2), ("n",))
+    victims, note = preempted(cpus(2), 5, [running("low", 2)], stopping=(leaving,))
+    assert victims == [] and note == "; waiting for leaving to checkpoint and stop"
+    assert preempted(cpus(4), 5, [running("low", 2)], stopping=(leaving,))[0] == ["low"]  # not enough alone
+
+
+def test_past_the_exact_search_a_greedy_choice_is_still_minimal() -> None:
+    jobs = [running("a", 1, started=1), running("b", 1, started=2), running("c", 2, priority=1)]
+    free = policy.free_resources([Node("n", cpus=4, gpus=0)], [c.job for c in jobs])
+    chosen = preemption.choose_victims(cpus(2), 5, free, jobs, max_tries=0)
+    assert chosen is not None and sorted(v.id for v in chosen) == ["a", "b"]  # fits; neither can be dropped
+
+
+def test_the_first_job_without_room_is_the_one_that_may_preempt() -> None:
+    nodes = [Node("n", cpus=2, gpus=0)]
+    busy = [ActiveJob("x", "carol", cpus(2), ("n",))]
+    capped, big, small = q("carol", cpus(1), priority=9), q("alice", cpus(2), priority=5), q("bob", cpus(1))
+    d = policy.decide([capped, big, small], busy, nodes, {}, {"carol": Quotas(max_running_jobs=1)})
+    assert d.reserved == big  # carol's job waits for her quota, not for room
+    assert policy.decide([], busy, nodes, {}, {}).reserved is None
