@@ -16,7 +16,7 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
-from service.errors import InvalidInput
+from service.errors import InvalidInput, JobNotFound
 
 CHUNK = 64 * 1024  # bytes per SSE event at most
 POLL_S = 0.5  # how often a follow looks for new bytes
@@ -46,13 +46,13 @@ def file_of(storage: str | Path, job_id: str, rank: str, attempt: int) -> Path:
 
 
 def pick_attempt(storage: str | Path, job_id: str, attempt: int | None) -> int | None:
-    """``attempt`` if it has logs (a 422 listing those that do if not); the newest when None; None: no logs."""
+    """``attempt`` if it has logs (a 404 listing those that do if not); the newest when None; None: no logs."""
     have = attempts(storage, job_id)
     if attempt is None:
         return have[-1] if have else None
     if attempt not in have:
         listed = ", ".join(map(str, have)) or "none yet"
-        raise InvalidInput(f"attempt {attempt} kept no logs (attempts with logs: {listed})", field="attempt")
+        raise JobNotFound(f"attempt {attempt} kept no logs (attempts with logs: {listed})", field="attempt")
     return attempt
 
 

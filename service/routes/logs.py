@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Header, Query
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
@@ -13,7 +13,7 @@ from api_schemas.jobs import TERMINAL, JobState
 from service import job_logs
 from service.deps import CurrentUser, StateDep, StreamToken, StreamUser, own_job
 from service.responses import AUTHED, OWNED, STREAMS
-from service.routes.experiments import SSE_HEADERS, LastEventId, job_records
+from service.routes.experiments import SSE_HEADERS, job_records
 from service.views import log_text
 
 router = APIRouter(prefix="/v1/experiments", tags=["logs"], responses=AUTHED)
@@ -21,6 +21,8 @@ Rank = Annotated[str, Query(pattern=r"^(\d{1,4}|driver)$", description="a worker
                             "entrypoint; rank 0 of a 1-worker job, which trains there)")]
 Attempt = Annotated[int | None, Query(ge=1, le=10_000, description="which start of the job (default: the newest)")]
 Tail = Annotated[int | None, Query(ge=0, le=100_000, description="only the last N lines")]
+LogCursor = Annotated[str | None, Header(pattern=r"^\d{1,6}:\d{1,15}$", description="resume after this event's id "
+                                         "(`<attempt>:<byte offset>`)")]
 
 
 @router.get("/{job_id}/logs", response_class=PlainTextResponse, responses=OWNED)
@@ -51,7 +53,7 @@ def ray_driver_log(st: StateDep, job_id: str) -> str | None:
                              "description": "SSE: `log` events (data: the new lines; id: attempt:offset), `end`"}}
             | OWNED | STREAMS)
 async def follow_logs(job_id: str, st: StateDep, user: StreamUser, token: StreamToken, rank: Rank = "0",
-                      last_event_id: LastEventId = None) -> StreamingResponse:
+                      last_event_id: LogCursor = None) -> StreamingResponse:
     """Follow the rank's log as it is written, across the job's restarts; ``Last-Event-ID`` resumes at that byte.
     Ends (event ``end``) when the job has ended and its log is read to the end."""
     await run_in_threadpool(own_job, st, user, job_id)

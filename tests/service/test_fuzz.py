@@ -7,7 +7,7 @@ the admin's run may disable them.
 
 Left out, on purpose, and each for a reason:
 - ``/readyz`` answers 503 by design here (no scheduler in this fixture), which ``not_a_server_error`` fails;
-- the two SSE routes (``/events``) stream a live job until it ends, and no job ends here (no scheduler): each case
+- the SSE routes (``/events``, ``/logs/stream``) stream a live job until it ends, and no job ends here (no scheduler): each case
   would wait for its request timeout. The streams have their own tests (test_api.py, test_admission.py).
 - ``positive_data_acceptance`` takes a 422 as an answer on the two submit routes only: admission refuses, naming
   the field, specs that match the JSON Schema but can never run, which a JSON Schema cannot say (cross-field rules
@@ -27,7 +27,8 @@ from pathlib import Path
 from tests.service.conftest import Api, tiny
 
 ROTATE = "/v1/users/{name}/token"
-SKIPPED = ("/readyz", "/v1/experiments/{job_id}/events", "/v1/sweeps/{sweep_id}/events")
+SKIPPED = ("/readyz", "/v1/experiments/{job_id}/events", "/v1/sweeps/{sweep_id}/events",
+           "/v1/experiments/{job_id}/logs/stream")
 CONFIG = """
 [[operations]]
 include-path-regex = "^/v1/(experiments|sweeps)$"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from service import job_logs as reader
-from service.errors import InvalidInput
+from service.errors import InvalidInput, JobNotFound
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,7 +96,7 @@ def test_tail_and_which_file_a_rank_reads(tmp_path: Path) -> None:
     write(logs / "attempt-2" / "rank-1.log", "r1\n")
     assert reader.attempts(tmp_path, "j") == [1, 2]
     assert reader.pick_attempt(tmp_path, "j", None) == 2 and reader.pick_attempt(tmp_path, "nobody", None) is None
-    with pytest.raises(InvalidInput, match=r"attempt 3 kept no logs \(attempts with logs: 1, 2\)"):
+    with pytest.raises(JobNotFound, match=r"attempt 3 kept no logs \(attempts with logs: 1, 2\)"):
         reader.pick_attempt(tmp_path, "j", 3)
     assert reader.file_of(tmp_path, "j", "0", 2).name == "driver.log"  # trained in the driver
     assert reader.file_of(tmp_path, "j", "1", 2).name == "rank-1.log"
