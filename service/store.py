@@ -28,6 +28,7 @@ from api_schemas.jobs import (
     UserPublic,
     UserUpdate,
 )
+from api_schemas.lineage import lineage_view
 from api_schemas.redis_scripts import SUBMIT, TRANSITION
 from api_schemas.sweeps import SweepSubmit
 from service.errors import (
@@ -97,10 +98,11 @@ def demand_of(submit: ExperimentSubmit | SweepSubmit) -> Demand:
                   gpus_per_worker=r.gpus_per_worker)
 
 
-def _job_fields(job_id: str, owner: str, body: ExperimentSubmit | SweepSubmit, payload: str, now: float
-                ) -> dict[str, Any]:
-    """A new job's hash: ``payload`` is the body's JSON (a sweep keeps it whole, an experiment its spec)."""
-    fields: dict[str, Any] = {
+def _job_fields(job_id: str, owner: str, body: ExperimentSubmit | SweepSubmit, payload: str, now: float,
+                extra: dict[str, str] | None = None) -> dict[str, Any]:
+    """A new job's hash: ``payload`` is the body's JSON (a sweep keeps it whole, an experiment its spec);
+    ``extra``: more fields (a continued or forked job's lineage)."""
+    fields: dict[str, Any] = {**(extra or {}),
         "id": job_id, "owner": owner, "name": body.name or job_id, "state": JobState.QUEUED.value,
         "priority": body.priority, "tags": json.dumps(body.tags), "demand": demand_of(body).model_dump_json(),
         "created_at": repr(now), "updated_at": repr(now), "attempts": 0,
@@ -134,7 +136,8 @@ class Store:
 
     # ---- jobs -------------------------------------------------------------------------------
     def submit(self, owner: str, body: ExperimentSubmit | SweepSubmit, idempotency_key: str | None = None,
-               now: float | None = None, queued_cap: int | None = None) -> tuple[str, bool, int, float]:
+               now: float | None = None, queued_cap: int | None = None,
+               extra: dict[str, str] | None = None) -> tuple[str, bool, int, float]:
         """Queue a job: (id, created, queue length, created_at). A repeated Idempotency-Key with the same
         body returns the original id with created=False; with another body it raises IdempotencyConflict.
         With ``queued_cap``, TooManyRequests (429) if ``owner`` has that many jobs queued: counted and queued in
@@ -146,7 +149,7 @@ class Store:
         idem = keys.idempotency(owner, idempotency_key) if idempotency_key else ""
         args: list[Any] = [job_id, repr(now), f"{job_id}|{body_hash}", IDEMPOTENCY_TTL_S,
                            -1 if queued_cap is None else queued_cap, keys.job("")]
-        for k, v in _job_fields(job_id, owner, body, payload, now).items():
+        for k, v in _job_fields(job_id, owner, body, payload, now, extra).items():
             args += [k, v]
         status, value = self._submit(
             keys=[keys.job(job_id), keys.jobs(), keys.user_jobs(owner), keys.queue(), keys.events(job_id),
@@ -189,10 +192,11 @@ class Store:
             created_at=float(data["created_at"]), started_at=_opt_float(data.get("started_at")),
             finished_at=_opt_float(data.get("finished_at")), queue_position=position, pending_reason=reason,
             attempts=int(data.get("attempts", 0)), ray_job_id=data.get("ray_job_id") or None,
+            preemptions=int(data.get("preemptions") or 0), last_preemption=data.get("last_preemption") or None,
             progress=self.progress(job_id, data) if with_progress else Progress(),
             summary=json.loads(data["summary"]) if data.get("summary") else None,
             failure_reason=data.get("failure_reason") or None, after=json.loads(data.get("after") or "[]"),
-            notify=json.loads(data["notify"]) if data.get("notify") else None,
+            notify=json.loads(data["notify"]) if data.get("notify") else None, **lineage_view(data),
         )
 
     def progress(self, job_id: str, data: dict[str, str]) -> Progress:

@@ -27,11 +27,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import redis
 import torch
 
-from api_schemas import ExperimentSpec
-from workers.artifacts import checkpoints, last_training_state
-from workers.context import CheckpointRefused, RunContext, keep_checkpoints, write_checkpoint
+from api_schemas import ExperimentSpec, keys
+from api_schemas.lineage import StartFrom
+from workers.artifacts import CHECKPOINT_FILE, checkpoints, last_training_state
+from workers.context import CheckpointRefused, RunContext, keep_checkpoints, read_checkpoint, write_checkpoint
 from workers.failure import JobFailed, failure_reason
 from workers.redis_sink import RedisSink
 from workers.sinks import MetricSink
@@ -66,9 +68,13 @@ class DriverContext(RunContext):
     """One rank in the driver process: checkpoints under ``run_dir``, kept ``keep`` at a time."""
 
     def __init__(self, sink: MetricSink, run_dir: str | Path, *, device: torch.device | None = None,
-                 artifacts_dir: str | Path | None = None, keep: int | None = None) -> None:
+                 artifacts_dir: str | Path | None = None, keep: int | None = None,
+                 start_from: Path | None = None) -> None:
+        """``start_from``: another run's checkpoint directory to start from while this run has none of its own
+        (a continued or forked job: ``start_checkpoint``)."""
         super().__init__(device=device or torch.device("cpu"), sink=sink)
         self.run_dir = Path(run_dir)
+        self.start_from = start_from
         self.keep = keep_checkpoints() if keep is None else keep
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for stale in self.run_dir.glob(f"{TMP_PREFIX}*"):  # what a kill left mid-write
@@ -96,9 +102,27 @@ class DriverContext(RunContext):
             shutil.rmtree(old, ignore_errors=True)
 
     def restore(self) -> dict[str, Any] | None:
-        """The newest checkpoint that holds a model (a diverged run's last one holds only its failure)."""
+        """The newest checkpoint of this run that holds a model (a diverged run's last one holds only its
+        failure); with none, the one it was told to start from (if any)."""
         found = last_training_state([self.run_dir])
+        if found is None and self.start_from is not None:
+            return read_checkpoint(self.start_from)
         return None if found is None else found[1]
+
+
+def start_checkpoint(client: redis.Redis, job_id: str, storage: str | Path) -> Path | None:
+    """The checkpoint directory a continued or forked job starts from (its hash's ``start_from``, written by
+    ``service.lineage``), while its run has no checkpoint of its own (a requeued child goes on from its own);
+    None for a job that starts from scratch. A ValueError naming it when it is gone."""
+    raw = client.hget(keys.job(job_id), "start_from")
+    if not raw or checkpoints([Path(storage) / job_id]):
+        return None
+    start = StartFrom.model_validate_json(raw)
+    path = start.path(storage)
+    if not (path / CHECKPOINT_FILE).is_file():
+        raise ValueError(f"the checkpoint to start from (experiment {start.job} after epoch {start.epoch}, {path}) "
+                         "is gone: submit the spec as a new experiment instead")
+    return path
 
 
 def retried(err: BaseException, never: tuple[type[BaseException], ...] = ()) -> bool:
@@ -135,15 +159,17 @@ def close_quietly(sink: RedisSink, record: dict[str, Any] | None = None) -> None
 
 def run_in_driver(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str | Path, max_failures: int,
                   artifacts: str | Path | None = None,
-                  stopped: tuple[type[BaseException], ...] = ()) -> dict[str, Any]:
+                  stopped: tuple[type[BaseException], ...] = (), start_from: Path | None = None) -> dict[str, Any]:
     """Train ``spec`` in this process, reporting to the job's Redis stream; retry from the last checkpoint up
     to ``max_failures`` times. Returns the summary (``attempt``). ``stopped``: what a stop raises
-    (``workers.run.Stopped``, the class of the running ``__main__``): never retried."""
+    (``workers.run.Stopped``, the class of the running ``__main__``): never retried. ``start_from``: the
+    checkpoint to start from while the run has none of its own (``start_checkpoint``)."""
     device = driver_device(spec)
     failures = 0
     while True:
         sink = RedisSink(redis_url, job_id)
-        ctx = DriverContext(sink, Path(storage) / job_id, device=device, artifacts_dir=artifacts)
+        ctx = DriverContext(sink, Path(storage) / job_id, device=device, artifacts_dir=artifacts,
+                            start_from=start_from)
         try:
             summary = attempt(spec, ctx)
         except BaseException as err:

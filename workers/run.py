@@ -70,13 +70,17 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     spec = load_job_spec(client, job_id)
     out = artifacts_dir(storage, job_id)
+    from workers.driver import start_checkpoint
+
+    start = start_checkpoint(client, job_id, storage)  # a continued or forked job's parent checkpoint
     try:
         if in_driver(spec):
             from workers.driver import run_in_driver
 
-            summary = run_in_driver(spec, job_id, redis_url, storage, max_failures, out, stopped=(Stopped,))
+            summary = run_in_driver(spec, job_id, redis_url, storage, max_failures, out, stopped=(Stopped,),
+                                    start_from=start)
         else:
-            summary = fit_trainer(spec, job_id, redis_url, storage, max_failures, out)
+            summary = fit_trainer(spec, job_id, redis_url, storage, max_failures, out, start)
     finally:  # however it ended (a stop too: SIGTERM leaves the grace period for this), from the last checkpoint
         export_artifacts(spec, [Path(storage) / job_id], out)
     if summary.get("failed"):
@@ -86,9 +90,10 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
 
 
 def fit_trainer(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str, max_failures: int,
-                out: Path) -> dict:
+                out: Path, start: Path | None = None) -> dict:
     """The spec as a Ray Train TorchTrainer; its ``result.metrics``. It starts from the run's newest checkpoint
-    when Ray Train has none of its own (an earlier attempt trained in the driver)."""
+    when Ray Train has none of its own (an earlier attempt trained in the driver), else from ``start`` (a
+    continued or forked job's parent checkpoint) if given."""
     import ray
     from ray.train import Checkpoint
 
@@ -100,7 +105,8 @@ def fit_trainer(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str,
     found = checkpoints([Path(storage) / job_id])
     trainer = build_trainer(spec, name=job_id, storage_path=storage, redis_url=redis_url, job_id=job_id,
                             max_failures=max_failures, artifacts=out, keep_logs=True,
-                            resume_from=Checkpoint.from_directory(str(found[0])) if found else None)
+                            resume_from=Checkpoint.from_directory(str(found[0] if found else start))
+                            if found or start else None)
     return dict(trainer.fit().metrics or {})
 
 
@@ -117,12 +123,12 @@ def export_artifacts(spec: ExperimentSpec, run_dirs: list[Path], out: Path, extr
 
 
 class Stopped(Exception):
-    """SIGTERM: Ray stopped the job (a cancel, a time limit); SIGKILL follows after the grace period."""
+    """SIGTERM: Ray stopped the job (a cancel, a time limit, a preemption); SIGKILL follows after the grace."""
 
 
 def raise_stopped(signum: int, frame: object) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
-    raise Stopped("stopped by the scheduler (cancel or time limit)")
+    raise Stopped("stopped by the scheduler (cancel, time limit or preemption)")
 
 
 def report_failure(sink: RedisSink, reason: str) -> None:

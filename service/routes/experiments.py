@@ -10,11 +10,13 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from api_schemas.jobs import DryRun, ExperimentSubmit, JobList, JobView, MetricsView, UserPublic
+from api_schemas.lineage import ContinueRequest, ForkRequest
 from api_schemas.sweeps import SweepSubmit
 from service.admission import admit_experiment
 from service.deps import CurrentUser, JobFilterDep, PageDep, State, StateDep, StreamToken, StreamUser, own_job
 from service.errors import DoesNotFit, InvalidInput
 from service.events import downsample, follow, records, valid_stream_id
+from service.lineage import continue_job, curve_records, fork_job
 from service.responses import AUTHED, LISTED, OWNED, STREAMS, SUBMIT, error
 from service.store import demand_of
 from service.strict import strict_json
@@ -113,7 +115,7 @@ def get_metrics(job_id: str, st: StateDep, user: CurrentUser,
                 format: Literal["json", "csv"] = "json") -> Any:
     """Per-epoch metrics (downsampled to ``max_points``), and the teleport reports; ``format=csv`` for a table."""
     own_job(st, user, job_id)
-    recs = job_records(st, job_id)
+    recs = curve_records(st.store, job_id)  # a continued or forked run: its ancestors' epochs first
     rows = [r for r in recs if r.get("kind") == "epoch"]
     points = downsample(rows, max_points)
     if format == "csv":
@@ -139,7 +141,39 @@ def plot(job_id: str, st: StateDep, user: CurrentUser,
     runs = {}
     for i in ids:
         name = own_job(st, user, i).get("name") or i
-        runs[name if name not in runs else f"{name} ({i})"] = job_records(st, i)
+        runs[name if name not in runs else f"{name} ({i})"] = curve_records(st.store, i)
     buf = io.BytesIO()
     plot_curves(runs, buf, title=None, fmt="png", x=x)
     return Response(buf.getvalue(), media_type="image/png")
+
+
+LINEAGE = OWNED | SUBMIT | {409: error("the experiment has not ended, or kept no checkpoint; or the Idempotency-Key "
+                                      "was used before with another body")}
+
+
+def _child(response: Response, made: tuple[JobView, bool]) -> JobView:
+    job, created = made
+    if not created:
+        response.status_code = 200
+        response.headers["Idempotent-Replayed"] = "true"
+    return job
+
+
+@router.post("/{job_id}/continue", status_code=201, dependencies=[Depends(strict_json(ContinueRequest))],
+             responses={200: {"description": "an Idempotency-Key replay (the original child)"}} | LINEAGE)
+def continue_experiment(job_id: str, body: ContinueRequest, st: StateDep, user: CurrentUser, response: Response,
+                        idempotency_key: IdempotencyKey = None) -> JobView:
+    """A new experiment (yours) that trains ``epochs`` more from the ended experiment's final checkpoint: its
+    spec is the parent's with ``training.epochs`` = the final checkpoint's epoch + ``epochs``, its epochs go on
+    from the parent's, and ``parent``/``parent_epoch`` link them."""
+    return _child(response, continue_job(st, user, job_id, body, idempotency_key))
+
+
+@router.post("/{job_id}/fork", status_code=201, dependencies=[Depends(strict_json(ForkRequest))],
+             responses={200: {"description": "an Idempotency-Key replay (the original child)"}} | LINEAGE)
+def fork_experiment(job_id: str, body: ForkRequest, st: StateDep, user: CurrentUser, response: Response,
+                    idempotency_key: IdempotencyKey = None) -> JobView:
+    """A new experiment (yours) from the ended experiment's checkpoint after ``from_epoch`` (one it kept: a 422
+    lists them), with the ``set`` fields changed; model, dataset, code, training.dtype and optimizer.name
+    cannot change across a checkpoint (422 naming the field)."""
+    return _child(response, fork_job(st, user, job_id, body, idempotency_key))

@@ -32,6 +32,16 @@ const layout = (id) => html`
     <pre id="events-log" class="log"></pre><pre id="logs" class="log"></pre></section>
   <section class="card"><details><summary>Spec</summary><pre id="spec" class="log"></pre></details></section>`;
 
+const jobHref = (id) => html`<a href="#/job/${encodeURIComponent(id)}">${id}</a>`;
+
+// A continued or forked job: its parent (and the epoch it started from) and its own children, as links.
+function lineageFacts(j) {
+  const facts = [];
+  if (j.parent) facts.push(["parent", html`${jobHref(j.parent)} <span class="muted">from its checkpoint after epoch ${j.parent_epoch}</span>`]);
+  if (j.children?.length) facts.push(["children", j.children.map((c) => html`${jobHref(c)} `)]);
+  return facts;
+}
+
 function jobFacts(j) {
   const facts = [
     ["id", j.id], ["owner", j.owner], ["created", ago(j.created_at)],
@@ -41,6 +51,7 @@ function jobFacts(j) {
   ];
   if (j.state === "queued") facts.push(["queue position", j.queue_position ?? "–"], ["why pending", j.pending_reason || "–"]);
   if (j.failure_reason) facts.push(["failure", j.failure_reason]);
+  facts.push(...lineageFacts(j));
   if ((j.summary?.target_loss ?? null) !== null) facts.push(["to target loss", toTarget(j.summary)]);
   if (j.summary) facts.push(["summary", Object.entries(j.summary).filter(([, v]) => typeof v !== "object")
     .map(([k, v]) => `${k}=${num(v)}`).join("  ")]);
@@ -172,6 +183,10 @@ export async function jobPage(page, [id]) {
   await refreshJob().catch((err) => showError(err));
   if (page.dead || !job) return;
   if (TERMINAL.has(job.state)) showArtifacts(id).catch(showError);
+  if (job.parent) { // the ancestors' epochs (the metrics route joins them) before this job's own stream
+    api("GET", `/v1/experiments/${id}/metrics`).then((m) => m.points.filter((r) => r.job !== id).forEach(draw.metric))
+      .catch(showError);
+  }
   page.every(POLL_MS, refreshJob);
   page.every(5 * POLL_MS, async () => { // the driver log, while Ray is writing it
     await loadLogs();
