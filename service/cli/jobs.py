@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service.cli.common import (
-    add_code_arg,
     add_read_command,
     add_remote_args,
     add_spec_args,
@@ -28,11 +27,8 @@ if TYPE_CHECKING:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from service.cli.code_zip import with_code
-
     spec = spec_from(args)
     with client(args) as c:
-        spec = with_code(c, spec, args.code)
         if args.dry_run:
             r = c.json("POST", "/v1/experiments", params={"dry_run": "true"}, json={"spec": spec})
             print_json(r)
@@ -75,8 +71,6 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"  position  {fmt(job.get('queue_position'))}\n  waiting   {job.get('pending_reason')}")
     print(f"  progress  {progress(job)}\n  attempts  {job['attempts']}   ray job {fmt(job.get('ray_job_id'))}")
     print(f"  gang      {gang(job['demand'])}")
-    if job.get("preemptions"):
-        print(f"  preempted {job['preemptions']} time(s), last: {job.get('last_preemption')}")
     if job.get("failure_reason"):
         print(f"  failed    {job['failure_reason']}")
     if job.get("parent"):
@@ -157,7 +151,6 @@ def add_commands(sub: Any) -> None:
                    help="POST a signed JSON to URL when it succeeds, fails, is cancelled or preempted")
     p.add_argument("--follow", action="store_true", help="show live progress until it ends")
     p.add_argument("--dry-run", action="store_true", help="say whether and where it would fit; queue nothing")
-    add_code_arg(p)
     p.set_defaults(func=cmd_submit)
 
     add_read_command(sub, "ls", "your experiments, newest first", cmd_ls,
