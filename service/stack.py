@@ -1,5 +1,6 @@
 """``tlab up``: the embedded stack — a real Redis (AOF), a local Ray head with token auth, the API and
-the scheduler — each a child process on free loopback ports, stopped together on Ctrl-C.
+the scheduler — each a child process on free loopback ports, stopped together on Ctrl-C. A part that dies is
+restarted on the same ports with the same secrets (``restart``), watched by ``service.supervise``.
 
 With ``REDIS_URL`` and ``RAY_ADDRESS`` set it starts only the API and the scheduler. Data lives
 under ``$TLAB_HOME`` (default ``~/.tlab``): ``redis/`` (the AOF), ``storage/`` (checkpoints),
@@ -22,6 +23,7 @@ from pathlib import Path
 import httpx
 import redis
 
+from api_schemas import keys
 from service.signals import stop_on_signals
 from service.store import Store, redact_url
 
@@ -94,6 +96,44 @@ def loopback_ray_env(ports: dict[str, int]) -> dict[str, str]:
             "AUTOSCALER_METRIC_PORT": str(ports["autoscaler_metrics"])}
 
 
+# the Ray head's ports: flags of `ray start`, and the two metrics servers set through the environment
+RAY_PORTS = ("--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
+             "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port",
+             "--node-manager-port", "--object-manager-port", "dashboard_metrics", "autoscaler_metrics")
+
+
+HEAD_MARK = "TLAB_RAY_HEAD"  # in the environment of every process of a Ray head `tlab up` started: its temp dir
+
+
+def kill_processes_of(ray_temp: str) -> None:
+    """SIGKILL this user's processes of one Ray head that its process group did not hold: workers and job drivers
+    (their own process groups and sessions; their titles renamed), found by ``HEAD_MARK`` in their environment."""
+    import psutil
+
+    me, found = os.getuid(), []
+    for p in psutil.process_iter(["uids"]):
+        try:
+            if p.info["uids"] is None or p.info["uids"].real != me or p.pid == os.getpid():
+                continue
+            if p.environ().get(HEAD_MARK) == ray_temp:
+                p.kill()
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    psutil.wait_procs(found, timeout=10)
+
+
+def release_scheduler_lock(redis_url: str) -> None:
+    """Drop the scheduler lock a killed scheduler held, so its successor does not wait out the lock's TTL."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.delete(keys.scheduler_lock())
+    except redis.RedisError:
+        pass  # Redis is down too: the new scheduler waits for the lock as it would
+    finally:
+        client.close()
+
+
 class Stack:
     """Child processes of one stack; ``start()`` brings them up in order, ``stop()`` takes them down."""
 
@@ -108,6 +148,8 @@ class Stack:
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs = home / "logs"
         self.ray_temp: str | None = None
+        self.redis_port: int | None = None  # chosen once: a restarted Redis or Ray head keeps its ports
+        self.ray_ports: dict[str, int] = {}
         self.admin_token = ""
         self.ray_token = ray_token or os.environ.get("RAY_AUTH_TOKEN", "")
 
@@ -143,7 +185,7 @@ class Stack:
         data.mkdir(parents=True, exist_ok=True, mode=0o700)
         password = read_or_create(self.home / "redis.password", lambda: secrets.token_hex(32))
         write_private(self.home / "redis.conf", f"requirepass {password}\n")
-        port = free_port()
+        port = self.redis_port = self.redis_port or free_port()
         proc = self._spawn("redis", [redis_binary(), str(self.home / "redis.conf"), "--port", str(port),
                                      "--bind", "127.0.0.1", "--appendonly", "yes", "--appendfsync", "everysec",
                                      "--dir", str(data), "--save", ""])
@@ -157,21 +199,16 @@ class Stack:
         our child, so stopping it stops this cluster only (``ray stop`` would stop every cluster here)."""
         self.ray_token = read_or_create(self.home / "ray.token", lambda: secrets.token_hex(32))
         self.ray_temp = tempfile.mkdtemp(prefix="tlr", dir="/tmp")  # Ray's socket paths are length-limited
-        dash = free_port()
+        ports = self.ray_ports = self.ray_ports or {flag: free_port() for flag in RAY_PORTS}
         argv = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
-                "--port", str(free_port()), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
-                "--include-dashboard", "true", "--temp-dir", self.ray_temp, "--disable-usage-stats",
-                "--node-ip-address", "127.0.0.1"]
+                "--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--temp-dir", self.ray_temp,
+                "--disable-usage-stats", "--node-ip-address", "127.0.0.1"]
         # every fixed default port on free ones, so two stacks (and the tests) run side by side
-        for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
-                     "--runtime-env-agent-port", "--metrics-export-port", "--node-manager-port",
-                     "--object-manager-port"):
-            argv += [flag, str(free_port())]
+        argv += [str(x) for flag, port in ports.items() if flag.startswith("--") for x in (flag, port)]
         if self.num_cpus is not None:
             argv += ["--num-cpus", str(self.num_cpus)]
-        proc = self._spawn("ray", argv, loopback_ray_env({"dashboard_metrics": free_port(),
-                                                          "autoscaler_metrics": free_port()}))
-        self.ray_address = f"http://127.0.0.1:{dash}"
+        proc = self._spawn("ray", argv, {**loopback_ray_env(ports), HEAD_MARK: self.ray_temp})
+        self.ray_address = f"http://127.0.0.1:{ports['--dashboard-port']}"
         headers = {"Authorization": f"Bearer {self.ray_token}"}
         wait_for(lambda: httpx.get(f"{self.ray_address}/api/version", headers=headers, timeout=2).is_success,
                  "the Ray head", 120, proc, self.logs / "ray.log")
@@ -223,6 +260,34 @@ class Stack:
         if self.ray_temp:
             shutil.rmtree(self.ray_temp, ignore_errors=True)
 
+    # ---- restarting a part that died (service.supervise) -----------------------------------------------
+    def reap(self, name: str) -> None:
+        """Clear what a part that died left: the rest of its process group (a Ray head whose GCS or raylet died
+        may leave its other servers half alive), and for the Ray head every process marked as its own too."""
+        proc = self.procs.pop(name, None)
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=30)
+        if name == "ray" and self.ray_temp:
+            kill_processes_of(self.ray_temp)
+            shutil.rmtree(self.ray_temp, ignore_errors=True)
+            self.ray_temp = None
+
+    def restart(self, name: str) -> None:
+        """Start a part again on the ports, secrets and files it had (after ``reap``): clients, Ray jobs and the
+        other parts reach it where they did; Redis reads its AOF back, a Ray head starts empty."""
+        if name == "redis":
+            self.start_redis()
+        elif name == "ray":
+            self.start_ray()
+        else:
+            if name == "scheduler" and self.redis_port:  # our own Redis: no other scheduler can hold the lock
+                release_scheduler_lock(self.redis_url or "")
+            self.start_service((name,))
+
     def __enter__(self) -> Stack:
         return self.start()
 
@@ -231,26 +296,27 @@ class Stack:
 
 
 def up(home: Path, port: int | None, num_cpus: int | None) -> int:
-    """Start the stack and wait for Ctrl-C (or SIGTERM)."""
+    """Start the stack and keep it up (``service.supervise``) until Ctrl-C or SIGTERM; 1 after a crash loop."""
+    from service.supervise import Supervisor, supervise_policy
+
+    policy = supervise_policy()  # a bad TLAB_RESTART_*/TLAB_CRASH_LOOP_* setting stops here, before anything runs
     stack = Stack(home, port=port, redis_url=os.environ.get("REDIS_URL") or None,
                   ray_address=os.environ.get("RAY_ADDRESS") or None, num_cpus=num_cpus)
     os.umask(0o077)  # what the stack writes under TLAB_HOME (Redis's AOF, checkpoints, logs) is the owner's only
     stopping = stop_on_signals()
     print(f"starting Teleport Lab in {home} (logs: {stack.logs}) ...", file=sys.stderr, flush=True)
+    crash_loop = None
     try:
         stack.start()
         print(f"Teleport Lab is up at {stack.url}\n"
               f"  redis {redact_url(stack.redis_url or '')}   ray {stack.ray_address}\n"
               f"  admin token: {home / 'admin.token'}   (tlab reads it from there)\n"
-              "Ctrl-C stops everything.", flush=True)
-        while not stopping.is_set():
-            for name, proc in list(stack.procs.items()):
-                if proc.poll() is not None:
-                    print(f"{name} exited ({proc.returncode}); see {stack.logs / (name + '.log')}. "
-                          "Stopping.", file=sys.stderr)
-                    stopping.set()
-            stopping.wait(0.5)
+              "A part that dies is restarted. Ctrl-C stops everything.", flush=True)
+        crash_loop = Supervisor(stack, policy).run(stopping)
     finally:
         print("stopping ...", file=sys.stderr, flush=True)
         stack.stop()
+    if crash_loop:
+        print(crash_loop, file=sys.stderr, flush=True)
+        return 1
     return 0

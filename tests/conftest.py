@@ -24,6 +24,7 @@ RAY_MODULES = frozenset({
     "tests/service/test_e2e.py", "tests/service/test_failure_reasons.py", "tests/service/test_ray_cluster.py",
     "tests/service/test_lineage.py",
     "tests/service/test_sweeps.py", "tests/service/test_time_limits.py", "tests/service/test_up_security.py",
+    "tests/service/test_supervise.py",
     "tests/teleport/test_distributed.py", "tests/web/test_dashboard.py", "tests/workers/test_executors.py",
     "tests/workers/test_ray_train.py", "tests/workers/test_run_entrypoint.py", "tests/workers/test_trial.py",
 })

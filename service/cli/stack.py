@@ -85,7 +85,8 @@ def cmd_completion(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: Any) -> None:
-    p = sub.add_parser("up", help="start Redis, a Ray head, the API and the scheduler here; Ctrl-C stops them")
+    p = sub.add_parser("up", help="start Redis, a Ray head, the API and the scheduler here and restart any that "
+                                  "dies (TLAB_RESTART_*, TLAB_CRASH_LOOP_*); Ctrl-C stops them")
     p.add_argument("--port", type=int, default=None, help="API port (default: a free one)")
     p.add_argument("--home", default=None, help="data folder (default: TLAB_HOME or ~/.tlab)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs the local Ray head offers (default: all)")
