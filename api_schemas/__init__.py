@@ -2,6 +2,7 @@
 
 from api_schemas.spec import (
     CNNModel,
+    CustomModel,
     DatasetSpec,
     ExperimentSpec,
     MLPModel,
@@ -16,6 +17,7 @@ from api_schemas.spec_io import SpecError, apply_overrides, build_spec, load_spe
 
 __all__ = [
     "CNNModel",
+    "CustomModel",
     "DatasetSpec",
     "ExperimentSpec",
     "MLPModel",

@@ -8,9 +8,11 @@ field's path instead of being ignored.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+from api_schemas.code import CodeSpec, FactoryRef, LossRef
 
 
 class _Strict(BaseModel):
@@ -69,6 +71,15 @@ class TransformerModel(_Strict):
     )
 
 
+class CustomModel(_Strict):
+    """The user's own model: ``factory(**args)`` returns a ``torch.nn.Module`` (code from ``code.package``)."""
+
+    kind: Literal["custom"] = "custom"
+    factory: FactoryRef
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the factory (a sweep "
+                                                                   "can vary model.args.NAME)")
+
+
 def _model_kind(value: object) -> str:
     if isinstance(value, dict):
         return str(value.get("kind", "mlp"))
@@ -79,9 +90,10 @@ ModelSpec = Annotated[
     Annotated[MLPModel, Tag("mlp")]
     | Annotated[CNNModel, Tag("cnn")]
     | Annotated[ResNetModel, Tag("resnet")]
-    | Annotated[TransformerModel, Tag("transformer")],
+    | Annotated[TransformerModel, Tag("transformer")]
+    | Annotated[CustomModel, Tag("custom")],
     Discriminator(_model_kind, custom_error_type="model_kind",
-                  custom_error_message="model.kind must be one of mlp, cnn, resnet, transformer"),
+                  custom_error_message="model.kind must be one of mlp, cnn, resnet, transformer, custom"),
 ]
 
 
@@ -100,6 +112,7 @@ DatasetName = Literal[
     "traffic",
     "ptb",
     "npz",
+    "custom",
 ]
 
 _NEEDS_ROOT = {"mnist", "fashion_mnist", "cifar10", "cifar100", "tiny_imagenet", "smnist", "electricity",
@@ -120,9 +133,16 @@ class DatasetSpec(_Strict):
     horizon: int = Field(24, ge=1, description="electricity/traffic: predict the value this many steps later")
     image_size: int | None = Field(None, ge=8, description="tiny_imagenet: resize side (default 64)")
     normalize: bool = True
+    factory: FactoryRef | None = Field(None, description="name=custom: package.module:function returning "
+                                                         "(train, test) torch Datasets of (x, y) pairs")
+    args: dict[str, Any] = Field(default_factory=dict, description="name=custom: keyword arguments of the factory")
 
     @model_validator(mode="after")
     def _paths(self) -> DatasetSpec:
+        if self.name == "custom" and not self.factory:
+            raise ValueError("dataset.factory is required for name=custom: give package.module:function")
+        if self.name != "custom" and (self.factory or self.args):
+            raise ValueError("dataset.factory and dataset.args are for name=custom only: set dataset.name=custom")
         if self.name == "npz" and not self.path:
             raise ValueError("dataset.path is required for name=npz: give the .npz file with arrays X and y")
         if self.name in _NEEDS_ROOT and not self.root:
@@ -156,6 +176,9 @@ class TrainingSpec(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "float64"] = "float32"
     eval_batch_size: int = Field(1024, ge=1)
+    loss: LossRef | None = Field(None, description="cross_entropy, mse, or package.module:function(pred, target) "
+                                                  "-> scalar; none: cross_entropy for integer targets, mse for "
+                                                  "float ones")
 
 
 # -------------------------------------------------------------------------- teleport
@@ -220,6 +243,15 @@ class ExperimentSpec(_Strict):
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     teleport: TeleportSpec = Field(default_factory=TeleportSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    code: CodeSpec | None = Field(None, description="the uploaded package (POST /v1/code) the factories come from")
+
+    def user_code_fields(self) -> list[str]:
+        """The fields that make the workers run code the user chose (what ``TLAB_USER_CODE=off`` refuses)."""
+        fields = ["code"] if self.code is not None else []
+        fields += ["model.factory"] if isinstance(self.model, CustomModel) else []
+        fields += ["dataset.factory"] if self.dataset.factory else []
+        fields += ["training.loss"] if self.training.loss and ":" in self.training.loss else []
+        return fields
 
     @model_validator(mode="after")
     def _consistent(self) -> ExperimentSpec:

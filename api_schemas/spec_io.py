@@ -21,7 +21,7 @@ def format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"] if not (isinstance(p, str) and p in {"mlp", "cnn", "resnet",
-                                                                                      "transformer"}))
+                                                                                      "transformer", "custom"}))
         msg = e["msg"].removeprefix("Value error, ")
         lines.append(f"{path}: {msg}" if path else msg)
     return "\n".join(lines)

@@ -66,6 +66,14 @@ def _leaves(data: dict[str, Any], prefix: str = "") -> set[str]:
     return out
 
 
+def factory_arg(base: ExperimentSpec, path: str) -> bool:
+    """``model.args.NAME`` of a custom model, ``dataset.args.NAME`` of a custom dataset: a factory's keyword
+    argument, which a sweep may vary whether or not the base spec sets it."""
+    section, _, name = path.partition(".args.")
+    custom = {"model": base.model.kind == "custom", "dataset": base.dataset.name == "custom"}
+    return custom.get(section, False) and name.isidentifier()
+
+
 def probe_values(kind: str, args: list[Any]) -> list[Any]:
     """The values to validate against the spec: the bounds of ranges, every listed value once."""
     if kind == "randint":
@@ -109,7 +117,7 @@ class SweepSubmit(_Strict):
         known = _leaves(base)
         axes = {}
         for path, dist in self.search_space.items():  # shapes first: cheap, and caps before any value is probed
-            if path not in known:
+            if path not in known and not factory_arg(self.base, path):
                 raise ValueError(f"search_space.{path}: the spec has no such field (see `tlab validate` for the "
                                  "fields, e.g. teleport.lr, optimizer.name, training.seed)")
             axes[path] = kind, args = _check_distribution(path, dist)

@@ -21,7 +21,7 @@ from service.responses import document_errors
 
 FASTAPI_UNDECODABLE = "There was an error parsing the body"  # fastapi.routing's 400 for a body it cannot decode
 # location parts that say where a value came from or which union member was tried, not which field it is
-_NOT_FIELDS = ("body", "query", "header", "path", "mlp", "cnn", "resnet", "transformer")
+_NOT_FIELDS = ("body", "query", "header", "path", "mlp", "cnn", "resnet", "transformer", "custom")
 
 
 def _loc(loc: tuple[Any, ...] | list[Any]) -> str:

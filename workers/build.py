@@ -9,13 +9,22 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
-from api_schemas.spec import OptimizerSpec, ResourcesSpec, TeleportSpec, TrainingSpec
+from api_schemas.spec import ExperimentSpec, OptimizerSpec, ResourcesSpec, TeleportSpec, TrainingSpec
 from teleport import BasisExecutor, TeleportConfig
+from workers.sinks import MetricSink
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from torch import Tensor
+
+    from workers.datasets import DataBundle
 
 OPTIMIZER_NAMES = ("sgd", "momentum", "adagrad", "adam", "adamw")
 
@@ -43,6 +52,26 @@ def reset_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     statistics describe a point the model has left. Adam's step count restarts too.
     """
     optimizer.state.clear()
+
+
+def build_parts(spec: ExperimentSpec, sink: MetricSink, seed: int
+                ) -> tuple[DataBundle, nn.Module, Callable[[Tensor, Tensor], Tensor]]:
+    """The data, the model and the loss of ``spec`` (built-in or the user's factories). A failure inside the
+    user's code is raised as one line (``workers.user_code.UserCodeError``) after its full traceback went to
+    ``sink`` as a ``log`` event."""
+    from workers.custom_data import check_targets
+    from workers.datasets import load_dataset
+    from workers.models import build_model_for, loss_fn_for
+    from workers.user_code import UserCodeError, report
+
+    try:
+        data = load_dataset(spec.dataset, seed=seed)
+        check_targets(spec.training.loss, data)
+        model = build_model_for(spec.model, data)
+        return data, model, loss_fn_for(data.task, spec.training.loss)
+    except UserCodeError as err:
+        report(sink, err)
+        raise
 
 
 def teleport_config(spec: TeleportSpec) -> TeleportConfig:

@@ -3,7 +3,8 @@
 No downloads: each loader reads the files a lab already has (IDX, CIFAR pickles, image folders,
 text matrices, PTB text) from ``dataset.root``; a missing file raises ``DatasetNotFound`` naming
 the directory searched and the files expected. ``digits`` (bundled with scikit-learn) and
-``synthetic`` need no files; ``npz`` reads a user's own arrays ``X`` and ``y``.
+``synthetic`` need no files; ``npz`` reads a user's own arrays ``X`` and ``y``; ``custom`` calls the user's
+own factory (``workers.custom_data``).
 
 Data is never code: files are read through ``workers.data_files`` (a restricted unpickler for
 CIFAR batches, ``allow_pickle=False`` for .npz, errors that name a bad line by its number and never
@@ -265,6 +266,13 @@ def load_npz(spec: DatasetSpec, seed: int) -> DataBundle:
                       "regression", tuple(xtr.shape[1:]), None, y.shape[1], "npz")
 
 
+def load_custom(spec: DatasetSpec, seed: int) -> DataBundle:
+    """The user's own ``dataset.factory`` (``workers.custom_data``)."""
+    from workers.custom_data import load_custom as load
+
+    return load(spec, seed)
+
+
 LOADERS: dict[str, Callable[[DatasetSpec, int], DataBundle]] = {
     "digits": load_digits,
     "synthetic": load_synthetic,
@@ -278,6 +286,7 @@ LOADERS: dict[str, Callable[[DatasetSpec, int], DataBundle]] = {
     "traffic": load_series,
     "ptb": load_ptb,
     "npz": load_npz,
+    "custom": load_custom,
 }
 
 

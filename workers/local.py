@@ -34,6 +34,7 @@ from teleport import TeleportReport, symmetry_teleport_batch, teleport_batch
 from workers.build import (
     basis_executor,
     build_optimizer,
+    build_parts,
     num_threads,
     reset_optimizer_state,
     seed_everything,
@@ -42,8 +43,6 @@ from workers.build import (
     teleport_config,
 )
 from workers.context import RunContext
-from workers.datasets import load_dataset
-from workers.models import build_model_for, loss_fn_for
 from workers.sinks import JsonlSink, MemorySink, MetricSink, TeeSink
 
 WARMUP_EPOCH = 1_000_000  # loader seed offset for warm-up passes, apart from the epochs' own
@@ -154,9 +153,8 @@ def train(spec: ExperimentSpec, ctx: RunContext | None = None, *, progress: bool
 
     # -- setup: everything seeded, so a seed fixes the init, the batches and the teleport batches
     seed_everything(tr.seed)
-    data = load_dataset(spec.dataset, seed=tr.seed)
-    model = build_model_for(spec.model, data).to(dtype=dtype)  # the bare module: teleport moves it
-    loss_fn = loss_fn_for(data.task)
+    data, model, loss_fn = build_parts(spec, ctx.sink, tr.seed)  # built-in or the user's factories
+    model = model.to(dtype=dtype)  # the bare module: teleport moves it
     state = ctx.restore()  # a Ray worker restarted after a failure resumes from its last epoch
     if state is not None:
         model.load_state_dict(state["model"])

@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from api_schemas.compat import check_model_data
-from api_schemas.spec import CNNModel, MLPModel, ResNetModel, TransformerModel
+from api_schemas.spec import CNNModel, CustomModel, MLPModel, ResNetModel, TransformerModel
 
 if TYPE_CHECKING:
     from workers.datasets import DataBundle
 
-AnyModelSpec = MLPModel | CNNModel | ResNetModel | TransformerModel
+AnyModelSpec = MLPModel | CNNModel | ResNetModel | TransformerModel | CustomModel
 TASKS = ("classification", "regression", "lm")
 
 
@@ -288,6 +288,8 @@ def build_model(spec: AnyModelSpec, *, task: str, input_shape: tuple[int, ...], 
 
     Raises ValueError naming the spec field to change when the model cannot take the data.
     """
+    if isinstance(spec, CustomModel):
+        return build_custom_model(spec)
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}: expected one of {', '.join(TASKS)}")
     input_shape = tuple(int(s) for s in input_shape)
@@ -303,6 +305,18 @@ def build_model(spec: AnyModelSpec, *, task: str, input_shape: tuple[int, ...], 
         return _build_transformer(spec, task, input_shape, out)
     kind = getattr(spec, "kind", spec)
     raise ValueError(f"model.kind={kind!r} is not one of mlp, cnn, resnet, transformer")
+
+
+def build_custom_model(spec: CustomModel) -> nn.Module:
+    """``model.factory(**model.args)``, which must return a ``torch.nn.Module``."""
+    from workers.user_code import UserCodeError, call, definition, resolve
+
+    model = call(spec.factory, "model.factory", spec.args)
+    if not isinstance(model, nn.Module):
+        where = definition(resolve(spec.factory, "model.factory"))
+        raise UserCodeError(f"{where + ': ' if where else ''}model.factory {spec.factory} returned a "
+                            f"{type(model).__name__}, not a torch.nn.Module: return the model itself")
+    return model
 
 
 def build_model_for(spec: AnyModelSpec, data: DataBundle) -> nn.Module:
@@ -332,8 +346,27 @@ def lm_loss(logits: Tensor, target: Tensor) -> Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))  # (B*T, V) vs (B*T,)
 
 
-def loss_fn_for(task: str) -> Callable[[Tensor, Tensor], Tensor]:
-    """The training loss of a task (module-level functions, so they pickle for Ray)."""
+def cross_entropy_loss(logits: Tensor, target: Tensor) -> Tensor:
+    """Mean cross-entropy over every target: logits (..., C) with target (...), e.g. (B, C) with (B,) or
+    (B, T, V) with (B, T); otherwise PyTorch's own layout (classes in dim 1, as (B, C, H, W) with (B, H, W))."""
+    if logits.dim() == target.dim() + 1 and logits.shape[:-1] == target.shape:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+    return F.cross_entropy(logits, target)
+
+
+BUILTIN_LOSSES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"cross_entropy": cross_entropy_loss,
+                                                                 "mse": regression_loss}
+
+
+def loss_fn_for(task: str, loss: str | None = None) -> Callable[[Tensor, Tensor], Tensor]:
+    """``training.loss`` (a built-in name or ``pkg.module:function``), else the task's own loss (cross-entropy
+    for integer targets, mean squared error for float ones). Module-level functions, so they pickle for Ray."""
+    if loss in BUILTIN_LOSSES:
+        return BUILTIN_LOSSES[loss]
+    if loss:
+        from workers.user_code import resolve
+
+        return resolve(loss, "training.loss")
     losses = {"classification": classification_loss, "regression": regression_loss, "lm": lm_loss}
     if task not in losses:
         raise ValueError(f"unknown task {task!r}: expected one of {', '.join(TASKS)}")
