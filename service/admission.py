@@ -3,7 +3,8 @@
 Each check names the field: the model takes the dataset's samples (``api_schemas.compat``, the rule the
 workers apply), the dataset's files are there and under the data roots (``TLAB_DATA_ROOTS``; ``..`` and
 symlinks resolved), sizes are within the limits an admin sets (``TLAB_MAX_*``), the gang within the user's
-quotas, the priority within ``max_priority``, a webhook's host within ``TLAB_WEBHOOK_ALLOW``. The accepted
+quotas, the priority within ``max_priority``, a webhook's host within ``TLAB_WEBHOOK_ALLOW``, user code allowed
+(``TLAB_USER_CODE``) and its ``code.package`` the user's own (``service.code_store``). The accepted
 spec carries the resolved dataset paths, so the workers read exactly what was checked. The workers' own checks
 stay as the second line.
 """
@@ -20,6 +21,7 @@ from api_schemas.notify import Notify, webhook_host
 from api_schemas.spec import DatasetSpec, ExperimentSpec, MLPModel, TransformerModel
 from api_schemas.spec_io import apply_overrides
 from api_schemas.sweeps import SweepSubmit, probe_values
+from service.code_store import check_code
 from service.errors import InvalidInput
 from service.limits import check_time_limit
 from service.settings import Settings
@@ -35,6 +37,7 @@ def admit_experiment(settings: Settings, user: UserPublic, body: ExperimentSubmi
     check_quotas(user, body)
     check_notify(settings, body.notify)
     check_time_limit(settings, user, body.spec.resources.time_limit_s, "spec.resources.time_limit_s")
+    check_code(settings, user, body.spec, "spec")
     return body.model_copy(update={"spec": admit_spec(settings, body.spec, "spec")})
 
 
@@ -45,6 +48,7 @@ def admit_sweep(settings: Settings, user: UserPublic, body: SweepSubmit) -> Swee
     check_notify(settings, body.notify)
     check_time_limit(settings, user, body.base.resources.time_limit_s, "base.resources.time_limit_s")
     check_time_limit(settings, user, body.time_limit_s, "time_limit_s")
+    check_code(settings, user, body.base, "base")
     trials = body.trial_count()
     if trials > settings.max_trials:
         raise InvalidInput(f"{trials} trials (grid points x num_samples) are over this service's limit of "
@@ -132,7 +136,8 @@ def check_sizes(s: Settings, spec: ExperimentSpec, prefix: str) -> None:
 
 
 def check_compat(spec: ExperimentSpec, prefix: str) -> None:
-    """The model takes the dataset's samples (built-in datasets' shapes are known; npz is checked by the worker)."""
+    """The model takes the dataset's samples (built-in datasets' shapes are known; npz, custom datasets and custom
+    models are checked by the workers)."""
     shape = sample_shape(spec.dataset)
     if shape is None:
         return
@@ -171,7 +176,7 @@ def resolve_in_roots(value: str, roots: list[Path], field: str) -> Path:
 
 def admit_dataset(settings: Settings, ds: DatasetSpec, prefix: str) -> DatasetSpec:
     """The dataset spec with its root/path resolved under the data roots and its files found there."""
-    if ds.name in FILELESS:
+    if ds.name in FILELESS or ds.name == "custom":  # a custom dataset is the user's code: the workers check it
         return ds
     roots, field = settings.data_root_paths, f"{prefix}.path" if ds.name == "npz" else f"{prefix}.root"
     given = (ds.path if ds.name == "npz" else ds.root) or ""

@@ -20,11 +20,11 @@ from fastapi.staticfiles import StaticFiles
 from service.deps import State
 from service.http_errors import add_error_handlers
 from service.middleware import BodyLimit, Measure
-from service.routes import artifacts, cluster, experiments, health, logs, presets, sweeps, users
+from service.routes import artifacts, cluster, code, experiments, health, logs, presets, sweeps, users
 from service.settings import Settings
 
 WEB_DIR = Path(__file__).parent / "web"  # the dashboard: static files, no build step (package data)
-ROUTERS = (health, experiments, logs, sweeps, artifacts, cluster, presets, users)
+ROUTERS = (health, experiments, logs, sweeps, artifacts, code, cluster, presets, users)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -59,3 +59,13 @@ class TooManyRequests(ServiceError):
     def __init__(self, message: str, field: str | None = None, retry_after_s: int = 30) -> None:
         super().__init__(message, field)
         self.retry_after_s = retry_after_s
+
+
+class PayloadTooLarge(ServiceError):
+    """A body over its own cap (a code package over TLAB_MAX_CODE_MB)."""
+
+    status = 413
+
+
+class UnsupportedMediaType(ServiceError):
+    status = 415

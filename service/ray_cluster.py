@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from api_schemas.jobs import Demand
@@ -116,12 +116,21 @@ class RayJobs:
     """Ray jobs through ``JobSubmissionClient``: one per attempt of an experiment, with a fixed
     submission id (``tlab-<job>-<attempt>``) so a restarted scheduler can never start one twice."""
 
-    def __init__(self, address: str, env: dict[str, str], python: str | None = None) -> None:
+    def __init__(self, address: str, env: dict[str, str], python: str | None = None,
+                 code: Callable[[str], dict[str, Any]] | None = None) -> None:
         from ray.job_submission import JobSubmissionClient
 
         self.client = JobSubmissionClient(address)
         self.env = env
         self.python = python or sys.executable
+        self.code = code  # job id -> its code's runtime_env part (service.code_store.JobCode), if any
+
+    def runtime_env(self, job_id: str, env: dict[str, str]) -> tuple[dict[str, Any], str]:
+        """The job's runtime_env (its environment, and its package as ``working_dir`` and requirements as ``pip``:
+        Ray uploads the zip once per content, unpacks it on each node and puts it first on every worker's path)
+        and the Python to start: with ``pip``, the one of the virtualenv Ray makes (first on its PATH)."""
+        code = self.code(job_id) if self.code else {}
+        return {"env_vars": env, **code}, "python" if code.get("pip") else self.python
 
     @staticmethod
     def submission_id(job_id: str, attempt: int) -> str:
@@ -135,11 +144,12 @@ class RayJobs:
         env = dict(self.env)
         if module == "workers.run":  # the driver takes the path the resources were asked for
             env[IN_DRIVER] = "1" if in_driver else "0"
+        runtime_env, python = self.runtime_env(job_id, env)
         try:
             self.client.submit_job(
-                entrypoint=f"{self.python} -m {module} --job {job_id}",
+                entrypoint=f"{python} -m {module} --job {job_id}",
                 submission_id=submission_id,
-                runtime_env={"env_vars": env},
+                runtime_env=runtime_env,
                 metadata={"tlab_job": job_id},
                 **driver_options(demand if in_driver else None, placement),
             )

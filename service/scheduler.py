@@ -266,10 +266,13 @@ class Scheduler:
 
 
 def build(settings: Settings) -> Scheduler:
+    from service.code_store import JobCode
+
     store = Store.from_url(settings.redis_url)
     cluster: ClusterSource = (StaticCluster(settings.cluster_nodes) if settings.cluster_nodes
                               else RayNodes(settings.ray_address))
-    return Scheduler(store, settings, cluster, RayJobs(settings.ray_address, job_env(settings)))
+    jobs = RayJobs(settings.ray_address, job_env(settings), code=JobCode(settings, store.r))  # + the job's package
+    return Scheduler(store, settings, cluster, jobs)
 
 
 def serve(settings: Settings) -> None:

@@ -66,6 +66,14 @@ class Settings(BaseSettings):
     max_streams_per_user: int = Field(16, ge=1, validation_alias="TLAB_MAX_STREAMS_PER_USER",
                                       description="SSE streams one user may hold open per API process (429 above)")
     max_compare: int = Field(8, ge=1, validation_alias="TLAB_MAX_COMPARE", description="runs in one plot.png")
+    # users' code packages (service/code_store.py, docs/operations.md "User code")
+    user_code: bool = Field(True, validation_alias="TLAB_USER_CODE",
+                            description="on: jobs may run the user's code (packages, factories, loss functions)")
+    max_code_mb: float = Field(50.0, gt=0, validation_alias="TLAB_MAX_CODE_MB",
+                               description="largest code package (the zip) in MiB (413 above it)")
+    max_code_unpacked_mb: float = Field(200.0, gt=0, validation_alias="TLAB_MAX_CODE_UNPACKED_MB",
+                                        description="largest total size of a package's files unpacked, in MiB "
+                                                    "(422 above it: a zip bomb)")
     # notifications (service/notify.py, docs/operations.md "Webhooks")
     webhook_allow: str = Field("", validation_alias="TLAB_WEBHOOK_ALLOW",
                                description="comma-separated host names webhooks may go to (empty: any)")

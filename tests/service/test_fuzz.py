@@ -12,7 +12,8 @@ Left out, on purpose, and each for a reason:
 - ``positive_data_acceptance`` takes a 422 as an answer on the two submit routes only: admission refuses, naming
   the field, specs that match the JSON Schema but can never run, which a JSON Schema cannot say (cross-field rules
   such as "some teleport epoch < training.epochs", data files under the data roots, service limits, quotas, a gang
-  that fits the cluster). Everywhere else a schema-valid request must be accepted.
+  that fits the cluster); and on ``POST /v1/code``, whose body the schema can only call binary while only a safe
+  zip is one. Everywhere else a schema-valid request must be accepted.
 - ``use_after_free`` is off: the only DELETEs are on an experiment or a sweep, where DELETE cancels and, by design
   (docs/rest.md), the record stays readable (GET 200, state ``cancelled``), while the check expects a 404.
 """
@@ -31,7 +32,7 @@ SKIPPED = ("/readyz", "/v1/experiments/{job_id}/events", "/v1/sweeps/{sweep_id}/
            "/v1/experiments/{job_id}/logs/stream")
 CONFIG = """
 [[operations]]
-include-path-regex = "^/v1/(experiments|sweeps)$"
+include-path-regex = "^/v1/(experiments|sweeps|code)$"
 include-method = "POST"
 checks.positive_data_acceptance.expected-statuses = ["2XX", "401", "403", "404", "409", "422", "429"]
 """

@@ -1,0 +1,119 @@
+"""``POST /v1/code`` and ``spec.code`` on the real API (no Ray): content-addressed uploads, owner-only packages, bad
+zips refused with the reason, and at submit: an unknown or another user's package, factories' syntax, user code
+turned off."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from api_schemas import ExperimentSpec
+from service.cli.code_zip import zip_dir
+from service.code_store import runtime_env_for
+from service.settings import Settings
+from tests.service.conftest import Api, tiny
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_lm"
+ZIP = {"Content-Type": "application/zip"}
+
+
+@pytest.fixture()
+def api_env() -> dict[str, str]:
+    return {"TLAB_MAX_CODE_MB": "0.25", "TLAB_MAX_CODE_UNPACKED_MB": "1"}
+
+
+def zip_of(members: dict[str, bytes], symlink: str | None = None) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+        if symlink:
+            info = zipfile.ZipInfo(symlink)
+            info.external_attr = 0o120777 << 16
+            z.writestr(info, "/etc/passwd")
+    return buf.getvalue()
+
+
+def custom_spec(package: str | None = None) -> dict:
+    spec = tiny(teleport={"enabled": False})
+    spec["model"] = {"kind": "custom", "factory": "tiny_lm.model:gpt", "args": {"d": 16}}
+    spec["dataset"] = {"name": "custom", "factory": "tiny_lm.data:python_source"}
+    if package:
+        spec["code"] = {"package": package}
+    return spec
+
+
+def test_upload_is_content_addressed_and_visible_to_its_owner_and_admins(api_only: Api) -> None:
+    data = zip_dir(EXAMPLE, 1 << 20)
+    expected = f"sha256:{hashlib.sha256(data).hexdigest()}"
+    for name in ("alice", "bob", "carol"):
+        api_only.add_user(name)
+    with api_only.client() as admin:
+        for name in ("alice", "bob"):
+            assert admin.patch(f"/v1/users/{name}", json={"can_submit_code": True}).status_code == 200
+    with api_only.client("carol") as carol:  # not allowed to run code: refused before any byte is kept
+        r = carol.post("/v1/code", content=data, headers=ZIP)
+        assert r.status_code == 403 and r.json()["errors"][0]["field"] == "code" and "can-submit-code" in r.text
+    with api_only.client("alice") as alice, api_only.client("bob") as bob, api_only.client() as admin:
+        first = alice.post("/v1/code", content=data, headers=ZIP)
+        assert first.status_code == 201, first.text
+        assert first.json()["package"] == expected and first.json()["bytes"] == len(data)
+        again = alice.post("/v1/code", content=data, headers=ZIP)
+        assert again.status_code == 200 and again.json()["package"] == expected
+        stored = list((api_only.stack.home / "storage" / "code" / "alice").iterdir())
+        assert [p.name for p in stored] == [f"{expected[7:]}.zip"]  # once, under its owner
+        assert alice.get(f"/v1/code/{expected}").json()["owner"] == "alice"
+        assert admin.get(f"/v1/code/{expected}").json()["files"] >= 4
+        assert bob.get(f"/v1/code/{expected}").status_code == 404  # another user's: not even its existence
+        assert alice.post("/v1/experiments", json={"spec": custom_spec(expected)}).status_code == 201
+        refused = bob.post("/v1/experiments", json={"spec": custom_spec(expected)})
+        assert refused.status_code == 422 and refused.json()["errors"][0]["field"] == "spec.code.package"
+    # what the scheduler hands Ray for alice's job: the stored zip as working_dir, the requirements as pip
+    spec = ExperimentSpec.model_validate({**custom_spec(expected), "code": {"package": expected,
+                                                                           "requirements": ["einops==0.8.0"]}})
+    env = runtime_env_for(Settings(TLAB_HOME=str(api_only.stack.home)), "alice", spec)
+    assert env == {"working_dir": str(stored[0]), "pip": ["einops==0.8.0"]}
+
+
+@pytest.mark.parametrize(("body", "status", "needle"), [
+    (zip_of({"../evil.py": b"x"}), 422, "'..'"),
+    (zip_of({"/abs.py": b"x"}), 422, "absolute name"),
+    (zip_of({"a.py": b"x"}, symlink="link.py"), 422, "symbolic link"),
+    (b"this is not a zip", 422, "not a zip archive"),
+    (zip_of({"zeros.bin": bytes(2 << 20)}), 422, "TLAB_MAX_CODE_UNPACKED_MB"),  # a bomb: 2 MiB from ~2 KiB
+    (bytes(300_000), 413, "TLAB_MAX_CODE_MB"),
+], ids=["dotdot", "absolute", "symlink", "not_zip", "unpacked_cap", "over_cap"])
+def test_bad_packages_are_refused_with_the_reason(api_only: Api, body: bytes, status: int, needle: str) -> None:
+    with api_only.client() as c:
+        r = c.post("/v1/code", content=body, headers=ZIP)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["detail"] and r.json()["errors"][0]["field"] == "body"
+
+
+def test_submit_checks_the_code_fields(api_only: Api) -> None:
+    with api_only.client() as c:
+        unknown = c.post("/v1/experiments", json={"spec": custom_spec("sha256:" + "0" * 64)})
+        assert unknown.status_code == 422 and unknown.json()["errors"][0]["field"] == "spec.code.package"
+        bad = custom_spec()
+        bad["model"]["factory"] = "tiny_lm.model"
+        r = c.post("/v1/experiments", json={"spec": bad})
+        assert r.status_code == 422 and r.json()["errors"][0]["field"] == "spec.model.factory"
+        assert "package.module:function" in r.json()["detail"]
+        sweep = {"base": custom_spec(), "search_space": {"model.args.heads": {"grid": [1, 2]}}}
+        assert c.post("/v1/sweeps", json=sweep).status_code == 201  # a factory's argument is a sweep axis
+        assert c.post("/v1/code", content=b"PK", headers={"Content-Type": "text/plain"}).status_code == 415
+
+
+@pytest.mark.parametrize("api_env", [{"TLAB_USER_CODE": "off"}])
+def test_user_code_can_be_turned_off(api_only: Api) -> None:
+    with api_only.client() as c:
+        r = c.post("/v1/experiments", json={"spec": custom_spec()})
+        assert r.status_code == 403 and r.json()["errors"][0]["field"] == "spec.code"
+        assert "TLAB_USER_CODE=off" in r.json()["detail"] and "model.factory" in r.json()["detail"]
+        assert c.post("/v1/experiments", json={"spec": tiny()}).status_code == 201  # built-ins run as before
+        upload = c.post("/v1/code", content=zip_of({"a.py": b"x"}), headers=ZIP)
+        assert upload.status_code == 403 and upload.json()["errors"][0]["field"] == "code"
