@@ -61,6 +61,12 @@ def add_spec_args(p: argparse.ArgumentParser, what: str = "a YAML/JSON spec file
     p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="PATH=VALUE")
 
 
+def add_code_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--code", metavar="DIR", default=None,
+                   help="your package's directory: zipped (honouring .gitignore and .tlabignore), uploaded once, "
+                        "and set as the spec's code.package, so factories (pkg.module:function) import from it")
+
+
 def spec_from(args: argparse.Namespace) -> dict[str, Any]:
     """The validated spec of ``SPEC``/``--preset`` with ``--set`` applied, as JSON data (SpecError if wrong)."""
     from api_schemas.spec_io import build_spec, load_spec_data

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service.cli.common import (
+    add_code_arg,
     add_read_command,
     add_remote_args,
     add_spec_args,
@@ -27,8 +28,11 @@ if TYPE_CHECKING:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    from service.cli.code_zip import with_code
+
     spec = spec_from(args)
     with client(args) as c:
+        spec = with_code(c, spec, args.code)
         if args.dry_run:
             r = c.json("POST", "/v1/experiments", params={"dry_run": "true"}, json={"spec": spec})
             print_json(r)
@@ -153,6 +157,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--dry-run", action="store_true", help="say whether and where it would fit; queue nothing")
     p.set_defaults(func=cmd_submit)
 
+    add_code_arg(p)
     add_read_command(sub, "ls", "your experiments, newest first", cmd_ls,
                      options={"--state": {}, "--owner": {"help": "(admins) someone else's"}, "--tag": {},
                               "--limit": {"type": int, "default": 50}})

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service.cli.common import (
+    add_code_arg,
     add_read_command,
     add_remote_args,
     add_spec_args,
@@ -42,7 +43,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             "max_concurrent_trials": args.max_concurrent, "searcher": args.searcher, "seed": args.seed,
             "grace_period": args.grace_period, "perturbation_interval": args.perturbation_interval,
             "name": args.name or "", "priority": args.priority, "tags": args.tag}
+    from service.cli.code_zip import with_code
+
     with client(args) as c:
+        body["base"] = with_code(c, body["base"], args.code)
         job = c.json("POST", "/v1/sweeps", json=body)
         print(f"{job['id']}  {job['state']}  position {fmt(job.get('queue_position'))}", flush=True)
         if not args.follow:
@@ -106,6 +110,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--tag", action="append", default=[])
     p.add_argument("--follow", action="store_true", help="follow until it ends, then print the trials table")
+    add_code_arg(p)
     p.set_defaults(func=cmd_sweep)
     add_remote_args(p)
 

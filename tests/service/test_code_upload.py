@@ -117,3 +117,19 @@ def test_user_code_can_be_turned_off(api_only: Api) -> None:
         assert c.post("/v1/experiments", json={"spec": tiny()}).status_code == 201  # built-ins run as before
         upload = c.post("/v1/code", content=zip_of({"a.py": b"x"}), headers=ZIP)
         assert upload.status_code == 403 and upload.json()["errors"][0]["field"] == "code"
+
+
+def test_tlab_submit_code_uploads_once_and_submits_with_the_package(api_only: Api, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    tlab = [str(Path(sys.executable).parent / "tlab"), "--url", api_only.url, "--token", api_only.tokens["admin"]]
+    spec = str(EXAMPLE / "spec.yaml")
+    runs = [subprocess.run([*tlab, "submit", spec, "--code", str(EXAMPLE)], capture_output=True, text=True,
+                           timeout=60, cwd=tmp_path) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr + runs[1].stderr
+    assert "KiB, uploaded)" in runs[0].stderr and "unchanged, not uploaded again" in runs[1].stderr
+    package = f"sha256:{hashlib.sha256(zip_dir(EXAMPLE, 1 << 20)).hexdigest()}"
+    with api_only.client() as c:
+        job = c.get(f"/v1/experiments/{runs[1].stdout.split()[0]}").json()
+    assert job["spec"]["code"]["package"] == package and job["spec"]["model"]["kind"] == "custom"
