@@ -120,13 +120,15 @@ def test_user_code_can_be_turned_off(api_only: Api) -> None:
 
 
 def test_tlab_submit_code_uploads_once_and_submits_with_the_package(api_only: Api, tmp_path: Path) -> None:
+    import os
     import subprocess
     import sys
 
-    tlab = [str(Path(sys.executable).parent / "tlab"), "--url", api_only.url, "--token", api_only.tokens["admin"]]
+    repo = str(EXAMPLE.parents[1])  # this checkout's CLI, whatever the installed `tlab` points at
+    tlab = [sys.executable, "-m", "service.cli", "--url", api_only.url, "--token", api_only.tokens["admin"]]
     spec = str(EXAMPLE / "spec.yaml")
     runs = [subprocess.run([*tlab, "submit", spec, "--code", str(EXAMPLE)], capture_output=True, text=True,
-                           timeout=60, cwd=tmp_path) for _ in range(2)]
+                           timeout=60, cwd=tmp_path, env={**os.environ, "PYTHONPATH": repo}) for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[0].stderr + runs[1].stderr
     assert "KiB, uploaded)" in runs[0].stderr and "unchanged, not uploaded again" in runs[1].stderr
     package = f"sha256:{hashlib.sha256(zip_dir(EXAMPLE, 1 << 20)).hexdigest()}"
