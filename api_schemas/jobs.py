@@ -105,6 +105,9 @@ class JobView(_Strict):
     queue_position: int | None = Field(None, description="1 = next to start; only while queued")
     pending_reason: str | None = Field(None, description="why a queued job is not running yet")
     attempts: int = Field(0, description="how many times the scheduler has started it")
+    preemptions: int = Field(0, description="how many times a higher-priority job preempted it (each one sent it "
+                                           "back to the queue to resume from its checkpoint; not a failure)")
+    last_preemption: str | None = Field(None, description="the last preemption: by which job, and when")
     ray_job_id: str | None = None
     progress: Progress = Field(default_factory=Progress)
     summary: dict[str, Any] | None = None
@@ -182,6 +185,8 @@ class Quotas(_Strict):
                                                   "over it alone is refused at submit)")
     max_time_limit_s: float = Field(7 * 86400, gt=0, description="the longest resources.time_limit_s the user may "
                                                                  "ask for (admins are not bound)")
+    max_unpreemptible: int = Field(1, ge=0, description="jobs with resources.preemptible=false the user may have "
+                                                        "queued or running at once (admins are not bound)")
 
 
 class UserCreate(_Strict):

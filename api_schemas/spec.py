@@ -229,6 +229,10 @@ class ResourcesSpec(_Strict):
         None, gt=0, description="running time after which the job is stopped (its last checkpoint kept) and ends "
                                 "failed; none: the cluster default TLAB_DEFAULT_TIME_LIMIT_S. At most the user's "
                                 "max_time_limit_s quota and TLAB_MAX_TIME_LIMIT_S. In a sweep: each trial's limit")
+    preemptible: bool = Field(
+        True, description="a queued job of strictly higher priority may stop this one (it checkpoints, goes back to "
+                          "the queue keeping its age, and resumes from its checkpoint); false opts out, for at most "
+                          "the user's max_unpreemptible quota of queued or running jobs. A sweep is preempted whole")
 
 
 # ---------------------------------------------------------------------------- spec

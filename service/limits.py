@@ -2,9 +2,9 @@
 
 A job's limit is ``resources.time_limit_s``, else ``TLAB_DEFAULT_TIME_LIMIT_S``; it may not exceed
 ``TLAB_MAX_TIME_LIMIT_S`` nor the user's ``max_time_limit_s`` quota (admins: only the cluster's). Time counts
-while the job runs (from ``started_at``). At the limit the scheduler stops the Ray job (SIGTERM: the driver
-exports its artifacts from the last checkpoint; SIGKILL after ``TLAB_STOP_GRACE_S``) and the job ends
-``failed`` with a reason that names the limit and the last epoch reported.
+while the job runs (from ``started_at``, plus ``ran_s`` before a preemption). At the limit the scheduler stops
+the Ray job (SIGTERM: the driver exports its artifacts from the last checkpoint; SIGKILL after
+``TLAB_STOP_GRACE_S``) and the job ends ``failed`` with a reason that names the limit and the last epoch reported.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def over_limit(settings: Settings, data: dict[str, str], now: float) -> float | 
     if data.get("state") != "running" or not started:
         return None
     limit = time_limit(settings, data)
-    return limit if now - float(started) >= limit else None
+    ran = float(data.get("ran_s") or 0)  # before a preemption (service.preempting): running time counts, not waiting
+    return limit if ran + now - float(started) >= limit else None
 
 
 def last_epoch(store: Store, job_id: str) -> int | None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pydantic import ValidationError
+
 from api_schemas import ExperimentSpec, keys
 from api_schemas.jobs import TERMINAL, ExperimentSubmit, JobState, JobView, Role, UserPublic
 from api_schemas.lineage import (
@@ -108,13 +110,22 @@ def _refused(err: LineageError) -> InvalidInput:
     return InvalidInput(str(err), field=err.field)
 
 
+def parent_spec(job_id: str, data: dict[str, str]) -> ExperimentSpec:
+    """The parent's spec as stored; 409 when it no longer validates (a job from an older version of the spec)."""
+    try:
+        return ExperimentSpec.model_validate_json(data["spec"])
+    except ValidationError:
+        raise InvalidState(f"experiment {job_id}'s spec is not valid under this version of the service: submit "
+                           "a corrected spec as a new experiment", field="id") from None
+
+
 def continue_job(st: State, user: UserPublic, job_id: str, req: ContinueRequest,
                  idempotency_key: str | None = None) -> tuple[JobView, bool]:
     """``POST /v1/experiments/{id}/continue``: ``req.epochs`` more from the parent's final checkpoint."""
     parent, kept = ended_parent(st, user, job_id)
     final = max(kept)
     try:
-        spec = continue_spec(ExperimentSpec.model_validate_json(parent["spec"]), final, req.epochs)
+        spec = continue_spec(parent_spec(job_id, parent), final, req.epochs)
     except LineageError as err:
         raise _refused(err) from None
     start = StartFrom(job=job_id, epoch=final, checkpoint=kept[final])
@@ -131,7 +142,7 @@ def fork_job(st: State, user: UserPublic, job_id: str, req: ForkRequest,
                            f"{', '.join(map(str, sorted(kept)))} (each run keeps its latest TLAB_KEEP_CHECKPOINTS)",
                            field="from_epoch")
     try:
-        spec = fork_spec(ExperimentSpec.model_validate_json(parent["spec"]), req.from_epoch, req.set)
+        spec = fork_spec(parent_spec(job_id, parent), req.from_epoch, req.set)
     except LineageError as err:
         raise _refused(err) from None
     start = StartFrom(job=job_id, epoch=req.from_epoch, checkpoint=kept[req.from_epoch])

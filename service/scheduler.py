@@ -6,10 +6,12 @@ Each tick (every ``TLAB_TICK_S``, and at once when the API pushes to the wake li
    ``starting -> running``; SUCCEEDED/FAILED/STOPPED end it; a Ray job that Ray no longer knows
    (the cluster restarted) goes back to the queue to resume from its checkpoint, or fails after
    ``TLAB_MAX_ATTEMPTS``; a cancel request stops the Ray job (SIGTERM, SIGKILL after the grace), and so
-   does a running job's time limit (``service.limits``: it then ends failed, its last checkpoint kept).
+   does a running job's time limit (``service.limits``: it then ends failed, its last checkpoint kept) and a
+   preemption (``service.preempting``: once stopped, it goes back to the queue with its age).
 2. dispatch: ``policy.decide`` picks what starts; each is moved ``queued -> starting`` with its
    Ray submission id *before* the submit, so a scheduler killed in between finds it in ``starting``
-   and submits the same id again (Ray refuses duplicates): no job is lost or started twice.
+   and submits the same id again (Ray refuses duplicates): no job is lost or started twice. The job that
+   waits first for room may then preempt running jobs of lower priority (``service.preemption``).
 
 Only the holder of the Redis lock schedules; a second scheduler waits until the lock expires.
 """
@@ -30,7 +32,7 @@ from redis.exceptions import LockError
 from api_schemas import keys
 from api_schemas.jobs import ClusterView, Demand, JobState, NodeView
 from api_schemas.reasons import FAILURE_MARK, one_line
-from service import dependencies, policy
+from service import dependencies, policy, preempting
 from service.limits import TIME_LIMITED, over_limit, time_limit_reason
 from service.notify import Sender
 from service.policy import ActiveJob, Node, QueuedJob
@@ -110,10 +112,7 @@ class Scheduler:
     def active(self) -> list[dict[str, str]]:
         return self.store.raws(sorted(self.store.r.smembers(keys.active())))
 
-    @staticmethod
-    def as_active(data: dict[str, str]) -> ActiveJob:
-        return ActiveJob(data["id"], data["owner"], Demand.model_validate_json(data["demand"]),
-                         tuple(json.loads(data.get("placement") or "[]")))
+    as_active = staticmethod(preempting.active_job)
 
     # ---- 1. reconcile ------------------------------------------------------------------------
     def reconcile(self, now: float) -> None:
@@ -140,6 +139,12 @@ class Scheduler:
                 self.store.transition(job_id, JobState.FAILED, expect=active, reason=reason, failure_reason=reason,
                                       now=now)
             return
+        if data.get(preempting.PREEMPTED_BY) and not cancel and status in (*RAY_ACTIVE, "STOPPED", None):
+            if status in RAY_ACTIVE:
+                self.launcher.stop(sid)  # SIGTERM again is harmless: Ray's supervisor stops a job once
+            else:
+                preempting.requeue(self.store, data, now)
+            return
         if status is None:
             if cancel:
                 self.store.transition(job_id, JobState.CANCELLED, expect=active, reason="cancelled by user", now=now)
@@ -147,7 +152,7 @@ class Scheduler:
                 # killed between the transition and the submit: the same id again
                 job = self.as_active(data)
                 self.launcher.submit(job_id, sid, ENTRYPOINT[data.get("kind", "experiment")], job.demand, job.placement)
-            elif int(data.get("attempts", 1)) < self.settings.max_attempts:
+            elif preempting.failed_attempts(data) < self.settings.max_attempts:
                 self.store.transition(job_id, JobState.QUEUED, expect=[state], now=now,
                                       reason="its Ray job vanished (cluster restarted?): queued again to "
                                              "resume from its last checkpoint")
@@ -211,12 +216,12 @@ class Scheduler:
         decision, nodes, active = self.decide(now)
         charges: dict[str, float] = {}
         for job, placement in decision.starts:
-            attempts, kind = self.store.r.hmget(keys.job(job.id), ["attempts", "kind"])
+            attempts, kind, resumed = self.store.r.hmget(keys.job(job.id), ["attempts", "kind", "resume_free"])
             attempt = int(attempts or 0) + 1
             sid = self.launcher.submission_id(job.id, attempt)
             if not self.store.transition(job.id, JobState.STARTING, expect=[JobState.QUEUED], now=now,
                                          ray_job_id=sid, attempts=str(attempt), placement=json.dumps(placement),
-                                         pending_reason=""):
+                                         pending_reason="", resume_free=""):
                 continue  # cancelled meanwhile
             self.static.pop(job.id, None)
             try:
@@ -226,9 +231,12 @@ class Scheduler:
                 self.store.transition(job.id, JobState.QUEUED, expect=[JobState.STARTING], now=now,
                                       reason=f"Ray did not accept the job ({err}); will retry")
                 continue
-            charges[job.owner] = charges.get(job.owner, 0.0) + policy.weight(job.demand) * self.settings.start_charge_s
+            if not resumed:  # a job resuming after a preemption paid its start charge when it first started
+                charges[job.owner] = (charges.get(job.owner, 0.0)
+                                      + policy.weight(job.demand) * self.settings.start_charge_s)
             active.append(ActiveJob(job.id, job.owner, job.demand, tuple(placement)))
         self.charge_running(active, now, charges)
+        preempting.preempt(self.store, self.launcher, self.settings, decision, nodes, active, now)
         self.publish(decision, nodes, active, now)
         return decision
 

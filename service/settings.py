@@ -35,6 +35,9 @@ class Settings(BaseSettings):
                               description="times a job is restarted after its Ray job vanished")
     stop_grace_s: float = Field(30.0, ge=0, validation_alias="TLAB_STOP_GRACE_S",
                                 description="SIGTERM-to-SIGKILL time for a cancelled running job")
+    preemption: bool = Field(True, validation_alias="TLAB_PREEMPTION",
+                             description="on: a queued job that cannot fit may preempt running jobs of strictly "
+                                         "lower priority (docs/operations.md, Preemption); off: it waits")
     starting_timeout_s: float = Field(600.0, gt=0, validation_alias="TLAB_STARTING_TIMEOUT_S")
     default_time_limit_s: float = Field(86400.0, gt=0, validation_alias="TLAB_DEFAULT_TIME_LIMIT_S",
                                         description="a job's running time limit when its spec gives none")

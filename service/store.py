@@ -192,6 +192,7 @@ class Store:
             created_at=float(data["created_at"]), started_at=_opt_float(data.get("started_at")),
             finished_at=_opt_float(data.get("finished_at")), queue_position=position, pending_reason=reason,
             attempts=int(data.get("attempts", 0)), ray_job_id=data.get("ray_job_id") or None,
+            preemptions=int(data.get("preemptions") or 0), last_preemption=data.get("last_preemption") or None,
             progress=self.progress(job_id, data) if with_progress else Progress(),
             summary=json.loads(data["summary"]) if data.get("summary") else None,
             failure_reason=data.get("failure_reason") or None, after=json.loads(data.get("after") or "[]"),

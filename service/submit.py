@@ -9,6 +9,7 @@ from api_schemas.jobs import ClusterView, Demand, DryRun, ExperimentSubmit, JobS
 from api_schemas.sweeps import SweepSubmit
 from service import policy
 from service.dependencies import check_after
+from service.preempting import check_unpreemptible
 from service.ray_cluster import StaticCluster
 from service.store import Store, demand_of
 from service.views import PENDING_REASON
@@ -44,8 +45,10 @@ def enqueue(store: Store, user: UserPublic, body: ExperimentSubmit | SweepSubmit
             idempotency_key: str | None, extra: dict[str, str] | None = None) -> tuple[JobView, bool]:
     """Queue the job: (its view, True), or (the original job, False) on an Idempotency-Key replay; 429 when
     the user has ``max_queued_jobs`` queued (checked and queued in one Lua call; admins are not bound); 422 naming
-    ``after`` for a dependency the user may not wait for, that can no longer succeed, or that closes a cycle."""
+    ``after`` for a dependency the user may not wait for, that can no longer succeed, or that closes a cycle; 422
+    naming ``resources.preemptible`` over the user's ``max_unpreemptible`` quota."""
     check_after(store, user, body.after)
+    check_unpreemptible(store, user, body, idempotency_key)
     owner = user.name
     cap = None if user.role == Role.ADMIN else user.quotas.max_queued_jobs
     job_id, created, qlen, now = store.submit(owner, body, idempotency_key, queued_cap=cap, extra=extra)

@@ -123,12 +123,12 @@ def export_artifacts(spec: ExperimentSpec, run_dirs: list[Path], out: Path, extr
 
 
 class Stopped(Exception):
-    """SIGTERM: Ray stopped the job (a cancel, a time limit); SIGKILL follows after the grace period."""
+    """SIGTERM: Ray stopped the job (a cancel, a time limit, a preemption); SIGKILL follows after the grace."""
 
 
 def raise_stopped(signum: int, frame: object) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
-    raise Stopped("stopped by the scheduler (cancel or time limit)")
+    raise Stopped("stopped by the scheduler (cancel, time limit or preemption)")
 
 
 def report_failure(sink: RedisSink, reason: str) -> None:

@@ -75,6 +75,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"  position  {fmt(job.get('queue_position'))}\n  waiting   {job.get('pending_reason')}")
     print(f"  progress  {progress(job)}\n  attempts  {job['attempts']}   ray job {fmt(job.get('ray_job_id'))}")
     print(f"  gang      {gang(job['demand'])}")
+    if job.get("preemptions"):
+        print(f"  preempted {job['preemptions']} time(s), last: {job.get('last_preemption')}")
     if job.get("failure_reason"):
         print(f"  failed    {job['failure_reason']}")
     if job.get("parent"):

@@ -31,6 +31,7 @@ QUOTA_OPTIONS: dict[str, tuple[type, str]] = {
     "max_priority": (int, "the highest priority its jobs may ask for"),
     "max_cpus": (float, "CPUs its starting/running jobs may hold at once"),
     "max_time_limit_s": (float, "the longest resources.time_limit_s its jobs may ask for"),
+    "max_unpreemptible": (int, "jobs with resources.preemptible=false it may have queued or running at once"),
 }
 WEAK_TOKENS = {"change-me", "changeme", "secret", "password", "admin", "token"}
 MIN_TOKEN_CHARS = 32
