@@ -51,6 +51,7 @@ function jobFacts(j) {
   ];
   if (j.state === "queued") facts.push(["queue position", j.queue_position ?? "–"], ["why pending", j.pending_reason || "–"]);
   if (j.failure_reason) facts.push(["failure", j.failure_reason]);
+  if (j.preemptions) facts.push(["preempted", `${j.preemptions} time(s); last: ${j.last_preemption || "–"}`]);
   facts.push(...lineageFacts(j));
   if ((j.summary?.target_loss ?? null) !== null) facts.push(["to target loss", toTarget(j.summary)]);
   if (j.summary) facts.push(["summary", Object.entries(j.summary).filter(([, v]) => typeof v !== "object")
