@@ -251,7 +251,7 @@ class ExperimentSpec(_Strict):
 
     def user_code_fields(self) -> list[str]:
         """The fields that make the workers run code the user chose (what ``TLAB_USER_CODE=off`` refuses)."""
-        fields = ["code"] if self.code is not None else []
+        fields = ["code"] if self.code is not None and (self.code.package or self.code.requirements) else []
         fields += ["model.factory"] if isinstance(self.model, CustomModel) else []
         fields += ["dataset.factory"] if self.dataset.factory else []
         fields += ["training.loss"] if self.training.loss and ":" in self.training.loss else []

@@ -45,6 +45,8 @@ USER: Responses = {404: error("no such user")}
 BODY: Responses = {413: error("the body is over TLAB_MAX_BODY_BYTES"),
                    422: error("a field is invalid, or the body is not JSON: `errors[].field` names it")}
 SUBMIT: Responses = BODY | {
+    403: error("the spec runs user code (a package, a factory, a loss function) and user code is off for this "
+               "service (TLAB_USER_CODE=off) or for you (can_submit_code)"),
     409: error("the Idempotency-Key was used before with another body"),
     422: error("an invalid spec or search space, a model that cannot take the data, data missing or outside the "
                "data roots, over a service limit or a quota, or a gang that can never fit the cluster"),

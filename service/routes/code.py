@@ -12,8 +12,9 @@ from service.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
 from service.responses import AUTHED, error
 
 router = APIRouter(prefix="/v1/code", tags=["code"], responses=AUTHED)
-ZIP_BODY = {"requestBody": {"required": True, "content": {"application/zip": {
-    "schema": {"type": "string", "format": "binary"}}}}}
+BINARY = {"schema": {"type": "string", "format": "binary"}}
+ZIP_BODY = {"requestBody": {"required": True, "content": {"application/zip": BINARY,
+                                                          "application/octet-stream": BINARY}}}
 
 
 async def read_capped(request: Request, limit: int) -> bytes:
