@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import replace
 from typing import Protocol
 
 from api_schemas import keys
@@ -32,6 +33,7 @@ from service.store import Store
 log = logging.getLogger("tlab.scheduler")
 PREEMPTED_BY, PREEMPTED_PRIORITY = "preempted_by", "preempted_priority"  # job hash fields while it stops
 LIVE = (JobState.QUEUED.value, JobState.STARTING.value, JobState.RUNNING.value)
+SETTLE_S = 15.0  # after a preemption, Ray's report of what is in use may lag this long (its autoscaler: ~5 s)
 
 
 class Stopper(Protocol):
@@ -73,16 +75,19 @@ def log_event(store: Store, job_id: str, message: str, now: float) -> None:
 
 
 def preempt(store: Store, launcher: Stopper, settings: Settings, decision: policy.Decision,
-            nodes: list[policy.Node], active: list[ActiveJob], now: float) -> list[str]:
+            nodes: list[policy.Node], active: list[ActiveJob], now: float, requeued_at: float = 0.0) -> list[str]:
     """Stop the victims for the job that waits for room, if any (``service.preemption``), and say so in that
-    job's reason; returns the victims' ids."""
+    job's reason; returns the victims' ids. ``requeued_at``: when a preempted job last went back to the queue
+    (for ``SETTLE_S`` after it, Ray's lagging report of what is in use does not make more victims)."""
     job = decision.reserved
     if job is None or not settings.preemption:
         return []
     raws = store.raws(a.id for a in active)
     running, leaving = candidates(raws)
     free = policy.free_resources(nodes, active)
-    plan = preemption.plan(job.demand, job.priority, free, running, leaving)
+    released = (policy.free_resources([replace(n, cpus_used=None, gpus_used=None) for n in nodes], active)
+                if now - requeued_at < SETTLE_S else None)
+    plan = preemption.plan(job.demand, job.priority, free, running, leaving, released=released)
     decision.order = [(i, why + plan.note if i == job.id else why) for i, why in decision.order]
     by = {d["id"]: d for d in raws}
     for victim in plan.victims:

@@ -104,14 +104,18 @@ def describe(victims: list[Candidate]) -> str:
 
 
 def plan(demand: Demand, priority: int, free: dict[str, list[float]], running: list[Candidate],
-         stopping: list[ActiveJob], enabled: bool = True) -> Plan:
+         stopping: list[ActiveJob], enabled: bool = True, released: dict[str, list[float]] | None = None) -> Plan:
     """What to preempt now for the waiting gang. ``running``: the running jobs that are not ``stopping`` (jobs
-    already on their way out, whose resources count as freed)."""
+    already on their way out, whose resources count as freed). ``released``: after a recent preemption, what is
+    free once Ray has caught up with it (the ledger's own count): Ray reports a stopped job's resources in use
+    for a few seconds more, and that lag must not cost a second victim."""
     if not enabled:
         return Plan()
     free = freed(free, stopping)
     if stopping and place(demand, free) is not None:
         return Plan(note=f"; waiting for {', '.join(j.id for j in stopping)} to checkpoint and stop")
+    if released is not None and place(demand, freed(released, stopping)) is not None:
+        return Plan(note="; waiting for Ray to release what the jobs just preempted held")
     victims = choose_victims(demand, priority, free, running)
     if victims:
         return Plan(victims, f"; preempting {describe(victims)}: waiting for them to checkpoint and stop")

@@ -91,6 +91,7 @@ class Scheduler:
         self.static: dict[str, QueuedJob] = {}  # queued jobs' immutable fields, read once
         self.last_charge = time.time()
         self.decisions = 0
+        self.requeued_at = 0.0  # when a preempted job last went back to the queue (service.preempting.SETTLE_S)
 
     # ---- reading Redis -----------------------------------------------------------------------
     def queued(self) -> list[QueuedJob]:
@@ -142,8 +143,8 @@ class Scheduler:
         if data.get(preempting.PREEMPTED_BY) and not cancel and status in (*RAY_ACTIVE, "STOPPED", None):
             if status in RAY_ACTIVE:
                 self.launcher.stop(sid)  # SIGTERM again is harmless: Ray's supervisor stops a job once
-            else:
-                preempting.requeue(self.store, data, now)
+            elif preempting.requeue(self.store, data, now):
+                self.requeued_at = now
             return
         if status is None:
             if cancel:
@@ -236,7 +237,7 @@ class Scheduler:
                                       + policy.weight(job.demand) * self.settings.start_charge_s)
             active.append(ActiveJob(job.id, job.owner, job.demand, tuple(placement)))
         self.charge_running(active, now, charges)
-        preempting.preempt(self.store, self.launcher, self.settings, decision, nodes, active, now)
+        preempting.preempt(self.store, self.launcher, self.settings, decision, nodes, active, now, self.requeued_at)
         self.publish(decision, nodes, active, now)
         return decision
 

@@ -260,6 +260,17 @@ def test_preemption_off_and_jobs_already_stopping() -> None:
     assert preempted(cpus(4), 5, [running("low", 2)], stopping=(leaving,))[0] == ["low"]  # not enough alone
 
 
+def test_ray_lagging_behind_a_preemption_makes_no_second_victim() -> None:
+    """A victim just requeued: the ledger has its CPUs free, Ray still reports them in use for a few seconds."""
+    low = running("low", 2)
+    nodes = [Node("n", cpus=4, gpus=0, cpus_used=4.0, gpus_used=0.0)]  # low's 2 CPUs + the victim's 2, per Ray
+    free = policy.free_resources(nodes, [low.job])
+    released = policy.free_resources([Node("n", cpus=4, gpus=0)], [low.job])
+    plan = preemption.plan(cpus(2), 5, free, [low], [], released=released)
+    assert plan.victims == [] and "waiting for Ray to release" in plan.note
+    assert [v.id for v in preemption.plan(cpus(2), 5, free, [low], []).victims] == ["low"]  # no preemption lately
+
+
 def test_past_the_exact_search_a_greedy_choice_is_still_minimal() -> None:
     jobs = [running("a", 1, started=1), running("b", 1, started=2), running("c", 2, priority=1)]
     free = policy.free_resources([Node("n", cpus=4, gpus=0)], [c.job for c in jobs])
