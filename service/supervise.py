@@ -13,16 +13,15 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-if TYPE_CHECKING:
-    from service.stack import Stack
+from service.stack import Interrupted, Stack
 
 
 @dataclass(frozen=True)
@@ -141,7 +140,10 @@ class Supervisor:
         del self.due[name]
         try:
             self.stack.restart(name)
-        except (RuntimeError, OSError) as err:  # it died again or hung while starting: one more death
+        except Interrupted:
+            return None  # the stack is stopping
+        except Exception as err:  # it died again or hung while starting: one more death
+            self.record(f"restarting {name} failed:\n{traceback.format_exc()}")
             self.due[name] = (0.0, died_at)
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
             return self.died(name, f"none ({first})")

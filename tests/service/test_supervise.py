@@ -102,6 +102,19 @@ def is_gcs(p: psutil.Process) -> bool:
     return p.name() == "gcs_server"
 
 
+def of_stack(home: Path) -> list[psutil.Process]:
+    """Processes started for the stack in ``home`` (every child of `tlab up`, down to Ray's job drivers, inherits
+    ``TLAB_HOME``)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("TLAB_HOME") == str(home) and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
 def kill(up: psutil.Process, match: Callable[[psutil.Process], bool]) -> float:
     part(up, match).send_signal(signal.SIGKILL)
     return time.monotonic()
@@ -169,14 +182,15 @@ def test_tlab_up_restarts_a_killed_scheduler_redis_and_ray_head_and_the_job_goes
             # Redis: back on its port from its AOF; the job's driver writes on
             seen = len(watch.epochs(job))
             assert seen < EPOCHS - 3, "the job ran out of epochs before Redis was killed"
-            t0 = kill(up, is_redis)
+            t0, killed_at = kill(up, is_redis), time.time()
             took["redis"] = wait("Redis back", watch.r.ping) - t0
             assert listen_port(part(up, is_redis)) == redis_port  # the same URL for everyone
             took["redis: next epoch"] = wait("an epoch after Redis came back",
                                              lambda: len(watch.epochs(job)) > seen) - t0
 
             # the scheduler: the job runs on; the next scheduler takes over at once
-            t0, killed_at = kill(up, is_scheduler), time.time()
+            wait("a scheduler deciding since Redis came back", lambda: watch.published_at() > killed_at)
+            t0, killed_at = kill(up, is_scheduler), time.time()  # (a Redis restart may have restarted it too)
             took["scheduler"] = wait("the scheduler back", lambda: watch.published_at() > killed_at) - t0
 
             view = c.get(job)
@@ -193,5 +207,10 @@ def test_tlab_up_restarts_a_killed_scheduler_redis_and_ray_head_and_the_job_goes
         for name in ("scheduler", "redis", "ray"):
             assert f"{name} exited with code" in said and f"{name} is back" in said, said
         assert proc.poll() is None  # no crash loop
+        kill(up, is_gcs)  # and Ctrl-C (the fixture's, on the way out) while the head is being restarted
+        wait("the head's restart begun", lambda: (home / "logs" / "supervisor.log").read_text().count(
+            "ray exited") == 2, timeout=60)
+        time.sleep(1.0)
     assert proc.returncode == 0
+    wait("every process of the stack gone", lambda: not of_stack(home), timeout=30)
     print("recovery (s):", json.dumps({k: round(v, 1) for k, v in took.items()}))
