@@ -20,8 +20,9 @@ PACKAGE_PATTERN = r"^sha256:[0-9a-f]{64}$"
 BUILTIN_LOSSES = ("cross_entropy", "mse")
 MAX_REQUIREMENTS = 64
 # a pip requirement string (PEP 508 name, extras, version specifiers, markers); never a pip option such as
-# ``--index-url`` or ``-e``: the cluster's own index configuration decides where packages come from
-_REQUIREMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,\s-]+\])?\s*([<>=!~;@ ][^\n\r]*)?$")
+# ``--index-url`` or ``-e``, a path or a URL (``name @ https://...``): the cluster's own index configuration
+# decides where packages come from
+_REQUIREMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,\s-]+\])?\s*([<>=!~; ][^\n\r]*)?$")
 
 
 def check_factory(value: str) -> str:
@@ -42,9 +43,10 @@ def check_loss(value: str) -> str:
 
 
 def check_requirement(value: str) -> str:
-    if len(value) > 200 or not _REQUIREMENT.fullmatch(value.strip()):
+    if len(value) > 200 or not _REQUIREMENT.fullmatch(value.strip()) or "@" in value or "://" in value or " -" in value:
         raise ValueError(f"{value[:60]!r} is not a pip requirement (like 'einops==0.8.0' or 'numpy>=1.26'); "
-                         "pip options (--index-url, -e, paths) are not taken")
+                         "pip options (--index-url, -e), paths and URLs are not taken: packages come from the "
+                         "cluster's index")
     return value.strip()
 
 

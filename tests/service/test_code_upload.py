@@ -103,6 +103,10 @@ def test_submit_checks_the_code_fields(api_only: Api) -> None:
         r = c.post("/v1/experiments", json={"spec": bad})
         assert r.status_code == 422 and r.json()["errors"][0]["field"] == "spec.model.factory"
         assert "package.module:function" in r.json()["detail"]
+        for requirement in ("x @ https://example.org/x.whl", "requests --index-url http://mirror", "-e ."):
+            spec = {**custom_spec(), "code": {"requirements": ["einops==0.8.0", requirement]}}
+            r = c.post("/v1/experiments", json={"spec": spec})
+            assert r.status_code == 422 and r.json()["errors"][0]["field"] == "spec.code.requirements.1", r.text
         sweep = {"base": custom_spec(), "search_space": {"model.args.heads": {"grid": [1, 2]}}}
         assert c.post("/v1/sweeps", json=sweep).status_code == 201  # a factory's argument is a sweep axis
         assert c.post("/v1/code", content=b"PK", headers={"Content-Type": "text/plain"}).status_code == 415
