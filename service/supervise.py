@@ -91,7 +91,6 @@ class Supervisor:
         self.say = say or self._say
         self.restarts: dict[str, Restarts] = {}
         self.due: dict[str, tuple[float, float]] = {}  # part -> (restart at, died at)
-        self.recoveries: list[tuple[str, float]] = []  # (part, seconds from its death until it was back)
 
     def log(self, name: str) -> Path:
         return self.stack.logs / f"{name}.log"
@@ -147,7 +146,5 @@ class Supervisor:
             self.due[name] = (0.0, died_at)
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
             return self.died(name, f"none ({first})")
-        took = self.clock() - died_at
-        self.recoveries.append((name, took))
-        self.say(f"{name} is back, {took:.1f} s after it exited")
+        self.say(f"{name} is back, {self.clock() - died_at:.1f} s after it exited")
         return None
