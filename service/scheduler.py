@@ -284,6 +284,23 @@ def build(settings: Settings) -> Scheduler:
     return Scheduler(store, settings, cluster, jobs)
 
 
+class RepeatedErrors:
+    """A failing tick's traceback once; the same error again (Ray's head down for a while) as one line a minute."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 60.0) -> None:
+        self.log, self.every_s, self.last, self.said_at = logger, every_s, "", 0.0
+
+    def report(self, err: Exception) -> None:
+        text, now = f"{type(err).__name__}: {err}", time.monotonic()
+        if text != self.last:
+            self.log.error("scheduler tick failed; retrying", exc_info=err)
+        elif now - self.said_at >= self.every_s:
+            self.log.warning("scheduler tick still failing: %s", one_line(text))
+        else:
+            return
+        self.last, self.said_at = text, now
+
+
 def serve(settings: Settings) -> None:
     """Hold the lock and tick until SIGTERM/SIGINT; the wake list cuts the wait short."""
     scheduler = build(settings)
@@ -300,6 +317,7 @@ def serve(settings: Settings) -> None:
     take_lock()
     log.info("scheduler holds the lock; Redis %s, Ray %s", redact_url(settings.redis_url), settings.ray_address)
     sender = Sender(scheduler.store, settings).start()  # webhooks from their own threads: a tick never waits
+    quiet = RepeatedErrors(log)
     try:
         while not stop.is_set():
             try:
@@ -313,9 +331,12 @@ def serve(settings: Settings) -> None:
                 log.warning("Redis unreachable; retrying")
                 time.sleep(settings.tick_s)
                 continue
-            except Exception:
-                log.exception("scheduler tick failed; retrying")
-            r.blpop([keys.wake()], timeout=settings.tick_s)
+            except Exception as err:
+                quiet.report(err)
+            try:
+                r.blpop([keys.wake()], timeout=settings.tick_s)
+            except redis.ConnectionError:  # Redis went away mid-wait (a restart): the next tick says so
+                time.sleep(settings.tick_s)
     finally:
         sender.stop()
         try:

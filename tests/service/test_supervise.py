@@ -214,3 +214,19 @@ def test_tlab_up_restarts_a_killed_scheduler_redis_and_ray_head_and_the_job_goes
     assert proc.returncode == 0
     wait("every process of the stack gone", lambda: not of_stack(home), timeout=30)
     print("recovery (s):", json.dumps({k: round(v, 1) for k, v in took.items()}))
+
+
+def test_a_tick_failing_the_same_way_logs_its_traceback_once(caplog: pytest.LogCaptureFixture) -> None:
+    """While Ray's head is down every tick fails alike: one traceback, then a line a minute, not one per tick."""
+    import logging
+
+    from service.scheduler import RepeatedErrors
+
+    quiet = RepeatedErrors(logging.getLogger("tlab.test"), every_s=3600)
+    with caplog.at_level(logging.WARNING, logger="tlab.test"):
+        for _ in range(50):
+            quiet.report(ConnectionError("the Ray head at 127.0.0.1:8265 is down"))
+        quiet.report(ValueError("something else"))
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(caplog.records) == 2 and len(tracebacks) == 2
+    assert "ConnectionError" in caplog.text and "something else" in caplog.text
