@@ -179,6 +179,18 @@ class TrainingSpec(_Strict):
     loss: LossRef | None = Field(None, description="cross_entropy, mse, or package.module:function(pred, target) "
                                                   "-> scalar; none: cross_entropy for integer targets, mse for "
                                                   "float ones")
+    entrypoint: FactoryRef | None = Field(
+        None, description="package.module:function(ctx): your own training loop, run on every worker instead of "
+                          "ours (docs/spec.md, 'Your own loop'); the model, dataset, optimizer and loss sections are "
+                          "then yours to read (ctx.spec)")
+    entrypoint_args: dict[str, Any] = Field(default_factory=dict, description="training.entrypoint: what the loop "
+                                            "reads as ctx.args (a sweep can vary the ones set here)")
+
+    @model_validator(mode="after")
+    def _entrypoint_args(self) -> TrainingSpec:
+        if self.entrypoint_args and not self.entrypoint:
+            raise ValueError("training.entrypoint_args is for training.entrypoint: set the entrypoint, or drop them")
+        return self
 
 
 # -------------------------------------------------------------------------- teleport
@@ -255,11 +267,15 @@ class ExperimentSpec(_Strict):
         fields += ["model.factory"] if isinstance(self.model, CustomModel) else []
         fields += ["dataset.factory"] if self.dataset.factory else []
         fields += ["training.loss"] if self.training.loss and ":" in self.training.loss else []
+        fields += ["training.entrypoint"] if self.training.entrypoint else []
         return fields
 
     @model_validator(mode="after")
     def _consistent(self) -> ExperimentSpec:
         t = self.teleport
+        if t.enabled and t.method == "symmetry" and self.training.entrypoint:
+            raise ValueError("teleport.method=symmetry runs in our loop only (MLPs): an own loop "
+                             "(training.entrypoint) teleports with method=nullspace")
         if t.enabled and t.method == "symmetry" and not isinstance(self.model, MLPModel):
             raise ValueError("teleport.method=symmetry works only for model.kind=mlp: use method=nullspace")
         if t.enabled and t.method == "symmetry" and self.model.activation != "leaky_relu":  # type: ignore[union-attr]

@@ -109,6 +109,10 @@ class RunContext:
     def save(self, state: dict[str, Any], metrics: dict[str, Any]) -> None:
         """Keep the state to resume from after a failure; an in-process run has no one to resume it."""
 
+    def report_metrics(self, metrics: dict[str, Any]) -> None:
+        """Metrics without a checkpoint (an own loop's epoch it did not checkpoint: ``workers.own_loop``); every
+        rank calls it, as ``save``. In-process there is no one to tell."""
+
     def restore(self) -> dict[str, Any] | None:
         return None
 
@@ -168,6 +172,11 @@ class RayTrainContext(RunContext):
                 write_checkpoint(state, Path(tmp))
                 checkpoint = ray.train.Checkpoint.from_directory(tmp)
             ray.train.report(metrics, checkpoint=checkpoint)
+
+    def report_metrics(self, metrics: dict[str, Any]) -> None:
+        import ray.train
+
+        ray.train.report(metrics)  # every rank, as in save
 
     def restore(self) -> dict[str, Any] | None:
         import ray.train

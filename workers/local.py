@@ -148,6 +148,10 @@ def _diverged(ctx: RunContext, where: str, epoch: int, what: str, hint: str) -> 
 def train(spec: ExperimentSpec, ctx: RunContext | None = None, *, progress: bool = False) -> dict[str, Any]:
     """Train ``spec`` under ``ctx`` (this process by default); returns the summary (see ``summarize``)."""
     ctx = ctx or RunContext(device=select_device(spec.training))
+    if spec.training.entrypoint:  # the user's own loop replaces this one (same context, same events)
+        from workers.own_loop import run_own_loop
+
+        return run_own_loop(spec, ctx)
     tr, tp = spec.training, spec.teleport
     dtype = select_dtype(tr)
 

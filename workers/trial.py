@@ -59,6 +59,11 @@ class TrialContext(RunContext):
             write_checkpoint(state, Path(tmp))
             tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
 
+    def report_metrics(self, metrics: dict[str, Any]) -> None:
+        from ray import tune
+
+        tune.report(metrics)
+
     def restore(self) -> dict[str, Any] | None:
         from ray import tune
 
