@@ -123,3 +123,8 @@ def notified(job_id: str) -> str:
 def webhook_secret(user: str) -> str:
     """String: the user's webhook signing secret (made on first use)."""
     return f"{PREFIX}:user:{user}:webhook_secret"
+
+
+def acl_secret() -> str:
+    """String: the scheduler's random secret; a job's Redis password is HMAC(it, the Ray submission id)."""
+    return f"{PREFIX}:acl:secret"

@@ -117,13 +117,15 @@ class RayJobs:
     submission id (``tlab-<job>-<attempt>``) so a restarted scheduler can never start one twice."""
 
     def __init__(self, address: str, env: dict[str, str], python: str | None = None,
-                 code: Callable[[str], dict[str, Any]] | None = None) -> None:
+                 code: Callable[[str], dict[str, Any]] | None = None,
+                 credentials: Callable[[str, str], dict[str, str]] | None = None) -> None:
         from ray.job_submission import JobSubmissionClient
 
         self.client = JobSubmissionClient(address)
         self.env = env
         self.python = python or sys.executable
         self.code = code  # job id -> its code's runtime_env part (service.code_store.JobCode), if any
+        self.credentials = credentials  # (job id, submission id) -> its own REDIS_URL (service.job_acl)
 
     def runtime_env(self, job_id: str, env: dict[str, str]) -> tuple[dict[str, Any], str]:
         """The job's runtime_env (its environment, and its package as ``working_dir`` and requirements as ``pip``:
@@ -144,6 +146,8 @@ class RayJobs:
         env = dict(self.env)
         if module == "workers.run":  # the driver takes the path the resources were asked for
             env[IN_DRIVER] = "1" if in_driver else "0"
+        if self.credentials:  # made right before each submit, the same again for the same submission id
+            env.update(self.credentials(job_id, submission_id))
         runtime_env, python = self.runtime_env(job_id, env)
         try:
             self.client.submit_job(

