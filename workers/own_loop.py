@@ -37,7 +37,7 @@ from teleport import TeleportReport, teleport_batch
 from workers.build import basis_executor, reset_optimizer_state, select_dtype, teleport_config
 from workers.context import RunContext
 from workers.failure import OURS
-from workers.local import TrainingDiverged, _diverged, param_count, summarize, to_device
+from workers.local import TrainingDiverged, _diverged, param_count, sample_batch, summarize, to_device
 from workers.user_code import UserCodeError, definition, one_line, report, resolve
 
 FIELD = "training.entrypoint"
@@ -160,14 +160,18 @@ class OwnLoopContext:
     def teleport(self, model: nn.Module, loss_fn: Any, batches: Iterable[Any], *, epoch: int | None = None,
                  holdout: tuple[Tensor, Tensor] | None = None,
                  optimizer: torch.optim.Optimizer | None = None) -> list[TeleportReport]:
-        """The spec's teleport on the first ``teleport.batches`` of ``batches`` ((x, y) pairs: this rank's shard
-        under DDP, the same number on every rank), if ``teleport.enabled`` and the epoch (default: the current
-        one) is in ``teleport.epochs``; else nothing ([]). Every rank ends with the same weights. Emits one
-        ``teleport`` event per batch and returns their reports. ``optimizer``: its state is cleared after it
-        when ``teleport.reset_optimizer``; ``holdout``: (x, y) whose loss drift the reports show."""
+        """The spec's teleport on ``batches`` if ``teleport.enabled`` and the epoch (default: the current one) is
+        in ``teleport.epochs``; else nothing ([]). ``batches``: a Dataset (``teleport.batches`` random batches of
+        ``teleport.batch_size`` drawn from it as our loop draws them, split over the ranks), or (x, y) pairs of
+        which the first ``teleport.batches`` are used (this rank's shard under DDP, as many on every rank).
+        Every rank ends with the same weights. Emits one ``teleport`` event per batch and returns their
+        reports. ``optimizer``: its state is cleared after it when ``teleport.reset_optimizer``; ``holdout``:
+        (x, y) whose loss drift the reports show."""
         tp, epoch = self.spec.teleport, self._epoch if epoch is None else epoch
         if not tp.enabled or epoch not in tp.epochs:
             return []
+        if isinstance(batches, Dataset):
+            batches = self._draw(batches, epoch)
         self._start()
         started, reports = time.perf_counter(), []
         self._executor = self._executor or basis_executor(tp)
@@ -186,6 +190,17 @@ class OwnLoopContext:
             reset_optimizer_state(optimizer)
         self.teleport_seconds += time.perf_counter() - started
         return reports
+
+    def _draw(self, dataset: Dataset, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
+        """Our loop's teleport batches (``workers.local.train``): the same draw on every rank, each its shard."""
+        tp, n = self.spec.teleport, len(dataset)  # type: ignore[arg-type]
+        if self.world_size > 1 and tp.batch_size < self.world_size:
+            raise ValueError(f"teleport.batch_size={tp.batch_size} is below resources.workers={self.world_size}: "
+                             "every rank needs a share of the teleport batch")
+        g = torch.Generator().manual_seed(self.spec.training.seed * 1_000_003 + epoch)
+        for _ in range(tp.batches):
+            idx = torch.randperm(n, generator=g)[: tp.batch_size]
+            yield sample_batch(dataset, idx[self.rank :: self.world_size])
 
     # ------------------------------------------------------------------------------------ report, checkpoint
 

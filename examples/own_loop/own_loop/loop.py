@@ -42,10 +42,9 @@ def train(ctx) -> None:
         opt.load_state_dict(state["optimizer"])
     train_set = spirals(n, seed=0)
     batches = ctx.loader(train_set)  # this rank's shard, reshuffled every epoch
-    tele = ctx.loader(train_set, batch_size=ctx.spec.teleport.batch_size)
     test = ctx.loader(spirals(n // 4, seed=1), batch_size=256, shuffle=False)
     for epoch in ctx.epochs():  # from ctx.start_epoch on
-        ctx.teleport(model, F.cross_entropy, tele, optimizer=opt)  # only in teleport.epochs
+        ctx.teleport(model, F.cross_entropy, train_set, optimizer=opt)  # only in teleport.epochs
         total = 0.0
         for x, y in batches:
             loss = F.cross_entropy(net(x.to(ctx.device)), y.to(ctx.device))
