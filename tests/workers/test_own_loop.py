@@ -17,8 +17,9 @@ from safetensors.torch import load_file
 
 from api_schemas import ExperimentSpec, build_spec
 from workers.artifacts import export
+from workers.context import RunContext
 from workers.driver import DriverContext
-from workers.local import run_local, train
+from workers.local import TrainingDiverged, run_local, train
 from workers.own_loop import NoEpochReported
 from workers.sinks import MemorySink
 from workers.user_code import UserCodeError, add_code_dir
@@ -99,8 +100,11 @@ def loop_spec(name: str, function: str = "train") -> ExperimentSpec:
     ("def train(ctx):\n    ctx.report(epoch=0, train_loss=1.0, test_loss=1.0)\n"
      "    ctx.checkpoint({'model': {}, 'opt': object()})\n",
      "train", r"^{pkg}/loop\.py:3: ValueError: ctx\.checkpoint: state\['opt'\] is a object"),
+    ("def train(ctx):\n    ctx.report(epoch=0, train_loss=1.0, test_loss=1.0)\n"
+     "    ctx.report(epoch=0, train_loss=1.0, test_loss=1.0)\n",
+     "train", r"^{pkg}/loop\.py:3: ValueError: ctx\.report\(epoch=0\): give each epoch once, in order"),
 ], ids=["missing_function", "wrong_signature", "error_in_loop", "report_without_test_loss", "state_without_model",
-        "state_not_plain"])
+        "state_not_plain", "epoch_twice"])
 def test_a_broken_loop_fails_in_one_line_naming_the_file_and_line(tmp_path: Path, source: str, function: str,
                                                                   expected: str) -> None:
     name = loop_package(tmp_path, source)
@@ -129,3 +133,38 @@ def test_the_spec_checks_the_entrypoint_and_counts_it_as_user_code() -> None:
     for raw, expected in bad:
         with pytest.raises((ValidationError, ValueError), match=re.escape(expected)):
             ExperimentSpec.model_validate(raw)
+
+
+class Recording(RunContext):
+    """An in-process context that keeps what Ray Train / Tune would be told."""
+
+    def __init__(self) -> None:
+        super().__init__(sink=MemorySink())
+        self.saved: list[int] = []
+        self.metrics_only: list[int] = []
+
+    def save(self, state: dict[str, Any], metrics: dict[str, Any]) -> None:
+        self.saved.append(metrics["epochs"])
+
+    def report_metrics(self, metrics: dict[str, Any]) -> None:
+        self.metrics_only.append(metrics["epochs"])
+
+
+def test_each_epoch_reaches_ray_once_with_or_without_a_checkpoint(tmp_path: Path) -> None:
+    body = ("def train(ctx):\n    for epoch in ctx.epochs():\n"
+            "        ctx.report(epoch=epoch, train_loss=1.0 / (epoch + 1), test_loss=1.0)\n")
+    name = loop_package(tmp_path, body + "        ctx.checkpoint({'model': {}})\n")
+    ctx = Recording()
+    train(loop_spec(name), ctx)
+    assert ctx.saved == [1, 2] and ctx.metrics_only == []  # the metrics ride with the checkpoint
+    ctx = Recording()
+    summary = train(loop_spec(loop_package(tmp_path, body)), ctx)
+    assert ctx.saved == [] and ctx.metrics_only == [1, 2] and summary["final_train_loss"] == 0.5
+
+
+def test_a_nan_loss_ends_the_run_as_diverged(tmp_path: Path) -> None:
+    name = loop_package(tmp_path, "def train(ctx):\n    ctx.report(epoch=0, train_loss=float('nan'), test_loss=1.0)\n")
+    sink = MemorySink()
+    with pytest.raises(TrainingDiverged, match="training diverged at epoch 0"):
+        train(loop_spec(name), RunContext(sink=sink))
+    assert kinds(sink.records, "error") and not kinds(sink.records, "epoch")
