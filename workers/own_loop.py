@@ -91,7 +91,8 @@ class OwnLoopContext:
         self.start_epoch: int = int(saved.get("epoch", 0))
         self.teleport_seconds = float(saved.get("teleport_seconds", 0.0))
         self.teleport_batches = int(saved.get("teleport_batches", 0))
-        self._t0 = time.perf_counter() - float(saved.get("seconds", 0.0))
+        self._resumed_seconds = float(saved.get("seconds", 0.0))
+        self._t0 = time.perf_counter() - self._resumed_seconds  # ctx.epochs() restarts it: setup is not counted
         self._epoch = self.start_epoch  # the epoch under way: ctx.epochs() sets it, a report moves past it
         self._samplers: list[DistributedSampler] = []
         self._generators: list[torch.Generator] = []
@@ -113,7 +114,10 @@ class OwnLoopContext:
         return self.run.artifacts_dir
 
     def epochs(self) -> Iterator[int]:
-        """``range(start_epoch, training.epochs)``; each loader from ``ctx.loader`` reshuffles per epoch."""
+        """``range(start_epoch, training.epochs)``; each loader from ``ctx.loader`` reshuffles per epoch. The
+        run's clock (the events' ``seconds``) starts here, as our loop's starts after its setup."""
+        if not self._started:
+            self._t0 = time.perf_counter() - self._resumed_seconds
         for epoch in range(self.start_epoch, self.spec.training.epochs):
             self._set_epoch(epoch)
             yield epoch
