@@ -245,13 +245,20 @@ class OwnLoopContext:
             raise ValueError("ctx.checkpoint(state): give a dict holding 'model': model.state_dict() (the artifacts "
                              "and a resume read it), plus anything else you want back from ctx.restore()")
         _check_plain(state, "state")
-        weights = {k.removeprefix("module."): v for k, v in state["model"].items()}  # a DDP wrapper's names
+        weights = self._bare_names(state["model"])
         saved = {"epoch": self.history[-1]["epoch"] + 1 if self.history else self.start_epoch,
                  "model": weights, "own": {**state, "model": weights}, "history": self.history,
                  "seconds": self.history[-1]["seconds"] if self.history else 0.0,
                  "teleport_seconds": self.teleport_seconds, "teleport_batches": self.teleport_batches}
         self.run.save(saved, self.summary())
         self._pending = None
+
+    def _bare_names(self, weights: dict[str, Any]) -> dict[str, Any]:
+        """A DDP wrapper's state_dict under the bare model's names (``module.`` dropped), the names the
+        artifacts' safetensors and a resume into the bare model use; any other state_dict as it is."""
+        stripped = {k.removeprefix("module."): v for k, v in weights.items()}
+        ddp = self._model is not None and all(k.startswith("module.") for k in weights)
+        return stripped if ddp and set(stripped) == set(self._model.state_dict()) else weights  # type: ignore[union-attr]
 
     def restore(self) -> dict[str, Any] | None:
         """The state the last ``checkpoint`` kept (None on a fresh start): load it, then loop from

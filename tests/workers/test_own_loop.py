@@ -168,3 +168,19 @@ def test_a_nan_loss_ends_the_run_as_diverged(tmp_path: Path) -> None:
     with pytest.raises(TrainingDiverged, match="training diverged at epoch 0"):
         train(loop_spec(name), RunContext(sink=sink))
     assert kinds(sink.records, "error") and not kinds(sink.records, "epoch")
+
+
+def test_a_ddp_wrappers_state_dict_is_kept_under_the_bare_models_names(tmp_path: Path) -> None:
+    name = loop_package(tmp_path, """
+        from torch import nn
+
+
+        def train(ctx):
+            model = ctx.prepare(nn.Sequential(nn.Linear(2, 3)))
+            for epoch in ctx.epochs():
+                ctx.report(epoch=epoch, train_loss=1.0, test_loss=1.0)
+                ctx.checkpoint({"model": {f"module.{k}": v for k, v in model.state_dict().items()}})
+        """)
+    train(loop_spec(name), DriverContext(MemorySink(), tmp_path / "job"))
+    state = DriverContext(MemorySink(), tmp_path / "job").restore()
+    assert state is not None and set(state["model"]) == {"0.weight", "0.bias"} == set(state["own"]["model"])
