@@ -128,3 +128,13 @@ def webhook_secret(user: str) -> str:
 def acl_secret() -> str:
     """String: the scheduler's random secret; a job's Redis password is HMAC(it, the Ray submission id)."""
     return f"{PREFIX}:acl:secret"
+
+
+def job_run(job_id: str) -> str:
+    """Hash: the job's record as its own processes see it (spec, sweep, start_from, attempts: the scheduler's copy
+    before each submit; summary: written by the job, copied into the job hash when it ends). A job's Redis user
+    may touch ``job(id) + ':*'`` only, never the job hash (service/job_acl.py, workers/job_record.py)."""
+    return f"{PREFIX}:job:{job_id}:run"
+
+
+JOB_RUN_MARK = "job"  # job_run's field naming its job: there once the scheduler wrote the copy

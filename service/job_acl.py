@@ -1,17 +1,21 @@
 """A Redis ACL user per job: a job's processes (and the user's code in them) reach Redis only as
-``tlab-job-<id>``, allowed the job's own keys (``tlab:job:<id>`` and ``tlab:job:<id>:*``: its hash, events stream,
-emitted and trials hashes) and the commands the workers use, never with the service's own ``REDIS_URL``
-(docs/operations.md, "Isolation between jobs").
+``tlab-job-<id>``, allowed the job's own keys ``tlab:job:<id>:*`` (its events stream, emitted, trials and ``run``
+hashes) and the commands the workers use, never with the service's own ``REDIS_URL`` (docs/operations.md,
+"Isolation between jobs"). Not the job hash ``tlab:job:<id>`` itself: the scheduler and the API trust its owner,
+state, demand, priority, Ray submission id and ``id``; the job reads a copy of its inputs and writes its summary
+in ``keys.job_run`` (workers/job_record.py), which ``keep_summary`` copies back once the Ray job has ended.
 
 - ``credentials(job_id, submission_id)``, called by ``RayJobs.submit`` right before each submit: loads the metric
   sink's script (the user may run only scripts the service loaded: ``EVALSHA``, no ``EVAL``/``SCRIPT LOAD``),
-  makes the user (``ACL SETUSER name reset ...``: exactly these rules) and returns the job's ``REDIS_URL``. Its
+  copies the job's inputs into ``keys.job_run``, makes the user (``ACL SETUSER name reset ...``: exactly these
+  rules) and returns the job's ``REDIS_URL``. Its
   password is HMAC(a secret kept in Redis, the Ray submission id): a scheduler that died between making the user
   and submitting gives the same submission id the same password when it submits again, and each attempt (a
   resume after a preemption or a lost Ray job) a new one.
 - ``sync()``, each tick after reconcile: deletes the users of jobs no longer starting or running (ended, cancelled,
   preempted back to the queue, a dead scheduler's leftovers; Redis disconnects their clients) and makes again
-  those of active jobs that Redis lost (a restarted Redis keeps no ACL users).
+  those of active jobs that Redis lost (a restarted Redis keeps no ACL users); a deleted user's ``run`` copy goes
+  with it.
 - ``refusal(job_id)``: with ``TLAB_JOB_REDIS_ACL=on`` but a Redis without ACL (older than 6, or the service's
   user may not run ``ACL``), a job that runs the user's code is refused rather than given full rights; an admin
   who accepts that sets ``TLAB_JOB_REDIS_ACL=off``.
@@ -34,8 +38,9 @@ from service.settings import Settings
 
 log = logging.getLogger("tlab.scheduler")
 USER_PREFIX = "tlab-job-"
-# what workers/ sends (redis_sink, run, sweep, driver, job_logs.attempt_of, the XADD_ONCE script's own calls,
-# which Redis checks against the user too), a few reads of the same keys, PING, and SELECT for a non-zero db
+INPUTS = ("spec", "sweep", "start_from", "attempts")  # what workers/ reads of its job (workers.job_record)
+# what workers/ sends (redis_sink, job_record, sweep's trials, the XADD_ONCE script's own calls, which Redis checks
+# against the user too), a few reads of the same keys, PING, and SELECT for a non-zero db
 COMMANDS = ("ping", "select", "hget", "hmget", "hgetall", "hvals", "hset", "hsetnx", "del", "xadd", "xrange",
             "xrevrange", "evalsha")
 
@@ -46,7 +51,7 @@ def user_name(job_id: str) -> str:
 
 def rules(job_id: str, password: str) -> list[str]:
     """``ACL SETUSER`` arguments: nothing but the job's keys and ``COMMANDS``, whatever the user had before."""
-    return ["reset", "on", f">{password}", f"~{keys.job(job_id)}", f"~{keys.job(job_id)}:*", "-@all",
+    return ["reset", "on", f">{password}", f"~{keys.job(job_id)}:*", "-@all",
             *(f"+{c}" for c in COMMANDS)]
 
 
@@ -116,6 +121,8 @@ class JobAcl:
     def create(self, job_id: str, submission_id: str) -> str:
         """Make (or make again, the same) the job's user for this submission: its password."""
         password = self.password(submission_id)
+        inputs = {k: v for k, v in zip(INPUTS, self.r.hmget(keys.job(job_id), list(INPUTS)), strict=True) if v}
+        self.r.hset(keys.job_run(job_id), mapping={keys.JOB_RUN_MARK: job_id, **inputs})  # what the job may read
         self.r.script_load(XADD_ONCE)  # before the user exists: its sink never needs SCRIPT LOAD
         self.r.execute_command("ACL", "SETUSER", user_name(job_id), *rules(job_id, password))
         return password
@@ -141,12 +148,19 @@ class JobAcl:
             active = {user_name(str(i)): (str(i), sid) for i, sid in zip(ids, pipe.execute(), strict=True) if sid}
             for name in sorted(n for n in have if n.startswith(USER_PREFIX) and n not in active):
                 self.r.execute_command("ACL", "DELUSER", name)
+                self.r.delete(keys.job_run(name.removeprefix(USER_PREFIX)))
             for name, (job_id, sid) in sorted(active.items()):
                 if isolated and name not in have:
                     log.info("making Redis user %s again (Redis restarted?)", name)
                     self.create(job_id, sid.decode() if isinstance(sid, bytes) else str(sid))
         except redis.ResponseError:  # a Redis that stopped allowing ACL: the next tick tries again
             log.exception("syncing the jobs' Redis users")
+
+    def keep_summary(self, job_id: str) -> None:
+        """Once the job's Ray job has ended: the summary it wrote in its copy, into the job hash (the API's)."""
+        summary = self.r.hget(keys.job_run(job_id), "summary")
+        if summary:
+            self.r.hset(keys.job(job_id), "summary", summary)
 
     def refusal(self, job_id: str) -> str:
         """Why a queued job must not start (user code that could not be isolated), or ''."""

@@ -37,7 +37,7 @@ from service.job_acl import JobAcl
 from service.limits import TIME_LIMITED, over_limit, time_limit_reason
 from service.notify import Sender
 from service.policy import ActiveJob, Node, QueuedJob
-from service.ray_cluster import RAY_ACTIVE, ClusterSource, RayJobs, RayNodes, StaticCluster
+from service.ray_cluster import RAY_ACTIVE, RAY_DONE, ClusterSource, RayJobs, RayNodes, StaticCluster
 from service.settings import Settings
 from service.signals import stop_on_signals
 from service.store import Store, redact_url
@@ -130,6 +130,8 @@ class Scheduler:
     def reconcile_one(self, data: dict[str, str], now: float) -> None:
         job_id, state, sid = data["id"], JobState(data["state"]), data.get("ray_job_id", "")
         status = self.launcher.status(sid) if sid else None
+        if self.acl and status in RAY_DONE:
+            self.acl.keep_summary(job_id)  # what the job wrote in its own copy (service.job_acl), before it ends
         cancel = bool(data.get("cancel_requested"))
         active = [JobState.STARTING, JobState.RUNNING]
         if cancel and status in RAY_ACTIVE:

@@ -30,11 +30,12 @@ from typing import Any
 import redis
 import torch
 
-from api_schemas import ExperimentSpec, keys
+from api_schemas import ExperimentSpec
 from api_schemas.lineage import StartFrom
 from workers.artifacts import CHECKPOINT_FILE, checkpoints, last_training_state
 from workers.context import CheckpointRefused, RunContext, keep_checkpoints, read_checkpoint, write_checkpoint
 from workers.failure import JobFailed, failure_reason
+from workers.job_record import job_field
 from workers.redis_sink import RedisSink
 from workers.sinks import MetricSink
 
@@ -114,7 +115,7 @@ def start_checkpoint(client: redis.Redis, job_id: str, storage: str | Path) -> P
     """The checkpoint directory a continued or forked job starts from (its hash's ``start_from``, written by
     ``service.lineage``), while its run has no checkpoint of its own (a requeued child goes on from its own);
     None for a job that starts from scratch. A ValueError naming it when it is gone."""
-    raw = client.hget(keys.job(job_id), "start_from")
+    raw = job_field(client, job_id, "start_from")
     if not raw or checkpoints([Path(storage) / job_id]):
         return None
     start = StartFrom.model_validate_json(raw)

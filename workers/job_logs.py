@@ -120,10 +120,10 @@ def attempt_of(redis_url: str, job_id: str) -> int:
     """The scheduler's attempt number of the job (the ``attempts`` field it sets at each start; 1 if none)."""
     import redis
 
-    from api_schemas import keys
+    from workers.job_record import job_field
 
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     try:
-        return int(client.hget(keys.job(job_id), "attempts") or 1)
+        return int(job_field(client, job_id, "attempts") or 1)
     finally:
         client.close()

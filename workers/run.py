@@ -34,6 +34,7 @@ from api_schemas.reasons import FAILURE_MARK, one_line
 from workers.artifacts import artifacts_dir
 from workers.failure import JobFailed, failure_reason
 from workers.job_logs import attempt_of, capture
+from workers.job_record import job_field, write_summary
 from workers.redis_sink import RedisSink
 
 
@@ -50,7 +51,7 @@ def _env(name: str) -> str:
 
 
 def load_job_spec(client: redis.Redis, job_id: str) -> ExperimentSpec:
-    raw = client.hget(keys.job(job_id), "spec")
+    raw = job_field(client, job_id, "spec")
     if raw is None:
         raise SetupError(f"job {job_id} has no spec in Redis (key {keys.job(job_id)}): was it submitted?")
     return ExperimentSpec.model_validate_json(raw)
@@ -85,7 +86,7 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
         export_artifacts(spec, [Path(storage) / job_id], out)
     if summary.get("failed"):
         raise JobFailed(str(summary.get("reason", "training failed")))
-    client.hset(keys.job(job_id), "summary", json.dumps(summary))
+    write_summary(client, job_id, json.dumps(summary))
     return summary
 
 

@@ -35,6 +35,7 @@ from api_schemas.sweeps import SweepSubmit, trial_spec
 from workers.artifacts import artifacts_dir
 from workers.context import keep_checkpoints
 from workers.failure import JobFailed, failure_reason
+from workers.job_record import job_field, write_summary
 from workers.redis_sink import RedisSink
 from workers.run import SetupError, export_artifacts, job_main
 from workers.trial import in_trial, train_in_trial, trial_dirs, trial_resources
@@ -231,7 +232,7 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
     from workers.ray_train import build_trainer
 
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    raw = client.hget(keys.job(job_id), "sweep")
+    raw = job_field(client, job_id, "sweep")
     if raw is None:
         raise SetupError(f"job {job_id} has no sweep in Redis (key {keys.job(job_id)}): was it submitted?")
     sweep = SweepSubmit.model_validate_json(raw)
@@ -361,7 +362,7 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
     summary = {"trials": len(results), "best_trial": (best.metrics or {}).get("trial_id"),
                "best_config": best.config, "best_" + sweep.metric: _finite((best.metrics or {}).get(metric)),
                "errors": sum(1 for r in results if r.error)}
-    client.hset(keys.job(job_id), "summary", json.dumps(summary))
+    write_summary(client, job_id, json.dumps(summary))
     if summary["errors"]:
         reasons = [f"{r['trial']}: {r['reason']}" for r in map(json.loads, client.hvals(keys.trials(job_id)))
                    if r.get("reason")]

