@@ -10,6 +10,7 @@ import redis
 
 from api_schemas import keys
 from api_schemas.redis_scripts import XADD_ONCE
+from workers.job_record import connect
 from workers.sinks import identity
 
 # runner record kind -> stream/SSE event kind
@@ -22,7 +23,7 @@ class RedisSink:
 
     def __init__(self, url: str, job_id: str, batch_size: int = 32, flush_seconds: float = 0.5,
                  maxlen: int = keys.STREAM_MAXLEN, trial: str | None = None) -> None:
-        self.client = redis.Redis.from_url(url)
+        self.client = connect(url)  # retries through a Redis restart (workers.job_record)
         self.script = self.client.register_script(XADD_ONCE)
         self.job_id = job_id
         self.trial = trial  # a sweep's trial: its events carry "trial" and are deduplicated per trial

@@ -35,7 +35,7 @@ from api_schemas.sweeps import SweepSubmit, trial_spec
 from workers.artifacts import artifacts_dir
 from workers.context import keep_checkpoints
 from workers.failure import JobFailed, failure_reason
-from workers.job_record import job_field, write_summary
+from workers.job_record import connect, job_field, write_summary
 from workers.redis_sink import RedisSink
 from workers.run import SetupError, export_artifacts, job_main
 from workers.trial import in_trial, train_in_trial, trial_dirs, trial_resources
@@ -149,7 +149,7 @@ class TrialTable:
             # a callback restored from Tune's saved state carries the address an earlier attempt had: the
             # service's Redis may have moved since (a restarted stack), and REDIS_URL names it now
             url = os.environ.get("REDIS_URL") or self.redis_url
-            self._r = redis.Redis.from_url(url, decode_responses=True)
+            self._r = connect(url, decode_responses=True)
         return self._r
 
     def update(self, trial: Any, state: str | None = None, result: dict | None = None,
