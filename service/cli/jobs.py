@@ -157,9 +157,9 @@ def add_commands(sub: Any) -> None:
                    help="POST a signed JSON to URL when it succeeds, fails, is cancelled or preempted")
     p.add_argument("--follow", action="store_true", help="show live progress until it ends")
     p.add_argument("--dry-run", action="store_true", help="say whether and where it would fit; queue nothing")
+    add_code_arg(p)
     p.set_defaults(func=cmd_submit)
 
-    add_code_arg(p)
     add_read_command(sub, "ls", "your experiments, newest first", cmd_ls,
                      options={"--state": {}, "--owner": {"help": "(admins) someone else's"}, "--tag": {},
                               "--limit": {"type": int, "default": 50}})
