@@ -36,8 +36,8 @@ def attempts(storage: str | Path, job_id: str) -> list[int]:
 
 
 def file_of(storage: str | Path, job_id: str, rank: str, attempt: int) -> Path:
-    """The log file of ``rank`` (a number or ``driver``) in ``attempt``; rank 0 of a job that trained in its
-    driver is the driver's file."""
+    """The log file of ``rank`` (a number or ``driver``) in ``attempt``; rank 0 of an attempt without a rank-0 file
+    (it failed before training) is the driver's."""
     folder = root(storage, job_id) / f"attempt-{attempt}"
     if rank == "driver":
         return folder / "driver.log"
@@ -94,11 +94,31 @@ class _Follow:
     def __init__(self, storage: str | Path, job_id: str, rank: str, cursor: tuple[int, int] | None) -> None:
         self.storage, self.job_id, self.rank = storage, job_id, rank
         self.attempt, self.offset = cursor if cursor else (0, 0)
+        self.chosen: tuple[int, Path] | None = None
+        self.over = False  # the attempt being read has ended (the job has, or a newer attempt began)
+
+    def path(self) -> Path | None:
+        """The attempt's file, chosen once and kept (the offset must never jump files): a rank's own file once it
+        exists (a 1-worker job's driver links ``rank-0.log`` to its own when it trains there); the driver's for
+        rank 0 only when the attempt is over without one (it failed before training)."""
+        if not self.attempt:
+            return None
+        if self.chosen is not None and self.chosen[0] == self.attempt:
+            return self.chosen[1]
+        folder = root(self.storage, self.job_id) / f"attempt-{self.attempt}"
+        path = folder / ("driver.log" if self.rank == "driver" else f"rank-{self.rank}.log")
+        if not path.exists():
+            if not (self.rank == "0" and self.over and (folder / "driver.log").exists()):
+                return None
+            path = folder / "driver.log"
+        self.chosen = (self.attempt, path)
+        return path
 
     def read(self, ended: bool) -> tuple[str | None, bool]:
         """(an event with what is new, or None; whether there is nothing more to wait for in this attempt)."""
         newer = [a for a in attempts(self.storage, self.job_id) if a > self.attempt]
-        path = file_of(self.storage, self.job_id, self.rank, self.attempt) if self.attempt else None
+        self.over = ended or bool(newer)
+        path = self.path()
         data = b""
         if path is not None and path.exists():
             with path.open("rb") as f:

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+CURRENT: Path | None = None  # the file this process is being captured in (``capture``), if any
 RECHECK_BYTES = 64 * 1024  # a writer re-reads the job's total log size this often
 DRAIN_TIMEOUT_S = 5.0  # at exit: how long to wait for the pipe to drain (a forked child may hold it open)
 
@@ -38,7 +39,7 @@ def log_bytes(root: Path) -> int:
     """The size of every log file of the job (all attempts, all processes)."""
     if not root.is_dir():
         return 0
-    return sum(f.stat().st_size for d in root.iterdir() if d.is_dir() for f in d.glob("*.log"))
+    return sum(f.lstat().st_size for d in root.iterdir() if d.is_dir() for f in d.glob("*.log") if not f.is_symlink())
 
 
 def cap_line(cap: int) -> bytes:
@@ -60,6 +61,12 @@ class _Tee:
             os.write(self.out_fd, chunk)
         if self.full:
             return
+        try:
+            self.keep(chunk)
+        except (OSError, ValueError):  # a full disk, a stale NFS handle: the log stops, never the job
+            self.full = True
+
+    def keep(self, chunk: bytes) -> None:
         if self.since_check >= RECHECK_BYTES:
             self.since_check = 0
             if log_bytes(self.root) + len(chunk) > self.cap:
@@ -70,9 +77,15 @@ class _Tee:
         self.since_check += len(chunk)
 
     def pump(self, read_fd: int) -> None:
-        with contextlib.suppress(ValueError, OSError):  # closed under it: a forked child outlived the drain
-            while chunk := os.read(read_fd, 65536):
-                self.write(chunk)
+        """Until every write end is closed; it never stops early, or the job's next print would fail (EPIPE)."""
+        while True:
+            try:
+                chunk = os.read(read_fd, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            self.write(chunk)
         os.close(read_fd)
 
     def close(self) -> None:
@@ -97,23 +110,36 @@ def capture(storage: str | Path, job_id: str, name: str, attempt: int) -> Iterat
     for fd in (1, 2):
         os.dup2(write_fd, fd)
     os.close(write_fd)
+    global CURRENT
+    CURRENT = path
     line_buffered = getattr(sys.stdout, "line_buffering", True)
     with contextlib.suppress(AttributeError, ValueError):
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     try:
         yield path
     finally:
+        CURRENT = None
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(ValueError, OSError):
                 stream.flush()
         for fd in (1, 2):  # the pipe's last write ends close here: the pump reads to its end and stops
             os.dup2(saved[fd], fd)
         pump.join(DRAIN_TIMEOUT_S)
-        tee.close()
-        for fd in saved.values():
-            os.close(fd)
+        if not pump.is_alive():  # else a forked child still holds the pipe: the pump keeps what it writes
+            tee.close()
+            for fd in saved.values():
+                os.close(fd)
         with contextlib.suppress(AttributeError, ValueError):
             sys.stdout.reconfigure(line_buffering=line_buffered)  # type: ignore[union-attr]
+
+
+def also_as(name: str) -> None:
+    """Give the file this process is being captured in a second name in its attempt (``rank-0``: a 1-worker job's
+    driver, which trains itself), so a reader of that rank finds it while it is written."""
+    if CURRENT is not None:
+        alias = CURRENT.with_name(f"{name}.log")
+        with contextlib.suppress(FileExistsError):
+            alias.symlink_to(CURRENT.name)
 
 
 def attempt_of(redis_url: str, job_id: str) -> int:

@@ -33,7 +33,7 @@ from api_schemas import ExperimentSpec, keys
 from api_schemas.reasons import FAILURE_MARK, one_line
 from workers.artifacts import artifacts_dir
 from workers.failure import JobFailed, failure_reason
-from workers.job_logs import attempt_of, capture
+from workers.job_logs import also_as, attempt_of, capture
 from workers.job_record import job_field, write_summary
 from workers.redis_sink import RedisSink
 
@@ -78,6 +78,7 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
         if in_driver(spec):
             from workers.driver import run_in_driver
 
+            also_as("rank-0")  # it trains here: this process's log is rank 0's
             summary = run_in_driver(spec, job_id, redis_url, storage, max_failures, out, stopped=(Stopped,),
                                     start_from=start)
         else:

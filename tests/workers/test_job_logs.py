@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import os, signal, subprocess, sys, time
-from workers.job_logs import capture
+from workers.job_logs import also_as, capture
 
 class Stopped(Exception):
     pass
@@ -29,6 +29,7 @@ def stop(signum, frame):
 
 signal.signal(signal.SIGTERM, stop)
 with capture(sys.argv[1], "job1", "driver", int(sys.argv[2])):
+    also_as("rank-0")  # as a 1-worker job's driver does: it trains itself
     try:
         print("a print")
         print("to stderr", file=sys.stderr)
@@ -64,6 +65,7 @@ def test_everything_a_process_prints_is_kept_and_still_shown(tmp_path: Path) -> 
     assert kept.startswith("[tlab] driver of job job1, attempt 1: pid ")
     for line in ("a print", "to stderr", "a raw write to fd 1", "from a child process", "ready"):
         assert line + "\n" in kept and line in shown
+    assert (tmp_path / "job1" / "logs" / "attempt-1" / "rank-0.log").read_text() == kept  # the same file
 
 
 def test_a_sigterm_keeps_the_last_words(tmp_path: Path) -> None:
@@ -78,9 +80,21 @@ def test_the_job_logs_are_capped_together_and_the_log_says_so(tmp_path: Path) ->
     assert first.count("x") >= 200_000  # what is not kept is still shown
     second = tmp_path / "job1" / "logs" / "attempt-2" / "driver.log"
     run_child(tmp_path, attempt=2, spam=200_000, cap_mb=str(cap))
-    total = sum(f.stat().st_size for f in (tmp_path / "job1" / "logs").rglob("*.log"))
+    total = sum(f.lstat().st_size for f in (tmp_path / "job1" / "logs").rglob("*.log") if not f.is_symlink())
     assert total <= cap * 2**20 + 2 * 70_000  # the cap, give or take one check's worth per file
     assert "reached their cap of 0.25 MB (TLAB_MAX_LOG_MB)" in second.read_text()
+
+
+def test_a_log_that_cannot_be_written_stops_the_log_not_the_job(tmp_path: Path) -> None:
+    from workers.job_logs import _Tee
+
+    read_fd, write_fd = os.pipe()
+    tee = _Tee(tmp_path / "x.log", tmp_path, 2**20, write_fd)
+    tee.file.close()  # as a full disk or a stale NFS handle would make the next write fail
+    tee.write(b"still shown\n")  # no exception: the pump goes on, so the job's prints never hit a closed pipe
+    assert tee.full and os.read(read_fd, 100) == b"still shown\n"
+    os.close(read_fd)
+    os.close(write_fd)
 
 
 def write(path: Path, text: str) -> None:
@@ -108,12 +122,12 @@ def test_tail_and_which_file_a_rank_reads(tmp_path: Path) -> None:
 
 def test_a_follow_sends_whole_lines_once_across_attempts_and_resumes(tmp_path: Path) -> None:
     logs = tmp_path / "j" / "logs"
-    write(logs / "attempt-1" / "driver.log", "one\ntw")
+    write(logs / "attempt-1" / "rank-0.log", "one\ntw")
     follow = reader._Follow(tmp_path, "j", "0", None)
     events = [follow.read(ended=False) for _ in range(3)]
     assert [e for e, _ in events if e] == ["id: 1:0\nevent: log\ndata: one\n\n"]  # 'tw' waits for its end
-    write(logs / "attempt-1" / "driver.log", "o\n")
-    write(logs / "attempt-2" / "driver.log", "three")
+    write(logs / "attempt-1" / "rank-0.log", "o\n")
+    write(logs / "attempt-2" / "rank-0.log", "three")
     assert follow.read(ended=False)[0] == "id: 1:4\nevent: log\ndata: two\n\n"
     assert follow.read(ended=False) == (None, False)  # on to attempt 2
     assert follow.read(ended=False) == (None, False)  # 'three' is not a whole line while the job runs
@@ -125,8 +139,24 @@ def test_a_follow_sends_whole_lines_once_across_attempts_and_resumes(tmp_path: P
         reader.parse_cursor("1712345678901-0")
 
 
+def test_rank_0_is_its_own_file_or_the_drivers_never_both(tmp_path: Path) -> None:
+    """A multi-worker job's driver writes before rank 0 exists: a follow of rank 0 waits for rank 0's own file
+    rather than reading the driver's and going on at that offset in another file."""
+    attempt = tmp_path / "j" / "logs" / "attempt-1"
+    write(attempt / "driver.log", "driver line\n")
+    follow = reader._Follow(tmp_path, "j", "0", None)
+    assert [follow.read(ended=False) for _ in range(2)] == [(None, False), (None, False)]
+    write(attempt / "rank-0.log", "rank 0 line\n")
+    assert follow.read(ended=False)[0] == "id: 1:0\nevent: log\ndata: rank 0 line\n\n"
+    early = tmp_path / "k" / "logs" / "attempt-1"  # a job that failed before training: its driver's log
+    write(early / "driver.log", "Traceback\n")
+    failed = reader._Follow(tmp_path, "k", "0", None)
+    assert failed.read(ended=False) == (None, False) and failed.read(ended=False) == (None, False)
+    assert failed.read(ended=True)[0] == "id: 1:0\nevent: log\ndata: Traceback\n\n"
+
+
 def test_a_follow_of_a_growing_file_sees_each_line(tmp_path: Path) -> None:
-    path = tmp_path / "j" / "logs" / "attempt-1" / "driver.log"
+    path = tmp_path / "j" / "logs" / "attempt-1" / "rank-0.log"
     follow = reader._Follow(tmp_path, "j", "0", None)
     got = []
     for i in range(20):
