@@ -21,7 +21,7 @@ from api_schemas.notify import Notify, webhook_host
 from api_schemas.spec import DatasetSpec, ExperimentSpec, MLPModel, TransformerModel
 from api_schemas.spec_io import apply_overrides
 from api_schemas.sweeps import SweepSubmit, probe_values
-from service.code_store import check_code
+from service.code_store import check_code, check_may_run_code
 from service.errors import InvalidInput
 from service.limits import check_time_limit
 from service.settings import Settings
@@ -49,6 +49,7 @@ def admit_sweep(settings: Settings, user: UserPublic, body: SweepSubmit) -> Swee
     check_time_limit(settings, user, body.base.resources.time_limit_s, "base.resources.time_limit_s")
     check_time_limit(settings, user, body.time_limit_s, "time_limit_s")
     check_code(settings, user, body.base, "base")
+    check_code_axes(settings, user, body)
     trials = body.trial_count()
     if trials > settings.max_trials:
         raise InvalidInput(f"{trials} trials (grid points x num_samples) are over this service's limit of "
@@ -56,6 +57,20 @@ def admit_sweep(settings: Settings, user: UserPublic, body: SweepSubmit) -> Swee
     base = admit_spec(settings, body.base, "base")
     check_axes(settings, body, base)
     return body.model_copy(update={"base": base})
+
+
+CODE_AXES = ("model.factory", "dataset.factory", "training.loss", "training.entrypoint")  # values name functions
+
+
+def check_code_axes(settings: Settings, user: UserPublic, body: SweepSubmit) -> None:
+    """An axis that picks the function a trial calls is user code as the base's would be (403 where it may not
+    run); the code package itself is not an axis (a trial's package must be the one the sweep was admitted with)."""
+    for path in body.search_space:
+        if path == "code" or path.startswith("code."):
+            raise InvalidInput("a sweep cannot vary its code package: put the variants in one package and sweep "
+                               "over model.args.* or training.entrypoint_args.*", field=f"search_space.{path}")
+        if path in CODE_AXES or path.startswith(tuple(f"{a}." for a in CODE_AXES)):
+            check_may_run_code(settings, user, f"search_space.{path}", f", and search_space.{path} would")
 
 
 def admit_spec(settings: Settings, spec: ExperimentSpec, prefix: str) -> ExperimentSpec:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import secrets
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -159,7 +160,7 @@ class JobAcl:
     def keep_summary(self, job_id: str) -> None:
         """Once the job's Ray job has ended: the summary it wrote in its copy, into the job hash (the API's)."""
         summary = self.r.hget(keys.job_run(job_id), "summary")
-        if summary:
+        if summary and _json_object(summary):  # the job wrote it: anything else would break the API's views
             self.r.hset(keys.job(job_id), "summary", summary)
 
     def refusal(self, job_id: str) -> str:
@@ -176,3 +177,10 @@ class JobAcl:
         return ("this job runs your code, and the service cannot give it a Redis user of its own "
                 f"({self.unsupported}): an admin may set TLAB_JOB_REDIS_ACL=off to run such jobs with the service's "
                 "full Redis rights")
+
+
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False

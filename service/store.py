@@ -204,9 +204,12 @@ class Store:
         epochs = json.loads(data["spec"]).get("training", {}).get("epochs")
         for _eid, fields in self.r.xrevrange(keys.events(job_id), count=50):
             if fields.get("kind") == "metric":
-                m = json.loads(fields["data"])
-                return Progress(epoch=int(m["epoch"]) + 1, epochs=epochs, train_loss=m.get("train_loss"),
-                                test_loss=m.get("test_loss"))
+                try:  # the job's own process wrote it: a malformed one is skipped, never the whole view
+                    m = json.loads(fields["data"])
+                    return Progress(epoch=int(m["epoch"]) + 1, epochs=epochs, train_loss=m.get("train_loss"),
+                                    test_loss=m.get("test_loss"))
+                except (KeyError, TypeError, ValueError):
+                    continue
         return Progress(epoch=0 if data["state"] != JobState.QUEUED else None, epochs=epochs)
 
     def list_ids(self, owner: str | None, cursor: str | None, limit: int) -> tuple[list[str], bool]:

@@ -3,7 +3,10 @@ A sweep's are its best trial's."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from fastapi import APIRouter
+from fastapi import Path as PathParam
 from fastapi.responses import FileResponse
 
 from api_schemas.artifacts import ArtifactList
@@ -24,6 +27,13 @@ FILE_RESPONSES: dict[int | str, dict] = OWNED | {
 }
 
 
+# A relative name of segments that are never '..', without backslashes or NUL (what artifacts.check_name refuses),
+# said in the schema itself so that a request the schema allows is one the route can answer.
+_SEGMENT = r"(?:[^/.\\\x00][^/\\\x00]*|\.(?:[^/.\\\x00][^/\\\x00]*)?|\.\.[^/\\\x00]+)"
+Name = Annotated[str, PathParam(pattern=f"^{_SEGMENT}(?:/{_SEGMENT})*$", max_length=1000,
+                                description="a name from the artifact list (relative, no '..', no backslash)")]
+
+
 def download(st: StateDep, job_id: str, name: str) -> FileResponse:
     path = artifacts.resolve(st.settings, job_id, name)
     return FileResponse(path, filename=name.rsplit("/", 1)[-1], media_type="application/octet-stream")
@@ -37,7 +47,7 @@ def list_artifacts(job_id: str, st: StateDep, user: CurrentUser) -> ArtifactList
 
 
 @router.get("/v1/experiments/{job_id}/artifacts/{name:path}", response_class=FileResponse, responses=FILE_RESPONSES)
-def get_artifact(job_id: str, name: str, st: StateDep, user: CurrentUser) -> FileResponse:
+def get_artifact(job_id: str, name: Name, st: StateDep, user: CurrentUser) -> FileResponse:
     """One artifact's bytes (owner or admin); ``Range: bytes=a-b`` for a part."""
     own_job(st, user, job_id)
     return download(st, job_id, name)
@@ -51,7 +61,7 @@ def list_sweep_artifacts(sweep_id: str, st: StateDep, user: CurrentUser) -> Arti
 
 
 @router.get("/v1/sweeps/{sweep_id}/artifacts/{name:path}", response_class=FileResponse, responses=FILE_RESPONSES)
-def get_sweep_artifact(sweep_id: str, name: str, st: StateDep, user: CurrentUser) -> FileResponse:
+def get_sweep_artifact(sweep_id: str, name: Name, st: StateDep, user: CurrentUser) -> FileResponse:
     """One of the best trial's artifacts."""
     own_sweep(st, user, sweep_id)
     return download(st, sweep_id, name)

@@ -121,6 +121,11 @@ def test_user_code_can_be_turned_off(api_only: Api) -> None:
         assert c.post("/v1/experiments", json={"spec": tiny()}).status_code == 201  # built-ins run as before
         upload = c.post("/v1/code", content=zip_of({"a.py": b"x"}), headers=ZIP)
         assert upload.status_code == 403 and upload.json()["errors"][0]["field"] == "code"
+        for path, status in (("training.entrypoint", 403), ("training.loss", 403), ("code.package", 422)):
+            axis = {path: {"choice": ["os:system" if path != "code.package" else "sha256:" + "0" * 64]}}
+            base = {**tiny(), "code": {}}  # an empty code section runs no code, and makes code.* a spec path
+            r = c.post("/v1/sweeps", json={"base": base, "search_space": axis})  # code through a sweep's axis
+            assert r.status_code == status and r.json()["errors"][0]["field"] == f"search_space.{path}", r.text
 
 
 def test_tlab_submit_code_uploads_once_and_submits_with_the_package(api_only: Api, tmp_path: Path) -> None:

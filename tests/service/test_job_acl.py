@@ -115,6 +115,22 @@ def test_credentials_are_the_same_for_a_submission_and_new_for_the_next(service:
     client.close()
 
 
+def test_what_a_job_writes_cannot_break_the_apis_views(service: tuple[Store, JobAcl]) -> None:
+    """A job's own process writes its summary copy and its events: a summary that is not a JSON object is not
+    copied into the job hash, and a malformed metric event is skipped, so its page and every listing still load."""
+    store, acl = service
+    job = started(store)
+    store.r.hset(keys.job_run(job), "summary", "[1, 2]")  # JSON, but not an object
+    store.r.xadd(keys.events(job), {"kind": "metric", "data": "not json"})
+    store.r.xadd(keys.events(job), {"kind": "metric", "data": json.dumps({"no": "epoch"})})
+    acl.keep_summary(job)
+    view = store.view(job)
+    assert view.summary is None and view.progress.epoch == 0
+    store.r.hset(keys.job_run(job), "summary", json.dumps({"epochs": 2}))
+    acl.keep_summary(job)
+    assert store.view(job).summary == {"epochs": 2}
+
+
 def test_a_jobs_user_goes_when_it_leaves_starting_or_running(service: tuple[Store, JobAcl]) -> None:
     store, acl = service
     ends, preempted, live = started(store), started(store), started(store)
