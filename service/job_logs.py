@@ -95,36 +95,30 @@ class _Follow:
         self.storage, self.job_id, self.rank = storage, job_id, rank
         self.attempt, self.offset = cursor if cursor else (0, 0)
         self.chosen: tuple[int, Path] | None = None
-        self.over = False  # the attempt being read has ended (the job has, or a newer attempt began)
 
-    def path(self) -> Path | None:
-        """The attempt's file, chosen once and kept (the offset must never jump files): a rank's own file once it
-        exists (a 1-worker job's driver links ``rank-0.log`` to its own when it trains there); the driver's for
-        rank 0 only when the attempt is over without one (it failed before training)."""
+    def path(self, over: bool) -> Path | None:
+        """The attempt's file, chosen once and kept (the offset must never jump files): ``file_of``'s, except that
+        rank 0 waits for its own file (a multi-worker job's appears after the driver's; a 1-worker job's driver
+        links it to its own) and reads the driver's only once the attempt is ``over`` without one."""
         if not self.attempt:
             return None
-        if self.chosen is not None and self.chosen[0] == self.attempt:
-            return self.chosen[1]
-        folder = root(self.storage, self.job_id) / f"attempt-{self.attempt}"
-        path = folder / ("driver.log" if self.rank == "driver" else f"rank-{self.rank}.log")
-        if not path.exists():
-            if not (self.rank == "0" and self.over and (folder / "driver.log").exists()):
+        if self.chosen is None or self.chosen[0] != self.attempt:
+            path = file_of(self.storage, self.job_id, self.rank, self.attempt)
+            if not path.exists() or (self.rank == "0" and path.name == "driver.log" and not over):
                 return None
-            path = folder / "driver.log"
-        self.chosen = (self.attempt, path)
-        return path
+            self.chosen = (self.attempt, path)
+        return self.chosen[1]
 
     def read(self, ended: bool) -> tuple[str | None, bool]:
         """(an event with what is new, or None; whether there is nothing more to wait for in this attempt)."""
         newer = [a for a in attempts(self.storage, self.job_id) if a > self.attempt]
-        self.over = ended or bool(newer)
-        path = self.path()
+        done = bool(newer) or ended  # nothing more will be written to this attempt's file
+        path = self.path(done)
         data = b""
-        if path is not None and path.exists():
+        if path is not None:
             with path.open("rb") as f:
                 f.seek(self.offset)
                 data = f.read(CHUNK)
-        done = bool(newer) or ended
         cut = data.rfind(b"\n") + 1
         if cut and (not done or len(data) == CHUNK):
             data = data[:cut]  # whole lines: a partial last line waits for its end while the job writes

@@ -128,8 +128,7 @@ class Sender:
     def note(self, job_id: str, marker: str, message: str) -> None:
         log.warning("%s: %s", job_id, message)
         self.store.r.hset(keys.notified(job_id), marker, json.dumps({"failed_at": time.time(), "error": message}))
-        self.store.r.xadd(keys.events(job_id), {"kind": "log", "data": json.dumps(
-            {"kind": "log", "level": "warning", "message": message, "at": time.time()})})
+        self.store.log_event(job_id, "warning", message)
 
     # ---- the thread -----------------------------------------------------------------------
     def run(self) -> None:

@@ -68,12 +68,6 @@ def candidates(raws: list[dict[str, str]]) -> tuple[list[preemption.Candidate], 
     return running, leaving
 
 
-def log_event(store: Store, job_id: str, message: str, now: float) -> None:
-    data = {"kind": "log", "level": "info", "message": message, "at": now}
-    store.r.xadd(keys.events(job_id), {"kind": "log", "data": json.dumps(data)}, maxlen=keys.STREAM_MAXLEN,
-                 approximate=True)
-
-
 def preempt(store: Store, launcher: Stopper, settings: Settings, decision: policy.Decision,
             nodes: list[policy.Node], active: list[ActiveJob], now: float, requeued_at: float = 0.0) -> list[str]:
     """Stop the victims for the job that waits for room, if any (``service.preemption``), and say so in that
@@ -94,8 +88,8 @@ def preempt(store: Store, launcher: Stopper, settings: Settings, decision: polic
         log.info("preempting %s (priority %d) for %s (priority %d)", victim.id, victim.priority, job.id,
                  job.priority)
         store.r.hset(keys.job(victim.id), mapping={PREEMPTED_BY: job.id, PREEMPTED_PRIORITY: str(job.priority)})
-        log_event(store, victim.id, f"preempted by {job.id} (priority {job.priority}): checkpointing and stopping "
-                                    f"(TLAB_STOP_GRACE_S={settings.stop_grace_s:g})", now)
+        store.log_event(victim.id, "info", f"preempted by {job.id} (priority {job.priority}): checkpointing and "
+                                           f"stopping (TLAB_STOP_GRACE_S={settings.stop_grace_s:g})", now)
         try:
             launcher.stop(by[victim.id].get("ray_job_id", ""))
         except Exception:  # Ray down or slow: the mark stays, and reconcile stops it on the next tick

@@ -253,6 +253,12 @@ class Store:
                 return state
         raise InvalidState(f"experiment {job_id} changed state while cancelling; try again")
 
+    def log_event(self, job_id: str, level: str, message: str, now: float | None = None) -> None:
+        """A ``log`` event the service itself adds to the job's stream (a preemption, a webhook that failed)."""
+        data = {"kind": "log", "level": level, "message": message, "at": time.time() if now is None else now}
+        self.r.xadd(keys.events(job_id), {"kind": "log", "data": json.dumps(data)}, maxlen=keys.STREAM_MAXLEN,
+                    approximate=True)
+
     def events(self, job_id: str, after: str = "-", count: int | None = None) -> list[tuple[str, dict[str, str]]]:
         start = f"({after}" if after not in ("-", "", "0") else "-"
         return self.r.xrange(keys.events(job_id), min=start, max="+", count=count)

@@ -31,15 +31,14 @@ def logs(job_id: str, st: StateDep, user: CurrentUser, rank: Rank = "0", attempt
     """What the rank printed (stdout and stderr), kept in storage: readable after Ray forgot the job and after a
     cluster restart. A job that kept none (it never started, or ran before logs were kept): the Ray driver's log
     while Ray still has it, then the job's log events."""
-    own_job(st, user, job_id)
+    sid = own_job(st, user, job_id).get("ray_job_id")
     chosen = job_logs.pick_attempt(st.settings.storage_path, job_id, attempt)
     if chosen is not None:
         return job_logs.tail(job_logs.file_of(st.settings.storage_path, job_id, rank, chosen), tail)
-    return log_text(ray_driver_log(st, job_id), job_records(st, job_id))
+    return log_text(ray_driver_log(st, sid), job_records(st, job_id))
 
 
-def ray_driver_log(st: StateDep, job_id: str) -> str | None:
-    sid = st.store.raw(job_id).get("ray_job_id")
+def ray_driver_log(st: StateDep, sid: str | None) -> str | None:
     if not sid:
         return None
     try:
