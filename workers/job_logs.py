@@ -140,16 +140,3 @@ def also_as(name: str) -> None:
         alias = CURRENT.with_name(f"{name}.log")
         with contextlib.suppress(FileExistsError):
             alias.symlink_to(CURRENT.name)
-
-
-def attempt_of(redis_url: str, job_id: str) -> int:
-    """The scheduler's attempt number of the job (the ``attempts`` field it sets at each start; 1 if none)."""
-    import redis
-
-    from workers.job_record import job_field
-
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    try:
-        return int(job_field(client, job_id, "attempts") or 1)
-    finally:
-        client.close()

@@ -38,3 +38,12 @@ def write_summary(client: Any, job_id: str, summary: str) -> None:
     """The job's summary (JSON), where the scheduler takes it from (or the job hash, run without one)."""
     run = keys.job_run(job_id)
     client.hset(run if client.hget(run, MARK) is not None else keys.job(job_id), "summary", summary)
+
+
+def attempt_of(url: str, job_id: str) -> int:
+    """The scheduler's attempt number of the job (the ``attempts`` it sets at each start; 1 if none)."""
+    client = connect(url, decode_responses=True)
+    try:
+        return int(job_field(client, job_id, "attempts") or 1)
+    finally:
+        client.close()

@@ -45,7 +45,8 @@ def train_worker(config: dict[str, Any]) -> None:
         rank = ray.train.get_context().get_world_rank()
         Path(config["pid_dir"], f"rank{rank}.pid").write_text(str(os.getpid()))
     if config.get("log_storage"):  # a service job's worker: its log is kept in storage (workers.job_logs)
-        from workers.job_logs import attempt_of, capture
+        from workers.job_logs import capture
+        from workers.job_record import attempt_of
 
         rank = ray.train.get_context().get_world_rank()
         name, attempt = f"rank-{rank}", attempt_of(config["redis_url"], config["job_id"])

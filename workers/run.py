@@ -33,8 +33,8 @@ from api_schemas import ExperimentSpec, keys
 from api_schemas.reasons import FAILURE_MARK, one_line
 from workers.artifacts import artifacts_dir
 from workers.failure import JobFailed, failure_reason
-from workers.job_logs import also_as, attempt_of, capture
-from workers.job_record import job_field, write_summary
+from workers.job_logs import also_as, capture
+from workers.job_record import attempt_of, job_field, write_summary
 from workers.redis_sink import RedisSink
 
 

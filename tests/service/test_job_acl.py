@@ -25,8 +25,7 @@ from service.settings import Settings
 from service.stack import Stack
 from service.store import Store
 from tests.service.conftest import tiny
-from workers.job_logs import attempt_of
-from workers.job_record import job_field, write_summary
+from workers.job_record import attempt_of, job_field, write_summary
 from workers.redis_sink import RedisSink, read_events
 
 NOPERM = redis.exceptions.NoPermissionError
