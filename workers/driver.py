@@ -78,8 +78,7 @@ class DriverContext(RunContext):
         self.start_from = start_from
         self.keep = keep_checkpoints() if keep is None else keep
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.run_dir.glob(f"{TMP_PREFIX}*"):  # what a kill left mid-write
-            shutil.rmtree(stale, ignore_errors=True)
+        self.drop_partial()  # what a kill left mid-write
         if artifacts_dir is not None:
             self.artifacts_dir = Path(artifacts_dir)
             self.artifacts_dir.mkdir(parents=True, exist_ok=True)
@@ -88,16 +87,21 @@ class DriverContext(RunContext):
         """This run's complete checkpoints, newest first (``workers.artifacts.checkpoints``)."""
         return checkpoints([self.run_dir])
 
+    def drop_partial(self) -> None:
+        """Remove half-written checkpoints (this process is the run directory's only writer)."""
+        for partial in self.run_dir.glob(f"{TMP_PREFIX}*"):
+            shutil.rmtree(partial, ignore_errors=True)
+
     def save(self, state: dict[str, Any], metrics: dict[str, Any]) -> None:
-        tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=self.run_dir))
-        try:
+        try:  # the temporary directory is made inside: a stop may land between its mkdir and mkdtemp's return
+            tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=self.run_dir))
             write_checkpoint(state, tmp)
             final = self.run_dir / checkpoint_name()
             while final.exists():  # two saves within one microsecond
                 final = self.run_dir / checkpoint_name()
             os.rename(tmp, final)  # atomic on one filesystem: readers see all of it or none
         except BaseException:  # a stop in the middle: leave nothing half-written (a kill leaves it to the next run)
-            shutil.rmtree(tmp, ignore_errors=True)
+            self.drop_partial()
             raise
         for old in self.checkpoints()[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
