@@ -21,11 +21,13 @@ import zipfile
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from pydantic import ValidationError
+
 from api_schemas import keys
 from api_schemas.code import CodePackage, package_hex
 from api_schemas.jobs import Role, UserPublic
 from api_schemas.spec import ExperimentSpec
-from service.errors import Forbidden, InvalidInput, JobNotFound
+from service.errors import Forbidden, InvalidInput, JobNotFound, Unstartable
 from service.settings import Settings
 
 MB = 1 << 20
@@ -159,7 +161,19 @@ class JobCode:
         self.settings, self.r = settings, redis_client
 
     def __call__(self, job_id: str) -> dict[str, Any]:
+        """Raises ``Unstartable`` when the job can never start as stored (the scheduler fails it at once)."""
         owner, raw = self.r.hmget(keys.job(job_id), ["owner", "spec"])
         if not owner or not raw:
             return {}
-        return runtime_env_for(self.settings, owner, ExperimentSpec.model_validate_json(raw))
+        try:
+            spec = ExperimentSpec.model_validate_json(raw)
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "spec"
+            raise Unstartable(f"its stored spec no longer validates (spec.{where}: {first['msg']}): "
+                              "submit it again with a corrected spec") from None
+        env = runtime_env_for(self.settings, owner, spec)
+        if "working_dir" in env and not Path(env["working_dir"]).is_file():
+            raise Unstartable(f"its code package {spec.code.package if spec.code else ''} is no longer stored: "
+                              "upload the directory again (tlab submit --code DIR) and resubmit")
+        return env

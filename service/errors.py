@@ -69,3 +69,8 @@ class PayloadTooLarge(ServiceError):
 
 class UnsupportedMediaType(ServiceError):
     status = 415
+
+
+class Unstartable(Exception):
+    """A queued job that can never start as it is stored (its code package is gone, its stored spec no longer
+    validates): the scheduler fails it at once with this one line instead of retrying it every tick."""

@@ -33,6 +33,7 @@ from api_schemas import keys
 from api_schemas.jobs import ClusterView, Demand, JobState, NodeView
 from api_schemas.reasons import FAILURE_MARK, one_line
 from service import dependencies, policy, preempting
+from service.errors import Unstartable
 from service.job_acl import JobAcl
 from service.limits import TIME_LIMITED, over_limit, time_limit_reason
 from service.notify import Sender
@@ -236,12 +237,7 @@ class Scheduler:
                                          pending_reason="", resume_free=""):
                 continue  # cancelled meanwhile
             self.static.pop(job.id, None)
-            try:
-                self.launcher.submit(job.id, sid, ENTRYPOINT[kind or "experiment"], job.demand, placement)
-            except Exception as err:  # Ray refused or is down: back to the queue, tried again next tick
-                log.exception("submitting %s", job.id)
-                self.store.transition(job.id, JobState.QUEUED, expect=[JobState.STARTING], now=now,
-                                      reason=f"Ray did not accept the job ({err}); will retry")
+            if not self.launch(job, attempt, kind, placement, now):
                 continue
             if not resumed:  # a job resuming after a preemption paid its start charge when it first started
                 charges[job.owner] = (charges.get(job.owner, 0.0)
@@ -251,6 +247,23 @@ class Scheduler:
         preempting.preempt(self.store, self.launcher, self.settings, decision, nodes, active, now, self.requeued_at)
         self.publish(decision, nodes, active, now)
         return decision
+
+    def launch(self, job: QueuedJob, attempt: int, kind: str | None, placement: list[str], now: float) -> bool:
+        """Submit the starting job to Ray. A job that can never start as stored fails at once; one Ray refused
+        (or Ray is down) goes back to the queue for the next tick, its attempt not counted."""
+        try:
+            sid = self.launcher.submission_id(job.id, attempt)
+            self.launcher.submit(job.id, sid, ENTRYPOINT[kind or "experiment"], job.demand, placement)
+            return True
+        except Unstartable as err:
+            self.store.transition(job.id, JobState.FAILED, expect=[JobState.STARTING], now=now, reason=str(err),
+                                  failure_reason=str(err))
+        except Exception as err:
+            log.exception("submitting %s", job.id)
+            self.store.transition(job.id, JobState.QUEUED, expect=[JobState.STARTING], now=now,
+                                  reason=f"Ray did not accept the job ({err}); will retry",
+                                  attempts=str(attempt - 1))
+        return False
 
     def charge_running(self, active: list[ActiveJob], now: float, charges: dict[str, float]) -> None:
         dt = max(0.0, now - self.last_charge)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import time
 import zipfile
 from pathlib import Path
 
@@ -144,3 +145,34 @@ def test_tlab_submit_code_uploads_once_and_submits_with_the_package(api_only: Ap
     with api_only.client() as c:
         job = c.get(f"/v1/experiments/{runs[1].stdout.split()[0]}").json()
     assert job["spec"]["code"]["package"] == package and job["spec"]["model"]["kind"] == "custom"
+
+
+def test_a_job_whose_package_is_gone_fails_at_once_and_a_refused_submit_costs_no_attempt(api_only: Api) -> None:
+    """The scheduler's start of two queued jobs, on Redis, with a Ray that is never reached: the one whose stored
+    package was deleted fails with one line (it was retried every tick before); the other, which Ray "refused",
+    goes back to the queue with its attempt not counted."""
+    from api_schemas.jobs import JobState
+    from service.code_store import JobCode
+    from service.ray_cluster import RayJobs, StaticCluster
+    from service.scheduler import Scheduler
+    from service.store import Store
+    from tests.service.conftest import STATIC_NODES
+
+    with api_only.client() as c:
+        package = c.post("/v1/code", content=zip_of({"tiny_lm/__init__.py": b""}), headers=ZIP).json()["package"]
+        gone = c.post("/v1/experiments", json={"spec": custom_spec(package)}).json()["id"]
+        builtin = c.post("/v1/experiments", json={"spec": tiny()}).json()["id"]
+    settings = Settings(redis_url=api_only.stack.redis_url or "", cluster_nodes=STATIC_NODES,
+                        home=api_only.stack.home)
+    store = Store.from_url(settings.redis_url)
+    stored = runtime_env_for(settings, "admin", ExperimentSpec.model_validate(custom_spec(package)))["working_dir"]
+    Path(stored).unlink()
+    jobs = RayJobs.__new__(RayJobs)  # every field but the Jobs API client: nothing here reaches Ray
+    jobs.env, jobs.python, jobs.credentials, jobs.client = {}, "python", None, None
+    jobs.code = JobCode(settings, store.r)
+    Scheduler(store, settings, StaticCluster(STATIC_NODES), jobs).dispatch(time.time())
+    failed = store.view(gone)
+    assert failed.state == JobState.FAILED, failed
+    assert failed.failure_reason and "no longer stored" in failed.failure_reason and "\n" not in failed.failure_reason
+    again = store.raw(builtin)
+    assert again["state"] == JobState.QUEUED.value and again["attempts"] == "0", again
