@@ -27,12 +27,14 @@ from service import policy, preemption
 from service.errors import InvalidInput
 from service.limits import TIME_LIMITED
 from service.policy import ActiveJob
+from service.ray_cluster import RAY_ACTIVE
 from service.settings import Settings
 from service.store import Store
 
 log = logging.getLogger("tlab.scheduler")
 PREEMPTED_BY, PREEMPTED_PRIORITY = "preempted_by", "preempted_priority"  # job hash fields while it stops
 LIVE = (JobState.QUEUED.value, JobState.STARTING.value, JobState.RUNNING.value)
+LOST_NODE = "lost-node"  # the PREEMPTED_PRIORITY of a job stopped because a node of its gang is gone
 SETTLE_S = 15.0  # after a preemption, Ray's report of what is in use may lag this long (its autoscaler: ~5 s)
 
 
@@ -97,16 +99,52 @@ def preempt(store: Store, launcher: Stopper, settings: Settings, decision: polic
     return [v.id for v in plan.victims]
 
 
+def evict_from_lost_nodes(store: Store, launcher: Stopper, nodes: list[policy.Node], active: list[ActiveJob],
+                          now: float) -> list[str]:
+    """Stop the jobs placed on a node Ray no longer reports alive (its raylet died, its machine went away) and
+    mark them as preempted by that loss: once stopped they go back to the queue like a preempted job, and resume
+    from their last checkpoint where the gang fits again (or wait saying the cluster lacks the room)."""
+    alive = {n.id for n in nodes}
+    if not alive:  # no node at all is a cluster view that failed, not every node lost at once
+        return []
+    raws = {d["id"]: d for d in store.raws(a.id for a in active)}
+    evicted = []
+    for job in active:
+        lost = sorted(set(job.placement) - alive)
+        data = raws.get(job.id)
+        if not lost or data is None or stopping(data):
+            continue
+        cause = f"the loss of node {lost[0][:12]}"
+        log.info("%s: %s; stopping it to resume elsewhere", job.id, cause)
+        store.r.hset(keys.job(job.id), mapping={PREEMPTED_BY: cause, PREEMPTED_PRIORITY: LOST_NODE})
+        store.log_event(job.id, "info", f"{cause}: Ray no longer reports it alive; stopping this attempt to resume "
+                                        "from the last checkpoint where the gang fits", now)
+        evicted.append(job.id)
+        try:
+            launcher.stop(data.get("ray_job_id", ""))
+        except Exception:  # Ray down or slow: the mark stays, and reconcile stops it on the next tick
+            log.exception("stopping %s after a node loss", job.id)
+    return evicted
+
+
 def requeue(store: Store, data: dict[str, str], now: float) -> bool:
     """A preempted job whose Ray job stopped: back to the queue with its age, counted (module doc)."""
     by, priority = data.get(PREEMPTED_BY, ""), data.get(PREEMPTED_PRIORITY, "?")
+    cause = by if priority == LOST_NODE else f"preempted by {by} (priority {priority})"
     ran = float(data.get("ran_s") or 0) + max(0.0, now - float(data.get("started_at") or now))
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(now))
-    reason = f"preempted by {by} (priority {priority}): queued again to resume from its last checkpoint"
+    reason = f"{cause}: queued again to resume from its last checkpoint"
     return store.transition(data["id"], JobState.QUEUED, expect=[JobState.STARTING, JobState.RUNNING], now=now,
                             reason=reason, preemptions=str(int(data.get("preemptions") or 0) + 1),
-                            last_preemption=f"preempted by {by} (priority {priority}) at {when}", ran_s=repr(ran),
+                            last_preemption=f"{cause} at {when}", ran_s=repr(ran),
                             resume_free="1", **{PREEMPTED_BY: "", PREEMPTED_PRIORITY: ""})
+
+
+def settling(data: dict[str, str], status: str | None) -> bool:
+    """A preempted job (or one stopped for a lost node) that Ray still runs or has let go: the preemption path
+    stops or requeues it. A lost node's job may also have failed by itself when its worker there died."""
+    ends = (*RAY_ACTIVE, "STOPPED", None, *(("FAILED",) if data.get(PREEMPTED_PRIORITY) == LOST_NODE else ()))
+    return bool(data.get(PREEMPTED_BY)) and status in ends
 
 
 def failed_attempts(data: dict[str, str]) -> int:

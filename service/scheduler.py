@@ -147,7 +147,7 @@ class Scheduler:
                 self.store.transition(job_id, JobState.FAILED, expect=active, reason=reason, failure_reason=reason,
                                       now=now)
             return
-        if data.get(preempting.PREEMPTED_BY) and not cancel and status in (*RAY_ACTIVE, "STOPPED", None):
+        if not cancel and preempting.settling(data, status):
             if status in RAY_ACTIVE:
                 self.launcher.stop(sid)  # SIGTERM again is harmless: Ray's supervisor stops a job once
             elif preempting.requeue(self.store, data, now):
@@ -222,6 +222,7 @@ class Scheduler:
 
     def dispatch(self, now: float) -> policy.Decision:
         decision, nodes, active = self.decide(now)
+        preempting.evict_from_lost_nodes(self.store, self.launcher, nodes, active, now)
         charges: dict[str, float] = {}
         for job, placement in decision.starts:
             attempts, kind, resumed = self.store.r.hmget(keys.job(job.id), ["attempts", "kind", "resume_free"])

@@ -147,8 +147,9 @@ class Stack:
 
     def __init__(self, home: Path, port: int | None = None, redis_url: str | None = None,
                  ray_address: str | None = None, num_cpus: int | None = None, tick_s: float | None = None,
-                 extra_env: dict[str, str] | None = None, ray_token: str = "") -> None:
+                 extra_env: dict[str, str] | None = None, ray_token: str = "", joinable: bool = False) -> None:
         self.home = home
+        self.joinable = joinable  # a head other Ray nodes may join (`ray start --address`): not loopback-only
         self.port = port or free_port()
         self.redis_url, self.ray_address = redis_url, ray_address
         self.num_cpus, self.tick_s = num_cpus, tick_s
@@ -216,7 +217,10 @@ class Stack:
         argv += [str(x) for flag, port in ports.items() if flag.startswith("--") for x in (flag, port)]
         if self.num_cpus is not None:
             argv += ["--num-cpus", str(self.num_cpus)]
-        proc = self._spawn("ray", argv, {**loopback_ray_env(ports), HEAD_MARK: self.ray_temp})
+        env = loopback_ray_env(ports)
+        if self.joinable:  # Ray then listens on the machine's address, where a joining node looks for it
+            env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+        proc = self._spawn("ray", argv, {**env, HEAD_MARK: self.ray_temp})
         self.ray_address = f"http://127.0.0.1:{ports['--dashboard-port']}"
         headers = {"Authorization": f"Bearer {self.ray_token}"}
         wait_for(lambda: httpx.get(f"{self.ray_address}/api/version", headers=headers, timeout=2).is_success,

@@ -19,7 +19,7 @@ import pytest
 # --dist loadgroup cannot do this under pytest 9.2: it renames node ids through an attribute pytest no longer reads.)
 RAY_FIXTURES = frozenset({"ray_head", "stack", "ray_local"})
 RAY_MODULES = frozenset({
-    "tests/service/test_code_packages.py",
+    "tests/service/test_code_packages.py", "tests/service/test_multinode.py",
     "tests/benchmarks/test_ray_benchmarks_smoke.py", "tests/benchmarks/test_service_bench.py",
     "tests/benchmarks/test_sweep_bench.py", "tests/service/test_artifacts.py", "tests/service/test_cli.py",
     "tests/service/test_e2e.py", "tests/service/test_failure_reasons.py", "tests/service/test_preemption.py",

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import tempfile
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -130,46 +126,3 @@ def test_killed_worker_resumes_from_checkpoint_with_every_epoch_once(
     assert int((pids / "rank1.pid").read_text()) != victim  # a new worker process took over
     assert [e["epoch"] for e in metric_epochs(redis_server, job)] == list(range(8))
 
-
-MULTINODE = textwrap.dedent("""
-    import json, os, sys
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    from ray.cluster_utils import Cluster
-    import ray, ray.train
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1)
-    os.environ["RAY_ADDRESS"] = cluster.address  # Ray's helper processes must not find another cluster
-    ray.init(address=cluster.address)
-
-    def where(config):
-        rank = ray.train.get_context().get_world_rank()
-        with open(os.path.join(config["out"], f"node{rank}"), "w") as f:
-            f.write(ray.get_runtime_context().get_node_id())
-        ray.train.report({})
-
-    scaling = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}, placement_strategy="STRICT_SPREAD")
-    trainer = TorchTrainer(where, train_loop_config={"out": sys.argv[1]}, scaling_config=scaling,
-                           run_config=RunConfig(name="spread", storage_path=sys.argv[1]))
-    trainer.fit()
-    nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU"))
-    print(json.dumps({"cpu_nodes": nodes}))
-    ray.shutdown()
-    cluster.shutdown()
-""")
-
-
-def test_head_and_two_nodes_place_one_worker_per_node(tmp_path: Path) -> None:
-    """ray.cluster_utils.Cluster with a 0-CPU head: two 1-CPU nodes can only hold the gang spread out."""
-    script = tmp_path / "multinode.py"
-    script.write_text(MULTINODE)
-    env = {**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}
-    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
-                         timeout=240, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    cpu_nodes = json.loads(out.stdout.strip().splitlines()[-1])["cpu_nodes"]
-    placed = {(tmp_path / f"node{rank}").read_text() for rank in range(2)}
-    assert len(cpu_nodes) == 2 and placed == set(cpu_nodes)  # one worker on each of the two nodes
