@@ -24,6 +24,19 @@ TEST_RGB = (0xFF, 0x7F, 0x0E)  # charts.js TEST (orange)
 CHART_POINTS = "() => window.tlab.charts.loss ? window.tlab.charts.loss.data[0].length : -1"
 
 
+def chart_canvas(tab: Any, name: str) -> tuple[int, Path]:
+    """The chart's point count and its canvas's own pixels, read in one step of the page's JS (a screenshot of
+    the canvas's box is of the page there, and another part of the page moving into it mid-shot counted as
+    line pixels once)."""
+    import base64
+
+    points, url = tab.page.evaluate(f"() => {{ const u = window.tlab.charts.{name}; "
+                                    "return [u.data[0].length, u.ctx.canvas.toDataURL('image/png')]; }")
+    path = tab.shots / f"{name}-canvas-{points}.png"
+    path.write_bytes(base64.b64decode(url.split(",", 1)[1]))
+    return points, path
+
+
 def colour_pixels(png: Path, rgb: tuple[int, int, int], tol: int = 30) -> tuple[int, int]:
     """How many pixels of the image are within ``tol`` of ``rgb`` per channel, and their horizontal span."""
     with Image.open(png) as im:
@@ -175,9 +188,9 @@ def test_submit_watch_the_curve_grow_and_cancel_in_the_browser(stack: Stack, tab
     page.click("#submit")
     page.wait_for_function("() => location.hash.startsWith('#/job/')")
     job = page.evaluate("location.hash").removeprefix("#/job/")
-    before = page.evaluate(CHART_POINTS)
-    empty = tab.shot("loss-empty", "#loss-chart canvas")
-    if before == 0 and page.evaluate(CHART_POINTS) == 0:  # nothing drawn yet: no line colours (a control)
+    page.wait_for_function(f"() => ({CHART_POINTS})() >= 0")  # the chart exists
+    before, empty = chart_canvas(tab, "loss")
+    if before == 0:  # nothing drawn yet: no line colours (a control)
         assert colour_pixels(empty, TRAIN_RGB)[0] == 0
 
     # [2] the curve grows as metric events arrive over SSE
