@@ -83,14 +83,16 @@ class RayNodes:
 
 
 IN_DRIVER = "TLAB_IN_DRIVER"  # "0": a 1-worker experiment runs as a TorchTrainer too (workers.run.in_driver)
+PLACEMENT = "TLAB_PLACEMENT"  # the scheduler's node per worker, for a driver that leads a gang
 NODE_ID_LABEL = "ray.io/node-id"  # every Ray node's own label: its node id
 _RAY_NODE_ID = re.compile(r"[0-9a-f]{56}")  # a Ray node id in hex (a static cluster's names are not)
 
 
 def trains_in_driver(module: str, demand: Demand | None, env: dict[str, str]) -> bool:
-    """A 1-worker experiment trains in its Ray job's driver (``workers.driver``) unless ``TLAB_IN_DRIVER=0``;
-    a sweep's driver only waits for its trials, which hold the CPUs."""
-    return module == "workers.run" and demand is not None and demand.workers == 1 and env.get(IN_DRIVER) != "0"
+    """An experiment trains in its Ray job's driver (``workers.driver``; with several workers the driver is rank
+    0 of the gang it leads, ``workers.gang``) unless ``TLAB_IN_DRIVER=0``; a sweep's driver only waits for its
+    trials, which hold the CPUs."""
+    return module == "workers.run" and demand is not None and env.get(IN_DRIVER) != "0"
 
 
 def driver_options(demand: Demand | None, placement: Sequence[str] = ()) -> dict[str, Any]:
@@ -146,6 +148,7 @@ class RayJobs:
         env = dict(self.env)
         if module == "workers.run":  # the driver takes the path the resources were asked for
             env[IN_DRIVER] = "1" if in_driver else "0"
+            env[PLACEMENT] = json.dumps(list(placement))  # where its gang's other ranks go (workers.gang)
         if self.credentials:  # made right before each submit, the same again for the same submission id
             env.update(self.credentials(job_id, submission_id))
         runtime_env, python = self.runtime_env(job_id, env)

@@ -31,6 +31,7 @@ RAY_MODULES = frozenset({
     "tests/service/test_supervise.py",
     "tests/teleport/test_distributed.py", "tests/web/test_dashboard.py", "tests/workers/test_executors.py",
     "tests/workers/test_ray_train.py", "tests/workers/test_run_entrypoint.py", "tests/workers/test_trial.py",
+    "tests/workers/test_gang.py",
 })
 
 

@@ -100,11 +100,22 @@ class RunContext:
         return model.to(self.device)
 
     def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool, seed: int, epoch: int) -> DataLoader:
-        g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=g)
+        if self.world_size == 1:
+            g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+            return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=g)
+        # each rank reads its own shard; set_epoch reshuffles identically on every rank
+        sampler = DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle,
+                                     seed=seed, drop_last=False)
+        sampler.set_epoch(epoch)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
-        return values
+        """Sum over the ranks (of the default process group when there are several)."""
+        if self.world_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
 
     def save(self, state: dict[str, Any], metrics: dict[str, Any]) -> None:
         """Keep the state to resume from after a failure; an in-process run has no one to resume it."""
@@ -145,22 +156,6 @@ class RayTrainContext(RunContext):
         import ray.train.torch
 
         return ray.train.torch.prepare_model(model)  # [1] to the device, DDP-wrapped when world > 1
-
-    def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool, seed: int, epoch: int) -> DataLoader:
-        if self.world_size == 1:
-            return super().loader(dataset, batch_size, shuffle=shuffle, seed=seed, epoch=epoch)
-        # [2] each rank reads its own shard; set_epoch reshuffles identically on every rank
-        sampler = DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle,
-                                     seed=seed, drop_last=False)
-        sampler.set_epoch(epoch)
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
-
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
-        if self.world_size == 1:
-            return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return t.tolist()
 
     def save(self, state: dict[str, Any], metrics: dict[str, Any]) -> None:
         import ray.train

@@ -1,4 +1,5 @@
-"""A 1-worker job trains in its Ray job's driver: the same loop, no Ray Train controller or worker group.
+"""A job trains in its Ray job's driver: the same loop, no Ray Train controller or worker group (several
+workers: the driver is rank 0 of a gang it leads, ``workers.gang``).
 
 A single rank needs no process group, so ``run_in_driver`` runs ``workers.local.train`` right in the
 driver process (Ray gives the entrypoint the job's CPUs and GPUs: ``service.ray_cluster.RayJobs.submit``)
@@ -23,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import traceback
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -70,15 +72,17 @@ class DriverContext(RunContext):
 
     def __init__(self, sink: MetricSink, run_dir: str | Path, *, device: torch.device | None = None,
                  artifacts_dir: str | Path | None = None, keep: int | None = None,
-                 start_from: Path | None = None) -> None:
+                 start_from: Path | None = None, rank: int = 0, world_size: int = 1) -> None:
         """``start_from``: another run's checkpoint directory to start from while this run has none of its own
-        (a continued or forked job: ``start_checkpoint``)."""
-        super().__init__(device=device or torch.device("cpu"), sink=sink)
+        (a continued or forked job: ``start_checkpoint``). ``rank``/``world_size``: a rank of a driver-led gang
+        (``workers.gang``); rank 0 is the run directory's only writer."""
+        super().__init__(device=device or torch.device("cpu"), sink=sink, rank=rank, world_size=world_size)
         self.run_dir = Path(run_dir)
         self.start_from = start_from
         self.keep = keep_checkpoints() if keep is None else keep
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.drop_partial()  # what a kill left mid-write
+        if self.is_chief:
+            self.drop_partial()  # what a kill left mid-write
         if artifacts_dir is not None:
             self.artifacts_dir = Path(artifacts_dir)
             self.artifacts_dir.mkdir(parents=True, exist_ok=True)
@@ -163,20 +167,25 @@ def close_quietly(sink: RedisSink, record: dict[str, Any] | None = None) -> None
 
 
 def run_in_driver(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str | Path, max_failures: int,
-                  artifacts: str | Path | None = None,
-                  stopped: tuple[type[BaseException], ...] = (), start_from: Path | None = None) -> dict[str, Any]:
+                  artifacts: str | Path | None = None, stopped: tuple[type[BaseException], ...] = (),
+                  start_from: Path | None = None, placement: Sequence[str] = ()) -> dict[str, Any]:
     """Train ``spec`` in this process, reporting to the job's Redis stream; retry from the last checkpoint up
     to ``max_failures`` times. Returns the summary (``attempt``). ``stopped``: what a stop raises
     (``workers.run.Stopped``, the class of the running ``__main__``): never retried. ``start_from``: the
-    checkpoint to start from while the run has none of its own (``start_checkpoint``)."""
+    checkpoint to start from while the run has none of its own (``start_checkpoint``). With several workers
+    this process is rank 0 of a gang it leads (``workers.gang``; ``placement``: the scheduler's node per rank)."""
     device = driver_device(spec)
     failures = 0
     while True:
         sink = RedisSink(redis_url, job_id)
-        ctx = DriverContext(sink, Path(storage) / job_id, device=device, artifacts_dir=artifacts,
-                            start_from=start_from)
         try:
-            summary = attempt(spec, ctx)
+            if spec.resources.workers > 1:
+                from workers.gang import lead
+
+                summary = lead(spec, job_id, redis_url, storage, sink, device, artifacts, start_from, placement)
+            else:
+                summary = attempt(spec, DriverContext(sink, Path(storage) / job_id, device=device,
+                                                      artifacts_dir=artifacts, start_from=start_from))
         except BaseException as err:
             failures += 1
             if not retried(err, stopped) or failures > max_failures:

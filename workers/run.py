@@ -58,9 +58,15 @@ def load_job_spec(client: redis.Redis, job_id: str) -> ExperimentSpec:
 
 
 def in_driver(spec: ExperimentSpec) -> bool:
-    """A 1-worker job needs no process group: it trains in this driver (``workers.driver``), unless
-    ``TLAB_IN_DRIVER=0`` (the scheduler sets it per Ray job, with the resources it asks Ray for)."""
-    return spec.resources.workers == 1 and os.environ.get("TLAB_IN_DRIVER", "1") != "0"
+    """The job trains in this driver (``workers.driver``; several workers: as rank 0 of a gang it leads,
+    ``workers.gang``), unless ``TLAB_IN_DRIVER=0`` (the scheduler sets it per Ray job, with the resources it
+    asks Ray for): then as a Ray Train TorchTrainer."""
+    return os.environ.get("TLAB_IN_DRIVER", "1") != "0"
+
+
+def placement() -> list[str]:
+    """The scheduler's node per worker (``TLAB_PLACEMENT``, a JSON list; empty when not given)."""
+    return list(json.loads(os.environ.get("TLAB_PLACEMENT") or "[]"))
 
 
 def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None = None) -> dict:
@@ -80,7 +86,7 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
 
             also_as("rank-0")  # it trains here: this process's log is rank 0's
             summary = run_in_driver(spec, job_id, redis_url, storage, max_failures, out, stopped=(Stopped,),
-                                    start_from=start)
+                                    start_from=start, placement=placement())
         else:
             summary = fit_trainer(spec, job_id, redis_url, storage, max_failures, out, start)
     finally:  # however it ended (a stop too: SIGTERM leaves the grace period for this), from the last checkpoint

@@ -20,12 +20,13 @@ from tests.service.conftest import tiny
 NODE = "ab" * 28  # a Ray node id: 56 hex digits
 
 
-def test_only_a_one_worker_experiment_trains_in_its_driver_and_holds_what_it_asked_for() -> None:
+def test_an_experiment_trains_in_its_driver_which_holds_rank_0s_resources() -> None:
     one, two = Demand(workers=1, cpus_per_worker=2, gpus_per_worker=0.5), Demand(workers=2, cpus_per_worker=1,
                                                                                  gpus_per_worker=0)
     assert trains_in_driver("workers.run", one, {})
-    assert not trains_in_driver("workers.run", one, {"TLAB_IN_DRIVER": "0"})  # the escape hatch
-    assert not trains_in_driver("workers.run", two, {}) and not trains_in_driver("workers.sweep", one, {})
+    assert trains_in_driver("workers.run", two, {})  # rank 0 of the gang it leads (workers.gang)
+    assert not trains_in_driver("workers.run", one, {"TLAB_IN_DRIVER": "0"})  # the escape hatch: TorchTrainer
+    assert not trains_in_driver("workers.sweep", one, {})
     assert driver_options(one, [NODE]) == {"entrypoint_num_cpus": 2, "entrypoint_num_gpus": 0.5,
                                            "entrypoint_label_selector": {"ray.io/node-id": NODE}}
     assert driver_options(one, ["n1"]) == {"entrypoint_num_cpus": 2, "entrypoint_num_gpus": 0.5}  # a static node

@@ -1,0 +1,132 @@
+"""A multi-worker job trains as a gang its driver leads: rank 0 in the Ray job's driver (as a 1-worker job
+does, ``workers.driver``), ranks 1..N-1 as Ray tasks on the nodes the scheduler planned, all joined in one
+``torch.distributed`` process group over a TCP store the driver opens. No Ray Train controller, worker group or
+polling: a 2-worker TorchTrainer took ~9 s here from ``fit()`` to its loop, most of a job's start (issue 15).
+
+What Ray Train did for the gang, done here: DDP and sharded loaders (``RunContext`` with ``world_size > 1``),
+checkpoints written by rank 0 only (``DriverContext.save``, in Ray Train's layout), every rank resuming from
+the newest one, a failed rank failing the whole try (its process group closes, the others' collectives raise)
+and the try retried from the last checkpoint (``run_in_driver``). ``TLAB_IN_DRIVER=0`` keeps the TorchTrainer.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from api_schemas import ExperimentSpec
+from teleport.distributed import Collective, TorchDistributed
+from workers.driver import DriverContext, attempt, driver_device
+from workers.sinks import MetricSink, NullSink
+
+_RAY_NODE_ID = re.compile(r"[0-9a-f]{56}")  # a Ray node id (a static cluster's node names are not)
+
+
+def timeout() -> timedelta:
+    """How long a rank waits for the others (joining, or at a collective): ``TLAB_GANG_TIMEOUT_S``, 1800 s as
+    Ray Train's default. A rank that dies closes its connections, and the others fail at once, not after this."""
+    return timedelta(seconds=float(os.environ.get("TLAB_GANG_TIMEOUT_S", "1800")))
+
+
+class GangContext(DriverContext):
+    """One rank of a driver-led gang: the model DDP-wrapped over the gang's process group; rank 0 alone writes
+    checkpoints (and, through its sink, metrics); every rank restores the newest one."""
+
+    def __init__(self, sink: MetricSink, run_dir: str | Path, *, rank: int, world_size: int, device: torch.device,
+                 artifacts_dir: str | Path | None = None, start_from: Path | None = None) -> None:
+        super().__init__(sink, run_dir, device=device, artifacts_dir=artifacts_dir, start_from=start_from,
+                         rank=rank, world_size=world_size)
+        self._comm = TorchDistributed()
+
+    @property
+    def comm(self) -> Collective | None:
+        return self._comm
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.device)
+        return nn.parallel.DistributedDataParallel(model, device_ids=[self.device.index]
+                                                   if self.device.type == "cuda" else None)
+
+    def save(self, state: dict[str, Any], metrics: dict[str, Any]) -> None:
+        if self.is_chief:
+            super().save(state, metrics)
+
+    def restore(self) -> dict[str, Any] | None:
+        state = super().restore()
+        dist.barrier()  # every rank has read it before rank 0 can write (and rotate) the next
+        return state
+
+
+def backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def join(host: str, port: int, rank: int, world: int, device: torch.device, store: Any = None) -> None:
+    """Join the gang's process group (rank 0 passes the store it opened; the others connect to it)."""
+    store = store or dist.TCPStore(host, port, world, is_master=False, timeout=timeout())
+    dist.init_process_group(backend(device), store=store, rank=rank, world_size=world, timeout=timeout())
+
+
+def run_rank(spec_json: str, job_id: str, redis_url: str, storage: str, rank: int, world: int, host: str,
+             port: int, artifacts: str | None, start_from: str | None) -> None:
+    """What a Ray task of the gang runs: join, then the same loop as rank 0, its log kept as ``rank-<k>``."""
+    from workers.job_logs import capture
+    from workers.job_record import attempt_of
+
+    with capture(storage, job_id, f"rank-{rank}", attempt_of(redis_url, job_id)):
+        spec = ExperimentSpec.model_validate_json(spec_json)
+        device = driver_device(spec)
+        join(host, port, rank, world, device)
+        try:
+            ctx = GangContext(NullSink(), Path(storage) / job_id, rank=rank, world_size=world, device=device,
+                              artifacts_dir=artifacts, start_from=Path(start_from) if start_from else None)
+            attempt(spec, ctx)
+        finally:
+            dist.destroy_process_group()
+
+
+def rank_options(spec: ExperimentSpec, node: str | None) -> dict[str, Any]:
+    """A rank's Ray task: the worker's CPUs and GPUs, on the node the scheduler planned (if it named one)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    r = spec.resources
+    options: dict[str, Any] = {"num_cpus": r.cpus_per_worker, "num_gpus": r.gpus_per_worker, "max_retries": 0}
+    if node and _RAY_NODE_ID.fullmatch(node):
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+    return options
+
+
+def lead(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str | Path, sink: MetricSink,
+         device: torch.device, artifacts: str | Path | None = None, start_from: Path | None = None,
+         placement: Sequence[str] = ()) -> dict[str, Any]:
+    """One try of the gang: start ranks 1..N-1, train rank 0 here; the summary once every rank is done."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
+    world, host = spec.resources.workers, ray.util.get_node_ip_address()
+    store = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout(), wait_for_workers=False)
+    task = ray.remote(run_rank)
+    args = (spec.model_dump_json(), job_id, redis_url, str(storage), world, host, store.port,
+            str(artifacts) if artifacts else None, str(start_from) if start_from else None)
+    refs = [task.options(**rank_options(spec, placement[k] if k < len(placement) else None))
+            .remote(*args[:4], k, *args[4:]) for k in range(1, world)]
+    try:
+        join(host, store.port, 0, world, device, store)
+        summary = attempt(spec, GangContext(sink, Path(storage) / job_id, rank=0, world_size=world, device=device,
+                                            artifacts_dir=artifacts, start_from=start_from))
+        ray.get(refs)  # a rank's own error surfaces here
+        return summary
+    finally:
+        for ref in refs:
+            ray.cancel(ref, force=True)  # those still running (a failed or stopped try): their processes end
+        if dist.is_initialized():
+            dist.destroy_process_group()
