@@ -44,3 +44,34 @@ def test_a_gang_trains_as_ray_trains_worker_group_did_every_epoch_once(
     assert gang["epochs"] == trainer["epochs"] == 3
     assert len(checkpoints([tmp_path / "a" / "gang"])) >= 1
     assert (tmp_path / "a" / "gang" / "logs" / "attempt-1" / "rank-1.log").is_file()  # rank 0's: the driver's
+
+
+def test_a_killed_rank_fails_the_try_and_the_gang_resumes_every_epoch_once(
+    ray_local: Any, redis_server: str, tmp_path: Path
+) -> None:
+    import os
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    put_job(redis_server, "kill", **{**GANG, "training": {"epochs": 8, "batch_size": 32}})
+    outcome: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: outcome.setdefault(
+        "summary", run.run_job("kill", redis_server, str(tmp_path), max_failures=1)))
+    runner.start()
+    deadline = time.monotonic() + 120
+    while len(epochs(read_events(redis_server, "kill"))) < 2:
+        assert time.monotonic() < deadline and runner.is_alive(), "the gang reported no 2 epochs"
+        time.sleep(0.05)
+    rank1 = [p for p in psutil.process_iter(["cmdline"]) if "ray::run_rank" in " ".join(p.info["cmdline"] or [])]
+    assert len(rank1) == 1, rank1  # Ray titles a task's process by its function while it runs
+    os.kill(rank1[0].pid, signal.SIGKILL)
+    runner.join(timeout=240)
+    assert not runner.is_alive() and outcome["summary"]["epochs"] == 8
+    events = read_events(redis_server, "kill")
+    assert epochs(events) == list(range(8))  # the retry redid nothing it had reported
+    starts = [e["data"]["resumed_from_epoch"] for e in events if e["data"].get("kind") == "start"]
+    assert len(starts) == 2 and starts[1] >= 1, starts  # from its last checkpoint, not from scratch
+    assert any("retry 1 of TLAB_MAX_FAILURES=1" in e["data"].get("message", "") for e in events)
