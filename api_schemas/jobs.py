@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from api_schemas.notify import After, Notify
+from api_schemas.preflight import PreflightResult
 from api_schemas.spec import ExperimentSpec
 
 
@@ -117,6 +118,8 @@ class JobView(_Strict):
     parent: str | None = Field(None, description="continued or forked from this experiment (its checkpoint)")
     parent_epoch: int | None = Field(None, description="started from the parent's checkpoint after this epoch")
     children: list[str] = Field(default_factory=list, description="experiments continued or forked from this one")
+    preflight: PreflightResult | None = Field(None, description="a job that runs your code: its preflight (import, "
+                                              "build, one step, one teleport on one CPU) before the gang is held")
 
 
 class JobList(_Strict):
@@ -133,6 +136,8 @@ class DryRun(_Strict):
     fits_now: bool
     placement: list[str] = Field(default_factory=list, description="node per worker, if it fits now")
     reason: str | None = None
+    preflight: PreflightResult | None = Field(None, description="a spec that runs your code: the preflight's result "
+                                              "(run on Ray inside the request); null for built-in specs")
 
 
 class QueueEntry(_Strict):
@@ -251,6 +256,8 @@ class TrialRow(_Strict):
     reason: str | None = Field(None, description="a failed trial: why, in one line")
     perturbed: int = Field(0, description="PBT: times the trial went on from a top trial's checkpoint with "
                                           "mutated values (config is the latest)")
+    reruns: int = Field(0, description="times the trial was run again by POST /v1/sweeps/{id}/rerun")
+    rerun: bool = Field(False, description="named by the sweep's latest rerun")
     summary: dict[str, float | int | None] = Field(
         default_factory=dict, description="the run summary as of the trial's latest epoch (final_train_loss, "
                                           "epochs_to_target, seconds, teleport_share, ...)")

@@ -138,3 +138,14 @@ def job_run(job_id: str) -> str:
 
 
 JOB_RUN_MARK = "job"  # job_run's field naming its job: there once the scheduler wrote the copy
+
+
+def preflight(job_id: str) -> str:
+    """Hash: the verdict the job's preflight wrote (``result``: PreflightResult JSON), as its own Redis user."""
+    return f"{PREFIX}:job:{job_id}:preflight"
+
+
+def preflights() -> str:
+    """Set of job ids whose preflight the scheduler has started and not yet settled (found again after a restart;
+    a cancelled job's preflight is stopped from here)."""
+    return f"{PREFIX}:preflights"

@@ -119,21 +119,22 @@ class JobAcl:
         raw = secret.encode() if isinstance(secret, str) else bytes(secret or b"")
         return hmac.new(raw, submission_id.encode(), hashlib.sha256).hexdigest()
 
-    def create(self, job_id: str, submission_id: str) -> str:
-        """Make (or make again, the same) the job's user for this submission: its password."""
+    def create(self, job_id: str, submission_id: str, user: str = "") -> str:
+        """Make (or make again, the same) the job's user for this submission: its password. ``user``: another
+        name for it (a preflight's, which ``sync`` leaves alone: ``service.preflight``)."""
         password = self.password(submission_id)
         inputs = {k: v for k, v in zip(INPUTS, self.r.hmget(keys.job(job_id), list(INPUTS)), strict=True) if v}
         self.r.hset(keys.job_run(job_id), mapping={keys.JOB_RUN_MARK: job_id, **inputs})  # what the job may read
         self.r.script_load(XADD_ONCE)  # before the user exists: its sink never needs SCRIPT LOAD
-        self.r.execute_command("ACL", "SETUSER", user_name(job_id), *rules(job_id, password))
+        self.r.execute_command("ACL", "SETUSER", user or user_name(job_id), *rules(job_id, password))
         return password
 
-    def credentials(self, job_id: str, submission_id: str) -> dict[str, str]:
+    def credentials(self, job_id: str, submission_id: str, user: str = "") -> dict[str, str]:
         """The job's environment overrides: its own ``REDIS_URL`` (none when jobs are not isolated)."""
         if not self.isolated:
             return {}
-        password = self.create(job_id, submission_id)
-        return {"REDIS_URL": job_url(self.settings.redis_url, user_name(job_id), password)}
+        password = self.create(job_id, submission_id, user)
+        return {"REDIS_URL": job_url(self.settings.redis_url, user or user_name(job_id), password)}
 
     def sync(self) -> None:
         """Delete the users of jobs not starting/running; make again the missing users of those that are."""

@@ -36,13 +36,16 @@ def attempts(storage: str | Path, job_id: str) -> list[int]:
 
 
 def file_of(storage: str | Path, job_id: str, rank: str, attempt: int) -> Path:
-    """The log file of ``rank`` (a number or ``driver``) in ``attempt``; rank 0 of an attempt without a rank-0 file
-    (it failed before training) is the driver's."""
+    """The log file of ``rank`` (a number, ``driver`` or ``preflight``) in ``attempt``; rank 0 of an attempt without
+    a rank-0 file (it failed before training) is the driver's, or the preflight's (it failed there)."""
     folder = root(storage, job_id) / f"attempt-{attempt}"
-    if rank == "driver":
-        return folder / "driver.log"
+    if rank in ("driver", "preflight"):
+        return folder / f"{rank}.log"
     path = folder / f"rank-{rank}.log"
-    return path if path.exists() or rank != "0" else folder / "driver.log"
+    if path.exists() or rank != "0":
+        return path
+    driver = folder / "driver.log"  # a job that failed its preflight has only that one's log
+    return driver if driver.exists() or not (folder / "preflight.log").exists() else folder / "preflight.log"
 
 
 def pick_attempt(storage: str | Path, job_id: str, attempt: int | None) -> int | None:
@@ -104,7 +107,7 @@ class _Follow:
             return None
         if self.chosen is None or self.chosen[0] != self.attempt:
             path = file_of(self.storage, self.job_id, self.rank, self.attempt)
-            if not path.exists() or (self.rank == "0" and path.name == "driver.log" and not over):
+            if not path.exists() or (self.rank == "0" and path.name in ("driver.log", "preflight.log") and not over):
                 return None
             self.chosen = (self.attempt, path)
         return self.chosen[1]

@@ -38,6 +38,8 @@ from service.job_acl import JobAcl
 from service.limits import TIME_LIMITED, over_limit, time_limit_reason
 from service.notify import Sender
 from service.policy import ActiveJob, Node, QueuedJob
+from service.preflight import Preflights
+from service.preflight_ray import PreflightJobs
 from service.ray_cluster import RAY_ACTIVE, RAY_DONE, ClusterSource, RayJobs, RayNodes, StaticCluster
 from service.settings import Settings
 from service.signals import stop_on_signals
@@ -90,9 +92,10 @@ def reason_from_ray(message: str) -> str:
 
 class Scheduler:
     def __init__(self, store: Store, settings: Settings, cluster: ClusterSource, launcher: Launcher,
-                 acl: JobAcl | None = None) -> None:
+                 acl: JobAcl | None = None, preflights: Preflights | None = None) -> None:
         self.store, self.settings, self.cluster, self.launcher = store, settings, cluster, launcher
         self.acl = acl  # the jobs' own Redis users (service.job_acl); made by the launcher's submit
+        self.preflights = preflights  # user code is tried on one CPU before its gang (service.preflight)
         self.static: dict[str, QueuedJob] = {}  # queued jobs' immutable fields, read once
         self.last_charge = time.time()
         self.decisions = 0
@@ -215,8 +218,12 @@ class Scheduler:
         usage = self.store.usage(now, self.settings.half_life_s)
         queued = self.queued()
         blocked, gone = dependencies.settle(self.store, queued, now)  # fails those whose dependency failed
-        decision = policy.decide([q for q in queued if q.id not in gone], active, nodes, usage, quotas,
-                                 self.settings.start_charge_s, blocked=blocked)
+        queued, free_nodes = [q for q in queued if q.id not in gone], nodes
+        if self.preflights:  # a job running user code waits until its preflight passed; the preflights' CPUs held
+            blocked = {**self.preflights.step(queued, nodes, active, now), **blocked}
+            free_nodes = self.preflights.hold(nodes)
+        decision = policy.decide(queued, active, free_nodes, usage, quotas, self.settings.start_charge_s,
+                                 blocked=blocked)
         self.decisions += 1
         return decision, nodes, active
 
@@ -308,9 +315,11 @@ def build(settings: Settings) -> Scheduler:
     cluster: ClusterSource = (StaticCluster(settings.cluster_nodes) if settings.cluster_nodes
                               else RayNodes(settings.ray_address))
     acl = JobAcl(store.r, settings)
-    jobs = RayJobs(settings.ray_address, job_env(settings), code=JobCode(settings, store.r),  # + the job's package
+    code = JobCode(settings, store.r)
+    jobs = RayJobs(settings.ray_address, job_env(settings), code=code,  # + the job's package
                    credentials=acl.credentials)  # + its own Redis user
-    return Scheduler(store, settings, cluster, jobs, acl)
+    preflights = Preflights(store, settings, PreflightJobs(settings.ray_address, job_env(settings)), acl, code)
+    return Scheduler(store, settings, cluster, jobs, acl, preflights)
 
 
 class RepeatedErrors:

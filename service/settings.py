@@ -80,6 +80,12 @@ class Settings(BaseSettings):
     max_code_unpacked_mb: float = Field(200.0, gt=0, validation_alias="TLAB_MAX_CODE_UNPACKED_MB",
                                         description="largest total size of a package's files unpacked, in MiB "
                                                     "(422 above it: a zip bomb)")
+    preflight_timeout_s: float = Field(120.0, gt=0, validation_alias="TLAB_PREFLIGHT_TIMEOUT_S",
+                                       description="a preflight's time box, from its submit to Ray to its verdict "
+                                                   "(runtime env and pip install included); over it the job fails")
+    preflight_max: int = Field(4, ge=1, validation_alias="TLAB_PREFLIGHT_MAX",
+                               description="preflights the scheduler runs at once (1 CPU each), and dry runs with "
+                                           "code one API process runs at once (429 above)")
     # notifications (service/notify.py, docs/operations.md "Webhooks")
     webhook_allow: str = Field("", validation_alias="TLAB_WEBHOOK_ALLOW",
                                description="comma-separated host names webhooks may go to (empty: any)")

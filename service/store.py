@@ -29,6 +29,7 @@ from api_schemas.jobs import (
     UserUpdate,
 )
 from api_schemas.lineage import lineage_view
+from api_schemas.preflight import preflight_of
 from api_schemas.redis_scripts import SUBMIT, TRANSITION
 from api_schemas.sweeps import SweepSubmit
 from service.errors import (
@@ -197,6 +198,7 @@ class Store:
             summary=json.loads(data["summary"]) if data.get("summary") else None,
             failure_reason=data.get("failure_reason") or None, after=json.loads(data.get("after") or "[]"),
             notify=json.loads(data["notify"]) if data.get("notify") else None, **lineage_view(data),
+            preflight=preflight_of(data),
         )
 
     def progress(self, job_id: str, data: dict[str, str]) -> Progress:

@@ -6,6 +6,7 @@ No FastAPI here: the routes in ``service/routes/`` turn these answers into respo
 from __future__ import annotations
 
 from api_schemas.jobs import ClusterView, Demand, DryRun, ExperimentSubmit, JobState, JobView, Role, UserPublic
+from api_schemas.preflight import PreflightResult
 from api_schemas.sweeps import SweepSubmit
 from service import policy
 from service.dependencies import check_after
@@ -59,4 +60,5 @@ def enqueue(store: Store, user: UserPublic, body: ExperimentSubmit | SweepSubmit
     return JobView(id=job_id, kind="experiment" if experiment else "sweep", name=body.name or job_id, owner=owner,
                    state=JobState.QUEUED, priority=body.priority, tags=body.tags, spec=spec, demand=demand_of(body),
                    created_at=now, queue_position=qlen, pending_reason=PENDING_REASON,
-                   after=list(dict.fromkeys(body.after)), notify=body.notify), True
+                   after=list(dict.fromkeys(body.after)), notify=body.notify,
+                   preflight=PreflightResult(state="waiting") if spec.user_code_fields() else None), True

@@ -25,6 +25,7 @@ RAY_MODULES = frozenset({
     "tests/service/test_e2e.py", "tests/service/test_failure_reasons.py", "tests/service/test_preemption.py",
     "tests/service/test_lineage.py",
     "tests/service/test_own_loop_service.py",
+    "tests/service/test_preflight.py",
     "tests/service/test_job_acl.py",
     "tests/service/test_ray_cluster.py",
     "tests/service/test_sweeps.py", "tests/service/test_time_limits.py", "tests/service/test_up_security.py",

@@ -79,6 +79,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"  preempted {job['preemptions']} time(s), last: {job.get('last_preemption')}")
     if job.get("failure_reason"):
         print(f"  failed    {job['failure_reason']}")
+    for line in preflight_lines(job.get("preflight")):
+        print(f"  {line}")
     if job.get("parent"):
         print(f"  parent    {job['parent']} (from its checkpoint after epoch {fmt(job.get('parent_epoch'))})")
     if job.get("children"):
@@ -86,6 +88,26 @@ def cmd_show(args: argparse.Namespace) -> int:
     for k, v in (job.get("summary") or {}).items():
         print(f"  {k:<22}{fmt(v)}")
     return 0
+
+
+def preflight_lines(pf: dict[str, Any] | None) -> list[str]:
+    """A preflight's result as ``tlab show`` prints it: the verdict, then what it measured."""
+    if not pf:
+        return []
+    lines = [f"preflight {pf['state']}" + (f" in {pf['seconds']:.1f} s" if pf.get("seconds") is not None else "")
+             + (f": {pf['error']}" if pf.get("error") else "")]
+    if pf.get("entrypoint"):
+        lines.append(f"  entrypoint {pf['entrypoint']} imported, takes one argument")
+    if pf.get("params") is not None:
+        lines.append(f"  model {pf['params']:,} parameters; data {fmt(pf.get('train_size'))} train, "
+                     f"{fmt(pf.get('test_size'))} test, x {tuple(pf.get('sample_shape') or ())} ({pf.get('task')})")
+    if pf.get("teleport"):
+        lines.append(f"  teleport {pf['teleport']} at tau {fmt(pf.get('tau'))}: {fmt(pf.get('free_directions'))} "
+                     f"free directions in {len(pf.get('layers') or [])} layer(s)")
+        lines += [f"    {layer['name']:<28} {layer['free']:>6} free of {layer['input_dim']}"
+                  for layer in pf.get("layers") or []]
+        lines += [f"    {name:<28} untouched: {why}" for name, why in (pf.get("untouched") or {}).items()]
+    return lines
 
 
 def follow_one(c: Client, job_id: str) -> int:
@@ -156,7 +178,9 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--notify", metavar="URL", default=None,
                    help="POST a signed JSON to URL when it succeeds, fails, is cancelled or preempted")
     p.add_argument("--follow", action="store_true", help="show live progress until it ends")
-    p.add_argument("--dry-run", action="store_true", help="say whether and where it would fit; queue nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="say whether and where it would fit (a spec with your code: its preflight on Ray too); queue "
+                        "nothing")
     add_code_arg(p)
     p.set_defaults(func=cmd_submit)
 

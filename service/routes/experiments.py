@@ -17,6 +17,7 @@ from service.deps import CurrentUser, JobFilterDep, PageDep, State, StateDep, St
 from service.errors import DoesNotFit, InvalidInput
 from service.events import downsample, follow, records, valid_stream_id
 from service.lineage import continue_job, curve_records, fork_job
+from service.preflight_dry import dry_run_answer
 from service.responses import AUTHED, LISTED, OWNED, STREAMS, SUBMIT, error
 from service.store import demand_of
 from service.strict import strict_json
@@ -58,17 +59,19 @@ def job_records(st: State, job_id: str) -> list[dict[str, Any]]:
 
 @router.post("", status_code=201, response_model=JobView | DryRun,
              dependencies=[Depends(strict_json(ExperimentSubmit))],
-             responses={200: {"description": "an Idempotency-Key replay (the original job), or a dry run"}} | SUBMIT)
+             responses={200: {"description": "an Idempotency-Key replay (the original job), or a dry run"}} | SUBMIT
+             | {503: error("a dry run of a spec with your code, and Ray is not reachable")})
 def submit(body: ExperimentSubmit, st: StateDep, user: CurrentUser, response: Response, dry_run: bool = False,
            idempotency_key: IdempotencyKey = None) -> JobView | DryRun:
-    """Queue an experiment (or, with ``dry_run=true``, say whether and where it would fit)."""
+    """Queue an experiment (or, with ``dry_run=true``, say whether and where it would fit; a spec that runs your
+    code also gets its preflight, run on Ray within ``TLAB_PREFLIGHT_TIMEOUT_S``: 422 with its one line if it fails)."""
     body = admit_experiment(st.settings, user, body)
     demand = demand_of(body)
     view, _ = st.cluster_view()
     nodes = known_nodes(st.settings.cluster_nodes, view)
-    if dry_run:
+    if dry_run:  # a spec that runs the user's code: its preflight on Ray, inside the request (422: its one line)
         response.status_code = 200
-        return dry_run_view(demand, view, nodes)
+        return dry_run_answer(st.settings, st.store.r, user, body.spec, dry_run_view(demand, view, nodes))
     why = never_fits(demand, nodes)
     if why:
         raise DoesNotFit(f"this experiment can never fit the cluster: {why}", field="spec.resources")

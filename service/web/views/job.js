@@ -42,6 +42,25 @@ function lineageFacts(j) {
   return facts;
 }
 
+// A job that runs the user's code: its preflight (one CPU, before the gang): the verdict, then what it measured.
+function preflightFacts(pf) {
+  if (!pf) return [];
+  const took = pf.seconds !== null && pf.seconds !== undefined ? ` in ${num(pf.seconds)} s` : "";
+  const facts = [["preflight", `${pf.state}${took}${pf.error ? `: ${pf.error}` : ""}`]];
+  if (pf.entrypoint) facts.push(["entrypoint", `${pf.entrypoint} imported, takes one argument`]);
+  if (pf.params !== null && pf.params !== undefined) {
+    facts.push(["model / data", `${pf.params.toLocaleString()} parameters; ${pf.train_size} train, ${pf.test_size} test, `
+      + `x [${(pf.sample_shape || []).join(", ")}] (${pf.task})`]);
+  }
+  if (pf.teleport) {
+    facts.push(["teleportable", `${pf.teleport} at τ=${num(pf.tau)}: ${pf.free_directions} free directions; `
+      + (pf.layers || []).map((l) => `${l.name} ${l.free}/${l.input_dim}`).join(", ")]);
+    const untouched = Object.entries(pf.untouched || {});
+    if (untouched.length) facts.push(["untouched", untouched.map(([k, v]) => `${k}: ${v}`).join("; ")]);
+  }
+  return facts;
+}
+
 function jobFacts(j) {
   const facts = [
     ["id", j.id], ["owner", j.owner], ["created", ago(j.created_at)],
@@ -51,6 +70,7 @@ function jobFacts(j) {
   ];
   if (j.state === "queued") facts.push(["queue position", j.queue_position ?? "–"], ["why pending", j.pending_reason || "–"]);
   if (j.failure_reason) facts.push(["failure", j.failure_reason]);
+  facts.push(...preflightFacts(j.preflight));
   if (j.preemptions) facts.push(["preempted", `${j.preemptions} time(s); last: ${j.last_preemption || "–"}`]);
   facts.push(...lineageFacts(j));
   if ((j.summary?.target_loss ?? null) !== null) facts.push(["to target loss", toTarget(j.summary)]);

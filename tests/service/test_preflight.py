@@ -1,0 +1,113 @@
+"""Preflights on the real stack (real Redis, Ray, HTTP): a dry run of a good and a broken package (200 with the
+result, 422 with the one line; nothing queued), a factory with a NameError failing in its preflight with no gang
+started, a good package passing and training, and a preflight in flight found again by a restarted scheduler,
+then stopped by a cancel."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from service.cli.code_zip import upload
+from service.client import ApiError, Client
+from service.stack import Stack, release_scheduler_lock
+from tests.service.conftest import ray_holders
+from tests.service.test_code_packages import wait_end
+
+pytestmark = pytest.mark.slow
+MODELS = '''
+import time
+
+from torch import nn
+
+
+def mlp(hidden=16):
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+
+def broken(hidden=16):
+    return undefined_name  # line 12
+
+
+def slow(hidden=16):
+    time.sleep(60)
+'''
+BROKEN = "pfsvc/models.py:12: NameError: name 'undefined_name' is not defined"
+
+
+def package(c: Client, tmp_path: Path) -> str:
+    root = tmp_path / "code"
+    (root / "pfsvc").mkdir(parents=True)
+    (root / "pfsvc" / "__init__.py").write_text("")
+    (root / "pfsvc" / "models.py").write_text(textwrap.dedent(MODELS))
+    return str(upload(c, str(root))["package"])
+
+
+def spec(package: str, factory: str = "mlp") -> dict:
+    return {"dataset": {"name": "digits"}, "model": {"kind": "custom", "factory": f"pfsvc.models:{factory}"},
+            "training": {"epochs": 1, "batch_size": 64},
+            "teleport": {"epochs": [0], "batches": 1, "batch_size": 16, "steps": 1}, "code": {"package": package}}
+
+
+def test_dry_runs_and_a_broken_factory_failing_in_its_preflight_without_a_gang(stack: Stack, tmp_path: Path) -> None:
+    with Client(stack.url, stack.admin_token) as c:
+        pkg = package(c, tmp_path)
+        dry = c.json("POST", "/v1/experiments", params={"dry_run": "true"}, json={"spec": spec(pkg)})
+        assert dry["preflight"]["state"] == "passed" and dry["preflight"]["params"] == 64 * 16 + 16 + 16 * 10 + 10
+        assert dry["preflight"]["layers"] and dry["fits_ever"]
+        with pytest.raises(ApiError) as bad:
+            c.json("POST", "/v1/experiments", params={"dry_run": "true"}, json={"spec": spec(pkg, "broken")})
+        assert bad.value.status == 422 and str(bad.value).endswith(f"spec: preflight failed: {BROKEN}")
+        assert c.list() == []  # a dry run queues nothing
+        job = c.submit(spec(pkg, "broken"))["id"]
+        view = wait_end(c, job, timeout=60)
+        assert view["state"] == "failed" and view["failure_reason"] == BROKEN
+        assert view["preflight"] == {**view["preflight"], "state": "failed", "error": BROKEN}
+        assert view["attempts"] == 0 and view["ray_job_id"] is None  # the gang's Ray job was never submitted
+        log = c.logs(job, rank="preflight", attempt=1)
+        assert "Traceback (most recent call last)" in log and "undefined_name" in log
+
+
+def test_a_good_package_passes_its_preflight_then_trains(stack: Stack, tmp_path: Path) -> None:
+    with Client(stack.url, stack.admin_token) as c:
+        job = c.submit(spec(package(c, tmp_path)))["id"]
+        view = wait_end(c, job, timeout=90)
+        assert view["state"] == "succeeded", view.get("failure_reason")
+        pf = view["preflight"]
+        assert pf["state"] == "passed" and pf["train_size"] > 0 and pf["sample_shape"] == [1, 8, 8]
+        assert pf["teleport"] == "nullspace" and pf["free_directions"] == sum(x["free"] for x in pf["layers"])
+        assert view["attempts"] == 1
+        messages = [e.data.get("message", "") for e in c.events(job, reconnect=False) if e.kind == "log"]
+        assert any(m.startswith("preflight passed") for m in messages)
+
+
+def test_a_preflight_in_flight_survives_a_scheduler_restart_and_a_cancel_stops_it(stack: Stack,
+                                                                                  tmp_path: Path) -> None:
+    with Client(stack.url, stack.admin_token) as c:
+        job = c.submit(spec(package(c, tmp_path), "slow"))["id"]
+        wait_for(lambda: c.get(job)["preflight"]["state"] == "running" and running_preflight(stack, job), 30)
+        stack.kill("scheduler")
+        release_scheduler_lock(stack.redis_url or "")
+        stack.restart("scheduler")
+        wait_for(lambda: c.get(job)["pending_reason"].startswith("preflight running ("), 30)  # found again
+        assert [j["id"] for j in ray_holders(stack)["ray_jobs"] if j["tlab_job"] == job] == [f"tlab-{job}-preflight"]
+        c.cancel(job)
+        assert c.get(job)["state"] == "cancelled"
+        wait_for(lambda: not running_preflight(stack, job), 30)
+        view = c.get(job)
+        assert view["attempts"] == 0 and view["preflight"]["state"] == "stopped"
+
+
+def wait_for(ok: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def running_preflight(stack: Stack, job: str) -> bool:
+    return any(j["id"] == f"tlab-{job}-preflight" for j in ray_holders(stack)["ray_jobs"])
