@@ -5,7 +5,8 @@ a built-in job (digits MLP, 1 worker) and a job with a ~1 MB code package (``exa
 incompressible bytes: its model, data and loss factories; 1 worker), one after another. Times come from the jobs'
 Redis stream ids (the server's clock): submit -> preflight verdict (the scheduler's "preflight passed" event),
 verdict -> starting, starting -> first epoch, submit -> first epoch. Also the package's first upload and the
-second upload of the unchanged directory (the CLI asks for the id first: no bytes are sent again).
+second upload of the unchanged directory (the CLI zips it and asks for the id first: no bytes are sent again;
+on localhost the zipping dominates both), and the preflight's own work as it measured it (its `seconds`).
 Writes ``benchmarks/results/preflight.json``.
 """
 
@@ -59,19 +60,21 @@ def one_job(c: Client, spec: dict[str, Any], name: str) -> dict[str, Any]:
             marks["verdict"] = t
             break
     seg = {label: marks[b] - marks[a] if a in marks and b in marks else None for label, a, b in SEGMENTS}
+    seg["  the preflight's own work (import, build, step, teleport)"] = (c.get(job_id).get("preflight") or {}).get(
+        "seconds")
     return {"job_id": job_id, "final": f["final"], "segments": seg}
 
 
 def medians(jobs: list[dict[str, Any]]) -> dict[str, float | None]:
-    out = {}
-    for label, _a, _b in SEGMENTS:
-        vals = [j["segments"][label] for j in jobs if j["segments"][label] is not None]
-        out[label] = statistics.median(vals) if vals else None
-    return out
+    labels = dict.fromkeys(label for j in jobs for label in j["segments"])
+    return {label: statistics.median(vals) if (vals := [j["segments"][label] for j in jobs
+                                                        if j["segments"].get(label) is not None]) else None
+            for label in labels}
 
 
 def run(jobs: int, home: Path) -> dict[str, Any]:
     stack = Stack(home / "stack", num_cpus=2, tick_s=0.2)
+    load_before = os.getloadavg()[0]  # a shared machine: how far from idle these timings are
     try:
         stack.start()
         with Client(stack.url, stack.admin_token) as c:
@@ -95,7 +98,7 @@ def run(jobs: int, home: Path) -> dict[str, Any]:
         stack.stop()
     upload_row = {"bytes": first["bytes"], "first_upload_s": first_s, "first_uploaded": first["uploaded"],
                   "second_upload_s": again_s, "second_uploaded": again["uploaded"]}
-    return {"jobs_per_kind": jobs, "upload": upload_row,
+    return {"jobs_per_kind": jobs, "upload": upload_row, "load_1min": [load_before, os.getloadavg()[0]],
             "medians_s": {k: medians(v) for k, v in runs.items()}, "runs": runs,
             "all_succeeded": all(j["final"] == "succeeded" for v in runs.values() for j in v)}
 
@@ -106,8 +109,10 @@ def report(result: dict[str, Any]) -> None:
           f"(sent: {up['first_uploaded']}), second upload of the unchanged directory {ms(up['second_upload_s'])} ms "
           f"(sent: {up['second_uploaded']}); ratio {up['first_upload_s'] / up['second_upload_s']:.1f}x")
     kinds = list(result["medians_s"])
+    labels = dict.fromkeys(label for k in kinds for label in result["medians_s"][k])
     print_table(["segment (median ms)", *kinds],
-                [[label, *(ms(result["medians_s"][k][label]) for k in kinds)] for label, _a, _b in SEGMENTS])
+                [[label, *(ms(result["medians_s"][k].get(label)) for k in kinds)] for label in labels])
+    print(f"1-min load average before/after: {result['load_1min']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(home, ignore_errors=True)
     report(result)
-    print(f"wrote {write_result('preflight', {**result, 'quick': args.quick})}")
+    write_result("preflight", {**result, "quick": args.quick})
     return 0 if result["all_succeeded"] else 1
 
 
