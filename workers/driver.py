@@ -168,12 +168,13 @@ def close_quietly(sink: RedisSink, record: dict[str, Any] | None = None) -> None
 
 def run_in_driver(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str | Path, max_failures: int,
                   artifacts: str | Path | None = None, stopped: tuple[type[BaseException], ...] = (),
-                  start_from: Path | None = None, placement: Sequence[str] = ()) -> dict[str, Any]:
+                  start_from: Path | None = None, placement: Sequence[str] = (), ranks: Any = None) -> dict[str, Any]:
     """Train ``spec`` in this process, reporting to the job's Redis stream; retry from the last checkpoint up
     to ``max_failures`` times. Returns the summary (``attempt``). ``stopped``: what a stop raises
     (``workers.run.Stopped``, the class of the running ``__main__``): never retried. ``start_from``: the
     checkpoint to start from while the run has none of its own (``start_checkpoint``). With several workers
-    this process is rank 0 of a gang it leads (``workers.gang``; ``placement``: the scheduler's node per rank)."""
+    this process is rank 0 of a gang it leads (``workers.gang``; ``placement``: the scheduler's node per rank;
+    ``ranks``: the first try's other ranks, if started already: ``workers.gang_start.Ranks``)."""
     device = driver_device(spec)
     failures = 0
     while True:
@@ -182,7 +183,9 @@ def run_in_driver(spec: ExperimentSpec, job_id: str, redis_url: str, storage: st
             if spec.resources.workers > 1:
                 from workers.gang import lead
 
-                summary = lead(spec, job_id, redis_url, storage, sink, device, artifacts, start_from, placement)
+                first, ranks = ranks, None  # a retry starts its own
+                summary = lead(spec, job_id, redis_url, storage, sink, device, artifacts, start_from, placement,
+                               first)
             else:
                 summary = attempt(spec, DriverContext(sink, Path(storage) / job_id, device=device,
                                                       artifacts_dir=artifacts, start_from=start_from))

@@ -1,5 +1,6 @@
 """A multi-worker job trains as a gang its driver leads: rank 0 in the Ray job's driver (as a 1-worker job
-does, ``workers.driver``), ranks 1..N-1 as Ray tasks on the nodes the scheduler planned, all joined in one
+does, ``workers.driver``), ranks 1..N-1 as Ray tasks on the nodes the scheduler planned (``workers.gang_start``:
+started before the driver imports torch), all joined in one
 ``torch.distributed`` process group over a TCP store the driver opens. No Ray Train controller, worker group or
 polling: a 2-worker TorchTrainer took ~9 s here from ``fit()`` to its loop, most of a job's start (issue 15).
 
@@ -12,7 +13,8 @@ and the try retried from the last checkpoint (``run_in_driver``). ``TLAB_IN_DRIV
 from __future__ import annotations
 
 import os
-import re
+import sys
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -25,9 +27,8 @@ from torch import nn
 from api_schemas import ExperimentSpec
 from teleport.distributed import Collective, TorchDistributed
 from workers.driver import DriverContext, attempt, driver_device
+from workers.gang_start import Ranks
 from workers.sinks import MetricSink, NullSink
-
-_RAY_NODE_ID = re.compile(r"[0-9a-f]{56}")  # a Ray node id (a static cluster's node names are not)
 
 
 def timeout() -> timedelta:
@@ -65,6 +66,10 @@ class GangContext(DriverContext):
         return state
 
 
+def said(message: str) -> None:
+    print(f"[tlab] {message}", file=sys.stderr, flush=True)  # the job's log
+
+
 def backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -76,57 +81,47 @@ def join(host: str, port: int, rank: int, world: int, device: torch.device, stor
 
 
 def run_rank(spec_json: str, job_id: str, redis_url: str, storage: str, rank: int, world: int, host: str,
-             port: int, artifacts: str | None, start_from: str | None) -> None:
-    """What a Ray task of the gang runs: join, then the same loop as rank 0, its log kept as ``rank-<k>``."""
+             port: int, artifacts: str | None) -> None:
+    """What a Ray task of the gang runs: join, then the same loop as rank 0, its log kept as ``rank-<k>``; the
+    checkpoint a continued or forked job starts from is found as the driver finds it (``start_checkpoint``)."""
+    import redis
+
+    from workers.driver import start_checkpoint
     from workers.job_logs import capture
     from workers.job_record import attempt_of
 
     with capture(storage, job_id, f"rank-{rank}", attempt_of(redis_url, job_id)):
         spec = ExperimentSpec.model_validate_json(spec_json)
         device = driver_device(spec)
+        with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+            start_from = start_checkpoint(client, job_id, storage)
         join(host, port, rank, world, device)
         try:
             ctx = GangContext(NullSink(), Path(storage) / job_id, rank=rank, world_size=world, device=device,
-                              artifacts_dir=artifacts, start_from=Path(start_from) if start_from else None)
+                              artifacts_dir=artifacts, start_from=start_from)
             attempt(spec, ctx)
         finally:
             dist.destroy_process_group()
 
 
-def rank_options(spec: ExperimentSpec, node: str | None) -> dict[str, Any]:
-    """A rank's Ray task: the worker's CPUs and GPUs, on the node the scheduler planned (if it named one)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    r = spec.resources
-    options: dict[str, Any] = {"num_cpus": r.cpus_per_worker, "num_gpus": r.gpus_per_worker, "max_retries": 0}
-    if node and _RAY_NODE_ID.fullmatch(node):
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-    return options
-
-
 def lead(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str | Path, sink: MetricSink,
          device: torch.device, artifacts: str | Path | None = None, start_from: Path | None = None,
-         placement: Sequence[str] = ()) -> dict[str, Any]:
-    """One try of the gang: start ranks 1..N-1, train rank 0 here; the summary once every rank is done."""
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
-    world, host = spec.resources.workers, ray.util.get_node_ip_address()
-    store = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout(), wait_for_workers=False)
-    task = ray.remote(run_rank)
-    args = (spec.model_dump_json(), job_id, redis_url, str(storage), world, host, store.port,
-            str(artifacts) if artifacts else None, str(start_from) if start_from else None)
-    refs = [task.options(**rank_options(spec, placement[k] if k < len(placement) else None))
-            .remote(*args[:4], k, *args[4:]) for k in range(1, world)]
+         placement: Sequence[str] = (), ranks: Ranks | None = None) -> dict[str, Any]:
+    """One try of the gang: ranks 1..N-1 (``ranks`` if the driver started them already, else started now),
+    rank 0 trained here; the summary once every rank is done."""
+    t0 = time.perf_counter()
+    ranks = ranks or Ranks(spec, job_id, redis_url, storage, placement, artifacts)
+    world = ranks.world
     try:
-        join(host, store.port, 0, world, device, store)
+        store = dist.TCPStore(ranks.host, ranks.port, world, is_master=True, timeout=timeout(),
+                              wait_for_workers=False, master_listen_fd=ranks.sock.fileno())
+        join(ranks.host, ranks.port, 0, world, device, store)
+        said(f"gang of {world}: every rank joined ({time.perf_counter() - t0:.1f} s after rank 0 was ready)")
         summary = attempt(spec, GangContext(sink, Path(storage) / job_id, rank=0, world_size=world, device=device,
                                             artifacts_dir=artifacts, start_from=start_from))
-        ray.get(refs)  # a rank's own error surfaces here
+        ranks.wait()  # a rank's own error surfaces here
         return summary
     finally:
-        for ref in refs:
-            ray.cancel(ref, force=True)  # those still running (a failed or stopped try): their processes end
+        ranks.stop()
         if dist.is_initialized():
             dist.destroy_process_group()

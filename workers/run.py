@@ -77,19 +77,26 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     spec = load_job_spec(client, job_id)
     out = artifacts_dir(storage, job_id)
-    from workers.driver import start_checkpoint
+    ranks = None
+    if in_driver(spec) and spec.resources.workers > 1:  # the gang's other ranks start while this driver imports
+        from workers.gang_start import Ranks
 
-    start = start_checkpoint(client, job_id, storage)  # a continued or forked job's parent checkpoint
+        ranks = Ranks(spec, job_id, redis_url, storage, placement(), out)
     try:
+        from workers.driver import start_checkpoint
+
+        start = start_checkpoint(client, job_id, storage)  # a continued or forked job's parent checkpoint
         if in_driver(spec):
             from workers.driver import run_in_driver
 
             also_as("rank-0")  # it trains here: this process's log is rank 0's
             summary = run_in_driver(spec, job_id, redis_url, storage, max_failures, out, stopped=(Stopped,),
-                                    start_from=start, placement=placement())
+                                    start_from=start, placement=placement(), ranks=ranks)
         else:
             summary = fit_trainer(spec, job_id, redis_url, storage, max_failures, out, start)
     finally:  # however it ended (a stop too: SIGTERM leaves the grace period for this), from the last checkpoint
+        if ranks is not None:
+            ranks.stop()  # (a no-op once the first try has ended them)
         export_artifacts(spec, [Path(storage) / job_id], out)
     if summary.get("failed"):
         raise JobFailed(str(summary.get("reason", "training failed")))

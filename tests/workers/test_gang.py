@@ -65,7 +65,7 @@ def test_a_killed_rank_fails_the_try_and_the_gang_resumes_every_epoch_once(
     while len(epochs(read_events(redis_server, "kill"))) < 2:
         assert time.monotonic() < deadline and runner.is_alive(), "the gang reported no 2 epochs"
         time.sleep(0.05)
-    rank1 = [p for p in psutil.process_iter(["cmdline"]) if "ray::run_rank" in " ".join(p.info["cmdline"] or [])]
+    rank1 = [p for p in psutil.process_iter(["cmdline"]) if "ray::gang_rank" in " ".join(p.info["cmdline"] or [])]
     assert len(rank1) == 1, rank1  # Ray titles a task's process by its function while it runs
     os.kill(rank1[0].pid, signal.SIGKILL)
     runner.join(timeout=240)

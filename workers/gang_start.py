@@ -1,0 +1,74 @@
+"""The other ranks of a gang (``workers.gang``), started as early as the driver knows its spec: before it
+imports torch and builds its own model, so their Ray workers start and import in parallel with it.
+
+Light on imports on purpose (no torch here). The driver listens on a socket it opens now and hands the port to
+the ranks; rank 0's TCP store later serves on that very socket (``master_listen_fd``), so no other process can
+take the port in between.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from api_schemas import ExperimentSpec
+
+_RAY_NODE_ID = re.compile(r"[0-9a-f]{56}")  # a Ray node id (a static cluster's node names are not)
+
+
+def rank_options(spec: ExperimentSpec, node: str | None) -> dict[str, Any]:
+    """A rank's Ray task: the worker's CPUs and GPUs, on the node the scheduler planned (if it named one)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    r = spec.resources
+    options: dict[str, Any] = {"num_cpus": r.cpus_per_worker, "num_gpus": r.gpus_per_worker, "max_retries": 0}
+    if node and _RAY_NODE_ID.fullmatch(node):
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+    return options
+
+
+def gang_rank(*args: Any) -> None:
+    """A rank's task (its process is titled ``ray::gang_rank`` while it runs)."""
+    from workers.gang import run_rank  # imported in the rank's process, not in the driver
+
+    run_rank(*args)
+
+
+class Ranks:
+    """Ranks 1..N-1 of one try of the gang, running as Ray tasks, and the socket they will meet rank 0 on."""
+
+    def __init__(self, spec: ExperimentSpec, job_id: str, redis_url: str, storage: str | Path,
+                 placement: Sequence[str] = (), artifacts: str | Path | None = None) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
+        self.world, self.host = spec.resources.workers, ray.util.get_node_ip_address()
+        self.sock = socket.create_server((self.host, 0))
+        self.port = int(self.sock.getsockname()[1])
+        task = ray.remote(gang_rank)
+        self.refs = [task.options(**rank_options(spec, placement[k] if k < len(placement) else None)).remote(
+            spec.model_dump_json(), job_id, redis_url, str(storage), k, self.world, self.host, self.port,
+            str(artifacts) if artifacts else None) for k in range(1, self.world)]
+
+    def wait(self) -> None:
+        """Until every rank has ended; a rank's own error is raised here."""
+        import ray
+
+        ray.get(self.refs)
+
+    def stop(self) -> None:
+        """End those still running (a failed or stopped try): their processes end. Idempotent."""
+        import ray
+
+        for ref in self.refs:
+            try:
+                ray.cancel(ref, force=True)
+            except Exception:  # Ray already gone (the driver is stopping): nothing left to end
+                pass
+        self.refs = []
+        self.sock.close()
