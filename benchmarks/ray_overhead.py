@@ -4,7 +4,9 @@ Both runs train the same digits MLP for the same epochs in one invocation; per-e
 median of the epoch-to-epoch differences of the cumulative ``seconds`` in the epoch records
 (teleport epochs excluded, so the comparison is the training loop itself), and start-up is the
 wall time outside the epochs (Ray: cluster start, worker group, process group). Floor from
-issue 3: Ray per-epoch time ≤ 1.15x the in-process one.
+issue 3: Ray per-epoch time ≤ 1.15x the in-process one. A third runner is the loop a 1-worker service job
+runs (its Ray job's driver, ``workers.driver``: a checkpoint and Redis events per epoch); floor from issue 15:
+≤ 1.05x the in-process one.
 
     python -m benchmarks.ray_overhead [--quick]
 """
@@ -62,15 +64,59 @@ def run(epochs: int, hidden: list[int], max_train: int | None) -> dict[str, Any]
         ray.shutdown()
     remote = read_metrics(out / "ray" / "metrics.jsonl")
     results["ray"] = {"wall": wall, "per_epoch": per_epoch(remote, {0})}
-    for r, recs in ((results["local"], local), (results["ray"], remote)):
+    start = time.perf_counter()
+    driver = run_driver(spec, out / "driver")
+    results["driver"] = {"wall": time.perf_counter() - start, "per_epoch": per_epoch(driver, {0})}
+    for r, recs in ((results["local"], local), (results["ray"], remote), (results["driver"], driver)):
         last = [x for x in recs if x.get("kind") == "epoch"][-1]
         r["epochs_seconds"] = last["seconds"]
         r["startup"] = r["wall"] - last["seconds"]
     ratio = results["ray"]["per_epoch"] / results["local"]["per_epoch"]
+    job_ratio = results["driver"]["per_epoch"] / results["local"]["per_epoch"]
     print_table(["runner", "per-epoch s", "start-up s", "wall s"],
                 [[k, f"{v['per_epoch']:.4f}", f"{v['startup']:.2f}", f"{v['wall']:.2f}"] for k, v in results.items()])
     print(f"Ray Train / in-process per epoch: {ratio:.3f}x — floor ≤ 1.15x: {verdict(ratio <= 1.15)}")
-    return {"spec": spec.model_dump(mode="json"), "runs": results, "per_epoch_ratio": ratio}
+    print(f"a service job's loop (its driver: checkpoint and Redis events each epoch) / in-process per epoch: "
+          f"{job_ratio:.3f}x — floor ≤ 1.05x (issue 15): {verdict(job_ratio <= 1.05)}")
+    return {"spec": spec.model_dump(mode="json"), "runs": results, "per_epoch_ratio": ratio,
+            "job_per_epoch_ratio": job_ratio}
+
+
+def run_driver(spec: Any, out: Path) -> list[dict[str, Any]]:
+    """The loop a 1-worker service job runs (``workers.driver.run_in_driver``: a checkpoint and Redis events per
+    epoch) on a throwaway Redis; its epoch records as ``read_metrics`` gives them."""
+    import subprocess
+
+    import redis
+
+    from api_schemas import keys
+    from service.stack import free_port, redis_binary
+    from workers.driver import run_in_driver
+    from workers.redis_sink import read_events
+
+    port = free_port()
+    server = subprocess.Popen([redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--dir", str(out.parent)], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        client = redis.Redis.from_url(url)
+        deadline = time.monotonic() + 10
+        while not _answers(client):
+            assert time.monotonic() < deadline, "the benchmark's Redis did not start"
+            time.sleep(0.02)
+        client.hset(keys.job("bench"), mapping={"spec": spec.model_dump_json(), "state": "running"})
+        run_in_driver(spec, "bench", url, out, max_failures=0)
+        return [{**e["data"], "kind": "epoch"} for e in read_events(url, "bench") if e["kind"] == "metric"]
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def _answers(client: Any) -> bool:
+    try:
+        return bool(client.ping())
+    except Exception:
+        return False
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

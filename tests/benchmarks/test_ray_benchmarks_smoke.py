@@ -40,5 +40,5 @@ def test_parallel_bases_quick(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_ray_overhead_quick(tmp_path: Path) -> None:
     body = run_quick("ray_overhead", tmp_path)
-    assert set(body["runs"]) == {"local", "ray"}
-    assert body["per_epoch_ratio"] > 0 and body["runs"]["ray"]["startup"] > 0
+    assert set(body["runs"]) == {"local", "ray", "driver"}
+    assert body["per_epoch_ratio"] > 0 and body["runs"]["ray"]["startup"] > 0 and body["job_per_epoch_ratio"] > 0
