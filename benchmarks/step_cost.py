@@ -169,13 +169,14 @@ def breakdown(model: nn.Module, x: Tensor, y: Tensor, warmup: int, repeats: int,
     objective: L and ∇L with its graph and ‖∇L‖²; hvp: the second backward H·∇L; projection: π on
     every layer; bases: capture's R → SVD/eigh per layer (once per batch, not per step).
     """
+    from teleport.blocks import moving_blocks
     from teleport.nullspace import layer_bases, objective, project_blocks, teleport_gradient
 
     m = copy.deepcopy(model).eval()
     params = [p for p in m.parameters() if p.requires_grad]
     with capture_inputs(m) as captured:
         first = objective(m, F.cross_entropy, x, y, params)
-    layers = layer_bases(captured, 1.0, SerialExecutor())
+    layers = moving_blocks(layer_bases(captured, 1.0, SerialExecutor()), 1.0, "numerical_rank")  # what a step moves
     weights = [p for layer in layers for p in layer.params]
     grads = teleport_gradient(first, weights, params)
 

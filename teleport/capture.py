@@ -225,7 +225,8 @@ class UseRecorder(TorchFunctionMode):
         i, index, p = w
         layout, rows = matrix_rows(p, index)
         fan_in = call["weight"].shape[-1]
-        part = Part(layout, rows, linear_columns(x, fan_in), (id(x), "right"), "linear")
+        part = Part(layout, rows, linear_columns(x, fan_in), (id(x), "right"), "linear",
+                    fixed_input=not x.requires_grad)
         self._add_part(w, part, call.get("bias"))
 
     def _addmm(self, call: dict[str, Any]) -> None:

@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from teleport.bases import BasisExecutor, SerialExecutor, compute_basis, select_basis
-from teleport.blocks import Block, RowClass, build_blocks, partition
+from teleport.blocks import Block, RowClass, build_blocks, moving_blocks, partition
+from teleport.buffers import StepBuffers
 from teleport.capture import UseRecorder, trainable
 from teleport.distributed import Collective, all_reduce_list_, any_across_, distributed_spectra
 from teleport.report import TeleportConfig, TeleportReport
@@ -324,28 +325,34 @@ class _Run:
         return "steps"
 
     def ascend(self, evaluate: Callable[..., Objective]) -> str:
-        blocks = [b for b in self.blocks if any(c.basis is not None and c.basis.free_dims for c in b.classes)]
+        blocks = moving_blocks(self.blocks, self.config.tau, self.config.tau_rule)
         if not blocks:
             return "no_free_directions"
         weights = [p for b in blocks for p in b.params]
-        origin = [w.detach().clone() for w in weights]  # the weights before the step being tried; reused
+        buffers = StepBuffers(weights)
+        try:
+            return self._steps(blocks, weights, buffers, evaluate)
+        finally:
+            buffers.finish()
+
+    def _steps(self, blocks: list[Block], weights: list[Tensor], buffers: StepBuffers,
+               evaluate: Callable[..., Objective]) -> str:
         eta = self.config.lr
         while self.steps < self.config.steps:
             if self.cur.grad_norm_sq >= self.config.cap:
                 return "cap"
             direction = self.direction(blocks, weights)
-            with torch.no_grad():
-                torch._foreach_copy_(origin, weights)
             try_eta, aimed = aim_below_cap(eta, self.cur.grad_norm_sq, direction, self.config.cap)
             last = self.steps + 1 == self.config.steps  # no H·∇L follows the last step: its graph is not kept
             new, used, tries, why = guarded_step(
-                partial(_move, weights, origin, direction), partial(_restore, weights, origin),
+                partial(buffers.move, direction), buffers.restore,
                 partial(evaluate, graph=not last), self.loss0, try_eta, self.config, self.cur.grad_norm_sq,
                 final_evaluate=partial(evaluate, graph=False), aimed=aimed)
             eta = used if not aimed else eta
             self.backoffs += tries
             if new is None:
                 return why
+            buffers.accept()
             self.cur, self.steps = new, self.steps + 1
             if why == "cap":  # shortened to fit under CAP: CAP is reached, further steps would overshoot
                 return "cap"
@@ -365,14 +372,3 @@ def project_blocks(blocks: list[Block], grads: list[Tensor]) -> list[Tensor]:
         i += len(b.params)
     return out
 
-
-def _move(weights: list[Tensor], origin: list[Tensor], direction: list[Tensor], step: float) -> None:
-    """W = W₀ + η·U in one pass over the weights (no weight-sized temporaries)."""
-    with torch.no_grad():
-        for w, w0, u in zip(weights, origin, direction, strict=True):
-            torch.add(w0, u, alpha=step, out=w)
-
-
-def _restore(weights: list[Tensor], origin: list[Tensor]) -> None:
-    with torch.no_grad():
-        torch._foreach_copy_(weights, origin)

@@ -41,6 +41,7 @@ class Part:
     kind: str  # "linear" | "matmul" | "conv2d" | ...
     bias: int | None = None  # the tracked bias parameter added to these rows, if any
     bias_index: Index = None  # its elements, one per row (None: the whole bias, in order)
+    fixed_input: bool = False  # X depends on no trainable parameter (it requires no grad): the data, say
 
 
 def arange_index(p: Tensor, index: Index) -> Tensor:
@@ -164,7 +165,8 @@ def conv_parts(x: Tensor, weight: Tensor, widx: Index, bias: int | None, bidx: I
     for g in range(groups):
         r = None if groups == 1 else torch.arange(g * rows, (g + 1) * rows, device=weight.device)
         b_index = bidx if groups == 1 or bias is None else _slice_index(bidx, g * rows, (g + 1) * rows, weight)
-        out.append(Part("natural", r, group_columns(g), (*key, g), f"conv{dims}d", bias, b_index))
+        out.append(Part("natural", r, group_columns(g), (*key, g), f"conv{dims}d", bias, b_index,
+                        not x.requires_grad))
     return out
 
 
@@ -198,7 +200,8 @@ def matrix_part(p: Tensor, index: Index, other: Tensor, tracked_left: bool, kind
     if tracked_left:  # rows of A are outputs; X = columns of other
         layout, rows = matrix_rows(p, index)
         fan_in = p.numel() // p.shape[0] if layout == "natural" else p.shape[0]
-        return Part(layout, rows, left_columns(other, fan_in), (id(other), "left"), kind)
+        return Part(layout, rows, left_columns(other, fan_in), (id(other), "left"), kind,
+                    fixed_input=not other.requires_grad)
     t_index: Index  # other @ B: the map's matrix is Bᵀ
     if index is None:
         t_index = "T" if p.dim() == 2 else None
@@ -210,4 +213,5 @@ def matrix_part(p: Tensor, index: Index, other: Tensor, tracked_left: bool, kind
         t_index = index.T
     layout, rows = matrix_rows(p, t_index)
     fan_in = p.numel() // p.shape[0] if layout == "natural" else p.shape[0]
-    return Part(layout, rows, linear_columns(other, fan_in), (id(other), "right"), kind)
+    return Part(layout, rows, linear_columns(other, fan_in), (id(other), "right"), kind,
+                fixed_input=not other.requires_grad)

@@ -44,11 +44,14 @@ class Head(nn.Module):
 
     def __init__(self, body: nn.Module, c_in: int, c_body: int, classes: int = 3, channels_last: bool = False):
         super().__init__()
+        # a 1×1 conv (a Linear) in front: a layer reading the data itself cannot move at τ = 1, its
+        # teleport gradient lies in the span of its inputs (see teleport.nullspace._Run._can_move)
+        self.pre = type(body)(c_in, c_in, 1) if isinstance(body, nn.modules.conv._ConvNd) else nn.Linear(c_in, c_in)
         self.body, self.channels_last = body, channels_last
         self.head = nn.Linear(c_body, classes)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = torch.tanh(self.body(x))
+        h = torch.tanh(self.body(torch.tanh(self.pre(x))))
         h = h.flatten(2).mean(-1) if not self.channels_last else h.mean(1)
         return self.head(h)
 

@@ -1,0 +1,105 @@
+"""What a teleport step skips or reuses (issue 18's step cost) changes nothing but the time.
+
+A weight that reads only the data has a teleport gradient inside its inputs' span at τ = 1, so it
+is not differentiated nor moved; the weights are stepped through a spare buffer instead of a copy,
+bit for bit the same as ``W₀ + η·U``, and end in their own storage.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from teleport import SerialExecutor, TeleportConfig, capture_inputs, teleport_batch
+from teleport.buffers import StepBuffers
+from teleport.nullspace import layer_bases, objective, project_blocks, teleport_gradient
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+CONFIG = TeleportConfig(steps=3, lr=0.3, cap=1e9, tau=1.0, loss_tol=1e-6)
+
+
+def case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)  # 8 samples < 13 inputs of the first layer: it has free directions
+    model = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    return model, torch.randn(8, 12), torch.randint(0, 3, (8,))
+
+
+def test_a_layer_reading_the_data_has_no_projected_teleport_gradient_and_stays() -> None:
+    model, x, y = case()
+    params = list(model.parameters())
+    with capture_inputs(model) as captured:
+        obj = objective(model, F.cross_entropy, x, y, params)
+    blocks = layer_bases(captured, 1.0, SerialExecutor())
+    grads = teleport_gradient(obj, [p for b in blocks for p in b.params], params)
+    projected = project_blocks(blocks, grads)
+    first, second = torch.cat([u.reshape(-1) for u in projected[:2]]), projected[2]
+    assert blocks[0].reads_fixed_inputs and not blocks[1].reads_fixed_inputs
+    assert blocks[0].classes[0].basis is not None and blocks[0].classes[0].basis.free_dims > 0
+    assert first.norm() <= 1e-12 * torch.cat([g.reshape(-1) for g in grads[:2]]).norm()  # π(H·∇L) = 0
+    assert second.norm() > 1e-3 * grads[2].norm()  # a deeper layer's is not
+
+    before = copy.deepcopy(model)
+    report = teleport_batch(model, F.cross_entropy, x, y, CONFIG)
+    assert report.steps == CONFIG.steps and report.layers[0].free > 0
+    assert torch.equal(model[0].weight, before[0].weight) and torch.equal(model[0].bias, before[0].bias)
+    assert (model[2].weight - before[2].weight).norm() > 0
+    assert abs(report.loss_after - report.loss_before) <= 1e-9 * report.loss_before
+
+
+def test_a_data_layer_still_moves_at_tau_below_one() -> None:
+    model, x, y = case()  # τ < 1: the dropped σ's directions are free and its gradient has a part there
+    first = model[0].weight.detach().clone()
+    teleport_batch(model, F.cross_entropy, x, y, TeleportConfig(steps=3, lr=0.3, cap=1e9, tau=0.9, loss_tol=1.0))
+    assert (model[0].weight - first).norm() > 1e-6 * first.norm()
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_weights_end_in_their_own_storage_with_the_teleported_values(steps: int) -> None:
+    model, x, y = case()
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    view = model[2].weight.detach()[:4]  # someone holding a view of the storage sees the new values
+    before = model[2].weight.detach().clone()
+    report = teleport_batch(model, F.cross_entropy, x, y, TeleportConfig(**{**CONFIG.__dict__, "steps": steps}))
+    assert report.steps == steps
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    assert torch.equal(view, model[2].weight[:4]) and not torch.equal(view, before[:4])
+
+
+def test_a_refused_teleport_leaves_every_weight_bit_identical_in_place() -> None:
+    model, x, y = case()
+    before = copy.deepcopy(model)
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    report = teleport_batch(model, F.cross_entropy, x, y,
+                            TeleportConfig(steps=3, lr=1e6, cap=1e9, tau=1.0, loss_tol=1e-12, max_backoff=2))
+    assert report.steps == 0 and report.backoffs == 3
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before.parameters(), strict=True))
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+
+
+def test_step_buffers_give_exactly_w0_plus_eta_u() -> None:
+    torch.manual_seed(1)
+    w = [nn.Parameter(torch.randn(5, 4)), nn.Parameter(torch.randn(5))]
+    home = [p.data_ptr() for p in w]
+    u = [torch.randn(5, 4), torch.randn(5)]
+    w0 = [p.detach().clone() for p in w]
+    buffers = StepBuffers(w)
+    buffers.move(u, 0.5)
+    buffers.move(u, 0.25)  # a back-off: from W₀ again, not from the refused try
+    assert all(torch.equal(p, torch.add(a, d, alpha=0.25)) for p, a, d in zip(w, w0, u, strict=True))
+    buffers.restore()
+    assert all(torch.equal(p, a) for p, a in zip(w, w0, strict=True))
+    buffers.move(u, 0.5)
+    buffers.accept()
+    w1 = [p.detach().clone() for p in w]
+    buffers.move(u, 0.125)
+    buffers.accept()
+    expected = [torch.add(a, d, alpha=0.125) for a, d in zip(w1, u, strict=True)]
+    assert all(torch.equal(p, e) for p, e in zip(w, expected, strict=True))
+    buffers.finish()
+    assert [p.data_ptr() for p in w] == home
+    assert all(torch.equal(p, e) for p, e in zip(w, expected, strict=True))
