@@ -1,5 +1,7 @@
 """Lua scripts, in one module: each is atomic on the Redis server and safe to repeat."""
 
+from api_schemas.keys import STREAM_MAXLEN
+
 OUTBOX_MAXLEN = 10_000  # webhook entries kept in the outbox (the sender takes them within a tick)
 
 # KEYS[1] = events stream, KEYS[2] = emitted hash; ARGV = maxlen, then (identity, kind, data) triples.
@@ -29,6 +31,23 @@ def _lua_transition_table() -> str:
     return "{" + ", ".join(rows) + "}"
 
 
+# The max_queued_jobs check of SUBMIT and RERUN: KEYS[8] = the user's queued zset, ARGV[1] = job id, ARGV[2] = now,
+# ARGV[5] = the cap (-1 = none), ARGV[6] = the job hash key prefix. Returns {2, queued count} at the cap.
+QUEUED_CAP = """local cap = tonumber(ARGV[5])
+if cap >= 0 then
+  local queued = 0
+  for _, id in ipairs(redis.call('ZRANGE', KEYS[8], 0, -1)) do
+    if redis.call('HGET', ARGV[6] .. id, 'state') == 'queued' then
+      queued = queued + 1
+    else
+      redis.call('ZREM', KEYS[8], id)
+    end
+  end
+  if queued >= cap then return {2, queued} end
+  redis.call('ZADD', KEYS[8], ARGV[2], ARGV[1])
+end
+"""
+
 # KEYS: job hash, jobs zset, user's jobs zset, queue zset, events stream, wake list, idempotency key ('' = none),
 #       the user's queued zset (the max_queued_jobs count)
 # ARGV: job id, created_at, idempotency value ("id|body-sha"), idempotency ttl s, queued cap (-1 = none),
@@ -42,20 +61,7 @@ if KEYS[7] ~= '' then
   local prior = redis.call('GET', KEYS[7])
   if prior then return {0, prior} end
 end
-local cap = tonumber(ARGV[5])
-if cap >= 0 then
-  local queued = 0
-  for _, id in ipairs(redis.call('ZRANGE', KEYS[8], 0, -1)) do
-    if redis.call('HGET', ARGV[6] .. id, 'state') == 'queued' then
-      queued = queued + 1
-    else
-      redis.call('ZREM', KEYS[8], id)
-    end
-  end
-  if queued >= cap then return {2, queued} end
-  redis.call('ZADD', KEYS[8], ARGV[2], ARGV[1])
-end
-if KEYS[7] ~= '' then redis.call('SET', KEYS[7], ARGV[3], 'EX', ARGV[4]) end
+__QUEUED_CAP__if KEYS[7] ~= '' then redis.call('SET', KEYS[7], ARGV[3], 'EX', ARGV[4]) end
 local fields = {}
 for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(fields))
@@ -67,7 +73,7 @@ redis.call('XADD', KEYS[5], '*', 'kind', 'status', 'data',
 redis.call('LPUSH', KEYS[6], ARGV[1])
 redis.call('LTRIM', KEYS[6], 0, 0)
 return {1, redis.call('ZCARD', KEYS[4])}
-"""
+""".replace("__QUEUED_CAP__", QUEUED_CAP)
 
 # KEYS: job hash, queue zset, active set, events stream, notify outbox stream
 # ARGV: to-state, now, comma-separated states the caller expects the job in ('' = any), reason, field/value pairs.
@@ -115,3 +121,37 @@ if on and KEYS[5] then
 end
 return {1, cur}
 """.replace("__TABLE__", _lua_transition_table()).replace("__OUTBOX_MAXLEN__", str(OUTBOX_MAXLEN))
+
+# KEYS: job hash, queue zset, events stream, wake list, trials hash, the job's run hash (service/job_acl.py), '',
+#       the owner's queued zset (the max_queued_jobs count)
+# ARGV: job id, now, comma-separated states the sweep must be in, reason, queued cap (-1 = none), job hash key prefix,
+#       the number N of job hash fields to clear, those N names, then trial id / row JSON pairs.
+# An ended sweep back to the queue for a rerun (service/sweep_rerun.py), in one step: the cap checked as at submit,
+# the fields of the ended run cleared (its summary also in the run hash), the rows written, and the stream's `end`
+# events among its last 1000 entries deleted (a follower reading the history then goes on into the rerun), before
+# the `queued` status event. Returns {1, from}, {0, current state} or {2, queued count} (the cap).
+RERUN = """
+local cur = redis.call('HGET', KEYS[1], 'state')
+if not cur then return {0, 'missing'} end
+local ok = false
+for s in string.gmatch(ARGV[3], '[^,]+') do if s == cur then ok = true end end
+if not ok then return {0, cur} end
+__QUEUED_CAP__
+local n = tonumber(ARGV[7])
+for i = 8, 7 + n do redis.call('HDEL', KEYS[1], ARGV[i]) end
+redis.call('HDEL', KEYS[6], 'summary')
+for i = 8 + n, #ARGV, 2 do redis.call('HSET', KEYS[5], ARGV[i], ARGV[i + 1]) end
+redis.call('HSET', KEYS[1], 'state', 'queued', 'updated_at', ARGV[2])
+redis.call('ZADD', KEYS[2], tonumber(ARGV[2]), ARGV[1])
+for _, entry in ipairs(redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1000)) do
+  local f = entry[2]
+  for i = 1, #f, 2 do
+    if f[i] == 'kind' and f[i + 1] == 'end' then redis.call('XDEL', KEYS[3], entry[1]) end
+  end
+end
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', __MAXLEN__, '*', 'kind', 'status', 'data',
+           cjson.encode({kind = 'status', state = 'queued', at = tonumber(ARGV[2]), reason = ARGV[4]}))
+redis.call('LPUSH', KEYS[4], ARGV[1])
+redis.call('LTRIM', KEYS[4], 0, 0)
+return {1, cur}
+""".replace("__QUEUED_CAP__", QUEUED_CAP).replace("__MAXLEN__", str(STREAM_MAXLEN))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -170,6 +170,19 @@ class SweepSubmit(_Strict):
         """Every combination of the grid axes (one empty dict when there are none)."""
         axes = {p: next(iter(d.values())) for p, d in self.search_space.items() if next(iter(d)) == "grid"}
         return [dict(zip(axes, combo, strict=True)) for combo in itertools.product(*axes.values())]
+
+
+TRIAL_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # Tune's trial ids: ``1a2b3c4d_00002``
+TrialId = Annotated[str, Field(pattern=TRIAL_ID_PATTERN, description="a trial id, as the trials table shows it")]
+MAX_RERUN = 1000  # trial ids one rerun may name (TLAB_MAX_TRIALS bounds a sweep's trials the same way)
+
+
+class SweepRerun(_Strict):
+    """``POST /v1/sweeps/{id}/rerun``: which trials of an ended sweep run again, inside the same sweep."""
+
+    trials: Literal["failed"] | Annotated[list[TrialId], Field(min_length=1, max_length=MAX_RERUN)] = Field(
+        ..., description='"failed": every trial that failed or was cut off when the sweep ended; or a list of such '
+                         "trials' ids. Each goes on from its last checkpoint (from scratch when it kept none)")
 
 
 def trial_spec(base: dict[str, Any], config: dict[str, Any]) -> ExperimentSpec:

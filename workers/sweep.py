@@ -38,6 +38,7 @@ from workers.failure import JobFailed, failure_reason
 from workers.job_record import connect, job_field, write_summary
 from workers.redis_sink import RedisSink
 from workers.run import SetupError, export_artifacts, job_main
+from workers.sweep_rerun import marked_trials, resume_only, state_gone
 from workers.trial import in_trial, train_in_trial, trial_dirs, trial_resources
 
 
@@ -173,6 +174,8 @@ class TrialTable:
             row["state"] = "stopped early" if row["stopped_early"] else "succeeded"
         elif state is not None:
             row["state"] = state
+        if state in ("running", "done"):  # a rerun trial's earlier failure is no longer why it stands where it does
+            row.pop("reason", None)
         if reason is not None:
             row["reason"] = reason
         self.r.hset(self.key, trial.trial_id, json.dumps(row))
@@ -204,7 +207,8 @@ def trial_stop(sweep: SweepSubmit) -> dict[str, float] | None:
 def best_trial(client: redis.Redis, job_id: str, mode: str) -> dict[str, Any] | None:
     """The trials table's row with the best metric so far (None before any trial reported)."""
     rows = [json.loads(v) for v in client.hvals(keys.trials(job_id))]
-    rows = [r for r in rows if r.get("best") is not None]
+    # in trial id order, as the API's table: of trials tied on the metric, both name the same one
+    rows = sorted((r for r in rows if r.get("best") is not None), key=lambda r: r["trial"])
     if not rows:
         return None
     return (min if mode == "min" else max)(rows, key=lambda r: r["best"])
@@ -330,13 +334,20 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
         trainable = tune.with_resources(pbt_trial if sweep.scheduler == "pbt" else trial,
                                         {"cpu": 0, "memory": DRIVER_MEMORY})
     path = os.path.join(storage, f"sweep-{job_id}")
+    rerun = marked_trials(client, job_id)
+    restore = tune.Tuner.can_restore(path)
+    if rerun and not restore:  # the rows say rerun, and there is no Tune state to resume them from
+        raise state_gone(path)
     sink = RedisSink(redis_url, job_id)
-    if tune.Tuner.can_restore(path):
+    if restore:
         # an earlier attempt's driver died (the cluster restarted): Tune's saved state says which trials
         # ended; unfinished ones run again under their own ids, and each one's TorchTrainer resumes from
-        # its last checkpoint (same name and storage path)
-        sink.emit({"kind": "log", "level": "info", "message": f"resuming the sweep from Tune's state in {path}"})
-        tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=True)
+        # its last checkpoint (same name and storage path). A rerun (workers.sweep_rerun): of the errored trials, the
+        # marked ones only
+        resumed = resume_only(path, rerun) if rerun else None
+        what = f"rerunning trials {', '.join(resumed)}" if resumed else "resuming the sweep"
+        sink.emit({"kind": "log", "level": "info", "message": f"{what} from Tune's state in {path}"})
+        tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=not rerun)
     else:
         # nothing to resume from: rows an earlier attempt left behind belong to trials that will not return
         client.delete(keys.trials(job_id))
@@ -358,14 +369,19 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
     finally:  # also when stopped (the sweep's own time limit): the best trial so far
         export_best(client, job_id, sweep, storage)
     shutil.rmtree(os.path.join(storage, f"pbt-{job_id}"), ignore_errors=True)
-    best = results.get_best_result(metric=metric, mode=sweep.mode, scope="all")
-    summary = {"trials": len(results), "best_trial": (best.metrics or {}).get("trial_id"),
-               "best_config": best.config, "best_" + sweep.metric: _finite((best.metrics or {}).get(metric)),
-               "errors": sum(1 for r in results if r.error)}
+    # the trials table's best (its best value over every result of every trial, a rerun's too), as the API's
+    # `best` shows it; Tune's own only while no trial has a row: a restored trial's results there are its last
+    row = best_trial(client, job_id, sweep.mode)
+    if row is None:
+        best = results.get_best_result(metric=metric, mode=sweep.mode, scope="all")
+        row = {"trial": (best.metrics or {}).get("trial_id"), "config": best.config,
+               "best": (best.metrics or {}).get(metric)}
+    summary = {"trials": len(results), "best_trial": row["trial"], "best_config": row["config"],
+               "best_" + sweep.metric: _finite(row["best"]), "errors": sum(1 for r in results if r.error)}
     write_summary(client, job_id, json.dumps(summary))
     if summary["errors"]:
         reasons = [f"{r['trial']}: {r['reason']}" for r in map(json.loads, client.hvals(keys.trials(job_id)))
-                   if r.get("reason")]
+                   if r.get("reason") and r.get("state") == "failed"]
         first = f"; {reasons[0]}" if reasons else " (see the trials table)"
         raise JobFailed(one_line(f"{summary['errors']} of {summary['trials']} trials failed{first}"))
     return summary

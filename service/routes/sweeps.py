@@ -1,4 +1,4 @@
-"""Sweeps: submit, list, get (with the trials table), cancel, follow (SSE), plot, the seed-study table."""
+"""Sweeps: submit, list, get (with the trials table), cancel, rerun trials, follow (SSE), plot, the seed-study table."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from api_schemas.jobs import JobList, JobView, StudyView, SweepView
-from api_schemas.sweeps import SweepSubmit
+from api_schemas.sweeps import SweepRerun, SweepSubmit
 from service.admission import admit_sweep
 from service.deps import CurrentUser, JobFilterDep, PageDep, StateDep, StreamToken, StreamUser, own_sweep
 from service.errors import DoesNotFit
@@ -17,6 +17,7 @@ from service.store import demand_of
 from service.strict import strict_json
 from service.studies import best_trial, study_view, sweep_png, trial_rows
 from service.submit import known_nodes, never_fits
+from service.sweep_rerun import rerun_sweep, shown_rows
 from service.views import list_jobs
 
 router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"], responses=AUTHED)
@@ -49,7 +50,7 @@ def get_sweep(sweep_id: str, st: StateDep, user: CurrentUser) -> SweepView:
     """The sweep's state, its trials table (config, state, last/best metric, epochs, stopped early), the best."""
     data = own_sweep(st, user, sweep_id)
     sweep = SweepSubmit.model_validate_json(data["sweep"])
-    rows = trial_rows(st.store, sweep_id)
+    rows = shown_rows(trial_rows(st.store, sweep_id), data["state"])
     return SweepView(job=st.store.view(sweep_id, data), metric=sweep.metric, mode=sweep.mode, trials=rows,
                      best=best_trial(rows, sweep.mode))
 
@@ -64,6 +65,24 @@ def cancel_sweep(sweep_id: str, st: StateDep, user: CurrentUser) -> JobView:
     own_sweep(st, user, sweep_id)
     st.store.cancel(sweep_id)
     return st.store.view(sweep_id)
+
+
+@router.post("/{sweep_id}/rerun", status_code=202, dependencies=[Depends(strict_json(SweepRerun))],
+             summary="Run failed or cancelled trials of an ended sweep again, inside the same sweep",
+             responses=OWNED | SUBMIT | {
+                 403: error("another user's sweep, or its user code may no longer run (TLAB_USER_CODE, "
+                            "can_submit_code)"),
+                 409: error("the sweep has not ended"),
+                 422: error("trials: an unknown trial, one that did not fail or get cancelled, or none to rerun; the "
+                            "stored sweep over a limit or quota now, or no longer fitting the cluster")})
+def rerun_trials(sweep_id: str, body: SweepRerun, st: StateDep, user: CurrentUser) -> JobView:
+    """``{trials: "failed"}`` reruns every trial that failed or was cut off when the sweep ended (its row says
+    `cancelled`); ``{trials: [id, ...]}`` those. The sweep keeps its id and goes back to `queued`: admitted and
+    scheduled as a submit would be, its events stream goes on, each chosen trial resumes from its last checkpoint
+    (from scratch if it kept none; an epoch it redoes is recorded once) and its row updates in place (`reruns`
+    counts); the best trial and the summary are worked out again over every trial when it ends."""
+    data = own_sweep(st, user, sweep_id)
+    return rerun_sweep(st, user, sweep_id, data, body)
 
 
 @router.get("/{sweep_id}/events",

@@ -303,3 +303,82 @@ def test_pbt_moves_the_bottom_trial_onto_the_top_trials_checkpoint(stack: Stack)
     for tid in trials:
         assert len(list(storage.glob(f"{sweep}-{tid}-*"))) <= 1, sorted(p.name for p in storage.iterdir())
     assert not any((storage / f"pbt-{sweep}").glob("*/*"))
+
+
+FLAKY = '''"""The example's own loop, failing at epoch ``fail_at`` until the file ``fixed`` exists."""
+import os
+
+from own_loop.loop import train as example_train
+
+
+class FailAt:
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def __getattr__(self, name):
+        return getattr(self.ctx, name)
+
+    def epochs(self):
+        for epoch in self.ctx.epochs():
+            if epoch == self.ctx.args["fail_at"] and not os.path.exists(self.ctx.args["fixed"]):
+                raise RuntimeError(f"epoch {epoch}: no {os.path.basename(self.ctx.args['fixed'])} yet")
+            yield epoch
+
+
+def train(ctx):
+    example_train(FailAt(ctx))
+'''
+
+
+@pytest.mark.slow
+def test_a_failed_trial_is_rerun_inside_its_sweep(stack: Stack, tmp_path: Path) -> None:
+    """One trial of two fails at epoch 1 (after epoch 0's checkpoint). With the cause fixed, ``failed`` reruns it
+    from that checkpoint: epochs 1 and 2, so each epoch is in the stream once; the sweep keeps its id, the failed
+    row updates in place, the other trial is untouched, and the summary is recomputed over both (one rerun: each
+    costs a sweep's start; the refusals and the marks are tests/service/test_sweep_rerun.py's, without Ray)."""
+    import shutil
+
+    from service.cli.code_zip import upload
+
+    package = tmp_path / "pkg"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "examples" / "own_loop" / "own_loop", package / "own_loop",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "flaky.py").write_text(FLAKY)
+    fixed = tmp_path / "fixed"
+    with Client(stack.url, stack.admin_token) as c:
+        base = {"training": {"entrypoint": "flaky:train", "epochs": 3, "batch_size": 64,
+                             "entrypoint_args": {"width": 8, "samples": 128, "fail_at": 99, "fixed": str(fixed)}},
+                "teleport": {"enabled": False}, "code": {"package": upload(c, str(package))["package"]}}
+        body = {"base": base, "search_space": {"training.entrypoint_args.fail_at": {"grid": [99, 1]}}}
+        sweep = c.json("POST", "/v1/sweeps", json=body)["id"]
+
+        def ended() -> tuple[dict, dict[str, dict]]:
+            list(c.events(sweep))  # the stream ends when the sweep does
+            view = c.json("GET", f"/v1/sweeps/{sweep}")
+            return view, {t["config"]["training.entrypoint_args.fail_at"]: t for t in view["trials"]}
+
+        view, trials = ended()
+        bad, good = trials[1], trials[99]
+        assert view["job"]["state"] == "failed" and bad["state"] == "failed" and good["state"] == "succeeded", view
+        reason = bad["reason"]
+        assert reason.startswith("flaky.py:") and reason.endswith("RuntimeError: epoch 1: no fixed yet"), reason
+        assert f"{bad['trial']}: {reason}" in view["job"]["failure_reason"], view["job"]
+
+        fixed.write_text("")
+        assert c.json("POST", f"/v1/sweeps/{sweep}/rerun", json={"trials": "failed"})["state"] == "queued"
+        view, trials = ended()
+        events = list(c.events(sweep))
+    job = view["job"]
+    assert job["state"] == "succeeded" and job["id"] == sweep and job["attempts"] == 2, view
+    assert job["failure_reason"] is None
+    assert (trials[1]["state"], trials[1]["epochs"], trials[1]["reruns"]) == ("succeeded", 3, 1), trials[1]
+    assert trials[1].get("reason") is None and trials[99] == good
+    assert job["summary"]["trials"] == 2 and job["summary"]["errors"] == 0
+    assert view["best"]["trial"] == job["summary"]["best_trial"]
+    for t in (good, bad):
+        got = [e.data["epoch"] for e in events if e.kind == "metric" and e.data.get("trial") == t["trial"]]
+        assert got == [0, 1, 2], (t["trial"], got)  # the rerun went on from its checkpoint: no epoch twice
+    starts = [e.data["resumed_from_epoch"] for e in events if e.data.get("kind") == "start"
+              and e.data.get("trial") == bad["trial"]]
+    assert starts[0] == 0 and starts[-1] == 1, starts
+    assert [e.data["state"] for e in events if e.kind == "end"] == ["succeeded"]
