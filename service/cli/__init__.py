@@ -4,7 +4,7 @@
 ``jobs``         ``submit``, ``ls``, ``show``, ``follow``, ``cancel``, ``plot``, ``compare``
 ``lineage``      ``continue``, ``fork``
 ``artifacts``    ``pull``
-``sweeps``       ``sweep``, ``sweeps``, ``sweep-show``
+``sweeps``       ``sweep``, ``sweeps``, ``sweep-show``, ``sweep-rerun``
 ``users``        ``users create|list``, ``me``, ``admin bootstrap`` (Redis directly, for deployments)
 ``stack``        ``up``, ``demo``, ``queue``, ``cluster``, ``completion``
 ``local``        ``run``, ``validate``, ``presets``, ``compare --local``: handed to ``workers.cli``

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from service.cli.after_notify import add_after_notify, after_notify
 from service.cli.common import (
     add_code_arg,
     add_read_command,
@@ -37,9 +38,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
             r = c.json("POST", "/v1/experiments", params={"dry_run": "true"}, json={"spec": spec})
             print_json(r)
             return 0 if r["fits_ever"] else 1
-        if args.after or args.notify:  # the fields the client's submit() does not carry
-            body = {"spec": spec, "name": args.name or "", "priority": args.priority, "tags": args.tag,
-                    "after": args.after, **({"notify": {"webhook": args.notify}} if args.notify else {})}
+        follow_ups = after_notify(args)
+        if follow_ups:  # the fields the client's submit() does not carry
+            body = {"spec": spec, "name": args.name or "", "priority": args.priority, "tags": args.tag, **follow_ups}
             job = c.json("POST", "/v1/experiments", json=body)
         else:
             job = c.submit(spec, name=args.name or "", priority=args.priority, tags=args.tag)
@@ -173,10 +174,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--name", default=None)
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--tag", action="append", default=[])
-    p.add_argument("--after", action="append", default=[], metavar="ID",
-                   help="start only once job ID has succeeded (repeat for several); fails if it fails")
-    p.add_argument("--notify", metavar="URL", default=None,
-                   help="POST a signed JSON to URL when it succeeds, fails, is cancelled or preempted")
+    add_after_notify(p, "experiment")
     p.add_argument("--follow", action="store_true", help="show live progress until it ends")
     p.add_argument("--dry-run", action="store_true",
                    help="say whether and where it would fit (a spec with your code: its preflight on Ray too); queue "

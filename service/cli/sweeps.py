@@ -1,4 +1,4 @@
-"""Hyperparameter sweeps on the service: ``sweep``, ``sweeps``, ``sweep-show``."""
+"""Hyperparameter sweeps on the service: ``sweep``, ``sweeps``, ``sweep-show``, ``sweep-rerun``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from service.cli.after_notify import add_after_notify, after_notify
 from service.cli.common import (
     add_code_arg,
     add_read_command,
@@ -42,7 +43,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             "metric": args.metric, "mode": args.mode, "scheduler": args.scheduler,
             "max_concurrent_trials": args.max_concurrent, "searcher": args.searcher, "seed": args.seed,
             "grace_period": args.grace_period, "perturbation_interval": args.perturbation_interval,
-            "name": args.name or "", "priority": args.priority, "tags": args.tag}
+            "name": args.name or "", "priority": args.priority, "tags": args.tag, **after_notify(args)}
     from service.cli.code_zip import with_code
 
     with client(args) as c:
@@ -55,9 +56,21 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return show_sweep(c, job["id"])
 
 
+def cmd_sweep_rerun(args: argparse.Namespace) -> int:
+    with client(args) as c:
+        job = c.json("POST", f"/v1/sweeps/{args.id}/rerun", json={"trials": "failed" if args.failed else args.trial})
+        print(f"{job['id']}  {job['state']}  position {fmt(job.get('queue_position'))}  "
+              f"({job.get('pending_reason') or 'queued'})", flush=True)
+        if not args.follow:
+            return 0
+        follow_one(c, job["id"])
+        return show_sweep(c, job["id"])
+
+
 def _trial_row(t: dict[str, Any], best: dict[str, Any]) -> tuple[str, ...]:
     mark = "*" if t["trial"] == best.get("trial") else " "
-    state = t["state"] + (f" (PBT moves: {t['perturbed']})" if t.get("perturbed") else "")
+    state = t["state"] + (f" (PBT moves: {t['perturbed']})" if t.get("perturbed") else "") + (
+        f" (reruns: {t['reruns']})" if t.get("reruns") else "")
     config = " ".join(f"{k}={fmt(v)}" for k, v in t["config"].items())
     return f"{mark}{t['trial']}", state, str(t["epochs"]), fmt(t.get("last")), fmt(t.get("best")), config
 
@@ -109,9 +122,24 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--name", default=None)
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--tag", action="append", default=[])
+    add_after_notify(p, "sweep")
     p.add_argument("--follow", action="store_true", help="follow until it ends, then print the trials table")
     add_code_arg(p)
     p.set_defaults(func=cmd_sweep)
+    add_remote_args(p)
+
+    p = sub.add_parser("sweep-rerun", help="run failed or cancelled trials of an ended sweep again, in the same "
+                                           "sweep: `tlab sweep-rerun ID --failed | --trial TRIAL ... [--follow]`",
+                       description="Each trial goes on from its last checkpoint (from scratch if it kept none); the "
+                                   "sweep keeps its id, trials table and best trial, and is queued as a submit is. "
+                                   "Trials a cancel cut off always go on with it (docs/rest.md, Rerunning trials).")
+    p.add_argument("id", help="the sweep")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--failed", action="store_true",
+                       help="every trial that failed or was cut off (cancelled) when the sweep ended")
+    which.add_argument("--trial", action="append", metavar="TRIAL", help="this trial (repeat for several)")
+    p.add_argument("--follow", action="store_true", help="follow until it ends, then print the trials table")
+    p.set_defaults(func=cmd_sweep_rerun)
     add_remote_args(p)
 
     add_read_command(sub, "sweeps", "your sweeps, newest first", cmd_sweeps,
