@@ -141,7 +141,10 @@ local n = tonumber(ARGV[7])
 for i = 8, 7 + n do redis.call('HDEL', KEYS[1], ARGV[i]) end
 redis.call('HDEL', KEYS[6], 'summary')
 for i = 8 + n, #ARGV, 2 do redis.call('HSET', KEYS[5], ARGV[i], ARGV[i + 1]) end
-redis.call('HSET', KEYS[1], 'state', 'queued', 'updated_at', ARGV[2])
+-- the starts so far are the ended run's: TLAB_MAX_ATTEMPTS bounds the rerun's own (preempting.failed_attempts)
+local started = tonumber(redis.call('HGET', KEYS[1], 'attempts') or '0')
+  - tonumber(redis.call('HGET', KEYS[1], 'preemptions') or '0')
+redis.call('HSET', KEYS[1], 'state', 'queued', 'updated_at', ARGV[2], 'attempts_before_rerun', tostring(started))
 redis.call('ZADD', KEYS[2], tonumber(ARGV[2]), ARGV[1])
 for _, entry in ipairs(redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1000)) do
   local f = entry[2]

@@ -148,8 +148,10 @@ def settling(data: dict[str, str], status: str | None) -> bool:
 
 
 def failed_attempts(data: dict[str, str]) -> int:
-    """Starts that did not end in a preemption: what ``TLAB_MAX_ATTEMPTS`` bounds."""
-    return int(data.get("attempts") or 1) - int(data.get("preemptions") or 0)
+    """Starts that did not end in a preemption, since the sweep was last rerun: what ``TLAB_MAX_ATTEMPTS``
+    bounds."""
+    return (int(data.get("attempts") or 1) - int(data.get("preemptions") or 0)
+            - int(data.get("attempts_before_rerun") or 0))
 
 
 # ---------------------------------------------------------------------------------------- at submit

@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from api_schemas import keys
+from service import preempting
 from tests.service.conftest import Api, tiny
 
 SWEEP = {"base": tiny(), "search_space": {"training.seed": {"grid": [0, 1, 2, 3]}}}
@@ -72,10 +73,12 @@ def test_an_accepted_rerun_queues_the_sweep_again_with_its_rows_marked(api_only:
     with api_only.client() as c:
         sweep = ended_sweep(c, r, {"t_0": row("t_0", "succeeded"), "t_1": row("t_1", "failed", reason="boom"),
                                    "t_2": row("t_2", "running"), "t_3": row("t_3", "failed", reason="bang")})
-        r.hset(keys.job(sweep), mapping={"failure_reason": "2 of 4 trials failed", "summary": "{}"})
+        r.hset(keys.job(sweep), mapping={"failure_reason": "2 of 4 trials failed", "summary": "{}",
+                                         "attempts": "3", "preemptions": "1"})  # the ended run used 2 of 3
         r.hset(keys.job_run(sweep), "summary", "{}")
         view = c.post(f"/v1/sweeps/{sweep}/rerun", json={"trials": ["t_1", "t_1"]})
         assert view.status_code == 202, view.text
+        assert preempting.failed_attempts(r.hgetall(keys.job(sweep))) == 0  # the rerun has TLAB_MAX_ATTEMPTS
         assert view.json()["id"] == sweep and view.json()["state"] == "queued"
         assert view.json()["failure_reason"] is None and view.json()["summary"] is None
         trials = {t["trial"]: t for t in c.get(f"/v1/sweeps/{sweep}").json()["trials"]}
