@@ -356,7 +356,8 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
             param_space=space,
             tune_config=tune.TuneConfig(metric=metric, mode=sweep.mode, num_samples=sweep.num_samples,
                                         scheduler=scheduler, search_alg=search_alg,
-                                        max_concurrent_trials=sweep.max_concurrent_trials),
+                                        max_concurrent_trials=sweep.max_concurrent_trials,
+                                        reuse_actors=own),  # an in-trial trial's process trains the next too
             # a trial that fails past its TorchTrainer's own retries (the trial's actor or its restore went
             # wrong) runs once more from its last checkpoint before its row says failed
             run_config=tune.RunConfig(name=f"sweep-{job_id}", storage_path=storage, callbacks=[table.callback],
