@@ -31,6 +31,7 @@ from teleport.buffers import StepBuffers
 from teleport.capture import UseRecorder, trainable
 from teleport.distributed import Collective, all_reduce_list_, any_across_, distributed_spectra
 from teleport.report import TeleportConfig, TeleportReport
+from teleport.spanfree import SpanFreeLinear
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 AIM = 0.8  # share of the way to CAP a step predicted to overshoot it is aimed at
@@ -61,15 +62,18 @@ def objective(
     share: float = 1.0,
     recorder: UseRecorder | None = None,
     graph: bool = True,
+    span_free: bool = False,
 ) -> Objective:
     """L(W) and ‖∇_W L‖² over every trainable parameter, keeping the graph for H·∇L (unless ``graph`` is False).
 
     ``share`` is this rank's weight n_r / N in the whole batch's mean loss. Fused attention
     kernels (flash, memory-efficient) have no double backward: the math kernel of
     scaled_dot_product_attention is forced here. With a ``recorder``, the forward (and the loss, which
-    may use parameters too) runs under it: every use of a parameter is recorded.
+    may use parameters too) runs under it: every use of a parameter is recorded. With ``span_free``
+    (exact τ = 1 only) the graph leaves out what π removes from H·∇L (``teleport.spanfree``).
     """
-    with sdpa_kernel(SDPBackend.MATH), recorder or nullcontext():
+    fast = SpanFreeLinear() if span_free and graph else nullcontext()
+    with sdpa_kernel(SDPBackend.MATH), fast, recorder or nullcontext():
         loss = loss_fn(model(x), y) * share
     grads = torch.autograd.grad(loss, params, create_graph=graph, allow_unused=True)
     local = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
@@ -272,8 +276,10 @@ def teleport_batch(
         names, params = trainable(model)
         share = _shard_share(_batch_size(x), comm, x.device)
 
+        exact = config.tau >= 1.0 and config.tau_rule == "numerical_rank"  # π removes all of X's span
+
         def evaluate(recorder: UseRecorder | None = None, graph: bool = True) -> Objective:
-            return objective(model, loss_fn, x, y, params, comm, share, recorder, graph)
+            return objective(model, loss_fn, x, y, params, comm, share, recorder, graph, span_free=exact)
 
         heldout_before = heldout_loss(model, loss_fn, holdout)
         recorder = UseRecorder(names, params)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from teleport import SerialExecutor, TeleportConfig, capture_inputs, teleport_batch
+from teleport.blocks import moving_blocks
 from teleport.buffers import StepBuffers
 from teleport.nullspace import layer_bases, objective, project_blocks, teleport_gradient
 
@@ -103,3 +104,22 @@ def test_step_buffers_give_exactly_w0_plus_eta_u() -> None:
     buffers.finish()
     assert [p.data_ptr() for p in w] == home
     assert all(torch.equal(p, e) for p, e in zip(w, expected, strict=True))
+
+
+def test_span_free_linear_changes_h_grad_only_by_what_pi_removes() -> None:
+    """With ``span_free`` the second backward leaves out each Linear's part through its own outputs."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 3))
+    x, y = torch.randn(8, 12), torch.randint(0, 3, (8,))
+    params = list(model.parameters())
+    with capture_inputs(model) as captured:
+        objective(model, F.cross_entropy, x, y, params)
+    blocks = moving_blocks(layer_bases(captured, 1.0, SerialExecutor()), 1.0, "numerical_rank")
+    weights = [p for b in blocks for p in b.params]
+    full, fast = (objective(model, F.cross_entropy, x, y, params, span_free=s) for s in (False, True))
+    assert fast.loss == full.loss and fast.grad_norm_sq == pytest.approx(full.grad_norm_sq, rel=1e-13)
+    h_full, h_fast = (teleport_gradient(o, weights, params) for o in (full, fast))
+    assert torch.cat([(a - b).reshape(-1) for a, b in zip(h_full, h_fast, strict=True)]).norm() > 1e-3  # engaged
+    for u, v in zip(project_blocks(blocks, h_full), project_blocks(blocks, h_fast), strict=True):
+        assert (u - v).norm() <= 1e-10 * max(float(u.norm()), 1e-300)
