@@ -75,9 +75,24 @@ def backend(device: torch.device) -> str:
 
 
 def join(host: str, port: int, rank: int, world: int, device: torch.device, store: Any = None) -> None:
-    """Join the gang's process group (rank 0 passes the store it opened; the others connect to it)."""
-    store = store or dist.TCPStore(host, port, world, is_master=False, timeout=timeout())
+    """Join the gang's process group (rank 0 passes the store it opened; the others connect to it and say so)."""
+    if store is None:
+        store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout())
+        store.set(f"joined/{rank}", "1")
     dist.init_process_group(backend(device), store=store, rank=rank, world_size=world, timeout=timeout())
+
+
+def await_ranks(store: Any, ranks: Ranks) -> None:
+    """Rank 0 waits until every other rank has reached the store, watching their tasks meanwhile: one that ended
+    before it joined (its runtime env or node failed, its code raised) fails this try at once, not after
+    ``TLAB_GANG_TIMEOUT_S``."""
+    names = [f"joined/{k}" for k in range(1, ranks.world)]
+    deadline = time.monotonic() + timeout().total_seconds()
+    while not store.check(names):
+        ranks.raise_if_ended(wait_s=0.2)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the gang's other ranks did not start within TLAB_GANG_TIMEOUT_S="
+                               f"{timeout().total_seconds():g} s (are their nodes' resources free?)")
 
 
 def run_rank(spec_json: str, job_id: str, redis_url: str, storage: str, rank: int, world: int, host: str,
@@ -114,7 +129,8 @@ def lead(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str | Path,
     world = ranks.world
     try:
         store = dist.TCPStore(ranks.host, ranks.port, world, is_master=True, timeout=timeout(),
-                              wait_for_workers=False, master_listen_fd=ranks.sock.fileno())
+                              wait_for_workers=False, master_listen_fd=ranks.sock.detach())  # the store owns it
+        await_ranks(store, ranks)
         join(ranks.host, ranks.port, 0, world, device, store)
         said(f"gang of {world}: every rank joined ({time.perf_counter() - t0:.1f} s after rank 0 was ready)")
         summary = attempt(spec, GangContext(sink, Path(storage) / job_id, rank=0, world_size=world, device=device,

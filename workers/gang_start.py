@@ -50,16 +50,32 @@ class Ranks:
         self.world, self.host = spec.resources.workers, ray.util.get_node_ip_address()
         self.sock = socket.create_server((self.host, 0))
         self.port = int(self.sock.getsockname()[1])
-        task = ray.remote(gang_rank)
-        self.refs = [task.options(**rank_options(spec, placement[k] if k < len(placement) else None)).remote(
-            spec.model_dump_json(), job_id, redis_url, str(storage), k, self.world, self.host, self.port,
-            str(artifacts) if artifacts else None) for k in range(1, self.world)]
+        task, self.refs = ray.remote(gang_rank), []
+        try:
+            for k in range(1, self.world):
+                options = rank_options(spec, placement[k] if k < len(placement) else None)
+                self.refs.append(task.options(**options).remote(
+                    spec.model_dump_json(), job_id, redis_url, str(storage), k, self.world, self.host, self.port,
+                    str(artifacts) if artifacts else None))
+        except BaseException:
+            self.stop()
+            raise
 
     def wait(self) -> None:
         """Until every rank has ended; a rank's own error is raised here."""
         import ray
 
         ray.get(self.refs)
+
+    def raise_if_ended(self, wait_s: float) -> None:
+        """Wait up to ``wait_s`` for a rank's task to end; one that did (before the gang formed) raises its
+        error here, or says it ended without joining."""
+        import ray
+
+        done, _ = ray.wait(self.refs, num_returns=1, timeout=wait_s)
+        if done:
+            ray.get(done)
+            raise RuntimeError("a rank of the gang ended before it joined: see its log (tlab logs --rank N)")
 
     def stop(self) -> None:
         """End those still running (a failed or stopped try): their processes end. Idempotent."""
@@ -71,4 +87,4 @@ class Ranks:
             except Exception:  # Ray already gone (the driver is stopping): nothing left to end
                 pass
         self.refs = []
-        self.sock.close()
+        self.sock.close()  # (nothing once rank 0's store took it over: detached)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from tests.workers.test_run_entrypoint import put_job
 from workers import run
@@ -75,3 +76,24 @@ def test_a_killed_rank_fails_the_try_and_the_gang_resumes_every_epoch_once(
     starts = [e["data"]["resumed_from_epoch"] for e in events if e["data"].get("kind") == "start"]
     assert len(starts) == 2 and starts[1] >= 1, starts  # from its last checkpoint, not from scratch
     assert any("retry 1 of TLAB_MAX_FAILURES=1" in e["data"].get("message", "") for e in events)
+
+
+def test_a_rank_that_cannot_start_fails_the_try_at_once_not_after_the_gang_timeout(
+    ray_local: Any, redis_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    import ray
+
+    from api_schemas import ExperimentSpec, keys
+    from workers.driver import run_in_driver
+
+    monkeypatch.setenv("TLAB_GANG_TIMEOUT_S", "600")
+    put_job(redis_server, "gone", **GANG)
+    with redis.Redis.from_url(redis_server) as client:
+        spec = ExperimentSpec.model_validate_json(client.hget(keys.job("gone"), "spec"))
+    head = ray.get_runtime_context().get_node_id()
+    start = time.monotonic()
+    with pytest.raises(Exception, match="(?i)node|unschedulable|infeasible"):  # rank 1 planned on a node gone
+        run_in_driver(spec, "gone", redis_server, tmp_path, max_failures=0, placement=[head, "ab" * 28])
+    assert time.monotonic() - start < 60  # not TLAB_GANG_TIMEOUT_S
