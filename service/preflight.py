@@ -108,9 +108,11 @@ class Preflights:
             return ""
         if state == "failed":
             return "its preflight failed"
-        if state == "running":
-            return self.check(job_id, data, now)
-        return self.start(job_id, free, now)
+        try:
+            return self.check(job_id, data, now) if state == "running" else self.start(job_id, free, now)
+        except Exception:  # one job's Ray trouble must not stop this tick's other decisions
+            log.exception("preflight of %s", job_id)
+            return "preflight running: its code is tried on one CPU before its gang is held"
 
     def start(self, job_id: str, free: dict[str, list[float]], now: float) -> str:
         if len(self.nodes_held) >= self.settings.preflight_max:

@@ -162,7 +162,12 @@ class Scheduler:
             elif state == JobState.STARTING:
                 # killed between the transition and the submit: the same id again
                 job = self.as_active(data)
-                self.launcher.submit(job_id, sid, ENTRYPOINT[data.get("kind", "experiment")], job.demand, job.placement)
+                try:
+                    self.launcher.submit(job_id, sid, ENTRYPOINT[data.get("kind", "experiment")], job.demand,
+                                         job.placement)
+                except Unstartable as err:  # as at the first submit (launch): it would stay starting for good
+                    self.store.transition(job_id, JobState.FAILED, expect=[state], now=now, reason=str(err),
+                                          failure_reason=str(err))
             elif preempting.failed_attempts(data) < self.settings.max_attempts:
                 self.store.transition(job_id, JobState.QUEUED, expect=[state], now=now,
                                       reason="its Ray job vanished (cluster restarted?): queued again to "
@@ -211,8 +216,9 @@ class Scheduler:
     def nodes(self) -> list[Node]:
         return self.cluster.nodes()
 
-    def decide(self, now: float) -> tuple[policy.Decision, list[Node], list[ActiveJob]]:
-        nodes = self.nodes()
+    def decide(self, now: float, nodes: list[Node] | None = None
+               ) -> tuple[policy.Decision, list[Node], list[ActiveJob]]:
+        nodes = self.nodes() if nodes is None else nodes
         active = [self.as_active(d) for d in self.active()]
         quotas = {u.name: u.quotas for u in self.store.users()}
         usage = self.store.usage(now, self.settings.half_life_s)
@@ -227,9 +233,8 @@ class Scheduler:
         self.decisions += 1
         return decision, nodes, active
 
-    def dispatch(self, now: float) -> policy.Decision:
-        decision, nodes, active = self.decide(now)
-        preempting.evict_from_lost_nodes(self.store, self.launcher, nodes, active, now)
+    def dispatch(self, now: float, nodes: list[Node] | None = None) -> policy.Decision:
+        decision, nodes, active = self.decide(now, nodes)
         charges: dict[str, float] = {}
         for job, placement in decision.starts:
             attempts, kind, resumed = self.store.r.hmget(keys.job(job.id), ["attempts", "kind", "resume_free"])
@@ -302,10 +307,14 @@ class Scheduler:
 
     def tick(self) -> None:
         now = time.time()
+        # before reconcile: a job whose driver died with its node may already show FAILED in Ray this tick
+        nodes = self.nodes()
+        preempting.evict_from_lost_nodes(self.store, self.launcher, nodes, [self.as_active(d) for d in self.active()],
+                                         now)
         self.reconcile(now)
         if self.acl:
             self.acl.sync()  # users of jobs that ended or went back to the queue go; lost ones come back
-        self.dispatch(time.time())
+        self.dispatch(time.time(), nodes)
 
 
 def build(settings: Settings) -> Scheduler:

@@ -27,6 +27,8 @@ from service.compare import add_parser as add_compare  # stdlib only at import: 
 if TYPE_CHECKING:
     from service.client import Client
 
+DRY_RUN_WAIT_S = 600.0  # above any preflight time box a service sets (its default: 120 s)
+
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from service.cli.code_zip import with_code
@@ -35,7 +37,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     with client(args) as c:
         spec = with_code(c, spec, args.code)
         if args.dry_run:
-            r = c.json("POST", "/v1/experiments", params={"dry_run": "true"}, json={"spec": spec})
+            r = c.json("POST", "/v1/experiments", params={"dry_run": "true"}, json={"spec": spec},
+                       timeout=DRY_RUN_WAIT_S)  # a spec with code waits for its preflight (TLAB_PREFLIGHT_TIMEOUT_S)
             print_json(r)
             return 0 if r["fits_ever"] else 1
         follow_ups = after_notify(args)
