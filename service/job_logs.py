@@ -36,10 +36,11 @@ def attempts(storage: str | Path, job_id: str) -> list[int]:
 
 
 def file_of(storage: str | Path, job_id: str, rank: str, attempt: int) -> Path:
-    """The log file of ``rank`` (a number, ``driver`` or ``preflight``) in ``attempt``; rank 0 of an attempt without
-    a rank-0 file (it failed before training) is the driver's, or the preflight's (it failed there)."""
+    """The log file of ``rank`` (a number, ``driver``, ``preflight`` or ``trial-<id>``) in ``attempt``; rank 0 of
+    an attempt without a rank-0 file (it failed before training) is the driver's, or the preflight's (it failed
+    there)."""
     folder = root(storage, job_id) / f"attempt-{attempt}"
-    if rank in ("driver", "preflight"):
+    if rank in ("driver", "preflight") or rank.startswith("trial-"):
         return folder / f"{rank}.log"
     path = folder / f"rank-{rank}.log"
     if path.exists() or rank != "0":

@@ -23,6 +23,7 @@ import math
 import os
 import shutil
 import sys
+import traceback
 import uuid
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,8 @@ from api_schemas.sweeps import SweepSubmit, trial_spec
 from workers.artifacts import artifacts_dir
 from workers.context import keep_checkpoints
 from workers.failure import JobFailed, failure_reason
-from workers.job_record import connect, job_field, write_summary
+from workers.job_logs import capture
+from workers.job_record import attempt_of, connect, job_field, write_summary
 from workers.redis_sink import RedisSink
 from workers.run import SetupError, export_artifacts, job_main
 from workers.sweep_rerun import marked_trials, resume_only, state_gone
@@ -260,10 +262,13 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
 
     def own_trial(config: dict[str, Any]) -> None:
         trial_id = tune.get_context().get_trial_id()
-        try:
-            train_in_trial(trial_spec(base, config), RedisSink(redis_url, job_id, trial=trial_id))
-        except Exception as err:
-            raise TrialFailed(failure_reason(err)) from None
+        # its output is kept with the sweep's logs (`tlab logs SWEEP --rank trial-<id>`)
+        with capture(storage, job_id, f"trial-{trial_id}", attempt_of(redis_url, job_id)):
+            try:
+                train_in_trial(trial_spec(base, config), RedisSink(redis_url, job_id, trial=trial_id))
+            except Exception as err:
+                traceback.print_exc()  # the whole story, for the trial's log
+                raise TrialFailed(failure_reason(err)) from None
 
     def pbt_trial(config: dict[str, Any]) -> None:
         # PBT needs a Tune checkpoint to copy from one trial to another, and TuneReportCallback forwards

@@ -17,9 +17,10 @@ from service.routes.experiments import SSE_HEADERS, job_records
 from service.views import log_text
 
 router = APIRouter(prefix="/v1/experiments", tags=["logs"], responses=AUTHED)
-Rank = Annotated[str, Query(pattern=r"^(\d{1,4}|driver|preflight)$", description="a worker's rank, `driver` (the Ray "
-                            "job's entrypoint; rank 0 of a 1-worker job, which trains there) or `preflight` (attempt "
-                            "1 only: the code tried on one CPU before the gang)")]
+Rank = Annotated[str, Query(pattern=r"^(\d{1,4}|driver|preflight|trial-[0-9a-z_]{1,40})$", description="a worker's "
+                            "rank, `driver` (the Ray job's entrypoint; rank 0 of a 1-worker job, which trains there), "
+                            "`preflight` (attempt 1 only: the code tried on one CPU before the gang) or `trial-<id>` "
+                            "(a sweep's 1-worker trial, which trains in its Tune trial)")]
 Attempt = Annotated[int | None, Query(ge=1, le=10_000, description="which start of the job (default: the newest)")]
 Tail = Annotated[int | None, Query(ge=0, le=100_000, description="only the last N lines")]
 LogCursor = Annotated[str | None, Header(pattern=r"^\d{1,6}:\d{1,15}$", description="resume after this event's id "

@@ -363,6 +363,8 @@ def test_a_failed_trial_is_rerun_inside_its_sweep(stack: Stack, tmp_path: Path) 
         reason = bad["reason"]
         assert reason.startswith("flaky.py:") and reason.endswith("RuntimeError: epoch 1: no fixed yet"), reason
         assert f"{bad['trial']}: {reason}" in view["job"]["failure_reason"], view["job"]
+        trial_log = c.logs(sweep, rank=f"trial-{bad['trial']}")  # the trial's own output, kept with the sweep's
+        assert "RuntimeError: epoch 1: no fixed yet" in trial_log and "Traceback" in trial_log, trial_log[-800:]
 
         fixed.write_text("")
         assert c.json("POST", f"/v1/sweeps/{sweep}/rerun", json={"trials": "failed"})["state"] == "queued"
