@@ -111,7 +111,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument("-f", "--follow", action="store_true", help="follow it until the job ends (across restarts)")
     p.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N lines")
     p.add_argument("--rank", default="0", help="a worker's rank, `driver` (default 0; a 1-worker job's rank 0 "
-                                               "is its driver) or `preflight` (its code tried on one CPU first)")
+                                               "is its driver), `preflight` (its code tried on one CPU first) or, "
+                                               "for a sweep, `trial-<id>` (a trial's own output)")
     p.add_argument("--attempt", type=int, default=None, help="which start of the job (default: the newest)")
     p.set_defaults(func=cmd_logs)
     add_remote_args(p)
