@@ -167,7 +167,8 @@ def breakdown(model: nn.Module, x: Tensor, y: Tensor, warmup: int, repeats: int,
     """Seconds of the parts of one step, timed alone with the library's own pieces on a copy of the model.
 
     objective: L and ∇L with its graph and ‖∇L‖²; hvp: the second backward H·∇L; projection: π on
-    every layer; bases: capture's R → SVD/eigh per layer (once per batch, not per step).
+    every layer a step moves (at τ = 1, as a step: span-free Linear graphs, data-reading layers left out);
+    bases: capture's R → SVD/eigh per layer (once per batch, not per step).
     """
     from teleport.blocks import moving_blocks
     from teleport.nullspace import layer_bases, objective, project_blocks, teleport_gradient
@@ -175,15 +176,15 @@ def breakdown(model: nn.Module, x: Tensor, y: Tensor, warmup: int, repeats: int,
     m = copy.deepcopy(model).eval()
     params = [p for p in m.parameters() if p.requires_grad]
     with capture_inputs(m) as captured:
-        first = objective(m, F.cross_entropy, x, y, params)
+        first = objective(m, F.cross_entropy, x, y, params, span_free=True)  # as a step at τ = 1 does
     layers = moving_blocks(layer_bases(captured, 1.0, SerialExecutor()), 1.0, "numerical_rank")  # what a step moves
     weights = [p for layer in layers for p in layer.params]
     grads = teleport_gradient(first, weights, params)
 
     t = time_interleaved({
-        "objective": (lambda _: objective(m, F.cross_entropy, x, y, params), None),
-        "objective_hvp": (lambda _: teleport_gradient(objective(m, F.cross_entropy, x, y, params), weights, params),
-                          None),
+        "objective": (lambda _: objective(m, F.cross_entropy, x, y, params, span_free=True), None),
+        "objective_hvp": (lambda _: teleport_gradient(objective(m, F.cross_entropy, x, y, params, span_free=True),
+                                                      weights, params), None),
         "projection": (lambda _: project_blocks(layers, grads), None),
         "bases": (lambda _: layer_bases(captured, 1.0, SerialExecutor()), None),
     }, warmup=warmup, repeats=repeats, max_spread=MAX_SPREAD, retries=RETRIES, canary=canary)
@@ -243,7 +244,7 @@ def run(quick: bool, steps: int, warmup: int, repeats: int) -> dict[str, Any]:
         "steps=0 = capture R + first objective (create_graph) + bases; a step = H·∇L (double backward), "
         "projection, and one re-evaluation of L and ∇L with its graph",
         f"lr {LR}, CAP and loss_tol disabled: every step accepted, no back-off",
-        "breakdown: 'rest' = step excl. minus the timed parts (clone of the weights, the move, bookkeeping); "
+        "breakdown: 'rest' = step excl. minus the timed parts (the move, ‖U‖² for the CAP aim, bookkeeping); "
         "parts timed alone do not add up exactly to a step",
     ]
     print("\nnotes:\n" + "\n".join(f"- {n}" for n in notes), flush=True)
