@@ -110,6 +110,7 @@ RAY_PORTS = ("--port", "--dashboard-port", "--ray-client-server-port", "--dashbo
              "--node-manager-port", "--object-manager-port", "dashboard_metrics", "autoscaler_metrics")
 
 
+STOP_WAIT_S = 15.0  # how long a part may take to stop on its signal before it is killed (its state is on disk)
 HEAD_MARK = "TLAB_RAY_HEAD"  # in the environment of every process of a Ray head `tlab up` started: its temp dir
 
 
@@ -260,8 +261,10 @@ class Stack:
         except ProcessLookupError:
             return
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
+            proc.wait(timeout=STOP_WAIT_S)
+        except subprocess.TimeoutExpired:  # seen in full test runs: `ray start --block` ignoring SIGINT for 60 s
+            print(f"stack: {name} did not stop within {STOP_WAIT_S:g} s of signal {sig}: killing it",
+                  file=sys.stderr, flush=True)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
 
