@@ -111,6 +111,7 @@ RAY_PORTS = ("--port", "--dashboard-port", "--ray-client-server-port", "--dashbo
 
 
 STOP_WAIT_S = 15.0  # how long a part may take to stop on its signal before it is killed (its state is on disk)
+RAY_STOP_WAIT_S = 5.0  # `ray start --block` stops its cluster in about a second on SIGINT (what is left: killed)
 HEAD_MARK = "TLAB_RAY_HEAD"  # in the environment of every process of a Ray head `tlab up` started: its temp dir
 
 
@@ -260,10 +261,11 @@ class Stack:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             return
+        wait_s = RAY_STOP_WAIT_S if name == "ray" else STOP_WAIT_S
         try:
-            proc.wait(timeout=STOP_WAIT_S)
+            proc.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:  # seen in full test runs: `ray start --block` ignoring SIGINT for 60 s
-            print(f"stack: {name} did not stop within {STOP_WAIT_S:g} s of signal {sig}: killing it",
+            print(f"stack: {name} did not stop within {wait_s:g} s of signal {sig}: killing it",
                   file=sys.stderr, flush=True)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
