@@ -89,15 +89,19 @@ SEGMENTS = [  # name, from, to
 ]
 
 
-def _wait_ready(client: httpx.Client, timeout_s: float = 60.0) -> None:
-    """Idle and ready: the scheduler has ticked and sees the Ray node's CPUs."""
+def _wait_ready(client: httpx.Client, timeout_s: float = 60.0, idle: bool = False) -> None:
+    """Ready: the scheduler has ticked and sees the Ray node's CPUs; ``idle``: all of them free (the previous
+    job's CPUs released, as Ray reports them: its report lags a few seconds after a job ends)."""
     deadline = time.monotonic() + timeout_s
     while True:
         r = client.get("/v1/cluster")
-        if r.status_code == 200 and r.json()["scheduler_alive"] and r.json()["cpus_free"] > 0:
+        view = r.json() if r.status_code == 200 else {}
+        if view.get("scheduler_alive") and view["cpus_free"] > 0 and (
+                not idle or view["cpus_free"] >= view["cpus_total"]):
             return
         if time.monotonic() > deadline:
-            raise RuntimeError("the scheduler did not report the Ray node within 60 s")
+            raise RuntimeError(f"the scheduler did not report the Ray node {'idle ' if idle else ''}within "
+                               f"{timeout_s:g} s")
         time.sleep(0.1)
 
 
@@ -142,6 +146,7 @@ def _run_mode(sizes: Sizes, home: Path, label: str, env: dict[str, str], workers
             ready_s = time.perf_counter() - t
             for w in workers:
                 for i in range(sizes.e2e_jobs):
+                    _wait_ready(client, idle=True)  # "on an idle cluster": not the previous job's release lag
                     job_id, job = _one_job(client, _spec(w), f"e2e-{w}w-{i}", sizes.e2e_timeout_s)
                     if isinstance(job, Exception):  # say why, keep the other parts' results
                         log = (stack.logs / "scheduler.log").read_text()[-1500:]
