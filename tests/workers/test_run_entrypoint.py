@@ -131,7 +131,10 @@ def test_a_stopped_driver_is_not_retried_and_exports_its_artifacts(
     assert "stopped by the scheduler" in events[-1]["data"]["message"]
     run_dir = tmp_path / "stopped"
     summary = json.loads((run_dir / "artifacts" / "summary.json").read_text())
-    assert summary["complete"] is False and summary["epochs"] >= 3
+    # the last checkpoint's: an epoch is reported just before its checkpoint is saved, so the stop that came
+    # after the third report may have found the second epoch's checkpoint the newest (CI saw 2 once)
+    newest = json.loads(sorted(run_dir.glob("checkpoint_*"))[-1].joinpath("meta.json").read_text())
+    assert summary["complete"] is False and summary["epochs"] == newest["epoch"] >= 2
     assert not list(run_dir.glob(".tmp-*"))  # a save the stop interrupted left nothing behind
 
 
