@@ -57,7 +57,7 @@ def load_job_spec(client: redis.Redis, job_id: str) -> ExperimentSpec:
     return ExperimentSpec.model_validate_json(raw)
 
 
-def in_driver(spec: ExperimentSpec) -> bool:
+def in_driver() -> bool:
     """The job trains in this driver (``workers.driver``; several workers: as rank 0 of a gang it leads,
     ``workers.gang``), unless ``TLAB_IN_DRIVER=0`` (the scheduler sets it per Ray job, with the resources it
     asks Ray for): then as a Ray Train TorchTrainer."""
@@ -78,7 +78,7 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
     spec = load_job_spec(client, job_id)
     out = artifacts_dir(storage, job_id)
     ranks = None
-    if in_driver(spec) and spec.resources.workers > 1:  # the gang's other ranks start while this driver imports
+    if in_driver() and spec.resources.workers > 1:  # the gang's other ranks start while this driver imports
         from workers.gang_start import Ranks
 
         ranks = Ranks(spec, job_id, redis_url, storage, placement(), out)
@@ -86,7 +86,7 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
         from workers.driver import start_checkpoint
 
         start = start_checkpoint(client, job_id, storage)  # a continued or forked job's parent checkpoint
-        if in_driver(spec):
+        if in_driver():
             from workers.driver import run_in_driver
 
             also_as("rank-0")  # it trains here: this process's log is rank 0's
