@@ -82,6 +82,38 @@ def _teleport_on_ranks(config: dict) -> None:
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp) if rank == 0 else None)
 
 
+def _report_then_flush(config: dict) -> None:
+    """Report a few results as fast as possible, then hand the last one over (``flush_reports``)."""
+    import ray.train
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    from workers.ray_train import flush_reports
+
+    rank = ray.train.get_context().get_world_rank()
+    for i in range(config["reports"]):  # rank 0 attaches a checkpoint: Ray Train's result is the latest one's
+        with tempfile.TemporaryDirectory() as d:
+            Path(d, "i").write_text(str(i))
+            ray.train.report({"i": i}, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
+    flush_reports()
+    left = get_train_context().get_result_queue().unfinished_tasks
+    Path(config["out"], f"rank{rank}").write_text(str(left))
+
+
+def test_a_workers_last_report_is_taken_before_its_function_returns(ray_local: object, tmp_path: Path) -> None:
+    # Ray Train's poll takes a report, then asks whether the thread still runs: a last report put in between by
+    # a thread that then returns was lost (the run's result one epoch short). flush_reports waits until the
+    # controller took it, so nothing is left on the queue when the function ends, and the result is the last.
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    trainer = TorchTrainer(_report_then_flush, train_loop_config={"reports": 4, "out": str(tmp_path)},
+                           scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+                           run_config=RunConfig(name="flush", storage_path=str(tmp_path / "runs")))
+    result = trainer.fit()
+    assert result.error is None and result.metrics["i"] == 3
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["0", "0"]
+
+
 def test_distributed_teleport_in_ray_train_keeps_replicas_bit_identical(ray_local: object, tmp_path: Path) -> None:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
