@@ -145,9 +145,23 @@ def _diverged(ctx: RunContext, where: str, epoch: int, what: str, hint: str) -> 
 # ------------------------------------------------------------------------ the loop
 
 
-def train(spec: ExperimentSpec, ctx: RunContext | None = None, *, progress: bool = False) -> dict[str, Any]:
-    """Train ``spec`` under ``ctx`` (this process by default); returns the summary (see ``summarize``)."""
-    ctx = ctx or RunContext(device=select_device(spec.training))
+def train(spec: ExperimentSpec, ctx: RunContext | None = None, *, progress: bool = False,
+          threads: int | None = None) -> dict[str, Any]:
+    """Train ``spec`` under ``ctx`` (this process by default); returns the summary (see ``summarize``).
+    ``threads``: torch threads while it trains (default ``resources.cpus_per_worker``, see ``num_threads``;
+    0 keeps the process's own): every runner (in-process, a job's driver, a gang's rank, a Ray Train
+    worker, a Tune trial) trains with the threads its CPUs pay for, whatever ``OMP_NUM_THREADS`` it inherited."""
+    threads = num_threads(spec.resources) if threads is None else threads
+    before = torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(threads)
+    try:
+        return _train(spec, ctx or RunContext(device=select_device(spec.training)), progress)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, Any]:
     if spec.training.entrypoint:  # the user's own loop replaces this one (same context, same events)
         from workers.own_loop import run_own_loop
 
@@ -312,19 +326,14 @@ def run_local(spec: ExperimentSpec, out_dir: str | Path, *, progress: bool = Tru
     memory, jsonl = MemorySink(), JsonlSink(out / "metrics.jsonl")
     sinks: list[MetricSink] = [jsonl, memory] + ([sink] if sink is not None else [])
     ctx = RunContext(device=select_device(spec.training), sink=TeeSink(*sinks))
-    threads_before = torch.get_num_threads()
-    threads = num_threads(spec.resources) if threads is None else threads
-    if threads > 0:
-        torch.set_num_threads(threads)
     try:
-        summary = train(spec, ctx, progress=progress)
+        summary = train(spec, ctx, progress=progress, threads=threads)
     except BaseException:
         if created and not memory.records:  # failed before it started (no data, bad model): leave no dir
             jsonl.close()
             shutil.rmtree(out, ignore_errors=True)
         raise
     finally:
-        torch.set_num_threads(threads_before)
         jsonl.close()
         if any(r.get("kind") == "epoch" for r in memory.records):
             plot_curves({run_label(spec): memory.records}, out / "curves.png",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,33 @@ def test_a_resumed_run_goes_on_from_the_checkpoint_with_the_specs_optimizer_sett
     assert [s["epoch"] for s in resumed.saved] == [2]  # only epoch 1 ran, after the restored epoch 0
     assert resumed.saved[-1]["optimizer"]["param_groups"][0]["lr"] == 0.02  # the spec's, not the checkpoint's
     assert summary["epochs"] == 2 and len(resumed.saved[-1]["history"]) == 2
+
+
+class _ThreadsSeen(MemorySink):
+    """Notes torch's thread count at each record: what the loop trained with."""
+
+    def emit(self, record: dict[str, Any]) -> None:
+        super().emit({**record, "threads": torch.get_num_threads()})
+
+
+def test_every_runner_trains_with_the_threads_its_cpus_pay_for() -> None:
+    # a job's driver, a gang's rank, a Ray Train worker and a trial all call train(): whatever OMP_NUM_THREADS
+    # the process inherited, the loop runs with resources.cpus_per_worker threads (capped at the cores), then
+    # gives the process its own count back
+    before = torch.get_num_threads()
+    spec = build_spec({**tiny(epochs=1).model_dump(mode="json"), "resources": {"cpus_per_worker": 2}})
+    want = min(2, os.cpu_count() or 1)
+    torch.set_num_threads(1)
+    try:
+        sink = _ThreadsSeen()
+        train(spec, RunContext(sink=sink))
+        assert {r["threads"] for r in sink.records} == {want}, sink.records
+        assert torch.get_num_threads() == 1
+        kept = _ThreadsSeen()
+        train(spec, RunContext(sink=kept), threads=0)  # 0: the process's own count
+        assert {r["threads"] for r in kept.records} == {1}
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_rerun_in_the_same_directory_starts_a_fresh_metrics_file(tmp_path: Path) -> None:
