@@ -170,7 +170,7 @@ def breakdown(model: nn.Module, x: Tensor, y: Tensor, warmup: int, repeats: int,
     every layer a step moves (at τ = 1, as a step: span-free Linear graphs, data-reading layers left out);
     bases: capture's R → SVD/eigh per layer (once per batch, not per step).
     """
-    from teleport.blocks import moving_blocks
+    from teleport.blocks import linear_only, moving_blocks
     from teleport.nullspace import layer_bases, objective, project_blocks, teleport_gradient
 
     m = copy.deepcopy(model).eval()
@@ -179,12 +179,13 @@ def breakdown(model: nn.Module, x: Tensor, y: Tensor, warmup: int, repeats: int,
         first = objective(m, F.cross_entropy, x, y, params, span_free=True)  # as a step at τ = 1 does
     layers = moving_blocks(layer_bases(captured, 1.0, SerialExecutor()), 1.0, "numerical_rank")  # what a step moves
     weights = [p for layer in layers for p in layer.params]
-    grads = teleport_gradient(first, weights, params)
+    only = linear_only(layers)  # as a step at τ = 1: H·∇L of whole Linears through their aliases
+    grads = teleport_gradient(first, weights, params, linear_only=only)
 
     t = time_interleaved({
         "objective": (lambda _: objective(m, F.cross_entropy, x, y, params, span_free=True), None),
         "objective_hvp": (lambda _: teleport_gradient(objective(m, F.cross_entropy, x, y, params, span_free=True),
-                                                      weights, params), None),
+                                                      weights, params, linear_only=only), None),
         "projection": (lambda _: project_blocks(layers, grads), None),
         "bases": (lambda _: layer_bases(captured, 1.0, SerialExecutor()), None),
     }, warmup=warmup, repeats=repeats, max_spread=MAX_SPREAD, retries=RETRIES, canary=canary)

@@ -160,6 +160,16 @@ def moving_blocks(blocks: list[Block], tau: float, rule: str) -> list[Block]:
             and not (exact and b.reads_fixed_inputs)]
 
 
+def linear_only(blocks: list[Block]) -> dict[int, int | None]:
+    """id(W) -> id(its bias) (None: no bias) of the blocks whose weight is used by F.linear alone, whole.
+
+    The second backward may take such a weight's H·∇L through its backward alias alone, and leave
+    its bias at 0 (``teleport.spanfree``): exact τ = 1 only.
+    """
+    return {id(b.weight): None if b.bias is None else id(b.bias) for b in blocks
+            if b.frozen is None and all(p.kind == "linear" and p.rows is None for p in b.parts)}
+
+
 def _project(gw: Tensor, gb: Tensor | None, basis: Basis) -> tuple[Tensor, Tensor | None]:
     """project_split in the basis' precision (float32 at least), returned in the gradient's dtype."""
     vectors = basis.kept if basis.kept is not None else basis.free

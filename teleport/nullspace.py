@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -26,12 +26,12 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from teleport.bases import BasisExecutor, SerialExecutor, compute_basis, select_basis
-from teleport.blocks import Block, RowClass, build_blocks, moving_blocks, partition
+from teleport.blocks import Block, RowClass, build_blocks, linear_only, moving_blocks, partition
 from teleport.buffers import StepBuffers
 from teleport.capture import UseRecorder, trainable
 from teleport.distributed import Collective, all_reduce_list_, any_across_, distributed_spectra
 from teleport.report import TeleportConfig, TeleportReport
-from teleport.spanfree import SpanFreeLinear
+from teleport.spanfree import SpanFreeLinear, backward_inputs, sum_or_zero
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 AIM = 0.8  # share of the way to CAP a step predicted to overshoot it is aimed at
@@ -50,6 +50,8 @@ class Objective:
     grad_norm_sq: float
     local_grads: list[Tensor]
     global_grads: list[Tensor]
+    aliases: dict[int, Tensor] = field(default_factory=dict)  # id(W) -> W's backward alias (``teleport.spanfree``)
+    whole: set[int] = field(default_factory=set)  # the weights whose F.linear uses all went through their alias
 
 
 def objective(
@@ -72,8 +74,8 @@ def objective(
     may use parameters too) runs under it: every use of a parameter is recorded. With ``span_free``
     (exact τ = 1 only) the graph leaves out what π removes from H·∇L (``teleport.spanfree``).
     """
-    fast = SpanFreeLinear() if span_free and graph else nullcontext()
-    with sdpa_kernel(SDPBackend.MATH), fast, recorder or nullcontext():
+    fast = SpanFreeLinear() if span_free and graph else None
+    with sdpa_kernel(SDPBackend.MATH), fast or nullcontext(), recorder or nullcontext():
         loss = loss_fn(model(x), y) * share
     grads = torch.autograd.grad(loss, params, create_graph=graph, allow_unused=True)
     local = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
@@ -83,7 +85,9 @@ def objective(
         all_reduce_list_(comm, total)  # ∇L = Σ_r w_r ∇L_r, L = Σ_r w_r L_r: one collective
     global_grads, loss_sum = total[:-1], total[-1]
     gn2, loss_value = torch.stack([squared_norm(global_grads), loss_sum[0].double()]).tolist()  # one host sync
-    return Objective(loss_value, gn2, local, global_grads)
+    if fast is None:
+        return Objective(loss_value, gn2, local, global_grads)
+    return Objective(loss_value, gn2, local, global_grads, fast.aliases, fast.whole())
 
 
 def squared_norm(tensors: list[Tensor]) -> Tensor:
@@ -100,18 +104,23 @@ def squared_norm(tensors: list[Tensor]) -> Tensor:
 
 
 def teleport_gradient(obj: Objective, weights: list[Tensor], params: list[Tensor],
-                      comm: Collective | None = None) -> list[Tensor]:
+                      comm: Collective | None = None, linear_only: dict[int, int | None] | None = None) -> list[Tensor]:
     """∇_W ½‖∇L‖² = H·∇L for ``weights`` (a subset of ``params``): the second backward.
 
     The backward of this rank's gradient graph against the global gradient gives w_r H_r·∇L;
-    summed over ranks it is the whole batch's H·∇L.
+    summed over ranks it is the whole batch's H·∇L. ``linear_only`` (id(W) -> id(its bias), from
+    ``blocks.linear_only``, exact τ = 1 only) names the weights used by F.linear alone: with a backward
+    alias in ``obj``, their H·∇L is taken through the alias, their bias' is 0 (``teleport.spanfree``).
     """
+    inputs = backward_inputs(obj.aliases, obj.whole, weights, linear_only or {})
+    flat = [t for ts in inputs for t in ts]
     pairs = [(lg, gg) for lg, gg in zip(obj.local_grads, obj.global_grads, strict=True) if lg.requires_grad]
-    grads: tuple[Tensor | None, ...] = (None,) * len(weights)
-    if pairs:  # no pair: no second-order path at all (e.g. a linear model on MSE)
-        grads = torch.autograd.grad([lg for lg, _ in pairs], weights, grad_outputs=[gg for _, gg in pairs],
+    grads: tuple[Tensor | None, ...] = (None,) * len(flat)
+    if pairs and flat:  # no pair: no second-order path at all (e.g. a linear model on MSE)
+        grads = torch.autograd.grad([lg for lg, _ in pairs], flat, grad_outputs=[gg for _, gg in pairs],
                                     allow_unused=True)
-    hvp = [torch.zeros_like(w) if g is None else g for w, g in zip(weights, grads, strict=True)]
+    it = iter(grads)
+    hvp = [sum_or_zero([next(it) for _ in ts], w) for w, ts in zip(weights, inputs, strict=True)]
     if comm is not None and comm.world_size > 1:
         all_reduce_list_(comm, hvp)
     return hvp
@@ -366,7 +375,9 @@ class _Run:
 
     def direction(self, blocks: list[Block], weights: list[Tensor]) -> list[Tensor]:
         """π(H·∇L) for every moving weight, block by block."""
-        return project_blocks(blocks, teleport_gradient(self.cur, weights, self.params, self.comm))
+        exact = self.config.tau >= 1.0 and self.config.tau_rule == "numerical_rank"
+        fast = linear_only(blocks) if exact else None
+        return project_blocks(blocks, teleport_gradient(self.cur, weights, self.params, self.comm, fast))
 
 
 def project_blocks(blocks: list[Block], grads: list[Tensor]) -> list[Tensor]:

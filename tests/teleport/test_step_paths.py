@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from teleport import SerialExecutor, TeleportConfig, capture_inputs, teleport_batch
-from teleport.blocks import moving_blocks
+from teleport.blocks import linear_only, moving_blocks
 from teleport.buffers import StepBuffers
 from teleport.nullspace import layer_bases, objective, project_blocks, teleport_gradient
 
@@ -107,7 +107,8 @@ def test_step_buffers_give_exactly_w0_plus_eta_u() -> None:
 
 
 def test_span_free_linear_changes_h_grad_only_by_what_pi_removes() -> None:
-    """With ``span_free`` the second backward leaves out each Linear's part through its own outputs."""
+    """With ``span_free`` the second backward leaves out each Linear's part through its own outputs, and
+    with ``linear_only`` it runs through the backward graph alone (the weights' aliases)."""
     torch.manual_seed(2)
     model = nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 16), nn.Tanh(),
                           nn.Linear(16, 3))
@@ -121,5 +122,9 @@ def test_span_free_linear_changes_h_grad_only_by_what_pi_removes() -> None:
     assert fast.loss == full.loss and fast.grad_norm_sq == pytest.approx(full.grad_norm_sq, rel=1e-13)
     h_full, h_fast = (teleport_gradient(o, weights, params) for o in (full, fast))
     assert torch.cat([(a - b).reshape(-1) for a, b in zip(h_full, h_fast, strict=True)]).norm() > 1e-3  # engaged
-    for u, v in zip(project_blocks(blocks, h_full), project_blocks(blocks, h_fast), strict=True):
-        assert (u - v).norm() <= 1e-10 * max(float(u.norm()), 1e-300)
+    only, again = linear_only(blocks), objective(model, F.cross_entropy, x, y, params, span_free=True)
+    assert only and set(only) <= again.whole  # every moving weight here is a whole Linear: alias-only
+    h_alias = teleport_gradient(again, weights, params, linear_only=only)  # no pass through the forward graph
+    for h in (h_fast, h_alias):
+        for u, v in zip(project_blocks(blocks, h_full), project_blocks(blocks, h), strict=True):
+            assert (u - v).norm() <= 1e-10 * max(float(u.norm()), 1e-300)
