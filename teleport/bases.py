@@ -143,23 +143,27 @@ def compute_basis(rep: Tensor, tau: float = 1.0, rule: str = "numerical_rank") -
     return select_basis(spectrum(rep), tau, rule)
 
 
-def project(grad: Tensor, basis: Basis) -> Tensor:
-    """π(G) for G laid out (C_o, d): remove the part of each row inside the kept input span."""
+def project(grad: Tensor, basis: Basis, inplace: bool = False) -> Tensor:
+    """π(G) for G laid out (C_o, d): remove the part of each row inside the kept input span.
+
+    ``inplace``: G may be overwritten (a fresh gradient): no copy of it (a step of an MLP [1024, 1024]
+    spent ~1.7 ms of its ~16 ms copying G into addmm's output)."""
     if basis.free is not None:
         return (grad @ basis.free) @ basis.free.T  # (C_o, d−k) @ (d−k, d)
     if basis.kept is None or basis.rank == 0:
         return grad
-    return grad - (grad @ basis.kept) @ basis.kept.T  # (C_o, k) @ (k, d)
+    c = grad @ basis.kept  # (C_o, k)
+    return grad.addmm_(c, basis.kept.T, alpha=-1) if inplace else torch.addmm(grad, c, basis.kept.T, alpha=-1)
 
 
-def project_split(gw: Tensor, gb: Tensor | None, basis: Basis) -> tuple[Tensor, Tensor | None]:
+def project_split(gw: Tensor, gb: Tensor | None, basis: Basis, inplace: bool = False) -> tuple[Tensor, Tensor | None]:
     """π([∇W | ∇b]) without building the (C_o, d+1) concatenation: the basis' last row is the bias's.
 
     Same operator as ``project`` on ``cat([gw, gb[:, None]], 1)``, with fewer passes over the weights
-    (which dominate a step of a wide MLP).
+    (which dominate a step of a wide MLP). ``inplace``: gw and gb may be overwritten (see ``project``).
     """
     if gb is None:
-        return project(gw, basis), None
+        return project(gw, basis, inplace), None
     d = gw.shape[1]
     if basis.free is not None:
         f = basis.free
@@ -169,6 +173,8 @@ def project_split(gw: Tensor, gb: Tensor | None, basis: Basis) -> tuple[Tensor, 
         return gw, gb
     k = basis.kept
     c = torch.addr(gw @ k[:d], gb, k[d])  # (C_o, k): the part inside the kept span
+    if inplace:
+        return gw.addmm_(c, k[:d].T, alpha=-1), gb.addmv_(c, k[d], alpha=-1)
     return torch.addmm(gw, c, k[:d].T, alpha=-1), torch.addmv(gb, c, k[d], alpha=-1)
 
 

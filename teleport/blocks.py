@@ -89,8 +89,10 @@ class Block:
             blocks.append(x)
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
 
-    def projected(self, grads: list[Tensor]) -> list[Tensor]:
-        """π applied class by class to [∇W | ∇b]; rows outside every class (fixed rows) get 0."""
+    def projected(self, grads: list[Tensor], inplace: bool = False) -> list[Tensor]:
+        """π applied class by class to [∇W | ∇b]; rows outside every class (fixed rows) get 0.
+
+        ``inplace``: ``grads`` may be overwritten (fresh gradients nobody else holds)."""
         gw = self.matrix(grads[0])  # (rows, C)
         gb = self._bias_per_row(grads[1]) if self.bias is not None else None
         whole = len(self.classes) == 1 and self.classes[0].rows is None
@@ -100,7 +102,7 @@ class Block:
             assert cls.basis is not None
             w = gw if cls.rows is None else gw[cls.rows]
             b = None if gb is None else (gb if cls.rows is None else gb[cls.rows])
-            pw, pb = _project(w, b, cls.basis)
+            pw, pb = _project(w, b, cls.basis, inplace)
             if whole:
                 uw, ub = pw, pb
             else:
@@ -170,13 +172,13 @@ def linear_only(blocks: list[Block]) -> dict[int, int | None]:
             if b.frozen is None and all(p.kind == "linear" and p.rows is None for p in b.parts)}
 
 
-def _project(gw: Tensor, gb: Tensor | None, basis: Basis) -> tuple[Tensor, Tensor | None]:
+def _project(gw: Tensor, gb: Tensor | None, basis: Basis, inplace: bool) -> tuple[Tensor, Tensor | None]:
     """project_split in the basis' precision (float32 at least), returned in the gradient's dtype."""
     vectors = basis.kept if basis.kept is not None else basis.free
     dtype = gw.dtype if vectors is None else vectors.dtype
     if gw.dtype == dtype:
-        return project_split(gw, gb, basis)
-    uw, ub = project_split(gw.to(dtype), None if gb is None else gb.to(dtype), basis)
+        return project_split(gw, gb, basis, inplace)
+    uw, ub = project_split(gw.to(dtype), None if gb is None else gb.to(dtype), basis, inplace=True)
     return uw.to(gw.dtype), None if ub is None else ub.to(gw.dtype)
 
 

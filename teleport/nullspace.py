@@ -377,15 +377,16 @@ class _Run:
         """π(H·∇L) for every moving weight, block by block."""
         exact = self.config.tau >= 1.0 and self.config.tau_rule == "numerical_rank"
         fast = linear_only(blocks) if exact else None
-        return project_blocks(blocks, teleport_gradient(self.cur, weights, self.params, self.comm, fast))
+        hvp = teleport_gradient(self.cur, weights, self.params, self.comm, fast)
+        return project_blocks(blocks, hvp, inplace=True)  # hvp is this step's own: projected where it lies
 
 
-def project_blocks(blocks: list[Block], grads: list[Tensor]) -> list[Tensor]:
-    """π of each block's gradients; ``grads`` lists every block's params in order."""
+def project_blocks(blocks: list[Block], grads: list[Tensor], inplace: bool = False) -> list[Tensor]:
+    """π of each block's gradients; ``grads`` lists every block's params in order (overwritten if ``inplace``)."""
     out: list[Tensor] = []
     i = 0
     for b in blocks:
-        out += b.projected(grads[i : i + len(b.params)])
+        out += b.projected(grads[i : i + len(b.params)], inplace)
         i += len(b.params)
     return out
 
