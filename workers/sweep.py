@@ -24,7 +24,6 @@ import os
 import shutil
 import sys
 import traceback
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from workers.context import keep_checkpoints
 from workers.failure import JobFailed, failure_reason
 from workers.job_logs import capture
 from workers.job_record import attempt_of, connect, job_field, write_summary
+from workers.pbt import pbt_scheduler, pbt_trainable
 from workers.redis_sink import RedisSink
 from workers.run import SetupError, export_artifacts, job_main
 from workers.sweep_rerun import marked_trials, resume_only, state_gone
@@ -88,18 +88,14 @@ def trial_reason(trial: Any) -> str:
     return one_line(marked[-1] if marked else lines[-1] if lines else "the trial failed (no error was kept)")
 
 
-def pbt_scheduler(epochs: int, **kw: Any) -> Any:
-    """Tune's PBT, holding no round on a trial's last result: a trial moved there would only restart with
-    nothing left to train, and its row would show a config its results never trained under."""
-    from ray.tune.schedulers import PopulationBasedTraining
-
-    class PBT(PopulationBasedTraining):
-        def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
-            if result.get(self._time_attr, 0) >= epochs:
-                return self.CONTINUE
-            return super().on_trial_result(tune_controller, trial, result)
-
-    return PBT(**kw)
+def reuse_actors(sweep: SweepSubmit, own: bool) -> bool:
+    """Whether a trial's process trains the next trial too (it has torch imported and its data read, so the
+    next one starts at once): for in-trial trials that run to their end or are stopped (FIFO, ASHA, Optuna).
+    Not under PBT: its rounds pause every trial and restart them on another's checkpoint, and a reused process
+    must first end the paused trial's thread, which Tune waits for only ``TUNE_FUNCTION_THREAD_TIMEOUT_S``
+    (2 s); with the cores busy a moved trial lost its last report (it ended "stopped early" at 5 of 6 epochs,
+    the CI's red on 2026-11-25, reproduced here 2 runs in 7 with both cores busy)."""
+    return own and sweep.scheduler != "pbt"
 
 
 DRIVER_MEMORY = 1 << 20  # bytes of Ray's logical memory resource per trial driver
@@ -183,14 +179,6 @@ class TrialTable:
         self.r.hset(self.key, trial.trial_id, json.dumps(row))
 
 
-def checkpoint_epoch(checkpoint: Any) -> int:
-    """The epoch a training checkpoint goes on from (0 for none)."""
-    if checkpoint is None:
-        return 0
-    with checkpoint.as_directory() as path, open(os.path.join(path, "meta.json")) as f:  # RayTrainContext.save
-        return int(json.load(f)["epoch"])
-
-
 def trial_retries() -> int:
     """``TLAB_TRIAL_RETRIES``: how many times Tune starts a failed trial again (default 1)."""
     raw = os.environ.get("TLAB_TRIAL_RETRIES", "1")
@@ -270,46 +258,6 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
                 traceback.print_exc()  # the whole story, for the trial's log
                 raise TrialFailed(failure_reason(err)) from None
 
-    def pbt_trial(config: dict[str, Any]) -> None:
-        # PBT needs a Tune checkpoint to copy from one trial to another, and TuneReportCallback forwards
-        # only metrics: so the trial trains perturbation_interval epochs at a time, one TorchTrainer each,
-        # and reports the trainer's last checkpoint to Tune between them. After an exploit Tune restarts
-        # the trial with the top trial's checkpoint and the mutated config, and it goes on from there.
-        trial_id = tune.get_context().get_trial_id()
-        copies = os.path.join(storage, f"pbt-{job_id}")
-        # what earlier starts of this trial left (PBT stops and restarts trials): Tune keeps its own copies
-        # of every checkpoint the trial reported, so these training runs are not needed again
-        stale = glob.glob(os.path.join(storage, f"{job_id}-{trial_id}-*")) + glob.glob(
-            os.path.join(copies, f"{trial_id}-*"))
-        # scratch: the directory of ours the checkpoint to go on from lives in (a copy of an exploited
-        # checkpoint, then the last interval's run), removed once the next run has gone on from it
-        checkpoint, scratch = tune.get_checkpoint(), None
-        done, total = checkpoint_epoch(checkpoint), trial_spec(base, config).training.epochs
-        if checkpoint is not None and done < total:
-            # another trial's checkpoint (an exploit) lives in that trial's directory, where Tune may delete
-            # it while this trial starts up: take a copy of our own first
-            scratch = os.path.join(copies, f"{trial_id}-{uuid.uuid4().hex[:8]}")
-            checkpoint = tune.Checkpoint.from_directory(checkpoint.to_directory(scratch))
-        for path in stale:
-            shutil.rmtree(path, ignore_errors=True)
-        while done < total:
-            stop = min((done // sweep.perturbation_interval + 1) * sweep.perturbation_interval, total)
-            spec = trial_spec(base, {**config, "training.epochs": stop})
-            # a fresh run name: Ray Train would otherwise resume the name's own last checkpoint instead
-            run = f"{job_id}-{trial_id}-{uuid.uuid4().hex[:8]}"
-            trainer = build_trainer(spec, name=run, storage_path=storage, redis_url=redis_url, job_id=job_id,
-                                    trial=trial_id, resume_from=checkpoint)
-            result = trainer.fit()
-            if scratch is not None:  # Tune keeps its own copies of what was reported
-                shutil.rmtree(scratch, ignore_errors=True)
-            scratch = os.path.join(storage, run)
-            metrics = dict(result.metrics or {})
-            if metrics.get("failed") or result.checkpoint is None:
-                raise RuntimeError(f"trial {trial_id}: {metrics.get('reason') or 'the run left no checkpoint'}")
-            checkpoint = tune.Checkpoint(path=result.checkpoint.path, filesystem=result.checkpoint.filesystem)
-            tune.report(metrics, checkpoint=checkpoint)
-            done = stop
-
     metric = sweep.report_metric
     table = TrialTable(redis_url, job_id, metric, sweep.mode, epochs)
     search_alg = searcher(sweep)
@@ -336,7 +284,8 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
     if own:
         trainable = tune.with_resources(own_trial, trial_resources(sweep))
     else:
-        trainable = tune.with_resources(pbt_trial if sweep.scheduler == "pbt" else trial,
+        trainable = tune.with_resources(pbt_trainable(sweep, job_id, redis_url, storage) if sweep.scheduler == "pbt"
+                                        else trial,
                                         {"cpu": 0, "memory": DRIVER_MEMORY})
     path = os.path.join(storage, f"sweep-{job_id}")
     rerun = marked_trials(client, job_id)
@@ -362,7 +311,7 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
             tune_config=tune.TuneConfig(metric=metric, mode=sweep.mode, num_samples=sweep.num_samples,
                                         scheduler=scheduler, search_alg=search_alg,
                                         max_concurrent_trials=sweep.max_concurrent_trials,
-                                        reuse_actors=own),  # an in-trial trial's process trains the next too
+                                        reuse_actors=reuse_actors(sweep, own)),
             # a trial that fails past its TorchTrainer's own retries (the trial's actor or its restore went
             # wrong) runs once more from its last checkpoint before its row says failed
             run_config=tune.RunConfig(name=f"sweep-{job_id}", storage_path=storage, callbacks=[table.callback],

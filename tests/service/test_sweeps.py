@@ -275,7 +275,8 @@ def test_pbt_moves_the_bottom_trial_onto_the_top_trials_checkpoint(stack: Stack)
         logs = c.request("GET", f"/v1/experiments/{sweep}/logs").text
     assert view["job"]["state"] == "succeeded", (view["job"], logs[-4000:])
     trials = {t["trial"]: t for t in view["trials"]}
-    rows = json.dumps(trials, indent=1)  # whole, for a failure: pytest shortens a dict
+    starts_seen = [(e.data["trial"], e.data["resumed_from_epoch"]) for e in events if e.data.get("kind") == "start"]
+    rows = json.dumps(trials, indent=1) + f"\nstarts {starts_seen}\n" + logs[-8000:]  # whole: pytest shortens a dict
     assert len(trials) == 2 and all(t["state"] == "succeeded" and t["epochs"] == 6 for t in trials.values()), rows
     assert all(t["config"]["optimizer.lr"] == 0.3 for t in trials.values()), rows  # copied with the checkpoint
     epochs: dict[str, dict[int, list[float]]] = {}
