@@ -26,10 +26,11 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from teleport.bases import BasisExecutor, SerialExecutor, compute_basis, select_basis
-from teleport.blocks import Block, RowClass, build_blocks, linear_only, moving_blocks, partition
+from teleport.blocks import Block, RowClass, build_blocks, moving_blocks, partition
 from teleport.buffers import StepBuffers
 from teleport.capture import UseRecorder, trainable
 from teleport.distributed import Collective, all_reduce_list_, any_across_, distributed_spectra
+from teleport.factored import factored_direction
 from teleport.report import TeleportConfig, TeleportReport
 from teleport.spanfree import SpanFreeLinear, backward_inputs, sum_or_zero
 
@@ -52,6 +53,7 @@ class Objective:
     global_grads: list[Tensor]
     aliases: dict[int, Tensor] = field(default_factory=dict)  # id(W) -> W's backward alias (``teleport.spanfree``)
     whole: set[int] = field(default_factory=set)  # the weights whose F.linear uses all went through their alias
+    factors: dict[int, list[tuple[Tensor, Tensor]]] = field(default_factory=dict)  # id(W) -> its uses' (δ, ∂L/∂X)
 
 
 def objective(
@@ -87,7 +89,7 @@ def objective(
     gn2, loss_value = torch.stack([squared_norm(global_grads), loss_sum[0].double()]).tolist()  # one host sync
     if fast is None:
         return Objective(loss_value, gn2, local, global_grads)
-    return Objective(loss_value, gn2, local, global_grads, fast.aliases, fast.whole())
+    return Objective(loss_value, gn2, local, global_grads, fast.aliases, fast.whole(), fast.factors)
 
 
 def squared_norm(tensors: list[Tensor]) -> Tensor:
@@ -112,8 +114,15 @@ def teleport_gradient(obj: Objective, weights: list[Tensor], params: list[Tensor
     ``blocks.linear_only``, exact τ = 1 only) names the weights used by F.linear alone: with a backward
     alias in ``obj``, their H·∇L is taken through the alias, their bias' is 0 (``teleport.spanfree``).
     """
+    return teleport_gradient_and(obj, weights, [], comm, linear_only)[0]
+
+
+def teleport_gradient_and(obj: Objective, weights: list[Tensor], extra: list[Tensor], comm: Collective | None = None,
+                          linear_only: dict[int, int | None] | None = None) -> tuple[list[Tensor], list[Tensor | None]]:
+    """``teleport_gradient``, and from the same second backward the gradients of ½‖∇L‖² by ``extra``
+    (tensors of ∇L's graph; None where unused; this rank's, never reduced)."""
     inputs = backward_inputs(obj.aliases, obj.whole, weights, linear_only or {})
-    flat = [t for ts in inputs for t in ts]
+    flat = [t for ts in inputs for t in ts] + extra
     pairs = [(lg, gg) for lg, gg in zip(obj.local_grads, obj.global_grads, strict=True) if lg.requires_grad]
     grads: tuple[Tensor | None, ...] = (None,) * len(flat)
     if pairs and flat:  # no pair: no second-order path at all (e.g. a linear model on MSE)
@@ -123,7 +132,7 @@ def teleport_gradient(obj: Objective, weights: list[Tensor], params: list[Tensor
     hvp = [sum_or_zero([next(it) for _ in ts], w) for w, ts in zip(weights, inputs, strict=True)]
     if comm is not None and comm.world_size > 1:
         all_reduce_list_(comm, hvp)
-    return hvp
+    return hvp, list(it)
 
 
 def layer_bases(blocks: list[Block] | UseRecorder, tau: float, executor: BasisExecutor,
@@ -376,9 +385,9 @@ class _Run:
     def direction(self, blocks: list[Block], weights: list[Tensor]) -> list[Tensor]:
         """π(H·∇L) for every moving weight, block by block."""
         exact = self.config.tau >= 1.0 and self.config.tau_rule == "numerical_rank"
-        fast = linear_only(blocks) if exact else None
-        hvp = teleport_gradient(self.cur, weights, self.params, self.comm, fast)
-        return project_blocks(blocks, hvp, inplace=True)  # hvp is this step's own: projected where it lies
+        if not exact:
+            return project_blocks(blocks, teleport_gradient(self.cur, weights, self.params, self.comm), inplace=True)
+        return factored_direction(self.cur, blocks, self.comm, teleport_gradient_and, project_blocks)
 
 
 def project_blocks(blocks: list[Block], grads: list[Tensor], inplace: bool = False) -> list[Tensor]:

@@ -42,10 +42,10 @@ _linear = torch._C._nn.linear
 class _Hold:
     """A tensor handed to ``_Linear`` out of autograd's sight (no edge from the forward node to it)."""
 
-    __slots__ = ("tensor",)
+    __slots__ = ("tensor", "sink")
 
-    def __init__(self, tensor: Tensor | None) -> None:
-        self.tensor = tensor
+    def __init__(self, tensor: Tensor | None, sink: list | None = None) -> None:
+        self.tensor, self.sink = tensor, sink
 
 
 class _Linear(torch.autograd.Function):
@@ -61,7 +61,7 @@ class _Linear(torch.autograd.Function):
         x, w, b, held = inputs
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
-        ctx.alias = held.tensor
+        ctx.alias, ctx.sink = held.tensor, held.sink
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
@@ -74,6 +74,8 @@ class _Linear(torch.autograd.Function):
                 gw = g2.T @ x.reshape(-1, x.shape[-1])
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 gb = g2.sum(0)
+            if ctx.sink is not None and gx is not None:  # this use's factors of H·∇L (teleport.factored)
+                ctx.sink.append((g2, gx))
         return gx, gw, gb, None
 
 
@@ -98,6 +100,7 @@ class SpanFreeLinear(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.aliases: dict[int, Tensor] = {}
+        self.factors: dict[int, list[tuple[Tensor, Tensor]]] = {}  # id(W) -> (δ, ∂L/∂X) of each use, with graph
         self.direct: set[int] = set()
         self.views = False
 
@@ -107,7 +110,9 @@ class SpanFreeLinear(TorchFunctionMode):
             call = dict(zip(("input", "weight", "bias"), args, strict=False), **kwargs)
             x, w, b = call.get("input"), call.get("weight"), call.get("bias")
             if _applies(x, w, b):
-                return _Linear.apply(x, w, b, _Hold(self._alias(w)))
+                alias = self._alias(w)
+                sink = None if alias is None else self.factors.setdefault(id(w), [])
+                return _Linear.apply(x, w, b, _Hold(alias, sink))
             if isinstance(w, Tensor) and w.requires_grad:
                 self.direct.add(id(w))
         return func(*args, **kwargs)

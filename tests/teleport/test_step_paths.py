@@ -17,7 +17,8 @@ from torch import nn
 from teleport import SerialExecutor, TeleportConfig, capture_inputs, teleport_batch
 from teleport.blocks import linear_only, moving_blocks
 from teleport.buffers import StepBuffers
-from teleport.nullspace import layer_bases, objective, project_blocks, teleport_gradient
+from teleport.factored import factored_direction
+from teleport.nullspace import layer_bases, objective, project_blocks, teleport_gradient, teleport_gradient_and
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -128,3 +129,39 @@ def test_span_free_linear_changes_h_grad_only_by_what_pi_removes() -> None:
     for h in (h_fast, h_alias):
         for u, v in zip(project_blocks(blocks, h_full), project_blocks(blocks, h), strict=True):
             assert (u - v).norm() <= 1e-10 * max(float(u.norm()), 1e-300)
+
+
+class _Loop(nn.Module):
+    """A Linear used twice (a loop), one without bias, 3-D activations: the factored π(H·∇L)'s cases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.loop = nn.Linear(6, 10), nn.Linear(10, 10)
+        self.nobias, self.head = nn.Linear(10, 10, bias=False), nn.Linear(10, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 2, 6)
+        h = torch.tanh(self.inp(x))
+        for _ in range(2):
+            h = torch.tanh(self.loop(h))
+        return self.head(F.gelu(self.nobias(h)).mean(1))
+
+
+def test_factored_direction_is_pi_of_the_whole_teleport_gradient() -> None:
+    """π(δᵀC) from the factors δ, C of each use equals π of the full H·∇L (the step's own direction)."""
+    torch.manual_seed(3)
+    model = _Loop()
+    x, y = torch.randn(2, 2, 6), torch.randint(0, 3, (2,))  # 2 uses x 4 columns < 11 inputs: free directions
+    params = list(model.parameters())
+    with capture_inputs(model) as captured:
+        objective(model, F.cross_entropy, x, y, params)
+    blocks = moving_blocks(layer_bases(captured, 1.0, SerialExecutor()), 1.0, "numerical_rank")
+    weights = [p for b in blocks for p in b.params]
+    assert {b.name for b in blocks} == {"loop", "nobias", "head"}
+    expected = project_blocks(blocks, teleport_gradient(objective(model, F.cross_entropy, x, y, params), weights,
+                                                        params))
+    fast = objective(model, F.cross_entropy, x, y, params, span_free=True)
+    assert len(fast.factors[id(model.loop.weight)]) == 2  # both uses of the looped Linear
+    got = factored_direction(fast, blocks, None, teleport_gradient_and, project_blocks)
+    for u, v in zip(expected, got, strict=True):
+        assert u.shape == v.shape and (u - v).norm() <= 1e-10 * max(float(u.norm()), 1e-300)
+    assert min(float(u.norm()) for u in expected) > 1e-6  # every block moves (the bias-free one too)
