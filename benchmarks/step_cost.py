@@ -18,7 +18,8 @@ math kernel that teleport forces for its double backward), ``teleport_batch`` wi
 
 each divided by the fwd+bwd time. Floor (printed, not asserted; issue 18): step excl. bases ≤ 3× fwd+bwd.
 A second table splits a step into its parts, each timed alone: L and ∇L with their graph and
-‖∇L‖², the second backward H·∇L, the projection, and the rest; plus the per-batch bases.
+‖∇L‖², the direction π(H·∇L) (the second backward and π, as a step computes them: at τ = 1 a Linear's
+from its factors, ``teleport.factored``), and the rest; plus the per-batch bases.
 
     python -m benchmarks.step_cost [--quick] [--repeats R] [--threads K]
 """
@@ -166,32 +167,33 @@ def breakdown(model: nn.Module, x: Tensor, y: Tensor, warmup: int, repeats: int,
               canary: Canary | None = None) -> dict[str, float]:
     """Seconds of the parts of one step, timed alone with the library's own pieces on a copy of the model.
 
-    objective: L and ∇L with its graph and ‖∇L‖²; hvp: the second backward H·∇L; projection: π on
-    every layer a step moves (at τ = 1, as a step: span-free Linear graphs, data-reading layers left out);
-    bases: capture's R → SVD/eigh per layer (once per batch, not per step).
+    objective: L and ∇L with its graph and ‖∇L‖²; direction: π(H·∇L) on every layer a step moves, the
+    second backward and π as a step at τ = 1 computes them (span-free Linear graphs, factored π, data-reading
+    layers left out); bases: capture's R → SVD/eigh per layer (once per batch, not per step).
     """
-    from teleport.blocks import linear_only, moving_blocks
-    from teleport.nullspace import layer_bases, objective, project_blocks, teleport_gradient
+    from teleport.blocks import moving_blocks
+    from teleport.factored import factored_direction
+    from teleport.nullspace import layer_bases, objective, project_blocks, teleport_gradient_and
 
     m = copy.deepcopy(model).eval()
     params = [p for p in m.parameters() if p.requires_grad]
     with capture_inputs(m) as captured:
         first = objective(m, F.cross_entropy, x, y, params, span_free=True)  # as a step at τ = 1 does
     layers = moving_blocks(layer_bases(captured, 1.0, SerialExecutor()), 1.0, "numerical_rank")  # what a step moves
-    weights = [p for layer in layers for p in layer.params]
-    only = linear_only(layers)  # as a step at τ = 1: H·∇L of whole Linears through their aliases
-    grads = teleport_gradient(first, weights, params, linear_only=only)
+    del first
+
+    def direction(_: Any) -> list[Tensor]:
+        obj = objective(m, F.cross_entropy, x, y, params, span_free=True)
+        return factored_direction(obj, layers, None, teleport_gradient_and, project_blocks)
 
     t = time_interleaved({
         "objective": (lambda _: objective(m, F.cross_entropy, x, y, params, span_free=True), None),
-        "objective_hvp": (lambda _: teleport_gradient(objective(m, F.cross_entropy, x, y, params, span_free=True),
-                                                      weights, params, linear_only=only), None),
-        "projection": (lambda _: project_blocks(layers, grads), None),
+        "objective_direction": (direction, None),
         "bases": (lambda _: layer_bases(captured, 1.0, SerialExecutor()), None),
     }, warmup=warmup, repeats=repeats, max_spread=MAX_SPREAD, retries=RETRIES, canary=canary)
     med = {k: v["median"] for k, v in t.items()}
-    return {"objective": med["objective"], "hvp": max(med["objective_hvp"] - med["objective"], 0.0),
-            "projection": med["projection"], "bases": med["bases"]}
+    return {"objective": med["objective"], "direction": max(med["objective_direction"] - med["objective"], 0.0),
+            "bases": med["bases"]}
 
 
 def run(quick: bool, steps: int, warmup: int, repeats: int) -> dict[str, Any]:
@@ -202,8 +204,7 @@ def run(quick: bool, steps: int, warmup: int, repeats: int) -> dict[str, Any]:
               flush=True)
         rows[name] = measure(model, x, y, steps, warmup, repeats, canary)
         parts = breakdown(model, x, y, warmup, repeats, canary)
-        parts["rest"] = max(rows[name]["step_excl_bases_seconds"] - parts["objective"] - parts["hvp"]
-                            - parts["projection"], 0.0)
+        parts["rest"] = max(rows[name]["step_excl_bases_seconds"] - parts["objective"] - parts["direction"], 0.0)
         rows[name]["breakdown_seconds"] = parts
     table = [[name, f"{r['fwd_bwd_seconds'] * 1e3:.2f}", f"{r['seconds']['fwd_bwd_math_sdpa']['median'] * 1e3:.2f}",
               f"{r['overhead_seconds'] * 1e3:.2f}", f"{r['amortized_step_seconds'] * 1e3:.2f}",
@@ -219,10 +220,10 @@ def run(quick: bool, steps: int, warmup: int, repeats: int) -> dict[str, Any]:
         return f"{sec * 1e3:.2f} ({sec / max(r['step_excl_bases_seconds'], 1e-12):.0%})"
 
     print("\nwhere a step goes (ms, share of 'step excl.'), each part timed alone; bases are per batch")
-    parts_table = [[name, f"{r['step_excl_bases_seconds'] * 1e3:.2f}", share(r, "objective"), share(r, "hvp"),
-                    share(r, "projection"), share(r, "rest"), f"{r['breakdown_seconds']['bases'] * 1e3:.2f}"]
+    parts_table = [[name, f"{r['step_excl_bases_seconds'] * 1e3:.2f}", share(r, "objective"), share(r, "direction"),
+                    share(r, "rest"), f"{r['breakdown_seconds']['bases'] * 1e3:.2f}"]
                    for name, r in rows.items()]
-    text += "\n\n" + print_table(["model", "step excl.", "L,∇L,‖∇L‖²", "H·∇L", "projection", "rest", "bases"],
+    text += "\n\n" + print_table(["model", "step excl.", "L,∇L,‖∇L‖²", "π(H·∇L)", "rest", "bases"],
                                   parts_table)
     floors = [{"floor": f"{name}: one null-space step (excl. bases) <= {FLOOR:g}x fwd+bwd",
                "value": r["ratio_step_excl_bases"], "limit": FLOOR, "pass": r["ratio_step_excl_bases"] <= FLOOR}
@@ -243,7 +244,7 @@ def run(quick: bool, steps: int, warmup: int, repeats: int) -> dict[str, Any]:
         "fwd+bwd = zero_grad(set_to_none) + forward + cross-entropy + backward, no optimizer; 'f+b math' forces "
         "the math SDPA kernel (what teleport's double backward needs)",
         "steps=0 = capture R + first objective (create_graph) + bases; a step = H·∇L (double backward), "
-        "projection, and one re-evaluation of L and ∇L with its graph",
+        "projection (at τ = 1 a Linear's from its factors), and one re-evaluation of L and ∇L with its graph",
         f"lr {LR}, CAP and loss_tol disabled: every step accepted, no back-off",
         "breakdown: 'rest' = step excl. minus the timed parts (the move, ‖U‖² for the CAP aim, bookkeeping); "
         "parts timed alone do not add up exactly to a step",
