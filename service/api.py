@@ -22,6 +22,7 @@ from service.http_errors import add_error_handlers
 from service.middleware import BodyLimit, Measure
 from service.routes import artifacts, cluster, code, experiments, health, logs, presets, sweeps, users
 from service.settings import Settings
+from service.storage import check_or_exit
 
 WEB_DIR = Path(__file__).parent / "web"  # the dashboard: static files, no build step (package data)
 ROUTERS = (health, experiments, logs, sweeps, artifacts, code, cluster, presets, users)
@@ -64,6 +65,7 @@ def main() -> int:
     import uvicorn
 
     settings = Settings()
+    check_or_exit(settings, reach=False)  # a malformed TLAB_STORAGE URI: one line, before serving
     uvicorn.run(create_app(settings), host=settings.bind, port=settings.port, log_level="warning",
                 access_log=False)
     return 0

@@ -1,7 +1,8 @@
 """A job's artifacts as the API serves them: the files under ``<TLAB_STORAGE>/<job>/artifacts/`` that its
 driver wrote (``workers/artifacts.py``), plus its last Ray Train checkpoint as ``checkpoint.pt`` when the
 driver could not export it (killed before it could). Storage is a local or shared filesystem path
-(``TLAB_STORAGE``); S3 is not supported yet.
+(``TLAB_STORAGE``), or a bucket behind a local working copy: what the copy lacks is pulled first
+(``service.storage``).
 
 A name never leaves the job's directory: absolute names, ``..``, backslashes and NUL are refused (422), and
 a name that resolves elsewhere (a symlink out) is not found (404).
@@ -13,6 +14,7 @@ import hashlib
 from pathlib import Path, PurePosixPath
 
 from api_schemas.artifacts import ArtifactView
+from service import storage
 from service.errors import InvalidInput, JobNotFound
 from service.settings import Settings
 
@@ -57,6 +59,7 @@ def last_checkpoint(settings: Settings, job_id: str) -> Path | None:
 
 def listing(settings: Settings, job_id: str) -> list[ArtifactView]:
     """Every artifact, sorted by name (hidden files, half-written ones among them, left out)."""
+    storage.sync_artifacts(settings, job_id)
     root = run_dir(settings, job_id) / ARTIFACTS
     items = {}
     if root.is_dir():
@@ -82,6 +85,7 @@ def check_name(name: str) -> PurePosixPath:
 def resolve(settings: Settings, job_id: str, name: str) -> Path:
     """The file behind an artifact name, inside the job's directory; 404 if there is none."""
     rel = check_name(name)
+    storage.sync_artifacts(settings, job_id)
     root = run_dir(settings, job_id) / ARTIFACTS
     path = root / rel
     if path.is_file() and inside(path, root) and not any(p.startswith(".") for p in rel.parts):

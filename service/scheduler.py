@@ -43,6 +43,7 @@ from service.preflight_ray import PreflightJobs
 from service.ray_cluster import RAY_ACTIVE, RAY_DONE, ClusterSource, RayJobs, RayNodes, StaticCluster
 from service.settings import Settings
 from service.signals import stop_on_signals
+from service.storage import check_or_exit, storage_env
 from service.store import Store, redact_url
 
 log = logging.getLogger("tlab.scheduler")
@@ -66,6 +67,7 @@ def job_env(settings: Settings) -> dict[str, str]:
            "RAY_JOB_STOP_WAIT_TIME_S": str(int(settings.stop_grace_s)),
            "TLAB_KEEP_CHECKPOINTS": str(settings.keep_checkpoints),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env.update(storage_env(settings))  # with a bucket: its URI and credentials (workers.bucket)
     for name in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "TLAB_DATA", "TLAB_IN_DRIVER", "TLAB_TRIAL_RETRIES"):
         if os.environ.get(name):
             env[name] = os.environ[name]
@@ -395,7 +397,9 @@ def serve(settings: Settings) -> None:
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s",
                         stream=sys.stderr)
-    serve(Settings())
+    settings = Settings()
+    check_or_exit(settings)  # a malformed TLAB_STORAGE URI or an unreachable bucket: one line, exit 2
+    serve(settings)
     return 0
 
 

@@ -22,7 +22,12 @@ class Settings(BaseSettings):
                              description="the Ray dashboard (Jobs API) address")
     home: Path = Field(default_factory=default_home, validation_alias="TLAB_HOME")
     storage: str = Field("", validation_alias="TLAB_STORAGE",
-                         description="checkpoints: a path every Ray node sees (default $TLAB_HOME/storage)")
+                         description="checkpoints, artifacts, logs: a path every Ray node sees (default "
+                                     "$TLAB_HOME/storage), or a bucket URI s3://bucket/prefix?endpoint_override="
+                                     "host:port&scheme=http (docs/operations.md, Storage)")
+    storage_cache: str = Field("", validation_alias="TLAB_STORAGE_CACHE",
+                               description="with a bucket as TLAB_STORAGE: the local working copy on each node "
+                                           "(default $TLAB_HOME/storage)")
     bind: str = Field("127.0.0.1", validation_alias="TLAB_BIND")
     port: int = Field(8470, validation_alias="TLAB_PORT")
     # scheduler
@@ -98,7 +103,15 @@ class Settings(BaseSettings):
 
     @property
     def storage_path(self) -> str:
+        """The local storage directory every part reads and writes (with a bucket: its working copy)."""
+        if self.storage_uri:
+            return self.storage_cache or str(self.home / "storage")
         return self.storage or str(self.home / "storage")
+
+    @property
+    def storage_uri(self) -> str:
+        """TLAB_STORAGE when it is a bucket URI (``objstore``), else ''."""
+        return self.storage if "://" in self.storage else ""
 
     @property
     def webhook_hosts(self) -> set[str]:

@@ -316,9 +316,12 @@ class Stack:
 
 def up(home: Path, port: int | None, num_cpus: int | None) -> int:
     """Start the stack and keep it up (``service.supervise``) until Ctrl-C or SIGTERM; 1 after a crash loop."""
+    from service.settings import Settings
+    from service.storage import check_or_exit
     from service.supervise import Supervisor, supervise_policy
 
     policy = supervise_policy()  # a bad TLAB_RESTART_*/TLAB_CRASH_LOOP_* setting stops here, before anything runs
+    check_or_exit(Settings(TLAB_HOME=home))  # so does a malformed TLAB_STORAGE URI or an unreachable bucket
     stack = Stack(home, port=port, redis_url=os.environ.get("REDIS_URL") or None,
                   ray_address=os.environ.get("RAY_ADDRESS") or None, num_cpus=num_cpus)
     supervisor = Supervisor(stack, policy)

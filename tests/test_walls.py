@@ -16,6 +16,8 @@ FORBIDDEN = {
     "api_schemas": ["torch", "ray", "redis", "fastapi", "teleport", "workers", "service"],
     "workers": ["fastapi", "service"],
     "service": ["torch", "teleport", "workers"],
+    # the bucket layer both workers/ and service/ use: pyarrow and the standard library only
+    "objstore": ["torch", "ray", "redis", "fastapi", "pydantic", "teleport", "api_schemas", "workers", "service"],
     "plots.curves": ["torch", "ray", "redis", "fastapi", "teleport", "workers", "service", "api_schemas"],
     "plots.tables": ["torch", "ray", "redis", "fastapi", "teleport", "workers", "service", "api_schemas", "matplotlib"],
 }

@@ -35,6 +35,7 @@ import torch
 from api_schemas import ExperimentSpec
 from api_schemas.lineage import StartFrom
 from workers.artifacts import CHECKPOINT_FILE, checkpoints, last_training_state
+from workers.bucket import pull_checkpoint, push
 from workers.context import CheckpointRefused, RunContext, keep_checkpoints, read_checkpoint, write_checkpoint
 from workers.failure import JobFailed, failure_reason
 from workers.job_record import job_field
@@ -109,11 +110,16 @@ class DriverContext(RunContext):
             raise
         for old in self.checkpoints()[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
+        if self.is_chief:  # the bucket's copy, when storage is one (``workers.bucket``)
+            push(self.run_dir.parent, self.run_dir.name)
 
     def restore(self) -> dict[str, Any] | None:
         """The newest checkpoint of this run that holds a model (a diverged run's last one holds only its
-        failure); with none, the one it was told to start from (if any)."""
+        failure; with none here, the bucket's newest when storage is one); with none, the one it was told to start
+        from (if any)."""
         found = last_training_state([self.run_dir])
+        if found is None and pull_checkpoint(self.run_dir.parent, self.run_dir.name):  # a bucket's, if any
+            found = last_training_state([self.run_dir])
         if found is None and self.start_from is not None:
             return read_checkpoint(self.start_from)
         return None if found is None else found[1]

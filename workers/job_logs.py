@@ -22,6 +22,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from workers.bucket import push
+
 CURRENT: Path | None = None  # the file this process is being captured in (``capture``), if any
 RECHECK_BYTES = 64 * 1024  # a writer re-reads the job's total log size this often
 DRAIN_TIMEOUT_S = 5.0  # at exit: how long to wait for the pipe to drain (a forked child may hold it open)
@@ -131,6 +133,7 @@ def capture(storage: str | Path, job_id: str, name: str, attempt: int) -> Iterat
                 os.close(fd)
         with contextlib.suppress(AttributeError, ValueError):
             sys.stdout.reconfigure(line_buffering=line_buffered)  # type: ignore[union-attr]
+        push(storage, job_id, "logs")  # the bucket's copy, when storage is one (``workers.bucket``)
 
 
 def also_as(name: str) -> None:

@@ -32,6 +32,7 @@ import redis
 from api_schemas import ExperimentSpec, keys
 from api_schemas.reasons import FAILURE_MARK, one_line
 from workers.artifacts import artifacts_dir
+from workers.bucket import pull_checkpoint, push
 from workers.failure import JobFailed, failure_reason
 from workers.job_logs import also_as, capture
 from workers.job_record import attempt_of, job_field, write_summary
@@ -85,6 +86,7 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
     try:
         from workers.driver import start_checkpoint
 
+        pull_checkpoint(storage, job_id)  # a bucket's newest, when this node has none (``workers.bucket``)
         start = start_checkpoint(client, job_id, storage)  # a continued or forked job's parent checkpoint
         if in_driver():
             from workers.driver import run_in_driver
@@ -98,6 +100,7 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
         if ranks is not None:
             ranks.stop()  # (a no-op once the first try has ended them)
         export_artifacts(spec, [Path(storage) / job_id], out)
+        push(storage, job_id)
     if summary.get("failed"):
         raise JobFailed(str(summary.get("reason", "training failed")))
     write_summary(client, job_id, json.dumps(summary))

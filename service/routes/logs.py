@@ -10,7 +10,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from api_schemas import keys
 from api_schemas.jobs import TERMINAL, JobState
-from service import job_logs
+from service import job_logs, storage
 from service.deps import CurrentUser, StateDep, StreamToken, StreamUser, own_job
 from service.responses import AUTHED, OWNED, STREAMS
 from service.routes.experiments import SSE_HEADERS, job_records
@@ -34,6 +34,7 @@ def logs(job_id: str, st: StateDep, user: CurrentUser, rank: Rank = "0", attempt
     cluster restart. A job that kept none (it never started, or ran before logs were kept): the Ray driver's log
     while Ray still has it, then the job's log events."""
     sid = own_job(st, user, job_id).get("ray_job_id")
+    storage.sync_logs(st.settings, job_id)  # with a bucket: what the local copy lacks
     chosen = job_logs.pick_attempt(st.settings.storage_path, job_id, attempt)
     if chosen is not None:
         return job_logs.tail(job_logs.file_of(st.settings.storage_path, job_id, rank, chosen), tail)
@@ -58,6 +59,7 @@ async def follow_logs(job_id: str, st: StateDep, user: StreamUser, token: Stream
     """Follow the rank's log as it is written, across the job's restarts; ``Last-Event-ID`` resumes at that byte.
     Ends (event ``end``) when the job has ended and its log is read to the end."""
     await run_in_threadpool(own_job, st, user, job_id)
+    await run_in_threadpool(storage.sync_logs, st.settings, job_id)
     cursor = job_logs.parse_cursor(last_event_id)
 
     async def ended() -> bool:

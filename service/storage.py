@@ -1,0 +1,95 @@
+"""The bucket behind ``TLAB_STORAGE``, as the API and the scheduler see it (``objstore``; docs/operations.md,
+Storage).
+
+With a local (or shared) directory as ``TLAB_STORAGE`` nothing here does anything. With a bucket URI, the local
+directory ``settings.storage_path`` (``TLAB_STORAGE_CACHE``) is a working copy: before the API lists or serves a
+job's artifacts or logs it pulls from the bucket what that copy lacks or holds an older version of (logs: only a
+longer one), so a job that ran on another node, or whose local directory was deleted, is still served. A bucket
+that cannot be reached then is a warning in the API's log, and what the local copy holds is served.
+
+``check``: a malformed URI, or a bucket that cannot be reached or does not exist, is one line naming
+TLAB_STORAGE at the start of ``tlab up``, the scheduler and the API.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from pathlib import Path
+
+from objstore import Bucket, StorageError, one_line
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+AWS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION",
+           "AWS_CA_BUNDLE", "AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
+ARTIFACTS, CHECKPOINT = "artifacts", "checkpoint.pt"  # workers.artifacts' names (the service does not import it)
+
+
+@functools.cache
+def _bucket(uri: str) -> Bucket:
+    return Bucket(uri)
+
+
+def bucket(settings: Settings) -> Bucket | None:
+    return _bucket(settings.storage_uri) if settings.storage_uri else None
+
+
+def check(settings: Settings, reach: bool = True) -> None:
+    """A StorageError (one line) for a malformed TLAB_STORAGE URI or, with ``reach``, an unreachable bucket."""
+    b = bucket(settings)
+    if b is not None and reach:
+        b.check()
+
+
+def check_or_exit(settings: Settings, reach: bool = True) -> None:
+    """``check``, and on failure the line on stderr and exit status 2 (a process's start)."""
+    try:
+        check(settings, reach)
+    except StorageError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def storage_env(settings: Settings) -> dict[str, str]:
+    """What a Ray job needs to reach the bucket: its URI (``workers.bucket``) and the AWS variables pyarrow reads
+    that this process has; {} without a bucket."""
+    if not settings.storage_uri:
+        return {}
+    return {"TLAB_STORAGE_URI": settings.storage_uri, **{k: os.environ[k] for k in AWS_ENV if os.environ.get(k)}}
+
+
+def _sync(settings: Settings, job_id: str, what: str, grow_only: bool) -> None:
+    b = bucket(settings)
+    if b is None:
+        return
+    try:
+        b.pull(f"{job_id}/{what}", Path(settings.storage_path) / job_id / what, grow_only=grow_only)
+        if what == ARTIFACTS:
+            pull_checkpoint(b, settings, job_id)
+    except Exception as err:  # the bucket is down: serve what the local copy holds
+        log.warning("could not read experiment %s's %s from the bucket (TLAB_STORAGE): %s", job_id, what,
+                    one_line(err))
+
+
+def pull_checkpoint(b: Bucket, settings: Settings, job_id: str) -> None:
+    """With no exported checkpoint.pt (a driver killed before its export), the newest checkpoint stands in
+    (``service.artifacts.last_checkpoint``): pull its file when no checkpoint is here."""
+    local = Path(settings.storage_path) / job_id
+    if (local / ARTIFACTS / CHECKPOINT).is_file() or any(local.glob(f"checkpoint_*/{CHECKPOINT}")):
+        return
+    newest = b.newest(job_id, "checkpoint_", CHECKPOINT)
+    if newest is not None:
+        b.pull(f"{job_id}/{newest}", local / newest)
+
+
+def sync_artifacts(settings: Settings, job_id: str) -> None:
+    """Pull the job's artifacts the local copy lacks or holds an older version of (with a bucket)."""
+    _sync(settings, job_id, ARTIFACTS, grow_only=False)
+
+
+def sync_logs(settings: Settings, job_id: str) -> None:
+    """Pull the job's log files the local copy lacks or holds a shorter version of (with a bucket)."""
+    _sync(settings, job_id, "logs", grow_only=True)

@@ -1,0 +1,71 @@
+"""A job's directory and the bucket behind it, when storage is one (``objstore``; docs/operations.md, Storage).
+
+The scheduler gives every Ray job ``TLAB_STORAGE`` (the local working directory, as always) and, when
+``TLAB_STORAGE`` is a bucket URI, ``TLAB_STORAGE_URI`` (that URI). With no URI every function here does nothing.
+
+- ``push(storage, job_id)``: upload the job directory's new and changed files (checkpoints, artifacts, logs) and
+  drop the bucket's checkpoints this node no longer keeps; called after each checkpoint, after the artifacts
+  export and when a process's log closes. A failed push is a warning in the job's log, never the job's failure
+  (the next push sends what it missed).
+- ``pull_checkpoint(storage, job_id)``: before a run restores, with no checkpoint of its own here, the newest
+  checkpoint the bucket holds (a job requeued onto a node that never saw it goes on from there).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+from objstore import Bucket, one_line
+from workers.artifacts import CHECKPOINT_FILE, checkpoints
+
+ENV = "TLAB_STORAGE_URI"
+
+
+@functools.cache
+def _bucket(uri: str) -> Bucket:
+    return Bucket(uri)
+
+
+def bucket() -> Bucket | None:
+    """The bucket this job's storage is backed by, or None (a local or shared directory)."""
+    uri = os.environ.get(ENV, "")
+    return _bucket(uri) if uri else None
+
+
+def push(storage: str | Path, job_id: str, what: str = "") -> None:
+    """Upload the new and changed files under ``<storage>/<job_id>/<what>`` (all of it by default); with
+    ``what`` empty, also delete the bucket's checkpoints that are no longer here (``TLAB_KEEP_CHECKPOINTS``)."""
+    b = bucket()
+    if b is None:
+        return
+    local = Path(storage) / job_id
+    try:
+        b.push(local / what if what else local, f"{job_id}/{what}".rstrip("/"))
+        if not what:
+            kept = {p.name for p in local.glob("checkpoint_*")}
+            for old in {n.split("/", 1)[0] for n in b.ls(job_id) if n.startswith("checkpoint_")} - kept:
+                b.delete(f"{job_id}/{old}")
+    except Exception as err:  # the job goes on; the next push sends what this one missed
+        print(f"[tlab] warning: could not copy {local / what} to {b.uri.split('?')[0]}: {one_line(err)}",
+              file=sys.stderr, flush=True)
+
+
+def pull_checkpoint(storage: str | Path, job_id: str) -> str | None:
+    """With no checkpoint of the job here, pull its newest from the bucket; the name pulled, or None."""
+    b = bucket()
+    local = Path(storage) / job_id
+    if b is None or checkpoints([local]):
+        return None
+    try:
+        name = b.newest(job_id, "checkpoint_", CHECKPOINT_FILE)
+        if name is not None:
+            b.pull(f"{job_id}/{name}", local / name)
+    except OSError as err:
+        raise OSError(f"could not read experiment {job_id}'s checkpoints from {b.uri.split('?')[0]} "
+                      f"(TLAB_STORAGE): {one_line(err)}") from None
+    if name is not None:
+        print(f"[tlab] resuming from {name}, pulled from {b.uri.split('?')[0]}", file=sys.stderr, flush=True)
+    return name
