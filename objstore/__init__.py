@@ -96,14 +96,15 @@ class Bucket:
     def delete(self, rel: str) -> None:
         self.fs.delete_dir(self.path(rel))
 
-    def push(self, local_dir: Path, rel: str, skip: tuple[str, ...] = (".",)) -> list[str]:
+    def push(self, local_dir: Path, rel: str, skip: tuple[str, ...] = (".",),
+             remote: dict[str, Remote] | None = None) -> list[str]:
         """Upload the files under ``local_dir`` that are new or changed since the bucket's copy to ``rel``;
         names (relative) of what was uploaded. Symlinks and names with a part starting with one of ``skip``
-        (hidden, half-written files) are left out."""
+        (hidden, half-written files) are left out. ``remote``: ``ls(rel)`` if the caller has it."""
         local_dir = Path(local_dir)
         if not local_dir.is_dir():
             return []
-        remote, sent = None, []
+        sent = []
         for path in sorted(local_dir.rglob("*")):
             name = path.relative_to(local_dir).as_posix()
             if path.is_symlink() or not path.is_file() or any(p.startswith(skip) for p in name.split("/")):

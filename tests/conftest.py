@@ -29,7 +29,7 @@ RAY_MODULES = frozenset({
     "tests/service/test_job_acl.py",
     "tests/service/test_ray_cluster.py",
     "tests/service/test_sweeps.py", "tests/service/test_time_limits.py", "tests/service/test_up_security.py",
-    "tests/service/test_supervise.py",
+    "tests/service/test_supervise.py", "tests/service/test_storage_bucket.py",
     "tests/teleport/test_distributed.py", "tests/web/test_dashboard.py", "tests/workers/test_executors.py",
     "tests/workers/test_ray_train.py", "tests/workers/test_run_entrypoint.py", "tests/workers/test_trial.py",
     "tests/workers/test_gang.py",

@@ -3,10 +3,10 @@
 The scheduler gives every Ray job ``TLAB_STORAGE`` (the local working directory, as always) and, when
 ``TLAB_STORAGE`` is a bucket URI, ``TLAB_STORAGE_URI`` (that URI). With no URI every function here does nothing.
 
-- ``push(storage, job_id)``: upload the job directory's new and changed files (checkpoints, artifacts, logs) and
-  drop the bucket's checkpoints this node no longer keeps; called after each checkpoint, after the artifacts
-  export and when a process's log closes. A failed push is a warning in the job's log, never the job's failure
-  (the next push sends what it missed).
+- ``push(storage, job_id)``: upload the job directory's new and changed files (checkpoints, artifacts, logs);
+  called after each checkpoint (which also drops the bucket's checkpoints the run no longer keeps), after the
+  artifacts export and when a process's log closes (a sweep's driver: its artifacts too). A failed push is a
+  warning in the job's log, never the job's failure (the next push sends what it missed).
 - ``pull_checkpoint(storage, job_id)``: before a run restores, with no checkpoint of its own here, the newest
   checkpoint the bucket holds (a job requeued onto a node that never saw it goes on from there).
 """
@@ -35,21 +35,22 @@ def bucket() -> Bucket | None:
     return _bucket(uri) if uri else None
 
 
-def push(storage: str | Path, job_id: str, what: str = "") -> None:
-    """Upload the new and changed files under ``<storage>/<job_id>/<what>`` (all of it by default); with
-    ``what`` empty, also delete the bucket's checkpoints that are no longer here (``TLAB_KEEP_CHECKPOINTS``)."""
+def push(storage: str | Path, job_id: str, prune: bool = False) -> None:
+    """Upload the new and changed files under ``<storage>/<job_id>``; with ``prune`` (the run directory's one
+    writer, after a checkpoint), also delete the bucket's checkpoints no longer here (``TLAB_KEEP_CHECKPOINTS``)."""
     b = bucket()
     if b is None:
         return
     local = Path(storage) / job_id
     try:
-        b.push(local / what if what else local, f"{job_id}/{what}".rstrip("/"))
-        if not what:
+        remote = b.ls(job_id) if prune else None
+        b.push(local, job_id, remote=remote)
+        if remote is not None:
             kept = {p.name for p in local.glob("checkpoint_*")}
-            for old in {n.split("/", 1)[0] for n in b.ls(job_id) if n.startswith("checkpoint_")} - kept:
+            for old in {n.split("/", 1)[0] for n in remote if n.startswith("checkpoint_")} - kept:
                 b.delete(f"{job_id}/{old}")
     except Exception as err:  # the job goes on; the next push sends what this one missed
-        print(f"[tlab] warning: could not copy {local / what} to {b.uri.split('?')[0]}: {one_line(err)}",
+        print(f"[tlab] warning: could not copy {local} to {b.uri.split('?')[0]}: {one_line(err)}",
               file=sys.stderr, flush=True)
 
 

@@ -111,7 +111,7 @@ class DriverContext(RunContext):
         for old in self.checkpoints()[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
         if self.is_chief:  # the bucket's copy, when storage is one (``workers.bucket``)
-            push(self.run_dir.parent, self.run_dir.name)
+            push(self.run_dir.parent, self.run_dir.name, prune=True)
 
     def restore(self) -> dict[str, Any] | None:
         """The newest checkpoint of this run that holds a model (a diverged run's last one holds only its

@@ -133,7 +133,7 @@ def capture(storage: str | Path, job_id: str, name: str, attempt: int) -> Iterat
                 os.close(fd)
         with contextlib.suppress(AttributeError, ValueError):
             sys.stdout.reconfigure(line_buffering=line_buffered)  # type: ignore[union-attr]
-        push(storage, job_id, "logs")  # the bucket's copy, when storage is one (``workers.bucket``)
+        push(storage, job_id)  # the bucket's copy of the job's files, when storage is one (``workers.bucket``)
 
 
 def also_as(name: str) -> None:

@@ -90,6 +90,8 @@ def test_workers_push_prunes_old_checkpoints_and_a_new_node_pulls_the_newest(s3_
     tree(node_a / JOB, {f"{new}/checkpoint.pt": b"new", f"{new}/meta.json": b"{}"})
     subprocess.run(["rm", "-r", str(node_a / JOB / old)], check=True)  # TLAB_KEEP_CHECKPOINTS dropped it
     bucket.push(node_a, JOB)
+    assert any(old in n for n in Bucket(s3_uri).ls(JOB))  # only the run's writer prunes (another node has none)
+    bucket.push(node_a, JOB, prune=True)
     names = set(Bucket(s3_uri).ls(JOB))
     assert {f"{new}/checkpoint.pt", "logs/attempt-1/driver.log"} <= names and not any(old in n for n in names)
     assert bucket.pull_checkpoint(node_b, JOB) == new

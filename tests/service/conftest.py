@@ -74,14 +74,20 @@ def api_only(redis_server: str, tmp_path: Path, api_env: dict[str, str]) -> Iter
 
 
 @pytest.fixture()
-def stack(redis_server: str, ray_head: Stack, tmp_path: Path) -> Iterator[Stack]:
+def stack_env() -> dict[str, str]:
+    """More environment for ``stack``'s API and scheduler: a test module overrides this fixture to set its own."""
+    return {}
+
+
+@pytest.fixture()
+def stack(redis_server: str, ray_head: Stack, tmp_path: Path, stack_env: dict[str, str]) -> Iterator[Stack]:
     """API + scheduler on a fresh Redis and the session's Ray head; ticks every 0.2 s."""
     s = Stack(tmp_path / "home", redis_url=redis_server, ray_address=ray_head.ray_address,
               ray_token=ray_head.ray_token, tick_s=0.2,
               extra_env={"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1", "TLAB_STOP_GRACE_S": "5",
                          "RAY_AUTH_MODE": "token",
                          # tests that cancel a running job submit one of 100_000 epochs (the default cap is 1000)
-                         "TLAB_MAX_EPOCHS": "100000"})
+                         "TLAB_MAX_EPOCHS": "100000", **stack_env})
     s.home.mkdir(parents=True)
     s.ensure_admin()
     s.start_service()
