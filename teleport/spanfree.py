@@ -29,6 +29,7 @@ The H·∇L it gives differs from the true one by (a), which π removes: use it 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -39,12 +40,16 @@ from torch.overrides import TorchFunctionMode
 _linear = torch._C._nn.linear
 
 
+class _Sink(list):
+    """One weight's uses' (δ, ∂L/∂X), weakly referenced by the autograd nodes that fill it."""
+
+
 class _Hold:
     """A tensor handed to ``_Linear`` out of autograd's sight (no edge from the forward node to it)."""
 
     __slots__ = ("tensor", "sink")
 
-    def __init__(self, tensor: Tensor | None, sink: list | None = None) -> None:
+    def __init__(self, tensor: Tensor | None, sink: _Sink | None = None) -> None:
         self.tensor, self.sink = tensor, sink
 
 
@@ -61,7 +66,9 @@ class _Linear(torch.autograd.Function):
         x, w, b, held = inputs
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
-        ctx.alias, ctx.sink = held.tensor, held.sink
+        ctx.alias = held.tensor
+        ctx.sink = None if held.sink is None else weakref.ref(held.sink)  # a strong one would be a cycle
+        # through autograd's C++ nodes (sink -> ∂L/∂X -> its graph -> the forward -> this ctx): never freed
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
@@ -74,8 +81,9 @@ class _Linear(torch.autograd.Function):
                 gw = g2.T @ x.reshape(-1, x.shape[-1])
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 gb = g2.sum(0)
-            if ctx.sink is not None and gx is not None:  # this use's factors of H·∇L (teleport.factored)
-                ctx.sink.append((g2, gx))
+            sink = None if ctx.sink is None else ctx.sink()
+            if sink is not None and gx is not None:  # this use's factors of H·∇L (teleport.factored)
+                sink.append((g2, gx))
         return gx, gw, gb, None
 
 
@@ -100,7 +108,7 @@ class SpanFreeLinear(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.aliases: dict[int, Tensor] = {}
-        self.factors: dict[int, list[tuple[Tensor, Tensor]]] = {}  # id(W) -> (δ, ∂L/∂X) of each use, with graph
+        self.factors: dict[int, _Sink] = {}  # id(W) -> (δ, ∂L/∂X) of each use, with graph
         self.direct: set[int] = set()
         self.views = False
 
@@ -111,7 +119,7 @@ class SpanFreeLinear(TorchFunctionMode):
             x, w, b = call.get("input"), call.get("weight"), call.get("bias")
             if _applies(x, w, b):
                 alias = self._alias(w)
-                sink = None if alias is None else self.factors.setdefault(id(w), [])
+                sink = None if alias is None else self.factors.setdefault(id(w), _Sink())
                 return _Linear.apply(x, w, b, _Hold(alias, sink))
             if isinstance(w, Tensor) and w.requires_grad:
                 self.direct.add(id(w))

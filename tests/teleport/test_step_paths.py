@@ -8,6 +8,8 @@ bit for bit the same as ``W₀ + η·U``, and end in their own storage.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -165,3 +167,13 @@ def test_factored_direction_is_pi_of_the_whole_teleport_gradient() -> None:
     for u, v in zip(expected, got, strict=True):
         assert u.shape == v.shape and (u - v).norm() <= 1e-10 * max(float(u.norm()), 1e-300)
     assert min(float(u.norm()) for u in expected) > 1e-6  # every block moves (the bias-free one too)
+
+
+def test_a_span_free_objective_frees_its_graph() -> None:
+    """The factors' sink is held weakly by the autograd nodes that fill it: no cycle keeps a step's graph alive."""
+    model, x, y = case()
+    obj = objective(model, F.cross_entropy, x, y, list(model.parameters()), span_free=True)
+    sink = weakref.ref(obj.factors[id(model[2].weight)])
+    del obj
+    gc.collect()
+    assert sink() is None
