@@ -118,7 +118,7 @@ class Bucket:
                 if theirs is not None and theirs.size == st.st_size and st.st_mtime <= theirs.mtime + MTIME_SLACK_S:
                     _pushed[str(path)] = (st.st_size, st.st_mtime_ns)
                     continue
-            self.upload(path, f"{rel}/{name}")
+            self.upload(path, join(rel, name))
             _pushed[str(path)] = (st.st_size, st.st_mtime_ns)
             sent.append(name)
         return sent
@@ -128,16 +128,18 @@ class Bucket:
             while chunk := src.read(1 << 20):
                 dst.write(chunk)
 
-    def pull(self, rel: str, local_dir: Path, grow_only: bool = False) -> list[str]:
+    def pull(self, rel: str, local_dir: Path, grow_only: bool = False, only: str = "") -> list[str]:
         """Download the files under ``rel`` that ``local_dir`` lacks or holds an older copy of; names pulled.
         ``grow_only`` (logs, which only grow): replace a local file only by a longer one, so a file this
-        machine is still appending to is never replaced by the bucket's older copy."""
+        machine is still appending to is never replaced by the bucket's older copy. ``only``: names that start
+        with it."""
         got = []
         for name, theirs in sorted(self.ls(rel).items()):
             target = Path(local_dir) / name
-            if any(p in ("", ".", "..") for p in name.split("/")) or not wanted(target, theirs, grow_only):
+            if not name.startswith(only) or any(p in ("", ".", "..") for p in name.split("/")) \
+                    or not wanted(target, theirs, grow_only):
                 continue
-            self.download(f"{rel}/{name}", target, theirs.mtime)
+            self.download(join(rel, name), target, theirs.mtime)
             got.append(name)
         return got
 
@@ -154,6 +156,11 @@ class Bucket:
             os.replace(tmp, target)
         finally:
             tmp.unlink(missing_ok=True)
+
+
+def join(rel: str, name: str) -> str:
+    """``rel/name`` ('/'-separated; ``rel`` may be empty or end with '/')."""
+    return "/".join(p for p in (rel.strip("/"), name) if p)
 
 
 def wanted(target: Path, theirs: Remote, grow_only: bool) -> bool:

@@ -32,6 +32,7 @@ from api_schemas.lineage import (
     continue_spec,
     fork_spec,
 )
+from service import storage
 from service.admission import admit_experiment
 from service.artifacts import inside, run_dir
 from service.deps import State, own_job
@@ -56,6 +57,7 @@ return #children
 def kept_epochs(settings: Settings, job_id: str) -> dict[int, str]:
     """{epochs trained: checkpoint directory name} of the job's kept checkpoints that hold a model (a diverged
     run's last one holds only its failure: its ``meta.json`` has no epoch); the newest directory per epoch."""
+    storage.sync_checkpoints(settings, job_id)  # with a bucket: what the local copy lacks
     root = run_dir(settings, job_id)
     found: dict[int, str] = {}
     for path in sorted(root.glob("checkpoint_*"), key=lambda p: p.name):  # names carry the time: oldest first

@@ -61,16 +61,16 @@ def storage_env(settings: Settings) -> dict[str, str]:
     return {"TLAB_STORAGE_URI": settings.storage_uri, **{k: os.environ[k] for k in AWS_ENV if os.environ.get(k)}}
 
 
-def _sync(settings: Settings, job_id: str, what: str, grow_only: bool) -> None:
+def _sync(settings: Settings, job_id: str, what: str, grow_only: bool = False, only: str = "") -> None:
     b = bucket(settings)
     if b is None:
         return
     try:
-        b.pull(f"{job_id}/{what}", Path(settings.storage_path) / job_id / what, grow_only=grow_only)
+        b.pull(f"{job_id}/{what}", Path(settings.storage_path) / job_id / what, grow_only=grow_only, only=only)
         if what == ARTIFACTS:
             pull_checkpoint(b, settings, job_id)
     except Exception as err:  # the bucket is down: serve what the local copy holds
-        log.warning("could not read experiment %s's %s from the bucket (TLAB_STORAGE): %s", job_id, what,
+        log.warning("could not read experiment %s's %s from the bucket (TLAB_STORAGE): %s", job_id, what or only,
                     one_line(err))
 
 
@@ -93,3 +93,8 @@ def sync_artifacts(settings: Settings, job_id: str) -> None:
 def sync_logs(settings: Settings, job_id: str) -> None:
     """Pull the job's log files the local copy lacks or holds a shorter version of (with a bucket)."""
     _sync(settings, job_id, "logs", grow_only=True)
+
+
+def sync_checkpoints(settings: Settings, job_id: str) -> None:
+    """Pull the job's kept checkpoints the local copy lacks (with a bucket): a continue or fork reads them."""
+    _sync(settings, job_id, "", only="checkpoint_")

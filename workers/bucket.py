@@ -8,7 +8,8 @@ The scheduler gives every Ray job ``TLAB_STORAGE`` (the local working directory,
   artifacts export and when a process's log closes (a sweep's driver: its artifacts too). A failed push is a
   warning in the job's log, never the job's failure (the next push sends what it missed).
 - ``pull_checkpoint(storage, job_id)``: before a run restores, with no checkpoint of its own here, the newest
-  checkpoint the bucket holds (a job requeued onto a node that never saw it goes on from there).
+  checkpoint the bucket holds (a job requeued onto a node that never saw it goes on from there); ``pull_dir``:
+  one directory (a continued or forked job's parent checkpoint).
 """
 
 from __future__ import annotations
@@ -54,19 +55,29 @@ def push(storage: str | Path, job_id: str, prune: bool = False) -> None:
               file=sys.stderr, flush=True)
 
 
+def pull_dir(storage: str | Path, rel: str) -> list[str]:
+    """Download the bucket's ``rel`` (a job's checkpoint directory) to ``<storage>/<rel>``; names pulled ([]
+    without a bucket). An OSError naming TLAB_STORAGE when the bucket cannot be read."""
+    b = bucket()
+    if b is None:
+        return []
+    try:
+        return b.pull(rel, Path(storage) / rel)
+    except OSError as err:
+        raise OSError(f"could not read {rel} from {b.uri.split('?')[0]} (TLAB_STORAGE): {one_line(err)}") from None
+
+
 def pull_checkpoint(storage: str | Path, job_id: str) -> str | None:
     """With no checkpoint of the job here, pull its newest from the bucket; the name pulled, or None."""
     b = bucket()
-    local = Path(storage) / job_id
-    if b is None or checkpoints([local]):
+    if b is None or checkpoints([Path(storage) / job_id]):
         return None
     try:
         name = b.newest(job_id, "checkpoint_", CHECKPOINT_FILE)
-        if name is not None:
-            b.pull(f"{job_id}/{name}", local / name)
     except OSError as err:
-        raise OSError(f"could not read experiment {job_id}'s checkpoints from {b.uri.split('?')[0]} "
+        raise OSError(f"could not list experiment {job_id}'s checkpoints in {b.uri.split('?')[0]} "
                       f"(TLAB_STORAGE): {one_line(err)}") from None
     if name is not None:
+        pull_dir(storage, f"{job_id}/{name}")
         print(f"[tlab] resuming from {name}, pulled from {b.uri.split('?')[0]}", file=sys.stderr, flush=True)
     return name

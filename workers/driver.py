@@ -35,7 +35,7 @@ import torch
 from api_schemas import ExperimentSpec
 from api_schemas.lineage import StartFrom
 from workers.artifacts import CHECKPOINT_FILE, checkpoints, last_training_state
-from workers.bucket import pull_checkpoint, push
+from workers.bucket import pull_checkpoint, pull_dir, push
 from workers.context import CheckpointRefused, RunContext, keep_checkpoints, read_checkpoint, write_checkpoint
 from workers.failure import JobFailed, failure_reason
 from workers.job_record import job_field
@@ -134,6 +134,8 @@ def start_checkpoint(client: redis.Redis, job_id: str, storage: str | Path) -> P
         return None
     start = StartFrom.model_validate_json(raw)
     path = start.path(storage)
+    if not (path / CHECKPOINT_FILE).is_file():  # a bucket's copy, when storage is one and this node has none
+        pull_dir(storage, f"{start.job}/{start.checkpoint}")
     if not (path / CHECKPOINT_FILE).is_file():
         raise ValueError(f"the checkpoint to start from (experiment {start.job} after epoch {start.epoch}, {path}) "
                          "is gone: submit the spec as a new experiment instead")
