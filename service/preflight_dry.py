@@ -18,6 +18,7 @@ from api_schemas import keys
 from api_schemas.jobs import DryRun, UserPublic
 from api_schemas.preflight import PreflightResult
 from api_schemas.spec import ExperimentSpec
+from service import storage
 from service.code_store import runtime_env_for
 from service.errors import Forbidden, InvalidInput, ServiceError, TooManyRequests
 from service.job_acl import JobAcl
@@ -110,3 +111,4 @@ def _cleanup(settings: Settings, r: Any, job_id: str) -> None:
     drop_user(r, job_id)
     r.delete(keys.job_run(job_id), keys.preflight(job_id), keys.events(job_id), keys.emitted(job_id))
     shutil.rmtree(Path(settings.storage_path) / job_id, ignore_errors=True)
+    storage.delete(settings, job_id)  # its log, when a bucket is the storage

@@ -98,3 +98,14 @@ def sync_logs(settings: Settings, job_id: str) -> None:
 def sync_checkpoints(settings: Settings, job_id: str) -> None:
     """Pull the job's kept checkpoints the local copy lacks (with a bucket): a continue or fork reads them."""
     _sync(settings, job_id, "", only="checkpoint_")
+
+
+def delete(settings: Settings, job_id: str) -> None:
+    """Remove the job's directory from the bucket (with one; a dry run's, which leaves nothing behind)."""
+    b = bucket(settings)
+    if b is None:
+        return
+    try:
+        b.delete(job_id)
+    except Exception as err:
+        log.warning("could not delete %s from the bucket (TLAB_STORAGE): %s", job_id, one_line(err))

@@ -109,6 +109,8 @@ def test_the_api_serves_artifacts_and_logs_it_no_longer_holds(s3_uri: str, tmp_p
     assert artifacts.resolve(s, JOB, "plots/a.txt").read_bytes() == b"mine"
     storage.sync_logs(s, JOB)
     assert (tmp_path / "cache" / JOB / "logs/attempt-1/driver.log").read_bytes() == b"trained\n"
+    storage.delete(s, JOB)  # a dry run's directory goes from the bucket too
+    assert storage.bucket(s).ls(JOB) == {}
 
 
 @pytest.mark.parametrize("argv", [[sys.executable, "-m", "service.scheduler"],
