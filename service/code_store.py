@@ -27,6 +27,7 @@ from api_schemas import keys
 from api_schemas.code import CodePackage, package_hex
 from api_schemas.jobs import Role, UserPublic
 from api_schemas.spec import ExperimentSpec
+from service import storage
 from service.errors import Forbidden, InvalidInput, JobNotFound, Unstartable
 from service.settings import Settings
 
@@ -102,6 +103,7 @@ def store_package(settings: Settings, owner: str, data: bytes) -> tuple[CodePack
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    storage.put(settings, path)  # with a bucket as storage: its durable copy
     return describe(path, owner, package), True
 
 
@@ -114,7 +116,7 @@ def find_package(settings: Settings, user: UserPublic, package: str) -> CodePack
     owners = [user.name] if user.role != Role.ADMIN else sorted(p.name for p in code_dir(settings).glob("*"))
     for owner in owners:
         path = code_dir(settings) / owner / f"{hexdigest}.zip"
-        if path.is_file():
+        if storage.fetch(settings, path):
             return describe(path, owner, package)
     raise PackageNotFound(f"no code package {package} of yours: upload it with POST /v1/code "
                           "(tlab submit --code DIR does)", field="package")
@@ -137,7 +139,7 @@ def check_code(settings: Settings, user: UserPublic, spec: ExperimentSpec, prefi
     if uses:
         check_may_run_code(settings, user, f"{prefix}.code", f", and {', '.join(uses)} would")
     package = spec.code.package if spec.code is not None else None
-    if package and not package_path(settings, user.name, package).is_file():
+    if package and not storage.fetch(settings, package_path(settings, user.name, package)):
         raise InvalidInput(f"no code package {package} of yours: upload it first (POST /v1/code; "
                            "tlab submit --code DIR does both)", field=f"{prefix}.code.package")
 
@@ -173,7 +175,7 @@ class JobCode:
             raise Unstartable(f"its stored spec no longer validates (spec.{where}: {first['msg']}): "
                               "submit it again with a corrected spec") from None
         env = runtime_env_for(self.settings, owner, spec)
-        if "working_dir" in env and not Path(env["working_dir"]).is_file():
+        if "working_dir" in env and not storage.fetch(self.settings, Path(env["working_dir"])):
             raise Unstartable(f"its code package {spec.code.package if spec.code else ''} is no longer stored: "
                               "upload the directory again (tlab submit --code DIR) and resubmit")
         return env

@@ -109,3 +109,31 @@ def delete(settings: Settings, job_id: str) -> None:
         b.delete(job_id)
     except Exception as err:
         log.warning("could not delete %s from the bucket (TLAB_STORAGE): %s", job_id, one_line(err))
+
+
+def fetch(settings: Settings, path: Path) -> bool:
+    """Whether the file ``path`` (under the storage directory) is here, downloaded from the bucket first if it is
+    not (a code package another API host stored)."""
+    if path.is_file():
+        return True
+    b = bucket(settings)
+    if b is None:
+        return False
+    try:
+        b.download(path.relative_to(settings.storage_path).as_posix(), path)
+    except FileNotFoundError:
+        return False
+    except Exception as err:  # the bucket is down: as if it were not there, said in the log
+        log.warning("could not read %s from the bucket (TLAB_STORAGE): %s", path, one_line(err))
+    return path.is_file()
+
+
+def put(settings: Settings, path: Path) -> None:
+    """Upload the file ``path`` (under the storage directory) to the bucket, with one (a code package)."""
+    b = bucket(settings)
+    if b is None:
+        return
+    try:
+        b.upload(path, path.relative_to(settings.storage_path).as_posix())
+    except Exception as err:  # kept here still; a scheduler on another host will say it is missing
+        log.warning("could not copy %s to the bucket (TLAB_STORAGE): %s", path, one_line(err))
