@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from service.errors import InvalidInput, JobNotFound
 
 CHUNK = 64 * 1024  # bytes per SSE event at most
 POLL_S = 0.5  # how often a follow looks for new bytes
+REFRESH_S = 2.0  # with a bucket as storage: how often a follow pulls what other hosts uploaded
 _ATTEMPT = re.compile(r"attempt-(\d+)")
 _CURSOR = re.compile(r"(\d+):(\d+)")
 
@@ -139,14 +141,18 @@ class _Follow:
 
 async def follow(storage: str | Path, job_id: str, rank: str, cursor: tuple[int, int] | None,
                  ended: Callable[[], Awaitable[bool]], still_valid: Callable[[], Awaitable[bool]],
-                 heartbeat_s: float) -> AsyncIterator[str]:
+                 heartbeat_s: float, refresh: Callable[[], None] | None = None) -> AsyncIterator[str]:
     """SSE text: the rank's log from ``cursor`` (the start when None), then what is written, until the job has
-    ended and its last file is read (``end``), or the caller's token stops signing in."""
+    ended and its last file is read (``end``), or the caller's token stops signing in. ``refresh`` (with a bucket
+    as storage: pull what the job's other hosts uploaded) runs every ``REFRESH_S`` and once the job has ended."""
     state = _Follow(storage, job_id, rank, cursor)
     yield "retry: 2000\n\n"
-    quiet = 0.0
+    quiet, synced, final = 0.0, -REFRESH_S, False
     while True:
         is_ended = await ended()  # before the read: bytes written before the end are read after it
+        if refresh is not None and ((is_ended and not final) or time.monotonic() - synced >= REFRESH_S):
+            final, synced = final or is_ended, time.monotonic()
+            await asyncio.to_thread(refresh)
         event, finished = await asyncio.to_thread(state.read, is_ended)
         if event:
             quiet = 0.0

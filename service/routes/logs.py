@@ -59,14 +59,14 @@ async def follow_logs(job_id: str, st: StateDep, user: StreamUser, token: Stream
     """Follow the rank's log as it is written, across the job's restarts; ``Last-Event-ID`` resumes at that byte.
     Ends (event ``end``) when the job has ended and its log is read to the end."""
     await run_in_threadpool(own_job, st, user, job_id)
-    await run_in_threadpool(storage.sync_logs, st.settings, job_id)
     cursor = job_logs.parse_cursor(last_event_id)
 
     async def ended() -> bool:
         state = await st.aredis.hget(keys.job(job_id), "state")
         return state is None or JobState(state) in TERMINAL
 
+    refresh = (lambda: storage.sync_logs(st.settings, job_id)) if st.settings.storage_uri else None
     stream = job_logs.follow(st.settings.storage_path, job_id, rank, cursor, ended,
-                             lambda: st.still_valid(token), st.settings.heartbeat_s)
+                             lambda: st.still_valid(token), st.settings.heartbeat_s, refresh)
     return StreamingResponse(st.count_stream(user.name, stream), media_type="text/event-stream",
                              headers=SSE_HEADERS)
