@@ -17,12 +17,15 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 from pathlib import Path
 
 from objstore import Bucket, one_line
 from workers.artifacts import CHECKPOINT_FILE, checkpoints
 
 ENV = "TLAB_STORAGE_URI"
+RETRY_S = 30.0  # after a failed push, checkpoints are not pushed for this long (the end of a run always is)
+_failed_at = [-RETRY_S]  # monotonic time of the last failed push
 
 
 @functools.cache
@@ -38,9 +41,11 @@ def bucket() -> Bucket | None:
 
 def push(storage: str | Path, job_id: str, prune: bool = False) -> None:
     """Upload the new and changed files under ``<storage>/<job_id>``; with ``prune`` (the run directory's one
-    writer, after a checkpoint), also delete the bucket's checkpoints no longer here (``TLAB_KEEP_CHECKPOINTS``)."""
+    writer, after a checkpoint), also delete the bucket's checkpoints no longer here (``TLAB_KEEP_CHECKPOINTS``).
+    A checkpoint's push within ``RETRY_S`` of a failed one is skipped (an unreachable bucket would cost each
+    epoch the client's retries); the pushes at the end of a run always try."""
     b = bucket()
-    if b is None:
+    if b is None or (prune and time.monotonic() - _failed_at[0] < RETRY_S):
         return
     local = Path(storage) / job_id
     try:
@@ -51,6 +56,7 @@ def push(storage: str | Path, job_id: str, prune: bool = False) -> None:
             for old in {n.split("/", 1)[0] for n in remote if n.startswith("checkpoint_")} - kept:
                 b.delete(f"{job_id}/{old}")
     except Exception as err:  # the job goes on; the next push sends what this one missed
+        _failed_at[0] = time.monotonic()
         print(f"[tlab] warning: could not copy {local} to {b.uri.split('?')[0]}: {one_line(err)}",
               file=sys.stderr, flush=True)
 

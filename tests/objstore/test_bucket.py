@@ -122,3 +122,18 @@ def test_bad_storage_stops_the_start_with_one_line(argv: list[str], tmp_path: Pa
     assert out.returncode == 2, out.stderr
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: TLAB_STORAGE='s3:///nobucket'"), out.stderr
+
+
+def test_after_a_failed_push_checkpoints_skip_the_bucket_for_a_while(s3_endpoint: str, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from workers import bucket
+
+    monkeypatch.setenv(bucket.ENV, f"s3://nosuch/lab?endpoint_override={s3_endpoint}&scheme=http&region=us-east-1")
+    monkeypatch.setattr(bucket, "_failed_at", [-bucket.RETRY_S])
+    tree(tmp_path / JOB, {"checkpoint_1/checkpoint.pt": b"x"})
+    bucket.push(tmp_path, JOB, prune=True)  # fails: a warning, never the job's failure
+    bucket.push(tmp_path, JOB, prune=True)  # within RETRY_S: skipped, no second try
+    assert capsys.readouterr().err.count("[tlab] warning: could not copy") == 1
+    bucket.push(tmp_path, JOB)  # the end of a run: tries again
+    assert capsys.readouterr().err.count("[tlab] warning: could not copy") == 1
