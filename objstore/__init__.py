@@ -20,7 +20,7 @@ from typing import Any
 MTIME_SLACK_S = 2.0  # a bucket keeps whole seconds: a copy this much newer than ours is a different one
 HINT = ("give a local directory, or s3://bucket/prefix?endpoint_override=host:port&scheme=http "
         "(credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
-_pushed: dict[str, tuple[int, int]] = {}  # local file -> (size, mtime_ns) when this process last uploaded it
+_pushed: dict[str, tuple[int, int]] = {}  # "<bucket path> <local file>" -> its (size, mtime_ns) when last uploaded
 
 
 class StorageError(ValueError):
@@ -109,17 +109,17 @@ class Bucket:
             name = path.relative_to(local_dir).as_posix()
             if path.is_symlink() or not path.is_file() or any(p.startswith(skip) for p in name.split("/")):
                 continue
-            st = path.stat()
-            if _pushed.get(str(path)) == (st.st_size, st.st_mtime_ns):
+            st, key = path.stat(), f"{self.path(join(rel, name))} {path}"
+            if _pushed.get(key) == (st.st_size, st.st_mtime_ns):
                 continue
-            if str(path) not in _pushed:  # a fresh process: compare with the bucket's copy
+            if key not in _pushed:  # a fresh process: compare with the bucket's copy
                 remote = self.ls(rel) if remote is None else remote
                 theirs = remote.get(name)
                 if theirs is not None and theirs.size == st.st_size and st.st_mtime <= theirs.mtime + MTIME_SLACK_S:
-                    _pushed[str(path)] = (st.st_size, st.st_mtime_ns)
+                    _pushed[key] = (st.st_size, st.st_mtime_ns)
                     continue
             self.upload(path, join(rel, name))
-            _pushed[str(path)] = (st.st_size, st.st_mtime_ns)
+            _pushed[key] = (st.st_size, st.st_mtime_ns)
             sent.append(name)
         return sent
 
@@ -133,12 +133,12 @@ class Bucket:
         ``grow_only`` (logs, which only grow): replace a local file only by a longer one, so a file this
         machine is still appending to is never replaced by the bucket's older copy. ``only``: names that start
         with it."""
-        got = []
+        got, root = [], Path(local_dir).resolve()
         for name, theirs in sorted(self.ls(rel).items()):
             target = Path(local_dir) / name
             if not name.startswith(only) or any(p in ("", ".", "..") for p in name.split("/")) \
-                    or not wanted(target, theirs, grow_only):
-                continue
+                    or not target.parent.resolve().is_relative_to(root) or not wanted(target, theirs, grow_only):
+                continue  # (a folder here that is a link out of local_dir is never written through)
             self.download(join(rel, name), target, theirs.mtime)
             got.append(name)
         return got

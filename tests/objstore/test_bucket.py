@@ -4,6 +4,7 @@ server over HTTP (tests/s3.py, via conftest.py), spoken to by pyarrow's AWS clie
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,9 @@ def test_push_sends_new_and_changed_files_and_pull_brings_them_back(s3_uri: str,
     assert b.pull("job", dst) == ["a.txt", "sub/b.bin"]
     assert (dst / "sub/b.bin").read_bytes() == (src / "sub/b.bin").read_bytes()
     assert b.pull("job", dst) == []  # up to date
+    shutil.rmtree(dst / "sub")
+    (dst / "sub").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    assert b.pull("job", dst) == []  # never written through a link out of the directory
     with b.open("job/a.txt") as f:
         assert f.read() == b"alpha, longer"
 
