@@ -117,7 +117,7 @@ def test_the_api_serves_artifacts_and_logs_it_no_longer_holds(s3_uri: str, tmp_p
     assert storage.bucket(s).ls(JOB) == {}
 
 
-@pytest.mark.parametrize("argv", [[sys.executable, "-m", "service.scheduler"],
+@pytest.mark.parametrize("argv", [[sys.executable, "-m", "service.scheduler"], [sys.executable, "-m", "service.api"],
                                   [sys.executable, "-m", "service.cli", "up"]])
 def test_bad_storage_stops_the_start_with_one_line(argv: list[str], tmp_path: Path) -> None:
     env = {**os.environ, "TLAB_STORAGE": "s3:///nobucket", "TLAB_HOME": str(tmp_path / "home"),
