@@ -12,6 +12,7 @@ import os
 import pickle
 import re
 import tempfile
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,25 @@ def plain(value: Any) -> Any:
     if isinstance(value, list | tuple):
         seq = [plain(v) for v in value]
         return value if all(a is b for a, b in zip(seq, value, strict=True)) else type(value)(seq)
+    return value
+
+
+def detached_copy(value: Any) -> Any:
+    """``value`` with every tensor copied to host memory: what a checkpoint written in the background holds
+    while the loop goes on changing the weights in place. Dicts keep their kind and a state_dict its
+    ``_metadata``; lists and tuples are copied; anything else is shared (numbers, strings: immutable)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        items = ((k, detached_copy(v)) for k, v in value.items())
+        out = OrderedDict(items) if isinstance(value, OrderedDict) else dict(items)
+        if hasattr(value, "_metadata"):
+            out._metadata = value._metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(value, list):
+        return [detached_copy(v) for v in value]
+    if type(value) is tuple:
+        return tuple(detached_copy(v) for v in value)
     return value
 
 
@@ -119,6 +139,10 @@ class RunContext:
 
     def save(self, state: dict[str, Any], metrics: dict[str, Any]) -> None:
         """Keep the state to resume from after a failure; an in-process run has no one to resume it."""
+
+    def flush(self) -> None:
+        """Return once every checkpoint saved so far is written (a context that writes them in the background:
+        ``workers.driver.DriverContext``); the loop calls it before it returns or raises."""
 
     def report_metrics(self, metrics: dict[str, Any]) -> None:
         """Metrics without a checkpoint (an own loop's epoch it did not checkpoint: ``workers.own_loop``); every

@@ -24,7 +24,8 @@ import shutil
 import sys
 import tempfile
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,14 @@ from api_schemas import ExperimentSpec
 from api_schemas.lineage import StartFrom
 from workers.artifacts import CHECKPOINT_FILE, checkpoints, last_training_state
 from workers.bucket import pull_checkpoint, pull_dir, push
-from workers.context import CheckpointRefused, RunContext, keep_checkpoints, read_checkpoint, write_checkpoint
+from workers.context import (
+    CheckpointRefused,
+    RunContext,
+    detached_copy,
+    keep_checkpoints,
+    read_checkpoint,
+    write_checkpoint,
+)
 from workers.failure import JobFailed, failure_reason
 from workers.job_record import job_field
 from workers.redis_sink import RedisSink
@@ -68,6 +76,30 @@ def checkpoint_name() -> str:
     return f"checkpoint_{datetime.today().strftime('%Y-%m-%d_%H-%M-%S.%f')}"
 
 
+class CheckpointWriter:
+    """One background thread that writes checkpoints in the order they were saved, one at a time.
+
+    Measured (benchmarks/ray_overhead.py, digits MLP [512, 512], 51-ms epochs): writing each epoch's checkpoint
+    in the loop cost ~3 ms an epoch (6 %), and an upload to a bucket 60-200 ms. Here the loop pays a copy of the
+    state (``detached_copy``) and waits only when the previous write has not finished. A write's error is raised
+    by the next ``submit`` or by ``flush``; a stop (SIGTERM raises in the main thread) does not interrupt a write,
+    and ``flush`` before the process ends leaves the last one on disk. A kill leaves at most a hidden
+    half-written directory, dropped by the next run (``DriverContext.drop_partial``)."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tlab-checkpoint")
+        self._pending: Future[None] | None = None
+
+    def submit(self, write: Callable[[dict[str, Any]], None], state: dict[str, Any]) -> None:
+        self.flush()
+        self._pending = self._pool.submit(write, state)
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+
 class DriverContext(RunContext):
     """One rank in the driver process: checkpoints under ``run_dir``, kept ``keep`` at a time."""
 
@@ -82,6 +114,7 @@ class DriverContext(RunContext):
         self.start_from = start_from
         self.keep = keep_checkpoints() if keep is None else keep
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._writer: CheckpointWriter | None = None
         if self.is_chief:
             self.drop_partial()  # what a kill left mid-write
         if artifacts_dir is not None:
@@ -98,6 +131,17 @@ class DriverContext(RunContext):
             shutil.rmtree(partial, ignore_errors=True)
 
     def save(self, state: dict[str, Any], metrics: dict[str, Any]) -> None:
+        """Write the checkpoint in the background (``CheckpointWriter``): the loop goes on with the next epoch
+        while a copy of ``state`` is written, rotated and (with a bucket) uploaded; one write at a time, in order."""
+        if self._writer is None:
+            self._writer = CheckpointWriter()
+        self._writer.submit(self._write, detached_copy(state))
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def _write(self, state: dict[str, Any]) -> None:
         try:  # the temporary directory is made inside: a stop may land between its mkdir and mkdtemp's return
             tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=self.run_dir))
             write_checkpoint(state, tmp)
@@ -158,6 +202,7 @@ def attempt(spec: ExperimentSpec, ctx: DriverContext) -> dict[str, Any]:
         # it would diverge again from its last checkpoint: end the run as failed instead of a retry
         failed = {"failed": True, "reason": str(err)}
         ctx.save({"failed": str(err)}, failed)
+        ctx.flush()
         return failed
     summary.pop("params")
     return summary

@@ -21,6 +21,7 @@ import json
 import math
 import shutil
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -155,8 +156,18 @@ def train(spec: ExperimentSpec, ctx: RunContext | None = None, *, progress: bool
     before = torch.get_num_threads()
     if threads > 0:
         torch.set_num_threads(threads)
+    ctx = ctx or RunContext(device=select_device(spec.training))
     try:
-        return _train(spec, ctx or RunContext(device=select_device(spec.training)), progress)
+        summary = _train(spec, ctx, progress)
+    except BaseException:
+        try:  # what was saved before the failure is on disk; the failure is what the caller hears of
+            ctx.flush()
+        except Exception:  # noqa: BLE001 - a second error (the disk is full) must not hide the first
+            traceback.print_exc()
+        raise
+    else:
+        ctx.flush()  # every checkpoint written before the summary goes back
+        return summary
     finally:
         torch.set_num_threads(before)
 

@@ -41,13 +41,38 @@ def test_checkpoints_are_whole_newest_first_and_only_the_last_n_kept(
     assert not half.exists() and ctx.restore() is None
     for epoch in range(1, 5):
         ctx.save({"epoch": epoch, "w": torch.full((2,), float(epoch))}, {"epochs": epoch})
+    ctx.flush()  # saves are written in the background: flush is when they are all on disk
     kept = checkpoints([run_dir])  # what workers.artifacts exports from
     assert len(kept) == 2 == len(list(run_dir.iterdir()))
     assert [json.loads((p / "meta.json").read_text())["epoch"] for p in kept] == [4, 3]
     ctx.save({"epoch": 5, "model": {"w": torch.full((2,), 5.0)}}, {"epochs": 5})
     ctx.save({"failed": "diverged at epoch 5"}, {"failed": True})  # what a diverged run's driver saves last
+    ctx.flush()
     state = DriverContext(MemorySink(), run_dir).restore()
     assert state is not None and state["epoch"] == 5 and torch.equal(state["model"]["w"], torch.full((2,), 5.0))
+
+
+def test_a_checkpoint_written_in_the_background_holds_the_state_as_it_was_saved(tmp_path: Path) -> None:
+    # the loop goes on changing the weights in place while the writer thread works: what is written is the
+    # state at save time, whole, in save order; a write's error reaches the loop at the next save or flush
+    ctx = DriverContext(MemorySink(), tmp_path / "job", keep=10)
+    w = torch.zeros(1000)
+    state = {"epoch": 1, "model": {"w": w}, "history": [{"epoch": 0}]}
+    for epoch in range(1, 4):
+        state["epoch"] = epoch
+        ctx.save(state, {"epochs": epoch})
+        w.add_(1.0)  # what the optimizer does right after
+        state["history"].append({"epoch": epoch})
+    ctx.flush()
+    saved = [json.loads((p / "meta.json").read_text())["epoch"] for p in checkpoints([tmp_path / "job"])]
+    assert saved == [3, 2, 1]
+    newest = DriverContext(MemorySink(), tmp_path / "job").restore()
+    assert newest is not None and torch.equal(newest["model"]["w"], torch.full((1000,), 2.0))
+    assert len(newest["history"]) == 3  # the list as it was at the third save
+    ctx.run_dir = tmp_path / "gone"  # a directory that does not exist: the write fails in the background
+    ctx.save(state, {"epochs": 4})
+    with pytest.raises(FileNotFoundError):
+        ctx.flush()
 
 
 def test_a_failure_retries_from_the_last_checkpoint_and_reports_every_epoch_once(
