@@ -41,6 +41,7 @@ from service.policy import ActiveJob, Node, QueuedJob
 from service.preflight import Preflights
 from service.preflight_ray import PreflightJobs
 from service.ray_cluster import RAY_ACTIVE, RAY_DONE, ClusterSource, RayJobs, RayNodes, StaticCluster
+from service.repeated import RepeatedErrors
 from service.settings import Settings
 from service.signals import stop_on_signals
 from service.storage import check_or_exit, storage_env
@@ -331,23 +332,6 @@ def build(settings: Settings) -> Scheduler:
                    credentials=acl.credentials)  # + its own Redis user
     preflights = Preflights(store, settings, PreflightJobs(settings.ray_address, job_env(settings)), acl, code)
     return Scheduler(store, settings, cluster, jobs, acl, preflights)
-
-
-class RepeatedErrors:
-    """A failing tick's traceback once; the same error again (Ray's head down for a while) as one line a minute."""
-
-    def __init__(self, logger: logging.Logger, every_s: float = 60.0) -> None:
-        self.log, self.every_s, self.last, self.said_at = logger, every_s, "", 0.0
-
-    def report(self, err: Exception) -> None:
-        text, now = f"{type(err).__name__}: {err}", time.monotonic()
-        if text != self.last:
-            self.log.error("scheduler tick failed; retrying", exc_info=err)
-        elif now - self.said_at >= self.every_s:
-            self.log.warning("scheduler tick still failing: %s", one_line(text))
-        else:
-            return
-        self.last, self.said_at = text, now
 
 
 def serve(settings: Settings) -> None:

@@ -220,7 +220,7 @@ def test_a_tick_failing_the_same_way_logs_its_traceback_once(caplog: pytest.LogC
     """While Ray's head is down every tick fails alike: one traceback, then a line a minute, not one per tick."""
     import logging
 
-    from service.scheduler import RepeatedErrors
+    from service.repeated import RepeatedErrors
 
     quiet = RepeatedErrors(logging.getLogger("tlab.test"), every_s=3600)
     with caplog.at_level(logging.WARNING, logger="tlab.test"):
