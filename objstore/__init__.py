@@ -13,6 +13,7 @@ This package imports only pyarrow and the standard library (tests/test_walls.py)
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,8 +50,9 @@ class Bucket:
         self.uri, self.setting = uri, setting
         try:
             self.fs, root = pafs.FileSystem.from_uri(uri)
-        except Exception as err:
-            raise StorageError(f"{setting}={redact(uri)!r} is not a storage URI pyarrow reads ({err}): {HINT}") \
+        except Exception as err:  # pyarrow's text repeats the URI, secret key included
+            said = str(err).replace(uri, redact(uri))
+            raise StorageError(f"{setting}={redact(uri)!r} is not a storage URI pyarrow reads ({said}): {HINT}") \
                 from None
         self.root = root.strip("/")
         if not self.root:
@@ -89,6 +91,12 @@ class Bucket:
                  and n.count("/") == 1}
         return max(names, default=None)
 
+    def exists(self, rel: str) -> bool:
+        """Whether the bucket holds the file ``rel``."""
+        import pyarrow.fs as pafs
+
+        return self.fs.get_file_info(self.path(rel)).type == pafs.FileType.File
+
     def open(self, rel: str) -> Any:
         """A readable binary stream of one file (``with bucket.open(rel) as f: f.read()``)."""
         return self.fs.open_input_stream(self.path(rel))
@@ -115,7 +123,10 @@ class Bucket:
             if key not in _pushed:  # a fresh process: compare with the bucket's copy
                 remote = self.ls(rel) if remote is None else remote
                 theirs = remote.get(name)
-                if theirs is not None and theirs.size == st.st_size and st.st_mtime <= theirs.mtime + MTIME_SLACK_S:
+                # the same file, or one older than the bucket's (a file this host pulled earlier keeps the bucket's
+                # time then): not sent, so it never replaces what another host wrote since, whatever the sizes
+                same = theirs is not None and theirs.size == st.st_size and st.st_mtime <= theirs.mtime + MTIME_SLACK_S
+                if same or (theirs is not None and st.st_mtime < theirs.mtime):
                     _pushed[key] = (st.st_size, st.st_mtime_ns)
                     continue
             self.upload(path, join(rel, name))
@@ -146,9 +157,10 @@ class Bucket:
     def download(self, rel: str, target: Path, mtime: float | None = None) -> None:
         """One file to ``target``, written under a hidden name and renamed (a reader never sees half of it)."""
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.pull-{os.getpid()}")
+        fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.pull-")  # one per download:
+        tmp = Path(name)  # two threads pulling the same file never share it
         try:
-            with self.open(rel) as src, tmp.open("wb") as dst:
+            with self.open(rel) as src, os.fdopen(fd, "wb") as dst:
                 while chunk := src.read(1 << 20):
                     dst.write(chunk)
             if mtime:

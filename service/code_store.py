@@ -92,6 +92,7 @@ def store_package(settings: Settings, owner: str, data: bytes) -> tuple[CodePack
     package = f"sha256:{hashlib.sha256(data).hexdigest()}"
     path = package_path(settings, owner, package)
     if path.exists():
+        storage.put(settings, path, missing_only=True)  # with a bucket: its copy, if the first upload failed
         return describe(path, owner, package), False
     check_zip(data, int(settings.max_code_unpacked_mb * MB))
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ TLAB_STORAGE at the start of ``tlab up``, the scheduler and the API.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import sys
@@ -112,8 +113,9 @@ def delete(settings: Settings, job_id: str) -> None:
 
 
 def fetch(settings: Settings, path: Path) -> bool:
-    """Whether the file ``path`` (under the storage directory) is here, downloaded from the bucket first if it is
-    not (a code package another API host stored)."""
+    """Whether the content-addressed file ``path`` (a code package ``<sha256 hex>.zip`` under the storage
+    directory) is here, downloaded from the bucket first if it is not (another API host stored it). A downloaded
+    copy that does not hash to its name (written over in the bucket: jobs can write the bucket) is dropped."""
     if path.is_file():
         return True
     b = bucket(settings)
@@ -125,15 +127,30 @@ def fetch(settings: Settings, path: Path) -> bool:
         return False
     except Exception as err:  # the bucket is down: as if it were not there, said in the log
         log.warning("could not read %s from the bucket (TLAB_STORAGE): %s", path, one_line(err))
+    if path.is_file() and file_sha256(path) != path.stem:
+        log.warning("%s in the bucket does not hash to its name: not used (someone wrote over it)", path)
+        path.unlink(missing_ok=True)
     return path.is_file()
 
 
-def put(settings: Settings, path: Path) -> None:
-    """Upload the file ``path`` (under the storage directory) to the bucket, with one (a code package)."""
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def put(settings: Settings, path: Path, missing_only: bool = False) -> None:
+    """Upload the file ``path`` (under the storage directory) to the bucket, with one (a code package);
+    ``missing_only``: only when the bucket lacks it (an earlier upload failed)."""
     b = bucket(settings)
     if b is None:
         return
+    rel = path.relative_to(settings.storage_path).as_posix()
     try:
-        b.upload(path, path.relative_to(settings.storage_path).as_posix())
+        if missing_only and b.exists(rel):
+            return
+        b.upload(path, rel)
     except Exception as err:  # kept here still; a scheduler on another host will say it is missing
         log.warning("could not copy %s to the bucket (TLAB_STORAGE): %s", path, one_line(err))

@@ -39,22 +39,23 @@ def bucket() -> Bucket | None:
     return _bucket(uri) if uri else None
 
 
-def push(storage: str | Path, job_id: str, prune: bool = False) -> None:
+def push(storage: str | Path, job_id: str, prune: bool = False, final: bool = False) -> None:
     """Upload the new and changed files under ``<storage>/<job_id>``; with ``prune`` (the run directory's one
-    writer, after a checkpoint), also delete the bucket's checkpoints no longer here (``TLAB_KEEP_CHECKPOINTS``).
-    A checkpoint's push within ``RETRY_S`` of a failed one is skipped (an unreachable bucket would cost each
-    epoch the client's retries); the pushes at the end of a run always try."""
+    writer), also delete the bucket's checkpoints no longer here (``TLAB_KEEP_CHECKPOINTS``). A checkpoint's push
+    within ``RETRY_S`` of a failed one is skipped (an unreachable bucket would cost each epoch the client's
+    retries); a ``final`` one (the end of a run: its driver, after the export) always tries."""
     b = bucket()
-    if b is None or (prune and time.monotonic() - _failed_at[0] < RETRY_S):
+    if b is None or (prune and not final and time.monotonic() - _failed_at[0] < RETRY_S):
         return
     local = Path(storage) / job_id
     try:
         remote = b.ls(job_id) if prune else None
         b.push(local, job_id, remote=remote)
-        if remote is not None:
+        if remote is not None:  # the ones this run rotated out; never one newer than ours (another node's)
             kept = {p.name for p in local.glob("checkpoint_*")}
             for old in {n.split("/", 1)[0] for n in remote if n.startswith("checkpoint_")} - kept:
-                b.delete(f"{job_id}/{old}")
+                if old < max(kept, default=""):
+                    b.delete(f"{job_id}/{old}")
     except Exception as err:  # the job goes on; the next push sends what this one missed
         _failed_at[0] = time.monotonic()
         print(f"[tlab] warning: could not copy {local} to {b.uri.split('?')[0]}: {one_line(err)}",
@@ -74,16 +75,20 @@ def pull_dir(storage: str | Path, rel: str) -> list[str]:
 
 
 def pull_checkpoint(storage: str | Path, job_id: str) -> str | None:
-    """With no checkpoint of the job here, pull its newest from the bucket; the name pulled, or None."""
+    """When the bucket's newest checkpoint of the job is newer than every one here (none here; or this node ran an
+    earlier attempt and another node went further since), pull it; the name pulled, or None. Checkpoint names
+    carry their time (``workers.driver.checkpoint_name``), so the greatest name is the newest."""
     b = bucket()
-    if b is None or checkpoints([Path(storage) / job_id]):
+    if b is None:
         return None
+    here = [p.name for p in checkpoints([Path(storage) / job_id])]
     try:
         name = b.newest(job_id, "checkpoint_", CHECKPOINT_FILE)
     except OSError as err:
         raise OSError(f"could not list experiment {job_id}'s checkpoints in {b.uri.split('?')[0]} "
                       f"(TLAB_STORAGE): {one_line(err)}") from None
-    if name is not None:
-        pull_dir(storage, f"{job_id}/{name}")
-        print(f"[tlab] resuming from {name}, pulled from {b.uri.split('?')[0]}", file=sys.stderr, flush=True)
+    if name is None or name <= max(here, default=""):
+        return None
+    pull_dir(storage, f"{job_id}/{name}")
+    print(f"[tlab] resuming from {name}, pulled from {b.uri.split('?')[0]}", file=sys.stderr, flush=True)
     return name

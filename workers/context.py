@@ -61,10 +61,12 @@ def plain(value: Any) -> Any:
 
 def detached_copy(value: Any) -> Any:
     """``value`` with every tensor copied to host memory: what a checkpoint written in the background holds
-    while the loop goes on changing the weights in place. Dicts keep their kind and a state_dict its
-    ``_metadata``; lists and tuples are copied; anything else is shared (numbers, strings: immutable)."""
+    while the loop goes on changing the weights in place (numpy arrays copied too). Dicts keep their kind and a
+    state_dict its ``_metadata``; lists and tuples are copied; anything else is shared (numbers, strings)."""
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
+    if isinstance(value, np.ndarray):  # an own loop's checkpoint may hold arrays (``plain`` turns them to tensors)
+        return value.copy()
     if isinstance(value, dict):
         items = ((k, detached_copy(v)) for k, v in value.items())
         out = OrderedDict(items) if isinstance(value, OrderedDict) else dict(items)

@@ -19,6 +19,7 @@ Each epoch and teleport batch still reaches the job's stream once: the ``RedisSi
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -36,7 +37,7 @@ import torch
 from api_schemas import ExperimentSpec
 from api_schemas.lineage import StartFrom
 from workers.artifacts import CHECKPOINT_FILE, checkpoints, last_training_state
-from workers.bucket import pull_checkpoint, pull_dir, push
+from workers.bucket import bucket, pull_checkpoint, pull_dir, push
 from workers.context import (
     CheckpointRefused,
     RunContext,
@@ -82,22 +83,38 @@ class CheckpointWriter:
     Measured (benchmarks/ray_overhead.py, digits MLP [512, 512], 51-ms epochs): writing each epoch's checkpoint
     in the loop cost ~3 ms an epoch (6 %), and an upload to a bucket 60-200 ms. Here the loop pays a copy of the
     state (``detached_copy``) and waits only when the previous write has not finished. A write's error is raised
-    by the next ``submit`` or by ``flush``; a stop (SIGTERM raises in the main thread) does not interrupt a write,
-    and ``flush`` before the process ends leaves the last one on disk. A kill leaves at most a hidden
-    half-written directory, dropped by the next run (``DriverContext.drop_partial``)."""
+    by the next ``submit`` or by ``flush``; a stop (SIGTERM raises in the main thread, maybe while it waits) does
+    not interrupt a write, which stays pending until a ``flush`` has seen it end, so the flush before the process
+    ends leaves the last one on disk. Bucket uploads run on a second thread (``upload``) that no flush waits for.
+    A kill leaves at most a hidden half-written directory, dropped by the next run (``DriverContext.drop_partial``)."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tlab-checkpoint")
         self._pending: Future[None] | None = None
+        self._uploads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tlab-upload")
+        self._upload: Future[None] | None = None
+
+    def upload(self, push: Callable[[], None]) -> None:
+        """Run ``push`` (a bucket upload of what was written) on a thread of its own, off the writes' path: a stop
+        waits for the last write, never for an upload (the driver pushes the job's files once more after its
+        export). One at a time; while one waits to start, no other is queued (it sends the newest files too)."""
+        if self._upload is not None and not self._upload.running() and not self._upload.done():
+            return
+        self._upload = self._uploads.submit(push)
 
     def submit(self, write: Callable[[dict[str, Any]], None], state: dict[str, Any]) -> None:
         self.flush()
         self._pending = self._pool.submit(write, state)
 
     def flush(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
+        pending = self._pending
+        if pending is None:
+            return
+        try:
             pending.result()
+        finally:  # a stop raised while waiting leaves the write pending: the next flush waits for it again
+            if pending.done():
+                self._pending = None
 
 
 class DriverContext(RunContext):
@@ -154,16 +171,15 @@ class DriverContext(RunContext):
             raise
         for old in self.checkpoints()[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
-        if self.is_chief:  # the bucket's copy, when storage is one (``workers.bucket``)
-            push(self.run_dir.parent, self.run_dir.name, prune=True)
+        if self.is_chief and self._writer is not None and bucket() is not None:  # ``workers.bucket``
+            self._writer.upload(functools.partial(push, self.run_dir.parent, self.run_dir.name, prune=True))
 
     def restore(self) -> dict[str, Any] | None:
         """The newest checkpoint of this run that holds a model (a diverged run's last one holds only its
         failure; with none here, the bucket's newest when storage is one); with none, the one it was told to start
         from (if any)."""
+        pull_checkpoint(self.run_dir.parent, self.run_dir.name)  # the bucket's, when newer than any here
         found = last_training_state([self.run_dir])
-        if found is None and pull_checkpoint(self.run_dir.parent, self.run_dir.name):  # a bucket's, if any
-            found = last_training_state([self.run_dir])
         if found is None and self.start_from is not None:
             return read_checkpoint(self.start_from)
         return None if found is None else found[1]

@@ -86,7 +86,7 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
     try:
         from workers.driver import start_checkpoint
 
-        pull_checkpoint(storage, job_id)  # a bucket's newest, when this node has none (``workers.bucket``)
+        pull_checkpoint(storage, job_id)  # the bucket's newest, when newer than any here (``workers.bucket``)
         start = start_checkpoint(client, job_id, storage)  # a continued or forked job's parent checkpoint
         if in_driver():
             from workers.driver import run_in_driver
@@ -100,7 +100,7 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
         if ranks is not None:
             ranks.stop()  # (a no-op once the first try has ended them)
         export_artifacts(spec, [Path(storage) / job_id], out)
-        push(storage, job_id)
+        push(storage, job_id, prune=True, final=True)  # the run's last word (its checkpoint uploads may be cut off)
     if summary.get("failed"):
         raise JobFailed(str(summary.get("reason", "training failed")))
     write_summary(client, job_id, json.dumps(summary))

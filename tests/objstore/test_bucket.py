@@ -102,6 +102,35 @@ def test_workers_push_prunes_old_checkpoints_and_a_new_node_pulls_the_newest(s3_
     assert (node_b / JOB / new / "checkpoint.pt").read_bytes() == b"new"
     assert bucket.pull_checkpoint(node_b, JOB) is None  # it has one now
 
+    # node A's earlier copy is stale once node B went further: A pulls B's newest, and A's pruning push never
+    # deletes what is newer than its own (review: a stale node resumed from its old checkpoint, then pruned)
+    newer = "checkpoint_2026-01-03_00-00-00.000001"
+    tree(node_b / JOB, {f"{newer}/checkpoint.pt": b"newer", f"{newer}/meta.json": b"{}"})
+    bucket.push(node_b, JOB, prune=True)
+    bucket.push(node_a, JOB, prune=True)  # A still holds only `new`
+    assert any(newer in n for n in Bucket(s3_uri).ls(JOB))
+    assert bucket.pull_checkpoint(node_a, JOB) == newer
+    assert (node_a / JOB / newer / "checkpoint.pt").read_bytes() == b"newer"
+
+
+def test_a_stale_copy_never_replaces_the_buckets_newer_one(s3_uri: str, tmp_path: Path) -> None:
+    # an API host pulled a log while the job ran; a process on that host pushing the job's directory later must
+    # not send that shorter, older copy over the whole log another host uploaded since
+    b = Bucket(s3_uri)
+    writer, reader = tmp_path / "writer", tmp_path / "reader"
+    tree(writer, {"logs/driver.log": b"line 1\n"})
+    b.push(writer, "job")
+    b.pull("job", reader)
+    os.utime(reader / "logs/driver.log", (1_000_000, 1_000_000))  # pulled long ago (its time: the bucket's then)
+    tree(writer, {"logs/driver.log": b"line 1\nline 2\nline 3\n"})
+    b.push(writer, "job")
+    from objstore import _pushed
+
+    _pushed.clear()  # another process on the reader's host: it never pushed that file
+    assert b.push(reader, "job") == []
+    with b.open("job/logs/driver.log") as f:
+        assert f.read() == b"line 1\nline 2\nline 3\n"
+
 
 def test_the_api_serves_artifacts_and_logs_it_no_longer_holds(s3_uri: str, tmp_path: Path) -> None:
     s = Settings(TLAB_STORAGE=s3_uri, TLAB_STORAGE_CACHE=str(tmp_path / "cache"))

@@ -4,6 +4,7 @@ epochs and artifacts, on a real Redis (the driver path needs no Ray)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,36 @@ def test_a_checkpoint_written_in_the_background_holds_the_state_as_it_was_saved(
     ctx.save(state, {"epochs": 4})
     with pytest.raises(FileNotFoundError):
         ctx.flush()
+
+
+def test_a_stop_while_waiting_for_a_write_leaves_it_to_the_next_flush() -> None:
+    # SIGTERM raises Stopped in the main thread, possibly while it waits for the previous write: that write is
+    # still pending, and the flush on the way out waits for it (review: it returned at once, with nothing written)
+    import signal
+    import threading
+
+    from workers.driver import CheckpointWriter
+
+    class Stopped(Exception):
+        pass
+
+    def stop(signum: int, frame: object) -> None:
+        raise Stopped
+
+    done = threading.Event()
+    writer = CheckpointWriter()
+    writer.submit(lambda state: (time.sleep(0.5), done.set()), {})
+    before = signal.signal(signal.SIGALRM, stop)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(Stopped):
+            writer.flush()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+    assert not done.is_set()
+    writer.flush()
+    assert done.is_set()
 
 
 def test_a_failure_retries_from_the_last_checkpoint_and_reports_every_epoch_once(
