@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.service.conftest import Api, api_env, api_only, stack  # noqa: F401 - the service fixtures, reused (ray_head is tests/conftest.py's)
+from tests.service.conftest import Api, api_env, api_only, stack, stack_env  # noqa: F401 - the service fixtures, reused (ray_head is tests/conftest.py's)
 
 CHROMIUM = os.environ.get("TLAB_CHROMIUM", "/usr/bin/chromium")
 # a headless, offline chromium: no GPU, no QUIC, no first-run, no background fetches or component updates
