@@ -94,7 +94,7 @@ def reuse_actors(sweep: SweepSubmit, own: bool) -> bool:
     Not under PBT: its rounds pause every trial and restart them on another's checkpoint, and a reused process
     must first end the paused trial's thread, which Tune waits for only ``TUNE_FUNCTION_THREAD_TIMEOUT_S``
     (2 s); with the cores busy a moved trial lost its last report (it ended "stopped early" at 5 of 6 epochs,
-    the CI's red on 2026-11-25, reproduced here 2 runs in 7 with both cores busy)."""
+    the CI's red on 2026-11-25, reproduced here 3 runs in 15 with both cores busy; 0 in 8 without reuse)."""
     return own and sweep.scheduler != "pbt"
 
 
