@@ -6,7 +6,7 @@ median of the epoch-to-epoch differences of the cumulative ``seconds`` in the ep
 wall time outside the epochs (Ray: cluster start, worker group, process group). The in-process and driver
 runs alternate (two rounds, medians over both) before Ray starts: the processes a stopped local Ray
 leaves behind for a few seconds took a core from whatever ran right after it (the driver run measured
-1.55x when it came after Ray, ~1.0x before it). Floor from
+1.55x when it came after Ray, 1.04-1.11x before it). Floor from
 issue 3: Ray per-epoch time ≤ 1.15x the in-process one. A third runner is the loop a 1-worker service job
 runs (its Ray job's driver, ``workers.driver``: a checkpoint and Redis events per epoch); floor from issue 15:
 ≤ 1.05x the in-process one.
