@@ -4,12 +4,13 @@ The scheduler gives every Ray job ``TLAB_STORAGE`` (the local working directory,
 ``TLAB_STORAGE`` is a bucket URI, ``TLAB_STORAGE_URI`` (that URI). With no URI every function here does nothing.
 
 - ``push(storage, job_id)``: upload the job directory's new and changed files (checkpoints, artifacts, logs);
-  called after each checkpoint (which also drops the bucket's checkpoints the run no longer keeps), after the
-  artifacts export and when a process's log closes (a sweep's driver: its artifacts too). A failed push is a
-  warning in the job's log, never the job's failure (the next push sends what it missed).
-- ``pull_checkpoint(storage, job_id)``: before a run restores, with no checkpoint of its own here, the newest
-  checkpoint the bucket holds (a job requeued onto a node that never saw it goes on from there); ``pull_dir``:
-  one directory (a continued or forked job's parent checkpoint).
+  after the artifacts export (``final``: it first waits for the background upload, then drops the bucket's
+  checkpoints the run no longer keeps) and when a process's log closes (a sweep's driver: its artifacts too).
+  ``push_later``: the same on a background thread after each checkpoint (the training loop never waits for it).
+  A failed push is a warning in the job's log, never the job's failure (the next push sends what it missed).
+- ``pull_checkpoint(storage, job_id)``: before a run restores, the newest checkpoint the bucket holds when it is
+  newer than any here (a job requeued onto a node that never saw it goes on from there); ``pull_dir``: one
+  directory (a continued or forked job's parent checkpoint).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import functools
 import os
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from objstore import Bucket, one_line
@@ -26,6 +28,8 @@ from workers.artifacts import CHECKPOINT_FILE, checkpoints
 ENV = "TLAB_STORAGE_URI"
 RETRY_S = 30.0  # after a failed push, checkpoints are not pushed for this long (the end of a run always is)
 _failed_at = [-RETRY_S]  # monotonic time of the last failed push
+_uploads: list[Future[None]] = []  # the background push (push_later), the newest last
+_uploader: ThreadPoolExecutor | None = None
 
 
 @functools.cache
@@ -39,6 +43,25 @@ def bucket() -> Bucket | None:
     return _bucket(uri) if uri else None
 
 
+def push_later(storage: str | Path, job_id: str) -> None:
+    """``push(prune=True)`` on a thread of its own, after a checkpoint: neither the loop nor a stop waits for it.
+    One at a time; while one waits to start, no other is queued (it will send the newest files too)."""
+    global _uploader
+    if bucket() is None:
+        return
+    if _uploads and not _uploads[-1].running() and not _uploads[-1].done():
+        return
+    if _uploader is None:
+        _uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tlab-upload")
+    _uploads[:] = [_uploader.submit(push, storage, job_id, True)]
+
+
+def wait_uploads() -> None:
+    """Return once the background push (if any) has ended: the final push lists the bucket after it."""
+    for future in list(_uploads):
+        future.exception()  # (push never raises: a failure is a warning line)
+
+
 def push(storage: str | Path, job_id: str, prune: bool = False, final: bool = False) -> None:
     """Upload the new and changed files under ``<storage>/<job_id>``; with ``prune`` (the run directory's one
     writer), also delete the bucket's checkpoints no longer here (``TLAB_KEEP_CHECKPOINTS``). A checkpoint's push
@@ -47,6 +70,8 @@ def push(storage: str | Path, job_id: str, prune: bool = False, final: bool = Fa
     b = bucket()
     if b is None or (prune and not final and time.monotonic() - _failed_at[0] < RETRY_S):
         return
+    if final:  # a checkpoint's upload still running would send what this one's prune deletes
+        wait_uploads()
     local = Path(storage) / job_id
     try:
         remote = b.ls(job_id) if prune else None

@@ -19,7 +19,6 @@ Each epoch and teleport batch still reaches the job's stream once: the ``RedisSi
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 import sys
@@ -37,7 +36,7 @@ import torch
 from api_schemas import ExperimentSpec
 from api_schemas.lineage import StartFrom
 from workers.artifacts import CHECKPOINT_FILE, checkpoints, last_training_state
-from workers.bucket import bucket, pull_checkpoint, pull_dir, push
+from workers.bucket import pull_checkpoint, pull_dir, push_later
 from workers.context import (
     CheckpointRefused,
     RunContext,
@@ -85,22 +84,12 @@ class CheckpointWriter:
     state (``detached_copy``) and waits only when the previous write has not finished. A write's error is raised
     by the next ``submit`` or by ``flush``; a stop (SIGTERM raises in the main thread, maybe while it waits) does
     not interrupt a write, which stays pending until a ``flush`` has seen it end, so the flush before the process
-    ends leaves the last one on disk. Bucket uploads run on a second thread (``upload``) that no flush waits for.
+    ends leaves the last one on disk. Bucket uploads run on a thread of their own (``workers.bucket.push_later``).
     A kill leaves at most a hidden half-written directory, dropped by the next run (``DriverContext.drop_partial``)."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tlab-checkpoint")
         self._pending: Future[None] | None = None
-        self._uploads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tlab-upload")
-        self._upload: Future[None] | None = None
-
-    def upload(self, push: Callable[[], None]) -> None:
-        """Run ``push`` (a bucket upload of what was written) on a thread of its own, off the writes' path: a stop
-        waits for the last write, never for an upload (the driver pushes the job's files once more after its
-        export). One at a time; while one waits to start, no other is queued (it sends the newest files too)."""
-        if self._upload is not None and not self._upload.running() and not self._upload.done():
-            return
-        self._upload = self._uploads.submit(push)
 
     def submit(self, write: Callable[[dict[str, Any]], None], state: dict[str, Any]) -> None:
         self.flush()
@@ -171,8 +160,8 @@ class DriverContext(RunContext):
             raise
         for old in self.checkpoints()[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
-        if self.is_chief and self._writer is not None and bucket() is not None:  # ``workers.bucket``
-            self._writer.upload(functools.partial(push, self.run_dir.parent, self.run_dir.name, prune=True))
+        if self.is_chief:  # with a bucket: uploaded on a thread no flush waits for (``workers.bucket``)
+            push_later(self.run_dir.parent, self.run_dir.name)
 
     def restore(self) -> dict[str, Any] | None:
         """The newest checkpoint of this run that holds a model (a diverged run's last one holds only its
