@@ -12,6 +12,7 @@ This package imports only pyarrow and the standard library (tests/test_walls.py)
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from dataclasses import dataclass
@@ -26,6 +27,12 @@ _pushed: dict[str, tuple[int, int]] = {}  # "<bucket path> <local file>" -> its 
 
 class StorageError(ValueError):
     """A malformed storage URI or an unreachable bucket: one line naming TLAB_STORAGE."""
+
+
+@functools.cache
+def bucket_for(uri: str) -> Bucket:
+    """The ``Bucket`` of a storage URI, made once per process (its client is reused by every call)."""
+    return Bucket(uri)
 
 
 def is_uri(value: str) -> bool:

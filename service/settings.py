@@ -7,6 +7,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from objstore import is_uri
+
 
 def default_home() -> Path:
     return Path("~/.tlab").expanduser()
@@ -111,7 +113,7 @@ class Settings(BaseSettings):
     @property
     def storage_uri(self) -> str:
         """TLAB_STORAGE when it is a bucket URI (``objstore``), else ''."""
-        return self.storage if "://" in self.storage else ""
+        return self.storage if is_uri(self.storage) else ""
 
     @property
     def webhook_hosts(self) -> set[str]:

@@ -13,14 +13,13 @@ TLAB_STORAGE at the start of ``tlab up``, the scheduler and the API.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
 import sys
 from pathlib import Path
 
-from objstore import Bucket, StorageError, one_line
+from objstore import Bucket, StorageError, bucket_for, one_line
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -29,13 +28,8 @@ AWS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "A
 ARTIFACTS, CHECKPOINT = "artifacts", "checkpoint.pt"  # workers.artifacts' names (the service does not import it)
 
 
-@functools.cache
-def _bucket(uri: str) -> Bucket:
-    return Bucket(uri)
-
-
 def bucket(settings: Settings) -> Bucket | None:
-    return _bucket(settings.storage_uri) if settings.storage_uri else None
+    return bucket_for(settings.storage_uri) if settings.storage_uri else None
 
 
 def check(settings: Settings, reach: bool = True) -> None:
@@ -134,11 +128,8 @@ def fetch(settings: Settings, path: Path) -> bool:
 
 
 def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def put(settings: Settings, path: Path, missing_only: bool = False) -> None:

@@ -15,14 +15,13 @@ The scheduler gives every Ray job ``TLAB_STORAGE`` (the local working directory,
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from objstore import Bucket, one_line
+from objstore import Bucket, bucket_for, one_line
 from workers.artifacts import CHECKPOINT_FILE, checkpoints
 
 ENV = "TLAB_STORAGE_URI"
@@ -32,15 +31,10 @@ _uploads: list[Future[None]] = []  # the background push (push_later), the newes
 _uploader: ThreadPoolExecutor | None = None
 
 
-@functools.cache
-def _bucket(uri: str) -> Bucket:
-    return Bucket(uri)
-
-
 def bucket() -> Bucket | None:
     """The bucket this job's storage is backed by, or None (a local or shared directory)."""
     uri = os.environ.get(ENV, "")
-    return _bucket(uri) if uri else None
+    return bucket_for(uri) if uri else None
 
 
 def push_later(storage: str | Path, job_id: str) -> None:
