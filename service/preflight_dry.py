@@ -18,19 +18,12 @@ from api_schemas import keys
 from api_schemas.jobs import DryRun, UserPublic
 from api_schemas.preflight import PreflightResult
 from api_schemas.spec import ExperimentSpec
+from service import preflight_ray as pf
 from service import storage
 from service.code_store import runtime_env_for
 from service.errors import Forbidden, InvalidInput, ServiceError, TooManyRequests
 from service.job_acl import JobAcl
-from service.preflight_ray import (
-    PreflightJobs,
-    drop_user,
-    no_verdict,
-    preflight_sid,
-    preflight_user,
-    read_verdict,
-    timeout_reason,
-)
+from service.preflight_ray import PreflightJobs
 from service.ray_cluster import RAY_DONE
 from service.settings import Settings
 from service.store import new_job_id
@@ -93,22 +86,22 @@ def _run(settings: Settings, r: Any, jobs: PreflightJobs, user: UserPublic, spec
     if settings.job_redis_acl and not acl.isolated:
         raise Forbidden(f"this spec runs your code, and the service cannot give it a Redis user of its own "
                         f"({acl.unsupported}): an admin may set TLAB_JOB_REDIS_ACL=off", field="spec")
-    env = acl.credentials(job_id, preflight_sid(job_id), preflight_user(job_id))
+    env = acl.credentials(job_id, pf.preflight_sid(job_id), pf.preflight_user(job_id))
     r.hset(keys.job_run(job_id), mapping={keys.JOB_RUN_MARK: job_id, "spec": spec.model_dump_json()})
     deadline = time.monotonic() + settings.preflight_timeout_s
     jobs.start(job_id, runtime_env_for(settings, user.name, spec), env)
-    sid = preflight_sid(job_id)
+    sid = pf.preflight_sid(job_id)
     while (status := jobs.status(sid)) not in RAY_DONE:
         if time.monotonic() > deadline:
             jobs.stop(sid)
-            return PreflightResult(state="failed", error=timeout_reason(settings.preflight_timeout_s))
+            return PreflightResult(state="failed", error=pf.timeout_reason(settings.preflight_timeout_s))
         time.sleep(POLL_S)
-    verdict = read_verdict(r, job_id)
-    return verdict or PreflightResult(state="failed", error=no_verdict(jobs, job_id, status))
+    verdict = pf.read_verdict(r, job_id)
+    return verdict or PreflightResult(state="failed", error=pf.no_verdict(jobs, job_id, status))
 
 
 def _cleanup(settings: Settings, r: Any, job_id: str) -> None:
-    drop_user(r, job_id)
+    pf.drop_user(r, job_id)
     r.delete(keys.job_run(job_id), keys.preflight(job_id), keys.events(job_id), keys.emitted(job_id))
     shutil.rmtree(Path(settings.storage_path) / job_id, ignore_errors=True)
     storage.delete(settings, job_id)  # its log, when a bucket is the storage
