@@ -1,10 +1,13 @@
 """Models built from a ``model`` spec and a dataset's shape: MLP, CNN, ResNet, Transformer.
 
-Every weight matrix lives in an ``nn.Linear`` / ``nn.Conv2d`` so the teleport algorithm, which hooks
-the inputs of those layers, can move all of them. Attention is four separate Linear projections
-(q, k, v, o) around ``F.scaled_dot_product_attention``; ``nn.MultiheadAttention`` is not used because
-its packed ``in_proj_weight`` is a raw Parameter. LayerNorm, BatchNorm and Embedding (token and
-position tables) are allowed: teleport leaves them untouched.
+Teleport may move every weight these models use as a linear map (``nn.Linear``, ``nn.Conv2d``):
+``teleport.capture`` records each use of each parameter in the teleport forward, so
+``nn.MultiheadAttention``'s packed projections, tied or shared weights would be moved as well
+(``tests/teleport/test_uses.py``). Attention here is four ``nn.Linear`` projections (q, k, v, o)
+around ``F.scaled_dot_product_attention``, so the teleport report names each one; teleport runs it
+on the math kernel (the fused ones have no double backward), training on the fused ones. LayerNorm
+and BatchNorm weights and the Embedding tables (token and position, only looked up) stay exactly as
+they are; the report's ``untouched`` says why for each.
 
 Tasks: ``classification`` (logits (B, C)), ``regression`` (predictions (B, output_dim)) and ``lm``
 (causal next-token logits (B, T, V), transformer only).
