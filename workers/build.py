@@ -18,6 +18,7 @@ from torch import nn
 from api_schemas.spec import ExperimentSpec, OptimizerSpec, ResourcesSpec, TeleportSpec, TrainingSpec
 from teleport import BasisExecutor, TeleportConfig
 from workers.sinks import MetricSink
+from workers.startup import mark
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -67,7 +68,9 @@ def build_parts(spec: ExperimentSpec, sink: MetricSink, seed: int
     try:
         data = load_dataset(spec.dataset, seed=seed)
         check_targets(spec.training.loss, data)
+        mark("data")  # the start-up timeline of a job's driver (``workers.startup``)
         model = build_model_for(spec.model, data)
+        mark("model")
         return data, model, loss_fn_for(data.task, spec.training.loss)
     except UserCodeError as err:
         report(sink, err)

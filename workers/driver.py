@@ -49,6 +49,7 @@ from workers.failure import JobFailed, failure_reason
 from workers.job_record import job_field
 from workers.redis_sink import RedisSink
 from workers.sinks import MetricSink
+from workers.startup import mark
 
 TMP_PREFIX = ".tmp-checkpoint_"  # never matches ``checkpoint_*``: a half-written one is never read
 # errors that a retry from the checkpoint would only repeat: a bad spec, the user's code not importing, a refused
@@ -155,6 +156,7 @@ class DriverContext(RunContext):
             while final.exists():  # two saves within one microsecond
                 final = self.run_dir / checkpoint_name()
             os.rename(tmp, final)  # atomic on one filesystem: readers see all of it or none
+            mark("checkpoint")  # the first one: the start-up timeline (``workers.startup``)
         except BaseException:  # a stop in the middle: leave nothing half-written (a kill leaves it to the next run)
             self.drop_partial()
             raise

@@ -29,6 +29,7 @@ from teleport.distributed import Collective, TorchDistributed
 from workers.driver import DriverContext, attempt, driver_device
 from workers.gang_start import Ranks
 from workers.sinks import MetricSink, NullSink
+from workers.startup import mark
 
 
 def timeout() -> timedelta:
@@ -132,6 +133,7 @@ def lead(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str | Path,
                               wait_for_workers=False, master_listen_fd=ranks.sock.detach())  # the store owns it
         await_ranks(store, ranks)
         join(ranks.host, ranks.port, 0, world, device, store)
+        mark("group")
         said(f"gang of {world}: every rank joined ({time.perf_counter() - t0:.1f} s after rank 0 was ready)")
         summary = attempt(spec, GangContext(sink, Path(storage) / job_id, rank=0, world_size=world, device=device,
                                             artifacts_dir=artifacts, start_from=start_from))

@@ -35,7 +35,7 @@ class RedisSink:
         if self.trial:
             record = {**record, "trial": self.trial}
         self.buffer.append(record)
-        urgent = record.get("kind") in {"epoch", "status", "error", "summary"}
+        urgent = record.get("kind") in {"epoch", "status", "error", "summary", "start"}  # start: its time is read
         if urgent or len(self.buffer) >= self.batch_size or time.monotonic() - self.last_flush > self.flush_seconds:
             self.flush()
 

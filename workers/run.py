@@ -37,6 +37,7 @@ from workers.failure import JobFailed, failure_reason
 from workers.job_logs import also_as, capture
 from workers.job_record import attempt_of, job_field, write_summary
 from workers.redis_sink import RedisSink
+from workers.startup import begin, mark, timeline
 
 
 class SetupError(RuntimeError):
@@ -83,9 +84,11 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
         from workers.gang_start import Ranks
 
         ranks = Ranks(spec, job_id, redis_url, storage, placement(), out)
+        mark("ranks")
     try:
         from workers.driver import start_checkpoint
 
+        mark("torch")  # (and the loop's modules: the driver's start-up timeline, ``workers.startup``)
         pull_checkpoint(storage, job_id)  # the bucket's newest, when newer than any here (``workers.bucket``)
         start = start_checkpoint(client, job_id, storage)  # a continued or forked job's parent checkpoint
         if in_driver():
@@ -159,6 +162,7 @@ def report_failure(sink: RedisSink, reason: str) -> None:
 def job_main(prog: str, description: str, run: Callable[[str, str, str], dict], argv: list[str] | None) -> int:
     """What a Ray job's entrypoint does around ``run(job_id, redis_url, storage)``: status events, and
     every failure turned into one line the user can read (``report_failure``)."""
+    begin()  # the start-up timeline (``workers.startup``), sent with ``finished``
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--job", required=True, help="the job id (its spec is in Redis)")
     args = parser.parse_args(argv)
@@ -190,7 +194,7 @@ def guarded(job_id: str, redis_url: str, storage: str, run: Callable[[str, str, 
         return 1
     finally:
         sink.flush()
-    sink.emit({"kind": "status", "state": "finished", "summary": summary})
+    sink.emit({"kind": "status", "state": "finished", "summary": summary, "startup": timeline()})
     sink.close()
     return 0
 

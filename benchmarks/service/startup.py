@@ -1,7 +1,10 @@
 """Part 4, submit to first epoch on an idle local stack (Redis, Ray head, API, scheduler): the job's own
 event stream, timed by its Redis stream ids (the server's clock when each event was written), split into
 queue (submit -> starting), Ray job start (starting -> the worker's driver process reports running) and
-worker start (driver running -> the loop's ``start`` event, after imports, data and model -> first metric).
+worker start (driver running -> first metric); and the driver's start-up timeline (``TIMELINE``): the times it
+passed each phase (process spawned, light imports, a gang's ranks asked of Ray, torch imported, process group
+formed, dataset loaded, model built, first checkpoint written: ``workers.startup``, sent with the ``finished``
+event), between the stream's ``starting``, loop ``start`` and first ``metric`` events. One host: one clock.
 
 Side by side in one run (``MODES``): a stack whose scheduler sets ``TLAB_IN_DRIVER=0`` (every job a
 TorchTrainer, the path before issue 15) with 1-worker jobs, and a default stack (a 1-worker job trains in its
@@ -34,7 +37,7 @@ def follow_job(client: httpx.Client, job_id: str, timeout_s: float = 180.0) -> d
     marks: dict[str, float] = {}
     received: dict[str, float] = {}
     timeline: list[list[Any]] = []
-    final = None
+    final, startup = None, {}
     deadline = time.monotonic() + timeout_s
     with client.stream("GET", f"/v1/experiments/{job_id}/events", timeout=httpx.Timeout(30.0, read=timeout_s)) as r:
         r.raise_for_status()
@@ -63,6 +66,8 @@ def follow_job(client: httpx.Client, job_id: str, timeout_s: float = 180.0) -> d
                     name, final = "end", d.get("state")
                 elif event == "status" and d.get("state") in ("failed", "cancelled", "succeeded"):
                     final = d.get("state")
+                if event == "status" and d.get("state") == "finished":
+                    startup = d.get("startup") or {}  # the driver's phases (workers.startup)
                 timeline.append([_stream_time(eid), event, {k: v for k, v in d.items() if k in TIMELINE_FIELDS}])
                 if name and name not in marks:
                     marks[name] = _stream_time(eid)
@@ -70,7 +75,7 @@ def follow_job(client: httpx.Client, job_id: str, timeout_s: float = 180.0) -> d
                 if event == "end":
                     break
                 eid = event = data = None
-    return {"marks": marks, "received": received, "final": final, "timeline": timeline}
+    return {"marks": marks, "received": received, "final": final, "timeline": timeline, "startup": startup}
 
 
 TIMELINE_FIELDS = ("kind", "state", "epoch", "level", "message", "reason", "pid")
@@ -82,11 +87,34 @@ SEGMENTS = [  # name, from, to
     ("Ray job start: starting -> driver running", "starting", "driver_running"),
     ("  (scheduler sees Ray RUNNING: starting ->)", "starting", "scheduler_running"),
     ("worker start: driver running -> first epoch", "driver_running", "first_metric"),
-    ("  driver running -> loop set up (imports, workers, data, model)", "driver_running", "train_start"),
-    ("  loop set up -> first epoch", "train_start", "first_metric"),
     ("total: submit -> first epoch", "submit_sent", "first_metric"),
     ("rest: first epoch -> end", "first_metric", "end"),
 ]
+# the start-up timeline, one step per mark: (row, mark, from the latest of these present); stream marks and the
+# driver's phases (workers.startup.PHASES) together. A path that skips a phase shows "-" and its time goes to the
+# next row (a TorchTrainer's controller, worker group, data and model: "loop set up")
+TIMELINE = [
+    ("scheduler: submit -> starting", "starting", ("submit_sent",)),
+    ("Ray starts the driver process", "spawned", ("starting",)),
+    ("python + light imports", "driver", ("spawned",)),
+    ("gang: ray.init + other ranks asked of Ray", "ranks", ("driver",)),
+    ("import torch and the loop", "torch", ("ranks", "driver")),
+    ("gang: ranks start + process group", "group", ("torch",)),
+    ("dataset load", "data", ("group", "torch")),
+    ("model build", "model", ("data",)),
+    ("loop set up (restore, DDP wrap; TorchTrainer: all)", "train_start", ("model", "torch")),
+    ("first epoch", "first_metric", ("train_start",)),
+    ("  first checkpoint written (after it, in the background)", "checkpoint", ("first_metric",)),
+]
+
+
+def timeline_segments(marks: dict[str, float]) -> dict[str, float | None]:
+    """Each ``TIMELINE`` row's seconds: its mark minus the latest of its ``from`` marks present (None if absent)."""
+    out: dict[str, float | None] = {}
+    for row, mark, starts in TIMELINE:
+        start = next((marks[m] for m in starts if m in marks), None)
+        out[row] = marks[mark] - start if mark in marks and start is not None else None
+    return out
 
 
 def _wait_ready(client: httpx.Client, timeout_s: float = 60.0, idle: bool = False) -> None:
@@ -117,11 +145,12 @@ def _one_job(client: httpx.Client, spec: dict[str, Any], name: str,
         f = follow_job(client, job_id, timeout_s=timeout_s)
     except (TimeoutError, httpx.HTTPError) as err:
         return job_id, err
-    marks = {"submit_sent": sent, "submit_response": got, **f["marks"]}
+    marks = {"submit_sent": sent, "submit_response": got, **f["marks"], **f["startup"]}
     seg = {name: (marks[b] - marks[a] if a in marks and b in marks else None) for name, a, b in SEGMENTS}
+    seg.update(timeline_segments(marks))
     lag = {k: f["received"][k] - f["marks"][k] for k in f["marks"]}
     timeline = [[round(t - sent, 3), ev, d] for t, ev, d in f["timeline"]]
-    return job_id, {"job_id": job_id, "final": f["final"], "marks": marks, "segments": seg,
+    return job_id, {"job_id": job_id, "final": f["final"], "marks": marks, "segments": seg, "startup": f["startup"],
                     "receive_lag_s": lag, "timeline_s": timeline}
 
 
@@ -167,8 +196,8 @@ def _run_mode(sizes: Sizes, home: Path, label: str, env: dict[str, str], workers
 
 def _medians(jobs: list[dict[str, Any]]) -> dict[str, float | None]:
     out = {}
-    for name, _a, _b in SEGMENTS:
-        vals = [j["segments"][name] for j in jobs if j["segments"][name] is not None]
+    for name in [*(n for n, _a, _b in SEGMENTS), *(n for n, _m, _f in TIMELINE)]:
+        vals = [j["segments"][name] for j in jobs if j["segments"].get(name) is not None]
         out[name] = statistics.median(vals) if vals else None
     return out
 
@@ -210,6 +239,10 @@ def _print_e2e(modes: list[dict[str, Any]], floors: dict[str, dict[str, Any]], s
               + (f"; ERROR: {m['error'][:300]}" if m["error"] else ""))
     print_table(["segment"] + [f"{m['label']}, {w} worker(s) ms" for m, w in columns],
                 [[name] + [ms(m["by_workers"][w]["median_s"][name]) for m, w in columns] for name, _a, _b in SEGMENTS])
+    print("   start-up timeline (the driver's phases, workers.startup; each row from the one before it present)")
+    print_table(["step"] + [f"{m['label']}, {w} worker(s) ms" for m, w in columns],
+                [[name] + [ms(m["by_workers"][w]["median_s"].get(name)) for m, w in columns]
+                 for name, _m, _f in TIMELINE])
     if speedup:
         print(f"   1 worker, submit -> first epoch: TorchTrainer / default = {speedup:.2f}x")
     print("   floors: " + ", ".join(f"{w} worker(s) {ms(r['median_s'])} ms <= {1000 * r['floor_s']:.0f} ms "

@@ -12,6 +12,7 @@ from benchmarks import run_all, service_bench
 from benchmarks.service.common import Sizes, pct
 from benchmarks.service.decisions import synthetic_load
 from benchmarks.service.sse import _parse_sse
+from benchmarks.service.startup import TIMELINE, timeline_segments
 
 
 def _load(path: Path) -> dict:
@@ -32,6 +33,24 @@ def test_pure_helpers() -> None:
     assert _parse_sse(b'id: 1-0\nevent: metric\ndata: {"epoch": 1}') == ("1-0", "metric", '{"epoch": 1}')
     queued, active = synthetic_load(Sizes(queued=30, users=3, active=5))
     assert len(queued) == 30 and len(active) == 5 and {q["owner"] for q in queued} <= {"user0", "user1", "user2"}
+
+
+def test_startup_timeline_rows_tile_submit_to_first_checkpoint() -> None:
+    """Each row runs from the latest earlier mark present, so the rows add up to submit -> first checkpoint
+    whichever phases a path skips (a 1-worker driver: the gang's; a TorchTrainer: data and model too)."""
+    one = {"submit_sent": 0.0, "starting": 0.5, "spawned": 1.0, "driver": 1.25, "torch": 2.0, "data": 2.5,
+           "model": 2.75, "train_start": 3.0, "first_metric": 3.5, "checkpoint": 3.625}
+    gang = {**one, "ranks": 1.5, "group": 2.25}
+    trainer = {k: v for k, v in one.items() if k not in ("data", "model", "checkpoint")}
+    for marks, skipped in ((one, 2), (gang, 0), (trainer, 5)):
+        seg = timeline_segments(marks)
+        assert list(seg) == [row for row, _m, _f in TIMELINE]
+        assert sum(v is None for v in seg.values()) == skipped
+        last = "checkpoint" if "checkpoint" in marks else "first_metric"
+        assert sum(v for v in seg.values() if v is not None) == marks[last]
+    assert timeline_segments(one)["import torch and the loop"] == 0.75  # from "driver": no gang ranks
+    assert timeline_segments(gang)["dataset load"] == 0.25  # from "group"
+    assert timeline_segments(trainer)["loop set up (restore, DDP wrap; TorchTrainer: all)"] == 1.0
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from tests.workers.test_run_entrypoint import put_job
-from workers import run
+from workers import run, startup
 from workers.artifacts import checkpoints
 from workers.redis_sink import read_events
 
@@ -32,7 +32,10 @@ def test_a_gang_trains_as_ray_trains_worker_group_did_every_epoch_once(
 ) -> None:
     monkeypatch.setenv("TLAB_STORAGE", str(tmp_path))
     put_job(redis_server, "gang", **GANG)
+    startup.begin()  # what the job's entrypoint does first (workers.run.job_main)
     gang = run.run_job("gang", redis_server, str(tmp_path / "a"), max_failures=0)
+    phases = startup.timeline()  # rank 0's start-up, every phase, in order
+    assert list(phases) == list(startup.PHASES) and sorted(phases.values()) == list(phases.values()), phases
     monkeypatch.setenv("TLAB_IN_DRIVER", "0")  # the same spec as a TorchTrainer
     put_job(redis_server, "trainer", **GANG)
     trainer = run.run_job("trainer", redis_server, str(tmp_path / "b"), max_failures=0)

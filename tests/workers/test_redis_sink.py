@@ -35,6 +35,9 @@ def test_buffer_flushes_by_size(redis_server: str) -> None:
     assert read_events(redis_server, "job2") == []
     sink.emit({"kind": "teleport", "epoch": 0, "batch": 1})
     assert len(read_events(redis_server, "job2")) == 2
+    sink.emit({"kind": "teleport", "epoch": 0, "batch": 2})
+    sink.emit({"kind": "start"})  # at once: its stream time is when the loop was set up (benchmarks' timeline)
+    assert [e["kind"] for e in read_events(redis_server, "job2")] == ["teleport"] * 3 + ["status"]
     sink.close()
 
 

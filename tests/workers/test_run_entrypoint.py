@@ -104,6 +104,22 @@ def test_in_driver_and_torchtrainer_give_the_same_epochs_and_summary_keys(
     summaries = [json.loads(client.hget(keys.job(j), "summary")) for j in ("driver", "trainer")]
     assert sorted(summaries[0]) == sorted(summaries[1])  # what Ray Train's result.metrics gave
     assert summaries[0]["final_train_loss"] == summaries[1]["final_train_loss"]
+    assert "checkpoint" in startup_phases(redis_server, "driver")  # every phase of a 1-worker driver
+    assert list(startup_phases(redis_server, "trainer")) == ["spawned", "driver", "torch"]  # loop: Ray Train's
+
+
+def startup_phases(url: str, job: str) -> dict[str, float]:
+    """The ``finished`` event's start-up timeline (``workers.startup``), checked against the stream's own times:
+    in order, the driver's start before its ``running`` event, the first checkpoint after the first epoch's."""
+    events = read_events(url, job)
+    phases = events[-1]["data"]["startup"]
+    assert list(phases.values()) == sorted(phases.values()), phases
+    stream_s = {e["kind"]: int(e["id"].split("-")[0]) / 1000 for e in reversed(events)}  # each kind's first
+    assert phases["spawned"] <= phases["driver"] <= stream_s["status"] + 0.001
+    if "checkpoint" in phases:
+        assert list(phases) == ["spawned", "driver", "torch", "data", "model", "checkpoint"]
+        assert phases["checkpoint"] >= stream_s["metric"] - 0.001
+    return phases
 
 
 def start_driver(url: str, job: str, epochs: int) -> subprocess.Popen[bytes]:

@@ -1,0 +1,52 @@
+"""A job driver's start-up timeline (issue 15): the wall-clock time (``time.time()``, seconds) at which this
+process first passed each phase, sent as the optional ``startup`` field of the job's ``finished`` status event
+(``workers.run.guarded``), where ``benchmarks/service/startup.py`` reads it. A few dict writes per job: free.
+
+Phases, in the order a job passes them (a phase the job's path skips is absent):
+
+- ``spawned``: the operating system's start time of this process (Ray started the job's entrypoint);
+- ``driver``: the entrypoint's own code runs (Python started, its light imports done, no torch yet);
+- ``ranks``: a gang's other ranks asked of Ray as tasks (after ``ray.init``; several workers only);
+- ``torch``: torch and the training loop's modules imported;
+- ``group``: a gang's process group formed, every rank joined (``workers.gang``; several workers only);
+- ``data``: the dataset loaded; ``model``: the model built (``workers.build.build_parts``);
+- ``checkpoint``: the first checkpoint on disk (``workers.driver.DriverContext``; written in the background after
+  the first epoch, whose end is the time of the first ``metric`` event).
+
+A job's retry keeps its first try's times. A job trained by a TorchTrainer (``TLAB_IN_DRIVER=0``) has the driver's
+phases only: its loop runs in Ray Train's workers.
+"""
+
+from __future__ import annotations
+
+import time
+
+PHASES = ("spawned", "driver", "ranks", "torch", "group", "data", "model", "checkpoint")
+_marks: dict[str, float] = {}
+
+
+def begin() -> None:
+    """A job starts in this process: forget an earlier job's times (tests run several in one process)."""
+    _marks.clear()
+    mark("driver")
+
+
+def mark(phase: str) -> None:
+    """This process has passed ``phase`` now (the first time counts)."""
+    _marks.setdefault(phase, time.time())
+
+
+def process_start() -> float | None:
+    """When the operating system started this process (``None`` where psutil cannot tell)."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # noqa: BLE001 - a missing or unsupported psutil only leaves the phase out
+        return None
+
+
+def timeline() -> dict[str, float]:
+    """The phases passed so far, in ``PHASES`` order, times rounded to the millisecond."""
+    marks = {"spawned": process_start(), **_marks}
+    return {p: round(marks[p], 3) for p in PHASES if marks.get(p) is not None}
