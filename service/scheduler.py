@@ -101,6 +101,7 @@ class Scheduler:
         self.preflights = preflights  # user code is tried on one CPU before its gang (service.preflight)
         self.static: dict[str, QueuedJob] = {}  # queued jobs' immutable fields, read once
         self.last_charge = time.time()
+        self.holding: list[ActiveJob] | None = None  # the gangs held since last_charge: what the next charge bills
         self.decisions = 0
         self.requeued_at = 0.0  # when a preempted job last went back to the queue (service.preempting.SETTLE_S)
 
@@ -238,6 +239,8 @@ class Scheduler:
 
     def dispatch(self, now: float, nodes: list[Node] | None = None) -> policy.Decision:
         decision, nodes, active = self.decide(now, nodes)
+        if self.holding is None:  # this scheduler's first dispatch: the jobs running now held their gangs before it
+            self.holding = list(active)
         charges: dict[str, float] = {}
         for job, placement in decision.starts:
             attempts, kind, resumed = self.store.r.hmget(keys.job(job.id), ["attempts", "kind", "resume_free"])
@@ -253,7 +256,7 @@ class Scheduler:
                                          pending_reason="", resume_free=""):
                 continue  # cancelled meanwhile
             self.static.pop(job.id, None)
-            if not self.launch(job, attempt, kind, placement, now):
+            if not self.launch(job, attempt, kind, placement, now, resumed or ""):
                 continue
             if not resumed:  # a job resuming after a preemption paid its start charge when it first started
                 charges[job.owner] = (charges.get(job.owner, 0.0)
@@ -264,9 +267,11 @@ class Scheduler:
         self.publish(decision, nodes, active, now)
         return decision
 
-    def launch(self, job: QueuedJob, attempt: int, kind: str | None, placement: list[str], now: float) -> bool:
+    def launch(self, job: QueuedJob, attempt: int, kind: str | None, placement: list[str], now: float,
+               resume_free: str = "") -> bool:
         """Submit the starting job to Ray. A job that can never start as stored fails at once; one Ray refused
-        (or Ray is down) goes back to the queue for the next tick, its attempt not counted."""
+        (or Ray is down) goes back to the queue for the next tick, its attempt not counted and a preempted job's
+        ``resume_free`` kept (its start charge is still paid)."""
         try:
             sid = self.launcher.submission_id(job.id, attempt)
             self.launcher.submit(job.id, sid, ENTRYPOINT[kind or "experiment"], job.demand, placement)
@@ -278,14 +283,17 @@ class Scheduler:
             log.exception("submitting %s", job.id)
             self.store.transition(job.id, JobState.QUEUED, expect=[JobState.STARTING], now=now,
                                   reason=f"Ray did not accept the job ({err}); will retry",
-                                  attempts=str(attempt - 1))
+                                  attempts=str(attempt - 1), resume_free=resume_free)
         return False
 
     def charge_running(self, active: list[ActiveJob], now: float, charges: dict[str, float]) -> None:
+        """Fair share: the time since the last charge is billed to the gangs held over it (a job started at this
+        tick has held nothing yet; one that ended or went back to the queue since held its gang until this tick
+        saw it go), plus ``charges`` (start charges); ``active`` holds theirs from now on."""
         dt = max(0.0, now - self.last_charge)
-        self.last_charge = now
-        for job in active:
+        for job in self.holding or []:
             charges[job.owner] = charges.get(job.owner, 0.0) + policy.weight(job.demand) * dt
+        self.last_charge, self.holding = now, list(active)
         self.store.charge(charges, now, self.settings.half_life_s)
 
     def publish(self, decision: policy.Decision, nodes: list[Node], active: list[ActiveJob], now: float) -> None:
