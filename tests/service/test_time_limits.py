@@ -84,3 +84,43 @@ def test_a_job_at_its_time_limit_ends_failed_and_keeps_its_checkpoint(stack: Sta
         assert len(rows) == 1 + summary["epochs"]  # the header, then one row per epoch in the checkpoint
         logs = c.request("GET", f"/v1/experiments/{job}/logs").text
         assert "artifacts: checkpoint.pt, model.safetensors" in logs  # the driver exported them on SIGTERM
+
+
+def test_a_sweeps_own_limit_stops_it_and_each_trials_limit_goes_to_tune(redis_server: str) -> None:
+    """The two limits of a sweep on real objects: the scheduler (on real Redis, ticked at chosen times; Ray's Jobs
+    API behind its Launcher seam) holds the whole sweep to ``time_limit_s``, counted while it runs, across a
+    preemption; each trial's ``base.resources.time_limit_s`` becomes Tune's stop criterion (the e2e run of it:
+    ``test_artifacts.py``, a sweep whose trials stop at 3 s)."""
+    from api_schemas.jobs import JobState
+    from api_schemas.sweeps import SweepSubmit
+    from service import preempting
+    from service.ray_cluster import RayJobs, StaticCluster
+    from service.scheduler import Scheduler
+    from service.store import Store
+    from tests.service.test_fair_share import NODES, Jobs, tick
+    from workers.sweep import trial_stop
+
+    raw = {"base": tiny(resources={"time_limit_s": 5}), "time_limit_s": 30,
+           "search_space": {"optimizer.lr": {"grid": [0.01, 0.1]}}}
+    body = SweepSubmit.model_validate(raw)
+    assert trial_stop(body) == {"time_total_s": 5}  # Tune's stop: each trial's own running time (time_total_s)
+    assert trial_stop(SweepSubmit.model_validate({**raw, "base": tiny()})) is None  # no trial limit: none
+    store, ray = Store.from_url(redis_server), Jobs()
+    sched = Scheduler(store, Settings(redis_url=redis_server, cluster_nodes=NODES), StaticCluster(NODES), ray)
+    sweep = store.submit("ann", body, now=999.0)[0]
+    tick(sched, 1000.0)
+    tick(sched, 1001.0)  # running from 1001
+    tick(sched, 1020.0)  # past each trial's 5 s, within the sweep's 30 s: the trials' limit is Tune's, not ours
+    assert store.raw(sweep)["state"] == "running" and ray.states[RayJobs.submission_id(sweep, 1)] == "RUNNING"
+    # preempted at 1021 (20 s run), queued 100 s, running again from 1121: 20 + 9 s at 1130 is within the limit
+    ray.stop(RayJobs.submission_id(sweep, 1))
+    assert preempting.requeue(store, store.raw(sweep), now=1021.0)
+    for now in (1120.0, 1121.0, 1130.0):
+        tick(sched, now)
+    assert store.raw(sweep)["state"] == "running", store.raw(sweep)
+    tick(sched, 1131.0)  # 20 + 10 s: the scheduler stops the sweep's Ray job (its driver exports the best trial)
+    assert ray.states[RayJobs.submission_id(sweep, 2)] == "STOPPED"
+    tick(sched, 1132.0)
+    view = store.view(sweep)
+    assert view.state == JobState.FAILED and view.failure_reason
+    assert view.failure_reason.startswith("time limit of 30 s reached before its first epoch ended"), view
