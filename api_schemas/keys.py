@@ -149,3 +149,9 @@ def preflights() -> str:
     """Set of job ids whose preflight the scheduler has started and not yet settled (found again after a restart;
     a cancelled job's preflight is stopped from here)."""
     return f"{PREFIX}:preflights"
+
+
+def hub_wake(hub_id: str) -> str:
+    """Stream (one entry, expiring): an API process's event reader is woken through it when a job is first
+    followed, so its single blocked XREAD over every followed job starts again with that job in it."""
+    return f"{PREFIX}:hub:{hub_id}:wake"

@@ -26,7 +26,8 @@ from service.store import Store
 from service.views import JobFilter, Page, read_cluster_view
 
 JOB_ID = re.compile(keys.JOB_ID_PATTERN)
-STREAM_RETRY_S = 10  # Retry-After when a user holds the most SSE streams: a closed one frees its slot at once
+STREAM_RETRY_S = 10  # Retry-After when a user, or the process, holds the most SSE streams: a closed one frees its slot
+ASYNC_CLIENT_NAME = "tlab-api-async"  # the API's async pool in Redis's CLIENT LIST (SSE, token re-checks)
 USER_CACHE_S = 5.0  # a token's user is re-read at least this often (and at once when the auth generation moves)
 CLUSTER_CACHE_S = 0.5  # the scheduler's published cluster view is re-read at most this often
 
@@ -38,10 +39,11 @@ class State:
         self.settings = settings
         self.store = Store.from_url(settings.redis_url)
         # a blocking pool: a burst of followers waits for a connection instead of failing with "Too many
-        # connections"; live events need only one per followed job (the Hub), history reads are short
+        # connections"; live events hold one for every followed job together (the Hub), history reads are short
         self.aredis = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
-            settings.redis_url, max_connections=64, timeout=30, decode_responses=True))
-        self.hub = Hub(self.aredis, block_ms=int(min(5.0, settings.heartbeat_s) * 1000))
+            settings.redis_url, max_connections=settings.redis_pool, timeout=30, decode_responses=True,
+            client_name=ASYNC_CLIENT_NAME))
+        self.hub = Hub(self.aredis)
         self.registry = CollectorRegistry()
         self.requests = Counter("tlab_http_requests", "HTTP requests", ["method", "route", "status"],
                                 registry=self.registry)
@@ -53,6 +55,7 @@ class State:
         self._users: dict[str, tuple[UserPublic, float, int]] = {}  # token -> (user, expiry, auth generation)
         self._cluster: tuple[tuple[ClusterView | None, float], float] = ((None, 0.0), 0.0)
         self._streams: dict[str, int] = {}  # user -> SSE streams open in this process
+        self._open = 0  # SSE streams open in this process, all users
 
     async def aclose(self) -> None:
         await self.hub.close()
@@ -90,16 +93,22 @@ class State:
 
     def count_stream(self, user: str, stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """Count ``stream`` as one of ``user``'s open SSE streams until it is gone (ended, cancelled, or never
-        started: a finalizer, not the generator's own ``finally``); 429 past ``TLAB_MAX_STREAMS_PER_USER``."""
-        cap = self.settings.max_streams_per_user
+        started: a finalizer, not the generator's own ``finally``); 429 past ``TLAB_MAX_STREAMS_PER_USER``, or
+        past ``TLAB_MAX_STREAMS`` of everyone's in this process."""
+        cap, total = self.settings.max_streams_per_user, self.settings.max_streams
         if self._streams.get(user, 0) >= cap:
             raise TooManyRequests(f"you have {cap} event streams open (TLAB_MAX_STREAMS_PER_USER): close one; a "
                                   "sweep's stream carries all its trials", field="events", retry_after_s=STREAM_RETRY_S)
+        if self._open >= total:
+            raise TooManyRequests(f"this API process has {total} event streams open, everyone's together "
+                                  "(TLAB_MAX_STREAMS): try again shortly", field="events", retry_after_s=STREAM_RETRY_S)
         self._streams[user] = self._streams.get(user, 0) + 1
+        self._open += 1
         weakref.finalize(stream, self._stream_closed, user)
         return stream
 
     def _stream_closed(self, user: str) -> None:
+        self._open -= 1
         left = self._streams.get(user, 1) - 1
         if left > 0:
             self._streams[user] = left

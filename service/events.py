@@ -1,10 +1,10 @@
-"""Job event streams for the API: SSE with ``Last-Event-ID`` resume, fanned out from one Redis reader per job.
+"""Job event streams for the API: SSE with ``Last-Event-ID`` resume, fanned out from one Redis reader per process.
 
-A follower gets the stream's history first (XRANGE after its last id), then live events. Live
-events come from one ``XREAD BLOCK`` loop per job per API process (the ``Hub``), however many
-followers there are; each follower has a queue. The follower subscribes *before* reading the
-history and skips queued ids it already sent, so nothing falls between history and live, and
-nothing is sent twice. The SSE ``id`` is the Redis stream id.
+A follower gets the stream's history first (XRANGE after its last id), then live events. Live events come
+from one reader task per API process (the ``Hub``): a single ``XREAD BLOCK`` over every followed job's stream,
+so it holds one Redis connection however many jobs and followers there are; each follower has a queue. The
+follower subscribes *before* reading the history and skips queued ids it already sent, so nothing falls
+between history and live, and nothing is sent twice. The SSE ``id`` is the Redis stream id.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import contextlib
 import json
 import math
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -22,6 +23,8 @@ import redis.asyncio as aioredis
 from api_schemas import keys
 
 Entry = tuple[str, dict[str, str]]
+READ_BLOCK_MS = 2000  # the reader's XREAD BLOCK: under redis-py's 5 s socket timeout, which would end it as an error
+WAKE_TTL_S = 86400  # a hub's wake stream outlives its process by at most this
 REAUTH_S = 2.0  # a live stream re-checks its token this often: a rotated token's stream ends within it
 Batch = tuple[list[Entry], bytes]  # entries and their SSE text, encoded once for every follower
 
@@ -46,28 +49,51 @@ def sse(entries: list[Entry]) -> str:
 
 
 class _JobFeed:
-    def __init__(self) -> None:
+    """A followed job: its followers' queues, and the id of the last entry handed to them."""
+
+    def __init__(self, cursor: str) -> None:
         self.subscribers: set[asyncio.Queue[Batch]] = set()
-        self.task: asyncio.Task[None] | None = None
+        self.cursor = cursor
 
 
 class Hub:
-    """One XREAD loop per followed job, broadcasting batches of entries to every follower's queue."""
+    """One reader task per API process: a single ``XREAD BLOCK`` over every followed job's stream, broadcasting
+    each job's new entries (one batch, its SSE text encoded once) to every follower's queue of that job.
 
-    def __init__(self, client: aioredis.Redis, block_ms: int = 5000) -> None:
+    The XREAD also reads the hub's own wake stream (``keys.hub_wake``): a job followed for the first time XADDs
+    to it (at most once per XREAD), so the blocked read returns at once and the next one includes the job. Its
+    entries from its cursor on are not lost meanwhile: the cursor is the job's last id when it was first
+    followed. A job whose last follower left is dropped from the next read."""
+
+    def __init__(self, client: aioredis.Redis, block_ms: int = READ_BLOCK_MS) -> None:
         self.r = client
         self.block_ms = block_ms
         self.feeds: dict[str, _JobFeed] = {}
+        self.wake_key = keys.hub_wake(uuid.uuid4().hex[:16])
+        self._reading = False  # an XREAD is out, and no job was followed since its streams were chosen...
+        self._woken = False  # ...or one was, and the wake for it is sent
+        self._busy = asyncio.Event()  # set while jobs are followed: the reader waits on it when none are
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
 
     async def subscribe(self, job_id: str) -> asyncio.Queue[Batch]:
-        feed = self.feeds.get(job_id)
-        if feed is None:
-            feed = self.feeds[job_id] = _JobFeed()
-            last = await self.r.xrevrange(keys.events(job_id), count=1)
-            start = last[0][0] if last else "0-0"
-            feed.task = asyncio.create_task(self._pump(job_id, feed, start))
         queue: asyncio.Queue[Batch] = asyncio.Queue()
-        feed.subscribers.add(queue)
+        new = job_id not in self.feeds
+        if new:
+            last = await self.r.xrevrange(keys.events(job_id), count=1)
+            new = job_id not in self.feeds  # another follower of the job may have come meanwhile
+            if new:
+                self.feeds[job_id] = _JobFeed(last[0][0] if last else "0-0")
+        self.feeds[job_id].subscribers.add(queue)
+        self._busy.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._read())
+        if new:
+            try:
+                await self._wake()
+            except BaseException:  # Redis failed, or the client went: nobody will unsubscribe this queue
+                self.unsubscribe(job_id, queue)
+                raise
         return queue
 
     def unsubscribe(self, job_id: str, queue: asyncio.Queue[Batch]) -> None:
@@ -75,34 +101,74 @@ class Hub:
         if feed is None:
             return
         feed.subscribers.discard(queue)
-        if not feed.subscribers and feed.task is not None:
-            feed.task.cancel()
+        if not feed.subscribers:
             del self.feeds[job_id]
 
-    async def _pump(self, job_id: str, feed: _JobFeed, cursor: str) -> None:
-        key = keys.events(job_id)
-        while True:
+    async def _wake(self) -> None:
+        """End the reader's blocked XREAD (one XADD) if it was sent before the feed now added."""
+        if not self._reading or self._woken:
+            return  # the reader's next XREAD includes the new job, or a wake for it is on its way
+        self._woken = True
+        try:
+            async with self.r.pipeline(transaction=False) as p:
+                p.xadd(self.wake_key, {"w": "1"}, maxlen=1, approximate=False)
+                p.expire(self.wake_key, WAKE_TTL_S)
+                await p.execute()
+        except BaseException:
+            self._woken = False
+            raise
+
+    async def _read(self) -> None:
+        wake_cursor = "0-0"
+        while not self._closed:
+            if not self.feeds:
+                self._busy.clear()
+                await self._busy.wait()
+                continue
+            jobs = {keys.events(j): j for j in self.feeds}
+            streams = {key: self.feeds[j].cursor for key, j in jobs.items()} | {self.wake_key: wake_cursor}
+            self._reading, self._woken = True, False
             try:
-                got = await self.r.xread({key: cursor}, block=self.block_ms, count=1000)
+                got = await self.r.xread(streams, block=self.block_ms, count=1000)
             except asyncio.CancelledError:
                 raise
             except Exception:  # Redis hiccup: the followers keep their queues; try again shortly
+                self._reading = False
                 await asyncio.sleep(0.5)
                 continue
-            for _key, entries in got or []:
-                if entries:
-                    cursor = entries[-1][0]
-                    batch = (entries, sse(entries).encode())
-                    for q in feed.subscribers:
-                        q.put_nowait(batch)
+            self._reading = False
+            for key, entries in got or []:
+                if key == self.wake_key:
+                    wake_cursor = entries[-1][0]
+                elif entries:
+                    self._deliver(jobs[key], entries)
+
+    def _deliver(self, job_id: str, entries: list[Entry]) -> None:
+        """Entries after the job's cursor to every follower (the job may have been dropped and followed again
+        while the XREAD was out: its new cursor decides)."""
+        feed = self.feeds.get(job_id)
+        if feed is None:
+            return
+        after = stream_id(feed.cursor)
+        fresh = [e for e in entries if stream_id(e[0]) > after]
+        if not fresh:
+            return
+        feed.cursor = fresh[-1][0]
+        batch = (fresh, sse(fresh).encode())
+        for q in feed.subscribers:
+            q.put_nowait(batch)
 
     async def close(self) -> None:
-        for feed in self.feeds.values():
-            if feed.task is not None:
-                feed.task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await feed.task
+        """Stop the reader: cancelled again until it has stopped (on Python 3.11 a cancel that lands as redis-py's
+        ``wait_for`` around a send completes is lost: gh-86296), and it would stop at its next XREAD anyway."""
+        self._closed = True
+        while self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.wait({self._task}, timeout=0.1)
+        self._task = None
         self.feeds.clear()
+        with contextlib.suppress(Exception):
+            await self.r.delete(self.wake_key)
 
 
 async def follow(hub: Hub, job_id: str, last_id: str | None, heartbeat_s: float,

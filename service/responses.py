@@ -52,8 +52,9 @@ SUBMIT: Responses = BODY | {
                "data roots, over a service limit or a quota, or a gang that can never fit the cluster"),
     429: error("max_queued_jobs reached: try again after Retry-After seconds", Retry_After=RETRY_AFTER),
 }
-STREAMS: Responses = {429: error("TLAB_MAX_STREAMS_PER_USER event streams open: close one, or try again after "
-                                 "Retry-After seconds", Retry_After=RETRY_AFTER)}
+STREAMS: Responses = {429: error("TLAB_MAX_STREAMS_PER_USER event streams of yours, or TLAB_MAX_STREAMS of "
+                                 "everyone's, open in this API process: close one, or try again after Retry-After "
+                                 "seconds", Retry_After=RETRY_AFTER)}
 
 
 def _can_be_invalid(operation: dict[str, Any]) -> bool:

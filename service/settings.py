@@ -75,6 +75,12 @@ class Settings(BaseSettings):
     max_trials: int = Field(1000, ge=1, validation_alias="TLAB_MAX_TRIALS", description="trials of one sweep")
     max_streams_per_user: int = Field(16, ge=1, validation_alias="TLAB_MAX_STREAMS_PER_USER",
                                       description="SSE streams one user may hold open per API process (429 above)")
+    max_streams: int = Field(1000, ge=1, validation_alias="TLAB_MAX_STREAMS",
+                             description="SSE streams (events and logs) one API process holds open, all users "
+                                         "together (429 above)")
+    redis_pool: int = Field(64, ge=2, validation_alias="TLAB_REDIS_POOL",
+                            description="async Redis connections per API process (SSE: one reader for every "
+                                        "followed job, plus short reads); a request waits for one when all are busy")
     max_compare: int = Field(8, ge=1, validation_alias="TLAB_MAX_COMPARE", description="runs in one plot.png")
     # users' code packages (service/code_store.py, docs/operations.md "User code")
     user_code: bool = Field(True, validation_alias="TLAB_USER_CODE",

@@ -1,0 +1,179 @@
+"""Live events for many followed jobs through one Redis reader per API process (``service.events.Hub``), and the
+process's cap on open SSE streams (``TLAB_MAX_STREAMS``): a real Redis, the real API process, real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from api_schemas import keys
+from service.deps import ASYNC_CLIENT_NAME
+from service.events import Hub
+from tests.service.conftest import Api, tiny
+
+JOBS = 80  # followed at once, one stream each, by one user
+POOL = 8  # the API's async Redis connections: a tenth of the followed jobs
+
+
+@pytest.fixture()
+def api_env() -> dict[str, str]:
+    """A small async pool, room for all of alice's streams, and a process cap of one stream more than hers."""
+    return {"TLAB_REDIS_POOL": str(POOL), "TLAB_MAX_STREAMS": str(JOBS + 1),
+            "TLAB_MAX_STREAMS_PER_USER": str(JOBS + 5)}
+
+
+@pytest.fixture()
+def rds(redis_server: str) -> Iterator[redis.Redis]:
+    r = redis.Redis.from_url(redis_server, decode_responses=True)
+    yield r
+    r.close()
+
+
+def publish(r: redis.Redis, jobs: list[str], kind: str = "metric") -> None:
+    """One event in each job's stream (one round trip for all)."""
+    with r.pipeline(transaction=False) as p:
+        for job in jobs:
+            p.xadd(keys.events(job), {"kind": kind, "data": json.dumps({"at": time.time()})})
+        p.execute()
+
+
+def api_clients(r: redis.Redis) -> tuple[int, int]:
+    """The API's async Redis connections now: (open, blocked in a command such as XREAD BLOCK)."""
+    mine = [c for c in r.client_list() if c.get("name") == ASYNC_CLIENT_NAME]
+    return len(mine), sum("b" in c.get("flags", "") for c in mine)
+
+
+async def follow(client: httpx.AsyncClient, job: str, opened: set[str]) -> list[tuple[str, str]]:
+    """(id, event) of every event the job's SSE stream sends until ``end``; ``job`` joins ``opened`` once the API
+    has subscribed it (its first bytes)."""
+    got: list[tuple[str, str]] = []
+    async with client.stream("GET", f"/v1/experiments/{job}/events") as resp:
+        assert resp.status_code == 200, await resp.aread()
+        buf = ""
+        async for chunk in resp.aiter_text():
+            opened.add(job)
+            buf += chunk
+            while "\n\n" in buf:
+                block, buf = buf.split("\n\n", 1)
+                fields = dict(line.split(": ", 1) for line in block.split("\n") if line[:1] not in ("", ":"))
+                if "id" in fields:
+                    got.append((fields["id"], fields["event"]))
+                if fields.get("event") == "end":
+                    return got
+    return got
+
+
+async def until(check: object, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+def test_followers_of_many_jobs_share_one_reader_and_the_process_caps_streams(api_only: Api,
+                                                                            rds: redis.Redis) -> None:
+    api = api_only
+    api.add_user("alice")
+    api.add_user("bob")
+    with api.client("alice") as c:
+        jobs = [c.post("/v1/experiments", json={"spec": tiny()}).json()["id"] for _ in range(JOBS)]
+    with api.client("bob") as c:
+        bobs = c.post("/v1/experiments", json={"spec": tiny()}).json()["id"]
+    publish(rds, jobs)  # history before anyone follows
+    asyncio.run(asyncio.wait_for(_scenario(api, rds, jobs, bobs), timeout=120))
+
+
+async def _scenario(api: Api, rds: redis.Redis, jobs: list[str], bobs: str) -> None:
+    def client(user: str) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=api.url, headers={"Authorization": f"Bearer {api.tokens[user]}"},
+                                 timeout=30, limits=httpx.Limits(max_connections=JOBS + 10))
+
+    async with client("alice") as alice, client("bob") as bob:
+        opened: set[str] = set()
+        followers = [asyncio.create_task(follow(alice, job, opened)) for job in jobs]
+        try:
+            await _hold(rds, jobs, bobs, bob, followers, opened)
+        finally:
+            for f in followers:
+                f.cancel()
+            await asyncio.gather(*followers, return_exceptions=True)
+
+
+async def _hold(rds: redis.Redis, jobs: list[str], bobs: str, bob: httpx.AsyncClient,
+                followers: list[asyncio.Task[list[tuple[str, str]]]], opened: set[str]) -> None:
+    """Alice's 80 streams held while bob streams beside them and one stream over the cap is refused; then
+    every follower gets the rest of its job's events, exactly once and in order."""
+    while len(opened) < JOBS:  # events land while the followers subscribe and read their history
+        assert not any(f.done() for f in followers), [f.result() for f in followers if f.done()]
+        await asyncio.to_thread(publish, rds, jobs)
+        await asyncio.sleep(0.05)
+    samples = []
+    for _ in range(5):  # all 80 held: one XREAD for all of them, the pool never over its size
+        samples.append(await asyncio.to_thread(api_clients, rds))
+        await asyncio.sleep(0.1)
+    assert max(n for n, _ in samples) <= POOL and max(b for _, b in samples) == 1, samples
+
+    bob_opened: set[str] = set()  # another user's stream opens beside them and gets its events live
+    bob_follows = asyncio.create_task(follow(bob, bobs, bob_opened))
+    await until(lambda: bob_opened, "bob's stream never opened beside alice's 80")
+    async with bob.stream("GET", f"/v1/experiments/{bobs}/events") as over:  # the process's 82nd
+        body = json.loads(await over.aread())
+        assert over.status_code == 429 and over.headers["Retry-After"], body
+        assert f"{JOBS + 1} event streams" in body["detail"] and "TLAB_MAX_STREAMS)" in body["detail"], body
+        assert body["errors"][0]["field"] == "events", body
+    start = time.monotonic()
+    publish(rds, [bobs])
+    publish(rds, [bobs], "end")
+    bob_got = await asyncio.wait_for(bob_follows, 5)
+    assert time.monotonic() - start < 2.0, "bob's live events were late"
+    assert bob_got == [(eid, f["kind"]) for eid, f in rds.xrange(keys.events(bobs))], bob_got
+    assert [kind for _, kind in bob_got[-2:]] == ["metric", "end"], bob_got
+
+    publish(rds, jobs)
+    publish(rds, jobs, "end")
+    got = await asyncio.wait_for(asyncio.gather(*followers), 30)
+    for job, events in zip(jobs, got, strict=True):  # every event exactly once, in order, history and live
+        assert events == [(eid, f["kind"]) for eid, f in rds.xrange(keys.events(job))], job
+        assert len(events) >= 4 and events[-1][1] == "end"
+
+
+def test_a_newly_followed_job_is_read_at_once_and_a_left_one_is_dropped(redis_server: str,
+                                                                        rds: redis.Redis) -> None:
+    """The reader blocks for 4 s, yet a job followed while it waits gets its events within a fraction of it
+    (the wake stream), with one blocked connection throughout."""
+    a, b = "18f3a2b4c5d-0000e1", "18f3a2b4c5d-0000e2"
+
+    async def run() -> None:
+        client = aioredis.Redis.from_url(redis_server, decode_responses=True, client_name=ASYNC_CLIENT_NAME)
+        hub = Hub(client, block_ms=4000)
+        try:
+            qa = await hub.subscribe(a)
+            await until(lambda: api_clients(rds)[1] == 1, "the reader never blocked")
+            qb = await hub.subscribe(b)
+            start = time.monotonic()
+            publish(rds, [b])
+            entries, text = await asyncio.wait_for(qb.get(), 5)
+            assert time.monotonic() - start < 1.0, "the newly followed job waited for the reader's block"
+            assert [e[0] for e in entries] == [e[0] for e in rds.xrange(keys.events(b))]
+            assert text.startswith(b"id: ") and qa.empty()
+            await until(lambda: api_clients(rds)[1] == 1, "the reader did not block again on both jobs")
+            assert api_clients(rds)[1] == 1
+            hub.unsubscribe(b, qb)
+            assert set(hub.feeds) == {a}
+            publish(rds, [a, b])
+            entries, _ = await asyncio.wait_for(qa.get(), 15)
+            assert [e[0] for e in entries] == [e[0] for e in rds.xrange(keys.events(a))]
+            assert rds.exists(hub.wake_key)
+        finally:
+            await hub.close()
+            await client.aclose()
+        assert not rds.exists(hub.wake_key)
+
+    asyncio.run(asyncio.wait_for(run(), timeout=60))
