@@ -7,13 +7,15 @@ Pure PyTorch. The paper's three steps live in one module each:
 - ``blocks``: rows of a weight that share their uses, and π on them;
 - ``bases``: SVD with the τ rule (eq. 3) and the projection π (eqs. 12-17);
 - ``nullspace``: projected gradient ascent on ½‖∇L‖² with CAP (eq. 5, Algorithm 1);
+- ``objective``: ½‖∇L‖² and its gradient H·∇L (one double backward), summed across ranks;
 
 plus ``symmetry``, the symmetry-teleport baseline of Zhao et al. for LeakyReLU MLPs.
 """
 
 from teleport.bases import Basis, BasisExecutor, SerialExecutor, ThreadExecutor, compute_basis, project
 from teleport.capture import UseRecorder, capture_inputs
-from teleport.nullspace import objective, teleport_batch, teleport_gradient
+from teleport.nullspace import teleport_batch
+from teleport.objective import objective, teleport_gradient
 from teleport.report import LayerReport, TeleportConfig, TeleportReport
 from teleport.symmetry import symmetry_teleport_batch
 

@@ -24,7 +24,7 @@ from teleport.blocks import Block, linear_only
 
 if TYPE_CHECKING:
     from teleport.distributed import Collective
-    from teleport.nullspace import Objective
+    from teleport.objective import Objective
 
 
 def factored_direction(obj: Objective, blocks: list[Block], comm: Collective | None, gradient_and: Callable[..., Any],

@@ -3,10 +3,10 @@
 eq. 5:   W_l ← W_l + η · π_l(∇_{W_l} L_teleport),   L_teleport = ½ ‖∇_W L‖²
 
 (the paper's pseudo-code writes "−"; the text and the goal — a larger gradient norm at equal
-loss — are ascent). ∇_W L_teleport = H·∇L is one double backward: a ``create_graph=True``
-gradient, then the gradient of its squared norm. Because π_l(U)·R_l = 0, every layer's output
-on the teleport batch is unchanged, so the batch loss is too (exactly at τ = 1, within a bounded
-drift at τ < 1), while the downstream weights that shape the backward pass have moved.
+loss — are ascent). ∇_W L_teleport = H·∇L is one double backward (``teleport.objective``).
+Because π_l(U)·R_l = 0, every layer's output on the teleport batch is unchanged, so the batch
+loss is too (exactly at τ = 1, within a bounded drift at τ < 1), while the downstream weights
+that shape the backward pass have moved.
 
 CAP (Algorithm 1): no step is taken once ‖∇L‖² ≥ CAP. A step that would overshoot CAP or raise
 the batch loss by more than ``loss_tol`` (relative) is backed off by halving η.
@@ -17,122 +17,21 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from teleport.bases import BasisExecutor, SerialExecutor, compute_basis, select_basis
 from teleport.blocks import Block, RowClass, build_blocks, moving_blocks, partition
 from teleport.buffers import StepBuffers
 from teleport.capture import UseRecorder, trainable
-from teleport.distributed import Collective, all_reduce_list_, any_across_, distributed_spectra
+from teleport.distributed import Collective, any_across_, distributed_spectra
 from teleport.factored import factored_direction
+from teleport.objective import LossFn, Objective, objective, squared_norm, teleport_gradient, teleport_gradient_and
 from teleport.report import TeleportConfig, TeleportReport
-from teleport.spanfree import SpanFreeLinear, backward_inputs, sum_or_zero
 
-LossFn = Callable[[Tensor, Tensor], Tensor]
 AIM = 0.8  # share of the way to CAP a step predicted to overshoot it is aimed at
-
-
-@dataclass
-class Objective:
-    """L and ‖∇L‖² of the whole teleport batch, and this rank's gradient graph for the HVP.
-
-    ``local_grads`` are w_r·∇L_r with their graph (create_graph=True); ``global_grads`` are the
-    detached ∇L of the whole batch (the sum of every rank's w_r·∇L_r; the same tensors' values
-    in a single process).
-    """
-
-    loss: float
-    grad_norm_sq: float
-    local_grads: list[Tensor]
-    global_grads: list[Tensor]
-    aliases: dict[int, Tensor] = field(default_factory=dict)  # id(W) -> W's backward alias (``teleport.spanfree``)
-    whole: set[int] = field(default_factory=set)  # the weights whose F.linear uses all went through their alias
-    factors: dict[int, list[tuple[Tensor, Tensor]]] = field(default_factory=dict)  # id(W) -> its uses' (δ, ∂L/∂X)
-
-
-def objective(
-    model: nn.Module,
-    loss_fn: LossFn,
-    x: Tensor,
-    y: Tensor,
-    params: list[Tensor],
-    comm: Collective | None = None,
-    share: float = 1.0,
-    recorder: UseRecorder | None = None,
-    graph: bool = True,
-    span_free: bool = False,
-) -> Objective:
-    """L(W) and ‖∇_W L‖² over every trainable parameter, keeping the graph for H·∇L (unless ``graph`` is False).
-
-    ``share`` is this rank's weight n_r / N in the whole batch's mean loss. Fused attention
-    kernels (flash, memory-efficient) have no double backward: the math kernel of
-    scaled_dot_product_attention is forced here. With a ``recorder``, the forward (and the loss, which
-    may use parameters too) runs under it: every use of a parameter is recorded. With ``span_free``
-    (exact τ = 1 only) the graph leaves out what π removes from H·∇L (``teleport.spanfree``).
-    """
-    fast = SpanFreeLinear() if span_free and graph else None
-    with sdpa_kernel(SDPBackend.MATH), fast or nullcontext(), recorder or nullcontext():
-        loss = loss_fn(model(x), y) * share
-    grads = torch.autograd.grad(loss, params, create_graph=graph, allow_unused=True)
-    local = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
-    total = [g.detach() for g in local] + [loss.detach().reshape(1)]
-    if comm is not None and comm.world_size > 1:
-        total = [t.clone() for t in total]  # reduced in place: never into the graph's own tensors
-        all_reduce_list_(comm, total)  # ∇L = Σ_r w_r ∇L_r, L = Σ_r w_r L_r: one collective
-    global_grads, loss_sum = total[:-1], total[-1]
-    gn2, loss_value = torch.stack([squared_norm(global_grads), loss_sum[0].double()]).tolist()  # one host sync
-    if fast is None:
-        return Objective(loss_value, gn2, local, global_grads)
-    return Objective(loss_value, gn2, local, global_grads, fast.aliases, fast.whole(), fast.factors)
-
-
-def squared_norm(tensors: list[Tensor]) -> Tensor:
-    """Σ ‖g‖², a float64 scalar: each g·g a BLAS dot in g's precision (float32 at least), summed in float64.
-
-    Not ``vector_norm(g, dtype=float64)``: that copies every gradient to float64 first (3 ms of a
-    [1024, 1024] MLP's 32 ms step, 1 thread); nor a float32 ``vector_norm``, 2e-5 off on 1M elements
-    (measured). The float32 dot is within 1e-6 of the float64 sum.
-    """
-    if not tensors:
-        return torch.zeros((), dtype=torch.float64)
-    flat = [g.reshape(-1).float() if g.dtype in (torch.float16, torch.bfloat16) else g.reshape(-1) for g in tensors]
-    return torch.stack([torch.dot(g, g) for g in flat]).double().sum()
-
-
-def teleport_gradient(obj: Objective, weights: list[Tensor], params: list[Tensor],
-                      comm: Collective | None = None, linear_only: dict[int, int | None] | None = None) -> list[Tensor]:
-    """∇_W ½‖∇L‖² = H·∇L for ``weights`` (a subset of ``params``): the second backward.
-
-    The backward of this rank's gradient graph against the global gradient gives w_r H_r·∇L;
-    summed over ranks it is the whole batch's H·∇L. ``linear_only`` (id(W) -> id(its bias), from
-    ``blocks.linear_only``, exact τ = 1 only) names the weights used by F.linear alone: with a backward
-    alias in ``obj``, their H·∇L is taken through the alias, their bias' is 0 (``teleport.spanfree``).
-    """
-    return teleport_gradient_and(obj, weights, [], comm, linear_only)[0]
-
-
-def teleport_gradient_and(obj: Objective, weights: list[Tensor], extra: list[Tensor], comm: Collective | None = None,
-                          linear_only: dict[int, int | None] | None = None) -> tuple[list[Tensor], list[Tensor | None]]:
-    """``teleport_gradient``, and from the same second backward the gradients of ½‖∇L‖² by ``extra``
-    (tensors of ∇L's graph; None where unused; this rank's, never reduced)."""
-    inputs = backward_inputs(obj.aliases, obj.whole, weights, linear_only or {})
-    flat = [t for ts in inputs for t in ts] + extra
-    pairs = [(lg, gg) for lg, gg in zip(obj.local_grads, obj.global_grads, strict=True) if lg.requires_grad]
-    grads: tuple[Tensor | None, ...] = (None,) * len(flat)
-    if pairs and flat:  # no pair: no second-order path at all (e.g. a linear model on MSE)
-        grads = torch.autograd.grad([lg for lg, _ in pairs], flat, grad_outputs=[gg for _, gg in pairs],
-                                    allow_unused=True)
-    it = iter(grads)
-    hvp = [sum_or_zero([next(it) for _ in ts], w) for w, ts in zip(weights, inputs, strict=True)]
-    if comm is not None and comm.world_size > 1:
-        all_reduce_list_(comm, hvp)
-    return hvp, list(it)
 
 
 def layer_bases(blocks: list[Block] | UseRecorder, tau: float, executor: BasisExecutor,
