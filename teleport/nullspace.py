@@ -141,14 +141,21 @@ def scalar(t: Tensor) -> float:
 
 
 def _shard_share(n: int, comm: Collective | None, device: torch.device) -> float:
-    """w_r = n_r / N: this rank's weight in the whole batch's mean loss."""
-    if n == 0:
-        raise ValueError("the teleport batch (or this rank's shard of it) is empty: pass at least one sample")
+    """w_r = n_r / N: this rank's weight in the whole batch's mean loss.
+
+    Every rank learns every shard's size before any of them may raise, so an empty shard fails on
+    every rank with the same error (one rank raising alone would leave the others in a collective).
+    """
     if comm is None or comm.world_size == 1:
+        if n == 0:
+            raise ValueError("the teleport batch x is empty: pass at least one sample")
         return 1.0
-    total = torch.tensor([float(n)], dtype=torch.float64, device=device)
-    comm.all_reduce_(total)
-    return n / float(total)
+    sizes = [int(s) for s in comm.all_gather(torch.tensor([n], dtype=torch.long, device=device))]
+    empty = [r for r, s in enumerate(sizes) if s == 0]
+    if empty:
+        raise ValueError(f"the teleport batch x has an empty shard on rank(s) {empty} of {len(sizes)} "
+                         f"(shard sizes {sizes}): give every rank at least one sample")
+    return n / sum(sizes)
 
 
 def heldout_loss(model: nn.Module, loss_fn: LossFn, holdout: tuple[Tensor, Tensor] | None) -> float | None:
@@ -182,8 +189,9 @@ def teleport_batch(
     loss is not finite (NaN targets, every target ignored), is decided before any basis is built.
 
     With ``comm`` (data-parallel ranks, see ``teleport.distributed``), (x, y) is this rank's shard
-    of the teleport batch; pass the bare module, not a DDP wrapper (DDP's hooks would all-reduce
-    inside the double backward). Every rank returns the same report and the same weights.
+    of the teleport batch, at least one sample on every rank; pass the bare module, not a DDP wrapper
+    (DDP's hooks would all-reduce inside the double backward). Every rank returns the same report
+    and the same weights, or raises the same error.
     """
     config = config or TeleportConfig()
     start = time.perf_counter()
