@@ -91,7 +91,9 @@ class CpuMeter:
 
 
 def api_only_stack(home: Path) -> Stack:
-    stack = Stack(home, ray_address="http://127.0.0.1:9", extra_env={"TLAB_CLUSTER_NODES": STATIC_NODES})
+    # the SSE part's followers are all the admin's: over TLAB_MAX_STREAMS_PER_USER's 16 (429) without this
+    stack = Stack(home, ray_address="http://127.0.0.1:9",
+                  extra_env={"TLAB_CLUSTER_NODES": STATIC_NODES, "TLAB_MAX_STREAMS_PER_USER": "1000"})
     home.mkdir(parents=True, exist_ok=True)
     stack.start_redis()
     stack.ensure_admin()
