@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from api_schemas import ExperimentSpec
 from service import artifacts
+from service.cli.artifacts import file_sha256
 from service.errors import InvalidInput, JobNotFound
 from service.settings import Settings
 from service.stack import Stack
@@ -127,25 +128,40 @@ def test_a_finished_job_keeps_its_artifacts(stack: Stack, tmp_path: Path) -> Non
     assert refused.returncode == 1 and "belongs to another user" in refused.stderr
 
 
+TRIAL_LIMIT_S = 3  # each trial's time limit (base.resources.time_limit_s): far less than its 1000 epochs take
+
+
 @pytest.mark.slow
-def test_a_sweep_offers_its_best_trials_weights(stack: Stack) -> None:
+def test_a_sweep_offers_its_best_trials_weights(stack: Stack, tmp_path: Path) -> None:
+    """The best trial's artifacts are the sweep's (listed, served, `tlab pull SWEEP`); and each trial stops at its
+    own time limit (Tune's stop criterion) as a trial stopped early, not a failure, while the sweep's own limit
+    (``time_limit_s``, the scheduler's) is another, longer one."""
     from service.client import Client
     from tests.service.conftest import wait_ray_idle
 
-    body = {"base": tiny(training={"epochs": 2}, resources={"cpus_per_worker": 0.9}),
-            "search_space": {"optimizer.lr": {"grid": [0.0001, 0.1]}}, "max_concurrent_trials": 2,
-            "metric": "train_loss", "mode": "min"}
+    base = tiny(training={"epochs": 1000, "max_steps_per_epoch": 1},
+                resources={"cpus_per_worker": 0.9, "time_limit_s": TRIAL_LIMIT_S})
+    body = {"base": base, "search_space": {"optimizer.lr": {"grid": [0.0001, 0.1]}}, "max_concurrent_trials": 2,
+            "metric": "train_loss", "mode": "min", "time_limit_s": 600}
     wait_ray_idle(stack)
     with Client(stack.url, stack.admin_token) as c:
         sweep = c.json("POST", "/v1/sweeps", json=body)["id"]
         list(c.events(sweep))  # until the sweep ends
         view = c.json("GET", f"/v1/sweeps/{sweep}")
         assert view["job"]["state"] == "succeeded", view["job"]
+        rows = [(t["state"], t["stopped_early"], 1 <= t["epochs"] < 1000) for t in view["trials"]]
+        assert rows == [("stopped early", True, True)] * 2, view["trials"]
         items = {a["name"] for a in c.json("GET", f"/v1/sweeps/{sweep}/artifacts")["items"]}
         assert {"model.safetensors", "checkpoint.pt", "metrics.csv", "summary.json"} <= items, items
         summary = json.loads(c.request("GET", f"/v1/sweeps/{sweep}/artifacts/summary.json").content)
         assert summary["trial"] == view["best"]["trial"] and summary["config"] == view["best"]["config"]
-        assert summary["epochs"] == 2 and summary["complete"] is True
+        assert summary["epochs"] == view["best"]["epochs"] and summary["complete"] is False  # its last checkpoint
         weights = c.request("GET", f"/v1/sweeps/{sweep}/artifacts/model.safetensors").content
         listed = {a["name"]: a["sha256"] for a in c.json("GET", f"/v1/sweeps/{sweep}/artifacts")["items"]}
         assert hashlib.sha256(weights).hexdigest() == listed["model.safetensors"]
+    # tlab pull SWEEP fetches the best trial's files, the weights byte for byte
+    done = pull(stack, stack.admin_token, sweep, tmp_path / "pulled")
+    assert done.returncode == 0, done.stderr
+    pulled = {p.name: p for p in (tmp_path / "pulled").iterdir()}
+    assert set(pulled) == set(listed) and pulled["model.safetensors"].read_bytes() == weights
+    assert all(file_sha256(p) == listed[name] for name, p in pulled.items())

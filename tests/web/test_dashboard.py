@@ -58,7 +58,7 @@ def test_page_and_vendored_files_are_served_and_sse_takes_a_token_query(api_only
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert 'src="static/app.js"' in page.text and "static/vendor/uPlot.iife.min.js" in page.text
         views = [f"views/{v}.js" for v in ("signin", "jobs", "job", "teleports", "submit", "compare", "sweeps",
-                                           "cluster")]
+                                           "cluster", "artifacts")]
         scripts = ["app.js", "api.js", "charts.js", "dom.js", "page.js", *views]  # ES modules, no build step
         for path, ctype in [*((s, "javascript") for s in scripts), ("app.css", "text/css"),
                             ("vendor/uPlot.iife.min.js", "javascript"), ("vendor/uPlot.min.css", "text/css")]:
@@ -305,5 +305,14 @@ def test_a_running_sweeps_page_draws_every_trials_curve_and_marks_the_best(stack
     for rgb in (TRAIN_RGB, TEST_RGB):  # PALETTE[0] and PALETTE[1]: the two trials' lines, across the plot
         count, span = colour_pixels(png, rgb)
         assert count > 50 and span > width // 2, (rgb, count, span, width)
+    # [3] the best trial's artifacts, linked as on a job's page: the weights download with the token, byte for byte
+    page.wait_for_selector("#artifacts a[data-name='model.safetensors']")
+    assert "summary.json" in page.inner_text("#artifacts") and f"tlab pull {sweep}" in page.inner_text("body")
+    with page.expect_download() as info:
+        page.click("#artifacts a[data-name='model.safetensors']")
+    with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {stack.admin_token}"}) as c:
+        weights = c.get(f"/v1/sweeps/{sweep}/artifacts/model.safetensors").content
+    assert info.value.suggested_filename == "model.safetensors"
+    assert Path(info.value.path()).read_bytes() == weights and weights
     tab.shot("sweep-done")
     assert not tab.errors, tab.errors

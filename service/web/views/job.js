@@ -1,9 +1,10 @@
 // #/job/ID: one experiment — live loss curves, teleport diagnostics grouped by epoch, artifacts, logs, spec, cancel.
 
-import { api, ApiError, token, url } from "../api.js";
+import { api } from "../api.js";
 import { PALETTE, TEST, throttle, TRAIN } from "../charts.js";
 import { $, ago, badge, demandText, duration, html, num, POLL_MS, put, TERMINAL, toTarget } from "../dom.js";
 import { cancelButton, liveEnded, liveState, showError } from "../page.js";
+import { artifactsCard, showArtifacts } from "./artifacts.js";
 import { EPOCH_ROWS, groupByEpoch, teleportTable, toggleOnClick } from "./teleports.js";
 
 const layout = (id) => html`
@@ -24,9 +25,7 @@ const layout = (id) => html`
     <div id="tele-none" class="muted">no teleports yet</div>
     <div id="tele-wrap" hidden><div id="tele-chart" class="chart"></div><div id="tele-table"></div>
       <p id="tele-more" class="muted small"></p></div></section>
-  <section class="card"><div class="row"><h3>Artifacts</h3><span class="small muted">weights (safetensors), last
-    checkpoint, metrics.csv, summary.json and the run's own files; <code>tlab pull ${id}</code> fetches them all</span></div>
-    <div id="artifacts" class="muted small">written when the job ends</div></section>
+  ${artifactsCard(id, "weights (safetensors), last checkpoint, metrics.csv, summary.json and the run's own files")}
   <section class="card"><div class="row"><h3>Logs</h3><span class="grow"></span>
     <button id="load-logs" type="button">Reload driver log</button></div>
     <pre id="events-log" class="log"></pre><pre id="logs" class="log"></pre></section>
@@ -127,37 +126,6 @@ function diagnostics(page) {
   };
 }
 
-const size = (n) => (n < 1024 ? `${n} B` : n < 1 << 20 ? `${(n / 1024).toFixed(1)} KiB` : `${(n / (1 << 20)).toFixed(1)} MiB`);
-
-// A link cannot carry the bearer token: fetch the file with it, then save the blob under its name.
-async function download(id, name) {
-  const res = await fetch(url(`/v1/experiments/${id}/artifacts/${name.split("/").map(encodeURIComponent).join("/")}`),
-    { headers: { Authorization: `Bearer ${token.get()}` } });
-  if (!res.ok) throw new ApiError(res.status, `${res.status}: ${name}: ${(await res.json().catch(() => ({}))).detail || res.statusText}`);
-  const href = URL.createObjectURL(await res.blob());
-  const a = Object.assign(document.createElement("a"), { href, download: name.split("/").pop() });
-  document.body.append(a);
-  a.click();
-  a.remove();
-  setTimeout(() => URL.revokeObjectURL(href), 60_000);
-}
-
-async function showArtifacts(id) {
-  const { items } = await api("GET", `/v1/experiments/${id}/artifacts`);
-  const box = $("#artifacts");
-  if (!items.length) return;
-  box.className = "";
-  put(box, html`<table class="artifacts"><tr><th>name</th><th>size</th><th>sha256</th></tr>${items.map((a) => html`
-    <tr><td><a href="#" data-name="${a.name}">${a.name}</a></td><td>${size(a.bytes)}</td>
-    <td class="small muted" title="${a.sha256}">${a.sha256.slice(0, 16)}…</td></tr>`)}</table>`);
-  box.onclick = (e) => {
-    const name = e.target.closest("a[data-name]")?.dataset.name;
-    if (!name) return;
-    e.preventDefault();
-    download(id, name).catch(showError);
-  };
-}
-
 function eventsLog() {
   const box = $("#events-log");
   return (text, cls = "") => {
@@ -203,7 +171,7 @@ export async function jobPage(page, [id]) {
 
   await refreshJob().catch((err) => showError(err));
   if (page.dead || !job) return;
-  if (TERMINAL.has(job.state)) showArtifacts(id).catch(showError);
+  if (TERMINAL.has(job.state)) showArtifacts(`/v1/experiments/${id}`).catch(showError);
   if (job.parent) { // the ancestors' epochs (the metrics route joins them) before this job's own stream
     api("GET", `/v1/experiments/${id}/metrics`).then((m) => m.points.filter((r) => r.job !== id).forEach(draw.metric))
       .catch(showError);
@@ -224,7 +192,7 @@ export async function jobPage(page, [id]) {
     end: (e) => {
       liveEnded(e.state);
       refreshJob().catch(showError);
-      showArtifacts(id).catch(showError);
+      showArtifacts(`/v1/experiments/${id}`).catch(showError);
       loadLogs();
     },
     state: (st) => {

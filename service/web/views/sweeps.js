@@ -1,9 +1,11 @@
-// #/sweeps: the sweeps table (polled). #/sweep/ID: one sweep — every trial's curve live, the trials table, the best.
+// #/sweeps: the sweeps table (polled). #/sweep/ID: one sweep — every trial's curve live, the trials table, the best
+// and, once it ended, the best trial's artifacts.
 
 import { api } from "../api.js";
 import { aligned, destroy, lineChart, PALETTE, throttle } from "../charts.js";
 import { $, ago, badge, clip, html, jobLink, num, POLL_MS, put, TERMINAL, toTarget } from "../dom.js";
 import { cancelButton, liveEnded, liveState, showError } from "../page.js";
+import { artifactsCard, showArtifacts } from "./artifacts.js";
 
 const sweepRow = (j) => html`<tr><td>${jobLink(j)}</td>
   <td class="mono small">${j.id}</td><td>${j.owner}</td><td>${badge(j.state)}</td><td>${j.queue_position ?? ""}</td>
@@ -32,7 +34,8 @@ const layout = (id) => html`
   <section class="card"><h3 id="sweep-metric">Trials</h3><div id="sweep-chart" class="chart"></div>
     <p id="no-curves" class="muted small">no trial has reported an epoch yet</p>
     <table><thead><tr><th>trial</th><th>config</th><th>state</th><th>epochs</th><th>last</th><th>best</th>
-      <th>to target loss</th><th>scheduler</th></tr></thead><tbody id="trials-body"></tbody></table></section>`;
+      <th>to target loss</th><th>scheduler</th></tr></thead><tbody id="trials-body"></tbody></table></section>
+  ${artifactsCard(id, "the best trial's weights (safetensors), last checkpoint, metrics.csv and summary.json (which names the trial)")}`;
 
 const config = (c) => Object.entries(c).map(([k, x]) => `${k}=${num(x)}`).join("  ");
 
@@ -99,12 +102,14 @@ export async function sweepPage(page, [id]) {
   cancelButton(page, `/v1/sweeps/${id}`, "Cancel sweep", refresh);
   await refresh().catch(showError);
   if (page.dead || !sweep) return;
+  if (TERMINAL.has(sweep.job.state)) showArtifacts(`/v1/sweeps/${id}`).catch(showError);
   page.every(POLL_MS, refresh);
   page.stream(`/v1/sweeps/${id}/events`, {
     metric,
     end: (e) => {
       liveEnded(e.state);
       refresh().catch(showError);
+      showArtifacts(`/v1/sweeps/${id}`).catch(showError);
     },
     state: liveState,
   });
