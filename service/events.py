@@ -60,40 +60,36 @@ class Hub:
     """One reader task per API process: a single ``XREAD BLOCK`` over every followed job's stream, broadcasting
     each job's new entries (one batch, its SSE text encoded once) to every follower's queue of that job.
 
-    The XREAD also reads the hub's own wake stream (``keys.hub_wake``): a job followed for the first time XADDs
-    to it (at most once per XREAD), so the blocked read returns at once and the next one includes the job. Its
-    entries from its cursor on are not lost meanwhile: the cursor is the job's last id when it was first
-    followed. A job whose last follower left is dropped from the next read."""
+    The XREAD also reads the hub's own wake stream (``keys.hub_wake``): a follower that has sent a new job's
+    history and goes live XADDs to it (at most once per XREAD), so the blocked read returns at once and the next
+    one includes the job (a finished job's history wakes nothing). The job's entries are not lost meanwhile:
+    its cursor is its last id when it was first followed. A job whose last follower left drops out of the next
+    read."""
 
     def __init__(self, client: aioredis.Redis, block_ms: int = READ_BLOCK_MS) -> None:
         self.r = client
         self.block_ms = block_ms
         self.feeds: dict[str, _JobFeed] = {}
         self.wake_key = keys.hub_wake(uuid.uuid4().hex[:16])
-        self._reading = False  # an XREAD is out, and no job was followed since its streams were chosen...
-        self._woken = False  # ...or one was, and the wake for it is sent
+        self._reading = False  # an XREAD is out...
+        self._round: set[str] = set()  # ...for these jobs...
+        self._woken = False  # ...and a wake was sent to end it
         self._busy = asyncio.Event()  # set while jobs are followed: the reader waits on it when none are
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
     async def subscribe(self, job_id: str) -> asyncio.Queue[Batch]:
+        """A queue that gets the job's entries after its cursor (its last id when first followed), once the
+        reader reads the job: at its next XREAD, or at once after ``listen``."""
         queue: asyncio.Queue[Batch] = asyncio.Queue()
-        new = job_id not in self.feeds
-        if new:
+        if job_id not in self.feeds:
             last = await self.r.xrevrange(keys.events(job_id), count=1)
-            new = job_id not in self.feeds  # another follower of the job may have come meanwhile
-            if new:
+            if job_id not in self.feeds:  # another follower of the job may have come meanwhile
                 self.feeds[job_id] = _JobFeed(last[0][0] if last else "0-0")
         self.feeds[job_id].subscribers.add(queue)
         self._busy.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._read())
-        if new:
-            try:
-                await self._wake()
-            except BaseException:  # Redis failed, or the client went: nobody will unsubscribe this queue
-                self.unsubscribe(job_id, queue)
-                raise
         return queue
 
     def unsubscribe(self, job_id: str, queue: asyncio.Queue[Batch]) -> None:
@@ -104,10 +100,11 @@ class Hub:
         if not feed.subscribers:
             del self.feeds[job_id]
 
-    async def _wake(self) -> None:
-        """End the reader's blocked XREAD (one XADD) if it was sent before the feed now added."""
-        if not self._reading or self._woken:
-            return  # the reader's next XREAD includes the new job, or a wake for it is on its way
+    async def listen(self, job_id: str) -> None:
+        """Have the reader read the job now (a follower goes live): if its blocked XREAD was sent without the
+        job, end it with one XADD to the wake stream (one per XREAD, however many jobs wait for it)."""
+        if not self._reading or job_id in self._round or self._woken:
+            return  # the reader's next XREAD includes the job, or a wake is on its way
         self._woken = True
         try:
             async with self.r.pipeline(transaction=False) as p:
@@ -127,7 +124,7 @@ class Hub:
                 continue
             jobs = {keys.events(j): j for j in self.feeds}
             streams = {key: self.feeds[j].cursor for key, j in jobs.items()} | {self.wake_key: wake_cursor}
-            self._reading, self._woken = True, False
+            self._round, self._reading, self._woken = set(self.feeds), True, False
             try:
                 got = await self.r.xread(streams, block=self.block_ms, count=1000)
             except asyncio.CancelledError:
@@ -191,6 +188,7 @@ async def follow(hub: Hub, job_id: str, last_id: str | None, heartbeat_s: float,
             if any(f.get("kind") == "end" for _, f in page):
                 return
             cursor = f"({page[-1][0]}"
+        await hub.listen(job_id)
         gate = _Reauth(still_valid)
         quiet = 0.0
         while True:  # live

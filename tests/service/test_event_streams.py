@@ -157,6 +157,7 @@ def test_a_newly_followed_job_is_read_at_once_and_a_left_one_is_dropped(redis_se
             qa = await hub.subscribe(a)
             await until(lambda: api_clients(rds)[1] == 1, "the reader never blocked")
             qb = await hub.subscribe(b)
+            await hub.listen(b)
             start = time.monotonic()
             publish(rds, [b])
             entries, text = await asyncio.wait_for(qb.get(), 5)
