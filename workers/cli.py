@@ -1,6 +1,6 @@
 """``python -m workers.cli`` (``tlab run|compare|presets|validate``): run specs in this process.
 
-    tlab run SPEC --local [--out DIR] [--set path=value ...] [--no-progress] [--code DIR]
+    tlab run SPEC --local|--ray [--out DIR] [--set path=value ...] [--no-progress] [--code DIR]
     tlab compare SPEC [--seeds N] [--out DIR] [--set path=value ...]
     tlab presets
     tlab validate SPEC [--set path=value ...]
@@ -74,14 +74,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         print("error: say where to run: --local trains in this process, --ray on a Ray cluster "
               "(RAY_ADDRESS, or a local one started for the run)", file=sys.stderr)
         return 2
+    code = None
     if args.code:
-        if args.ray:
-            print("error: --code works with --local; on the service, `tlab submit SPEC --code DIR` uploads DIR",
-                  file=sys.stderr)
-            return 2
         from workers.user_code import add_code_dir
 
-        add_code_dir(args.code)  # the factories' modules import from DIR, as from the package on the cluster
+        code = add_code_dir(args.code)  # the factories' modules import from DIR, as from the package on the cluster
     spec = load_spec(args.spec, args.overrides)
     out = Path(args.out) if args.out else _default_out(args.spec)
     print(f"run {args.spec} -> {out}" + (f" on Ray ({spec.resources.workers} workers)" if args.ray else ""),
@@ -89,7 +86,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.ray:
         from workers.ray_train import run_on_ray
 
-        summary = run_on_ray(spec, out)
+        summary = run_on_ray(spec, out, code=code)  # DIR goes to every worker as Ray's working_dir
     else:
         from workers.local import run_local
 
@@ -191,8 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output directory (default runs/<spec>-<time>)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--code", metavar="DIR", default=None,
-                   help="your package's directory: put on sys.path, so model/dataset factories and a loss "
-                        "function (pkg.module:function) import from it")
+                   help="your package's directory: put on sys.path (--ray: sent to every worker as Ray's "
+                        "runtime_env working_dir), so model/dataset factories, a loss function and an own loop "
+                        "(pkg.module:function) import from it")
     threads_arg(p)
     p.set_defaults(func=cmd_run)
 

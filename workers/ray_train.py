@@ -142,12 +142,17 @@ def build_trainer(
     )
 
 
-def run_on_ray(spec: ExperimentSpec, out_dir: str | Path, *, address: str | None = None) -> dict[str, Any]:
-    """``tlab run SPEC --ray --out DIR``: the spec as a TorchTrainer on a Ray cluster, same outputs as --local.
+def run_on_ray(spec: ExperimentSpec, out_dir: str | Path, *, address: str | None = None,
+               code: str | Path | None = None) -> dict[str, Any]:
+    """``tlab run SPEC --ray --out DIR [--code CODE]``: the spec as a TorchTrainer on a Ray cluster, same outputs as
+    --local.
 
     ``address`` (or ``RAY_ADDRESS``) names an existing cluster; without one a local cluster is
     started for the run and stopped after it. Rank 0 writes DIR/metrics.jsonl, so DIR must be
-    visible to the node it runs on (always true for a local cluster).
+    visible to the node it runs on (always true for a local cluster). ``code``: the user's package directory,
+    sent to every worker as the runtime_env ``working_dir`` (Ray uploads it and puts it first on their path, as the
+    service does with an uploaded package: ``service.ray_cluster.RayJobs.runtime_env``); it needs the Ray
+    connection this function makes.
     """
     import ray
 
@@ -159,9 +164,12 @@ def run_on_ray(spec: ExperimentSpec, out_dir: str | Path, *, address: str | None
     for name in ("metrics.jsonl", "summary.json", "curves.png"):
         (out / name).unlink(missing_ok=True)
     started = not ray.is_initialized()
+    if code is not None and not started:
+        raise RuntimeError("run_on_ray(code=...): Ray is already initialized in this process, so the code directory "
+                           "cannot become its runtime_env working_dir; call it before ray.init")
     if started:
         ray.init(address=address or os.environ.get("RAY_ADDRESS") or None, log_to_driver=False,
-                 include_dashboard=False)
+                 include_dashboard=False, runtime_env={"working_dir": str(code)} if code is not None else None)
     try:
         result = build_trainer(spec, name=f"run-{out.name}", storage_path=out / "ray", out_dir=out).fit()
     finally:
