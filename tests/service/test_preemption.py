@@ -14,6 +14,8 @@ from api_schemas import keys
 from api_schemas.jobs import ExperimentSubmit, JobState
 from service import preempting
 from service.client import Client
+from service.policy import CPU_WEIGHT
+from service.settings import Settings
 from service.stack import Stack
 from service.store import Store
 from tests.service.conftest import Api, tiny, wait_ray_idle
@@ -81,12 +83,34 @@ LONG = {"epochs": 60, "batch_size": 32}
 BOTH_CPUS = {"cpus_per_worker": 2}
 
 
+def held_seconds(r: redis.Redis, job: str) -> tuple[float, float]:
+    """When the job first started, and how long it held its gang in all: from each move to ``starting`` to the
+    move that ended that attempt (back to ``queued``, or an end state), by its status events' times."""
+    moves = [(e["state"], e["at"]) for e in events(r, job, "status") if "at" in e]
+    starts = [at for state, at in moves if state == "starting"]
+    ends = [at for (state, at), (before, _) in zip(moves[1:], moves, strict=False)
+            if state in ("queued", "succeeded", "failed", "cancelled") and before in ("starting", "running")]
+    return starts[0], sum(end - start for start, end in zip(starts, ends, strict=True))
+
+
+def check_fair_share(r: redis.Redis, owner: str, job: str, gang_weight: float) -> None:
+    """The owner's decayed usage is one start charge and the time the job held its gang, to within a few ticks:
+    no second start charge for its restart after the preemption, nor the time it waited in the queue."""
+    usage = json.loads(r.hget(keys.usage(), owner) or "{}")
+    first, held = held_seconds(r, job)
+    settings = Settings()
+    decay = 0.5 ** ((usage["at"] - first) / settings.half_life_s)  # what decayed since it first started
+    low, high = (gang_weight * (settings.start_charge_s + held + d) for d in (-3, 3))
+    assert low * decay <= usage["value"] <= high, (usage, first, held, decay)
+
+
 @pytest.mark.slow
 def test_a_higher_priority_job_preempts_and_the_victim_resumes_every_epoch_once(stack: Stack) -> None:
     wait_ray_idle(stack)
     r = redis.Redis.from_url(stack.redis_url, decode_responses=True)
-    with Client(stack.url, stack.admin_token) as c:
-        a = c.submit(tiny(training=LONG, resources=BOTH_CPUS), name="long")["id"]
+    ann = Api(stack).add_user("ann")  # A's owner: whose fair-share usage is checked
+    with Client(stack.url, stack.admin_token) as c, Client(stack.url, ann) as c_ann:
+        a = c_ann.submit(tiny(training=LONG, resources=BOTH_CPUS), name="long")["id"]
         wait_epochs(c, a, 2)
         b = c.submit(tiny(resources=BOTH_CPUS), name="urgent", priority=5)["id"]
         view_b = wait_ended(c, b, timeout=300)
@@ -106,6 +130,7 @@ def test_a_higher_priority_job_preempts_and_the_victim_resumes_every_epoch_once(
     assert len(requeued) == 1 and requeued[0].startswith(f"preempted by {b} (priority 5)"), moves
     requeued_at = next(e["at"] for e in events(r, a, "status") if e.get("reason", "").startswith("preempted"))
     assert view_b["started_at"] >= requeued_at  # B ran only once A had stopped: never both on 2 CPUs
+    check_fair_share(r, "ann", a, 2 * CPU_WEIGHT)
 
 
 @pytest.mark.slow
