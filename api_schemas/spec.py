@@ -175,6 +175,10 @@ class TrainingSpec(_Strict):
     target_loss: float | None = Field(None, description="report the first epoch whose train loss is below this")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "float64"] = "float32"
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16: each training step's forward and loss run under torch.autocast(bfloat16) on the "
+                            "model's device (CPU or CUDA); weights, gradients, optimizer state, evaluation and "
+                            "teleport stay in training.dtype (float32). fp32: no autocast")
     eval_batch_size: int = Field(1024, ge=1)
     loss: LossRef | None = Field(None, description="cross_entropy, mse, or package.module:function(pred, target) "
                                                   "-> scalar; none: cross_entropy for integer targets, mse for "
@@ -190,6 +194,8 @@ class TrainingSpec(_Strict):
     def _entrypoint_args(self) -> TrainingSpec:
         if self.entrypoint_args and not self.entrypoint:
             raise ValueError("training.entrypoint_args is for training.entrypoint: set the entrypoint, or drop them")
+        if self.precision == "bf16" and self.dtype != "float32":  # autocast leaves float64 tensors as they are
+            raise ValueError("training.precision=bf16 needs training.dtype=float32 (autocast does not cast float64)")
         return self
 
 

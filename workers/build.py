@@ -6,6 +6,7 @@ returns a plain object, so the training loop reads as flat calls.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from collections.abc import Iterable
@@ -102,6 +103,14 @@ def select_device(spec: TrainingSpec) -> torch.device:
 def select_dtype(spec: TrainingSpec) -> torch.dtype:
     """``training.dtype``: the dtype of the weights and of floating-point inputs and targets."""
     return {"float32": torch.float32, "float64": torch.float64}[spec.dtype]
+
+
+def autocast(spec: TrainingSpec, device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """``training.precision``: ``torch.autocast`` to bfloat16 on ``device``'s type (CPU and CUDA alike) for bf16,
+    a context that does nothing for fp32. Wrap the forward and the loss only, never the backward or a teleport."""
+    if spec.precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 def num_threads(spec: ResourcesSpec) -> int:

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from api_schemas import ExperimentSpec
 from teleport import TeleportReport, symmetry_teleport_batch, teleport_batch
 from workers.build import (
+    autocast,
     basis_executor,
     build_optimizer,
     build_parts,
@@ -227,7 +228,8 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
             if limit is not None and steps >= limit:
                 break
             x, y = to_device(batch, ctx.device, dtype)
-            loss = loss_fn(net(x), y)
+            with autocast(tr, ctx.device):  # training.precision=bf16: forward and loss in bfloat16
+                loss = loss_fn(net(x), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP all-reduces the gradients here
             optimizer.step()

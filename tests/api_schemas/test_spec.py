@@ -37,6 +37,8 @@ def test_defaults_are_the_papers_mnist_settings() -> None:
         ({"teleport": {"method": "symmetry"}}, "model.activation=leaky_relu"),
         ({"model": {"kind": "cnn"}, "teleport": {"method": "symmetry"}}, "model.kind=mlp"),
         ({"resources": {"workers": 0}}, "resources.workers"),
+        ({"training": {"precision": "fp16"}}, "training.precision"),
+        ({"training": {"precision": "bf16", "dtype": "float64"}}, "training.precision=bf16 needs training.dtype"),
     ],
 )
 def test_bad_specs_name_the_field(data: dict, needle: str) -> None:
