@@ -20,7 +20,7 @@ from pathlib import Path
 
 from benchmarks.common import QUICK_DIR
 
-ORDER = ["fig5_scaling", "step_cost", "convergence", "parallel_bases", "service_bench", "sweep_bench"]
+ORDER = ["fig5_scaling", "step_cost", "float32_drift", "convergence", "parallel_bases", "service_bench", "sweep_bench"]
 NOT_BENCHMARKS = {"common", "run_all", "service"}  # service: service_bench's parts, not a benchmark
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import convergence, fig5_scaling, run_all, step_cost
+from benchmarks import convergence, fig5_scaling, float32_drift, run_all, step_cost
 
 
 def _load(path: Path) -> dict:
@@ -70,7 +70,22 @@ def test_step_cost_quick(results: Path) -> None:
     assert len(body["floors"]) == 3
 
 
+def test_float32_drift_quick(results: Path) -> None:
+    float32_drift.main(["--quick"])
+    body = _load(results / "float32_drift.json")
+    assert body["benchmark"] == "float32_drift" and body["quick"] is True and body["seeds"] == 1
+    assert set(body["rows"]) == {"mlp/numerical_rank", "mlp/energy", "cnn/numerical_rank", "cnn/energy"}
+    for key, r in body["rows"].items():
+        assert key.split("/")[1] == r["tau_rule"] and r["teleports"] == 2 and len(r["per_seed"]) == 1
+        assert r["tries"] == r["steps"] + r["backoffs"] and 0 <= r["backoff_rate"] <= 1
+        assert r["accepted"] == 0 or 0 <= r["drift_median"] <= r["drift_max"]
+        assert r["free_per_layer"] and all(0 <= v["free_min"] <= v["free_max"] <= v["input_dim"]
+                                           for v in r["free_per_layer"].values())
+    assert [f["pass"] for f in body["floors"]] == [f["value"] is not None and f["value"] < body["floor"]
+                                                   for f in body["floors"]]
+
+
 def test_run_all_skips_missing(results: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert {"fig5_scaling", "step_cost"} <= set(run_all.discover())
+    assert {"fig5_scaling", "step_cost", "float32_drift"} <= set(run_all.discover())
     assert run_all.main(["--quick", "--only", "no_such_benchmark"]) == 0
     assert "skipped: benchmarks/no_such_benchmark.py does not exist" in capsys.readouterr().out
