@@ -1,7 +1,7 @@
 """A user's own code package on the real stack (real Redis, Ray, HTTP): the example GPT-style LM (tied embedding
 and LM head, nn.MultiheadAttention, GPT-2's Conv1D) on Python's own source text, uploaded with the CLI's zipper,
-trained with teleport through the REST API; a sweep over ``model.args``; a broken package failing in one line that
-names the user's file and line."""
+trained with teleport on 2 DDP workers through the REST API; a sweep over ``model.args``; a broken package failing
+in one line that names the user's file and line."""
 
 from __future__ import annotations
 
@@ -46,13 +46,15 @@ def test_a_code_package_trains_with_teleport_through_the_api(stack: Stack) -> No
         first = upload(c, str(EXAMPLE))
         assert first["uploaded"] and first["package"].startswith("sha256:")
         assert upload(c, str(EXAMPLE)) == {**{k: first[k] for k in ("package", "bytes")}, "uploaded": False}
-        job = c.submit(lm_spec(first["package"]), name="tiny-lm")["id"]
+        spec = lm_spec(first["package"])  # 2 DDP ranks (a gang the driver leads), each with a teleport sample
+        spec.update(resources={"workers": 2, "cpus_per_worker": 0.9}, teleport={**spec["teleport"], "batch_size": 2})
+        job = c.submit(spec, name="tiny-lm")["id"]
         view = wait_end(c, job)
         assert view["state"] == "succeeded", view.get("failure_reason")
         metrics = c.json("GET", f"/v1/experiments/{job}/metrics")
         assert [p["epoch"] for p in metrics["points"]] == [0, 1]
         assert all(p["test_ppl"] > 1 for p in metrics["points"]) and metrics["teleports"]
-        assert view["summary"]["epochs"] == 2
+        assert view["summary"]["epochs"] == 2 and view["spec"]["resources"]["workers"] == 2
 
 
 def test_a_sweep_over_model_args_runs_each_trial_with_the_package(stack: Stack) -> None:
