@@ -45,6 +45,7 @@ from service.errors import (
 
 IDEMPOTENCY_TTL_S = 24 * 3600
 QUEUED_RETRY_S = 30  # Retry-After when the user's queue is full: about when a short job has moved on
+WAKE_CHUNK_S = 2.0  # the longest single BLPOP (Store.wait_wake): under redis-py's 5 s socket timeout
 
 
 def new_job_id(now: float) -> str:
@@ -254,6 +255,16 @@ class Store:
                 self.r.lpush(keys.wake(), job_id)
                 return state
         raise InvalidState(f"experiment {job_id} changed state while cancelling; try again")
+
+    def wait_wake(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for a push on the scheduler's wake list (a submit, a cancel); True if one came.
+        BLPOP in chunks of at most ``WAKE_CHUNK_S``: redis-py 8 gives every read a 5 s socket timeout, so a longer
+        BLPOP (a ``TLAB_TICK_S`` of 5 or more) raised TimeoutError instead of returning empty."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if self.r.blpop([keys.wake()], timeout=min(left, WAKE_CHUNK_S)):
+                return True
+        return False
 
     def log_event(self, job_id: str, level: str, message: str, now: float | None = None) -> None:
         """A ``log`` event the service itself adds to the job's stream (a preemption, a webhook that failed)."""

@@ -128,6 +128,25 @@ def test_transition_table_is_enforced_atomically(redis_server: str) -> None:
     assert all(not TRANSITIONS[s] for s in TERMINAL)
 
 
+def test_the_schedulers_wait_outlasts_redis_pys_socket_timeout(redis_server: str) -> None:
+    """A tick wait longer than redis-py's 5 s socket timeout returns on a wake (it raised TimeoutError), and
+    returns False when none came."""
+    import threading
+    import time
+
+    store = Store.from_url(redis_server)
+    store.r.delete(keys.wake())
+    assert store.wait_wake(0.3) is False
+    timer = threading.Timer(5.5, lambda: store.r.lpush(keys.wake(), "x"))
+    timer.start()
+    started = time.monotonic()
+    try:
+        assert store.wait_wake(8.0) is True
+    finally:
+        timer.cancel()
+    assert 5.4 < time.monotonic() - started < 7.9
+
+
 def test_queue_survives_a_redis_restart(tmp_path) -> None:  # noqa: ANN001
     from service.stack import free_port
     from tests.conftest import start_redis
