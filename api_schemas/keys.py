@@ -140,6 +140,16 @@ def job_run(job_id: str) -> str:
 JOB_RUN_MARK = "job"  # job_run's field naming its job: there once the scheduler wrote the copy
 
 
+def ticket(user: str) -> str:
+    """String: a job's own ``REDIS_URL``, read once and deleted (``GETDEL``) by its first process as the ticket's
+    Redis user ``user`` (``tlab-ticket-job-<id>``); outside ``job(id) + ':*'``, so no job's user can read it
+    (service/job_acl.py, workers/job_ticket.py)."""
+    return f"{PREFIX}:ticket:{user}"
+
+
+JOB_TICKET_ENV = "TLAB_JOB_TICKET"  # the runtime_env variable with the ticket: the ticket user's Redis URL
+
+
 def preflight(job_id: str) -> str:
     """Hash: the verdict the job's preflight wrote (``result``: PreflightResult JSON), as its own Redis user."""
     return f"{PREFIX}:job:{job_id}:preflight"

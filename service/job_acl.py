@@ -8,15 +8,19 @@ in ``keys.job_run`` (workers/job_record.py), which ``keep_summary`` copies back 
 - ``credentials(job_id, submission_id)``, called by ``RayJobs.submit`` right before each submit: loads the metric
   sink's script (the user may run only scripts the service loaded: ``EVALSHA``, no ``EVAL``/``SCRIPT LOAD``),
   copies the job's inputs into ``keys.job_run``, makes the user (``ACL SETUSER name reset ...``: exactly these
-  rules) and returns the job's ``REDIS_URL``. Its
-  password is HMAC(a secret kept in Redis, the Ray submission id): a scheduler that died between making the user
-  and submitting gives the same submission id the same password when it submits again, and each attempt (a
-  resume after a preemption or a lost Ray job) a new one.
+  rules) and returns a one-time ticket to the job's ``REDIS_URL``, never the URL itself: the Ray job's
+  ``runtime_env`` is readable by every job's code (Ray's Jobs API with the cluster's token). The ticket
+  (``TLAB_JOB_TICKET``) is the URL of a second user, ``tlab-ticket-job-<id>``, allowed nothing but ``GETDEL`` of
+  one key, ``keys.ticket``, which holds the job's ``REDIS_URL``: the job's first process redeems it at start
+  (workers/job_ticket.py) and from then on the ticket opens nothing; a ticket someone else redeemed first makes
+  the job fail at start, saying so. Both passwords are HMAC(a secret kept in Redis, the Ray submission id): a
+  scheduler that died between making the users and submitting gives the same submission id the same ones when it
+  submits again, and each attempt (a resume after a preemption or a lost Ray job) new ones.
 - ``sync()``, each tick after reconcile: deletes the users of jobs no longer starting or running (ended, cancelled,
-  preempted back to the queue, a dead scheduler's leftovers; Redis disconnects their clients) and makes again
-  those of active jobs that Redis lost (a restarted Redis keeps no ACL users); a deleted user's ``run`` copy goes
-  with it.
-- ``refusal(job_id)``: with ``TLAB_JOB_REDIS_ACL=on`` but a Redis without ACL (older than 6, or the service's
+  preempted back to the queue, a dead scheduler's leftovers; Redis disconnects their clients) and their ticket
+  users (and those already redeemed), and makes again those of active jobs that Redis lost (a restarted Redis keeps
+  no ACL users); a deleted user's ``run`` copy and unredeemed ticket go with it.
+- ``refusal(job_id)``: with ``TLAB_JOB_REDIS_ACL=on`` but a Redis without ACL (older than 6.2, or the service's
   user may not run ``ACL``), a job that runs the user's code is refused rather than given full rights; an admin
   who accepts that sets ``TLAB_JOB_REDIS_ACL=off``.
 """
@@ -28,6 +32,7 @@ import hmac
 import json
 import logging
 import secrets
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
@@ -39,6 +44,7 @@ from service.settings import Settings
 
 log = logging.getLogger("tlab.scheduler")
 USER_PREFIX = "tlab-job-"
+TICKET_PREFIX = "tlab-ticket-"
 INPUTS = ("spec", "sweep", "start_from", "attempts")  # what workers/ reads of its job (workers.job_record)
 # what workers/ sends (redis_sink, job_record, sweep's trials, the XADD_ONCE script's own calls, which Redis checks
 # against the user too), a few reads of the same keys, PING, and SELECT for a non-zero db
@@ -56,6 +62,16 @@ def rules(job_id: str, password: str) -> list[str]:
             *(f"+{c}" for c in COMMANDS)]
 
 
+def ticket_user(user: str) -> str:
+    """The ticket user of the job's user ``user``: ``tlab-ticket-job-<id>`` (a preflight's: ``-preflight-<id>``)."""
+    return f"{TICKET_PREFIX}{user.removeprefix('tlab-')}"
+
+
+def ticket_rules(ticket: str, password: str) -> list[str]:
+    """``ACL SETUSER`` arguments of a ticket user: ``GETDEL`` of its one key (and ``SELECT`` for a non-zero db)."""
+    return ["reset", "on", f">{password}", f"~{keys.ticket(ticket)}", "-@all", "+getdel", "+select"]
+
+
 def job_url(service_url: str, user: str, password: str) -> str:
     """The service's Redis URL with the job's user and password instead of the service's credentials."""
     parts = urlsplit(service_url)
@@ -69,11 +85,11 @@ def job_url(service_url: str, user: str, password: str) -> str:
 def probe(r: redis.Redis) -> str:
     """'' when this Redis lets the service manage ACL users, else why not (in words)."""
     name = f"{USER_PREFIX}probe"
-    try:
-        r.execute_command("ACL", "SETUSER", name, "reset", "off")
+    try:  # a ticket user's rules: GETDEL came with Redis 6.2
+        r.execute_command("ACL", "SETUSER", name, "reset", "off", "-@all", "+getdel")
         r.execute_command("ACL", "DELUSER", name)
     except redis.ResponseError as err:
-        return f"Redis answers ACL with {str(err).splitlines()[0][:120]!r}; ACL users need Redis >= 6"
+        return f"Redis answers ACL with {str(err).splitlines()[0][:120]!r}; job users need Redis >= 6.2"
     return ""
 
 
@@ -130,11 +146,27 @@ class JobAcl:
         return password
 
     def credentials(self, job_id: str, submission_id: str, user: str = "") -> dict[str, str]:
-        """The job's environment overrides: its own ``REDIS_URL`` (none when jobs are not isolated)."""
+        """The job's environment overrides: the one-time ticket to its own ``REDIS_URL`` (none when jobs are not
+        isolated); the service's ``REDIS_URL`` must not go with it (``service.ray_cluster.with_credentials``)."""
         if not self.isolated:
             return {}
+        name = user or user_name(job_id)
         password = self.create(job_id, submission_id, user)
-        return {"REDIS_URL": job_url(self.settings.redis_url, user or user_name(job_id), password)}
+        self.r.set(keys.ticket(ticket_user(name)), job_url(self.settings.redis_url, name, password))
+        return {keys.JOB_TICKET_ENV: self.make_ticket(name, submission_id)}
+
+    def make_ticket(self, name: str, submission_id: str) -> str:
+        """Make (or make again, the same) the ticket user of the user ``name``'s submission: the ticket's URL."""
+        ticket, password = ticket_user(name), self.password(f"ticket:{submission_id}")
+        self.r.execute_command("ACL", "SETUSER", ticket, *ticket_rules(ticket, password))
+        return job_url(self.settings.redis_url, ticket, password)
+
+    def restore(self, job_id: str, submission_id: str, user: str = "") -> None:
+        """A user Redis lost made again, the same; its ticket user too while its ticket is not redeemed."""
+        name = user or user_name(job_id)
+        self.create(job_id, submission_id, user)
+        if self.r.exists(keys.ticket(ticket_user(name))):
+            self.make_ticket(name, submission_id)
 
     def sync(self) -> None:
         """Delete the users of jobs not starting/running; make again the missing users of those that are."""
@@ -151,12 +183,23 @@ class JobAcl:
             for name in sorted(n for n in have if n.startswith(USER_PREFIX) and n not in active):
                 self.r.execute_command("ACL", "DELUSER", name)
                 self.r.delete(keys.job_run(name.removeprefix(USER_PREFIX)))
+            self.drop_tickets(sorted(n for n in have if n.startswith(TICKET_PREFIX + "job-")), active)
             for name, (job_id, sid) in sorted(active.items()):
                 if isolated and name not in have:
                     log.info("making Redis user %s again (Redis restarted?)", name)
-                    self.create(job_id, sid.decode() if isinstance(sid, bytes) else str(sid))
+                    self.restore(job_id, sid.decode() if isinstance(sid, bytes) else str(sid))
         except redis.ResponseError:  # a Redis that stopped allowing ACL: the next tick tries again
             log.exception("syncing the jobs' Redis users")
+
+    def drop_tickets(self, tickets: list[str], active: dict[str, Any]) -> None:
+        """Delete the ticket users of jobs no longer active (with their unredeemed tickets) and those redeemed."""
+        pipe = self.r.pipeline(transaction=False)
+        for ticket in tickets:
+            pipe.exists(keys.ticket(ticket))
+        for ticket, unredeemed in zip(tickets, pipe.execute(), strict=True):
+            if not unredeemed or "tlab-" + ticket.removeprefix(TICKET_PREFIX) not in active:
+                self.r.execute_command("ACL", "DELUSER", ticket)
+                self.r.delete(keys.ticket(ticket))
 
     def keep_summary(self, job_id: str) -> None:
         """Once the job's Ray job has ended: the summary it wrote in its copy, into the job hash (the API's)."""

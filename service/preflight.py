@@ -166,7 +166,7 @@ class Preflights:
             if status is None and not self.submit(job_id, data["preflight_node"] or "", now):
                 return "it cannot start"  # (None: a scheduler killed before its submit, or a restarted cluster)
             if status is not None and self.acl and self.acl.isolated and not self.r.acl_getuser(preflight_user(job_id)):
-                self.acl.create(job_id, sid, preflight_user(job_id))  # a restarted Redis lost it
+                self.acl.restore(job_id, sid, preflight_user(job_id))  # a restarted Redis lost it
             return f"preflight running ({elapsed:.0f} s): its code is tried on one CPU before its gang is held"
         verdict = read_verdict(self.r, job_id)
         if verdict is not None and verdict.state == "passed":

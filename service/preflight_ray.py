@@ -4,7 +4,8 @@ Shared by the scheduler (``service.preflight``: every queued job that runs the u
 (``service.preflight_dry``). The Ray job asks for ``PREFLIGHT_CPUS`` CPU and no GPU, on the node the scheduler chose
 when it is a Ray node; it runs in the job's runtime_env (its package as ``working_dir``, its requirements as
 ``pip``) and reaches Redis as a user of its own, ``tlab-preflight-<id>``, allowed the job's keys only
-(``service.job_acl.rules``; a name ``JobAcl.sync`` leaves alone).
+(``service.job_acl.rules``; a name ``JobAcl.sync`` leaves alone), whose ``REDIS_URL`` it redeems at start with the
+one-time ticket in its runtime_env (ticket user ``tlab-ticket-preflight-<id>``, as a job's).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any
 
 from api_schemas import keys
 from api_schemas.preflight import PreflightResult
-from service.ray_cluster import _RAY_NODE_ID, NODE_ID_LABEL, RayJobs
+from service.job_acl import ticket_user
+from service.ray_cluster import _RAY_NODE_ID, NODE_ID_LABEL, RayJobs, with_credentials
 
 PREFLIGHT_CPUS = 1.0
 MODULE = "workers.preflight"
@@ -47,7 +49,7 @@ class PreflightJobs(RayJobs):
         try:
             self.client.submit_job(entrypoint=f"{python} -m {MODULE} --job {job_id}",
                                    submission_id=preflight_sid(job_id),
-                                   runtime_env={"env_vars": {**self.env, **env}, **code_env},
+                                   runtime_env={"env_vars": with_credentials(self.env, env), **code_env},
                                    metadata={"tlab_job": job_id, "tlab_preflight": "true"}, **options)
         except RuntimeError as err:  # the Jobs API answers an existing id with HTTP 400 "already exists"
             if "already exists" not in str(err):
@@ -74,8 +76,10 @@ def no_verdict(jobs: PreflightJobs, job_id: str, status: str | None) -> str:
 
 
 def drop_user(r: Any, job_id: str) -> None:
-    """The preflight's Redis user goes (Redis disconnects its clients); absent is fine."""
+    """The preflight's Redis user and its ticket's go (Redis disconnects its clients); absent is fine."""
+    ticket = ticket_user(preflight_user(job_id))
+    r.delete(keys.ticket(ticket))
     try:
-        r.execute_command("ACL", "DELUSER", preflight_user(job_id))
+        r.execute_command("ACL", "DELUSER", preflight_user(job_id), ticket)
     except Exception:  # a Redis without ACL: there was no user
         pass

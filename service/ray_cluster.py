@@ -109,6 +109,12 @@ def driver_options(demand: Demand | None, placement: Sequence[str] = ()) -> dict
     return options
 
 
+def with_credentials(env: dict[str, str], credentials: dict[str, str]) -> dict[str, str]:
+    """A job's ``env_vars`` with its credentials (``service.job_acl``): its one-time ticket replaces the service's
+    own ``REDIS_URL``, so no Ray job's runtime_env (which every job's code can list) holds a Redis password."""
+    return {**{k: v for k, v in env.items() if not (credentials and k == "REDIS_URL")}, **credentials}
+
+
 # Ray job status -> how the scheduler reads it
 RAY_ACTIVE = {"PENDING", "RUNNING"}
 RAY_DONE = {"SUCCEEDED", "FAILED", "STOPPED"}
@@ -127,7 +133,7 @@ class RayJobs:
         self.env = env
         self.python = python or sys.executable
         self.code = code  # job id -> its code's runtime_env part (service.code_store.JobCode), if any
-        self.credentials = credentials  # (job id, submission id) -> its own REDIS_URL (service.job_acl)
+        self.credentials = credentials  # (job id, submission id) -> its one-time ticket (service.job_acl)
 
     def runtime_env(self, job_id: str, env: dict[str, str]) -> tuple[dict[str, Any], str]:
         """The job's runtime_env (its environment, and its package as ``working_dir`` and requirements as ``pip``:
@@ -150,7 +156,7 @@ class RayJobs:
             env[IN_DRIVER] = "1" if in_driver else "0"
             env[PLACEMENT] = json.dumps(list(placement))  # where its gang's other ranks go (workers.gang)
         if self.credentials:  # made right before each submit, the same again for the same submission id
-            env.update(self.credentials(job_id, submission_id))
+            env = with_credentials(env, self.credentials(job_id, submission_id))
         runtime_env, python = self.runtime_env(job_id, env)
         try:
             self.client.submit_job(

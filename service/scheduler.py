@@ -62,7 +62,8 @@ class Launcher(Protocol):
 
 def job_env(settings: Settings) -> dict[str, str]:
     """What every Ray job gets: where Redis and the checkpoints are, and how long a stop may take (``REDIS_URL``:
-    the service's, replaced by the job's own user's at each submit unless ``TLAB_JOB_REDIS_ACL=off``)."""
+    the service's, replaced at each submit by a one-time ticket to the job's own Redis user, ``TLAB_JOB_TICKET``,
+    unless jobs are not isolated: ``service.job_acl``, ``service.ray_cluster.with_credentials``)."""
     env = {"REDIS_URL": settings.redis_url, "TLAB_STORAGE": settings.storage_path,
            "TLAB_MAX_FAILURES": str(settings.max_failures),
            "RAY_JOB_STOP_WAIT_TIME_S": str(int(settings.stop_grace_s)),

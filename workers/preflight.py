@@ -129,10 +129,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workers.preflight", description=__doc__.splitlines()[0])
     parser.add_argument("--job", required=True, help="the job id (its spec is in Redis)")
     args = parser.parse_args(argv)
-    redis_url, storage = os.environ.get("REDIS_URL"), os.environ.get("TLAB_STORAGE")
+    from api_schemas.reasons import FAILURE_MARK
+    from workers.job_ticket import TicketTaken, job_redis_url
+
+    try:
+        redis_url, storage = job_redis_url(), os.environ.get("TLAB_STORAGE")  # the ticket redeemed, if one
+    except TicketTaken as err:
+        print(f"{FAILURE_MARK}{err}", file=sys.stderr)  # the scheduler reads it from Ray: no_verdict
+        return 2
     if not redis_url or not storage:
-        print("error: REDIS_URL and TLAB_STORAGE must be set (the scheduler passes them in the runtime_env)",
-              file=sys.stderr)
+        print("error: TLAB_JOB_TICKET (or REDIS_URL) and TLAB_STORAGE must be set (the scheduler passes them in the "
+              "runtime_env)", file=sys.stderr)
         return 2
     run_preflight(args.job, redis_url, storage)
     return 0

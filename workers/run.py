@@ -10,7 +10,8 @@ the job's log after ``TLAB-FAILURE:``; the traceback goes to the job's log above
 However it ends (a SIGTERM from a cancel or a time limit too), the driver writes the job's artifacts to
 ``$TLAB_STORAGE/<job>/artifacts/`` from its last checkpoint (``workers.artifacts``).
 
-Environment: ``REDIS_URL`` (the service's Redis), ``TLAB_STORAGE`` (Ray Train storage path for
+Environment: ``TLAB_JOB_TICKET`` (the scheduler's one-time ticket to the job's own Redis user:
+``workers.job_ticket``) or ``REDIS_URL`` (run by hand), ``TLAB_STORAGE`` (Ray Train storage path for
 checkpoints, shared by all nodes), ``TLAB_MAX_FAILURES`` (worker restarts, default 3),
 ``TLAB_KEEP_CHECKPOINTS`` (checkpoints kept per run, default 2), ``TLAB_IN_DRIVER`` (``0``: a 1-worker job
 runs as a TorchTrainer too; the scheduler sets it with the resources it asks Ray for: ``RayJobs.submit``).
@@ -36,6 +37,7 @@ from workers.bucket import pull_checkpoint, push
 from workers.failure import JobFailed, failure_reason
 from workers.job_logs import also_as, capture
 from workers.job_record import attempt_of, job_field, write_summary
+from workers.job_ticket import TicketTaken, job_redis_url
 from workers.redis_sink import RedisSink
 from workers.startup import begin, mark, timeline
 
@@ -167,9 +169,12 @@ def job_main(prog: str, description: str, run: Callable[[str, str, str], dict], 
     parser.add_argument("--job", required=True, help="the job id (its spec is in Redis)")
     args = parser.parse_args(argv)
     try:
-        redis_url, storage = _env("REDIS_URL"), _env("TLAB_STORAGE")
-    except SetupError as err:
-        print(f"error: {err}", file=sys.stderr)
+        redis_url = job_redis_url()  # the one-time ticket redeemed: from here on an argument, never in an env
+        if not redis_url:
+            _env("REDIS_URL")
+        storage = _env("TLAB_STORAGE")
+    except (SetupError, TicketTaken) as err:
+        print(f"{FAILURE_MARK}{err}", file=sys.stderr)  # no Redis to say it in: the scheduler reads it from Ray
         return 2
     with capture(storage, args.job, "driver", attempt_of(redis_url, args.job)):
         return guarded(args.job, redis_url, storage, run)

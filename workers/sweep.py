@@ -12,7 +12,8 @@ trial to a bottom one. Every trial's events
 go to the sweep's Redis stream tagged with the trial id; the trials table is kept in Redis
 (``keys.trials``) by a Tune callback as results arrive.
 
-Environment as for ``workers.run``: ``REDIS_URL``, ``TLAB_STORAGE``.
+Environment as for ``workers.run``: ``TLAB_JOB_TICKET`` (or ``REDIS_URL``), ``TLAB_STORAGE``. The URL the driver
+redeemed reaches the trials in their closures (never their config, which Tune saves and the trials table shows).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from workers.context import keep_checkpoints
 from workers.failure import JobFailed, failure_reason
 from workers.job_logs import capture
 from workers.job_record import attempt_of, connect, job_field, write_summary
+from workers.job_ticket import redeemed
 from workers.pbt import pbt_scheduler, pbt_trainable
 from workers.redis_sink import RedisSink
 from workers.run import SetupError, export_artifacts, job_main
@@ -139,15 +141,17 @@ class TrialTable:
         self.key = keys.trials(job_id)
         self.metric, self.mode, self.epochs = metric, mode, epochs
 
-    def __getstate__(self) -> dict[str, Any]:  # Tune pickles its callbacks: leave the connection out
-        return {**self.__dict__, "_r": None}
+    def __getstate__(self) -> dict[str, Any]:
+        # Tune pickles its callbacks into tuner.pkl on the shared storage: leave the connection out, and a URL
+        # redeemed from the job's ticket (its password: another job's code could read the file)
+        return {**self.__dict__, "_r": None, "redis_url": "" if self.redis_url == redeemed() else self.redis_url}
 
     @property
     def r(self) -> redis.Redis:
         if self._r is None:
             # a callback restored from Tune's saved state carries the address an earlier attempt had: the
-            # service's Redis may have moved since (a restarted stack), and REDIS_URL names it now
-            url = os.environ.get("REDIS_URL") or self.redis_url
+            # service's Redis may have moved since (a restarted stack): this attempt's redeemed ticket or REDIS_URL
+            url = redeemed() or os.environ.get("REDIS_URL") or self.redis_url
             self._r = connect(url, decode_responses=True)
         return self._r
 

