@@ -376,7 +376,7 @@ def serve(settings: Settings) -> None:
             except Exception as err:
                 quiet.report(err)
             try:
-                r.blpop([keys.wake()], timeout=settings.tick_s)
+                scheduler.store.wait_wake(settings.tick_s)
             except redis.ConnectionError:  # Redis went away mid-wait (a restart): the next tick says so
                 time.sleep(settings.tick_s)
     finally:
