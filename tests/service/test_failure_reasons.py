@@ -62,3 +62,23 @@ def test_a_job_whose_dataset_is_missing_fails_with_one_short_line(stack: Stack) 
         assert listed and listed[0]["failure_reason"] == reason
         logs = c.request("GET", f"/v1/experiments/{job}/logs").text
         assert "Traceback (most recent call last)" in logs and f"TLAB-FAILURE: {reason}" in logs
+
+
+@pytest.mark.slow
+def test_a_crafted_cifar_pickle_under_a_data_root_never_runs_on_the_worker(stack: Stack, tmp_path) -> None:  # noqa: ANN001
+    """Issue 19's payload on the real stack: a CIFAR batch whose unpickling would run ``touch`` sits under the
+    data root; the job fails with the refusal in one line and the command never ran on the worker."""
+    from tests.workers.test_safe_loading import Payload, cifar_bytes, write_cifar10
+
+    root = (stack.home / "data").resolve()
+    marker = tmp_path / "pwned"
+    evil = {b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 1], b"x": Payload(f"touch {marker}")}
+    write_cifar10(root / "cifar-10-batches-py", test_batch=cifar_bytes(evil, 2))
+    with Client(stack.url, stack.admin_token) as c:
+        job = c.submit(tiny(dataset={"name": "cifar10", "root": str(root)}), name="crafted-pickle")["id"]
+        view = wait_ended(c, job)
+    reason = view["failure_reason"]
+    assert view["state"] == "failed", view
+    assert reason.startswith(f"{root / 'cifar-10-batches-py' / 'test_batch'}: refused: the pickle references"), reason
+    assert "system" in reason and "nothing in it was run" in reason and "\n" not in reason
+    assert not marker.exists()  # the payload never ran
