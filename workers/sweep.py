@@ -117,7 +117,8 @@ class TrialTable:
     """A Tune callback that keeps the trials table in Redis: config, state, last and best metric,
     epochs run, whether the scheduler stopped the trial early, and the run summary so far."""
 
-    def __init__(self, redis_url: str, job_id: str, metric: str, mode: str, epochs: int) -> None:
+    def __init__(self, redis_url: str, job_id: str, metric: str, mode: str, epochs: int,
+                 time_limit_s: float | None = None) -> None:
         from ray.tune import Callback
 
         table = self
@@ -139,7 +140,7 @@ class TrialTable:
         self.redis_url = redis_url
         self._r: redis.Redis | None = None
         self.key = keys.trials(job_id)
-        self.metric, self.mode, self.epochs = metric, mode, epochs
+        self.metric, self.mode, self.epochs, self.time_limit_s = metric, mode, epochs, time_limit_s
 
     def __getstate__(self) -> dict[str, Any]:
         # Tune pickles its callbacks into tuner.pkl on the shared storage: leave the connection out, and a URL
@@ -174,6 +175,8 @@ class TrialTable:
         if state == "done":
             row["stopped_early"] = row["epochs"] < self.epochs
             row["state"] = "stopped early" if row["stopped_early"] else "succeeded"
+            if row["stopped_early"] and reason is None:
+                reason = self.limit_reason(trial, row["epochs"])
         elif state is not None:
             row["state"] = state
         if state in ("running", "done"):  # a rerun trial's earlier failure is no longer why it stands where it does
@@ -181,6 +184,14 @@ class TrialTable:
         if reason is not None:
             row["reason"] = reason
         self.r.hset(self.key, trial.trial_id, json.dumps(row))
+
+    def limit_reason(self, trial: Any, epochs: int) -> str | None:
+        """Why a trial stopped early, when it was its time limit (Tune's ``time_total_s`` stop criterion) and
+        not the search's scheduler (ASHA, PBT)."""
+        ran = (getattr(trial, "last_result", None) or {}).get("time_total_s")
+        if self.time_limit_s is None or not isinstance(ran, int | float) or ran < self.time_limit_s:
+            return None
+        return f"time limit of {self.time_limit_s:g} s reached at epoch {epochs}"
 
 
 def trial_retries() -> int:
@@ -263,7 +274,7 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
                 raise TrialFailed(failure_reason(err)) from None
 
     metric = sweep.report_metric
-    table = TrialTable(redis_url, job_id, metric, sweep.mode, epochs)
+    table = TrialTable(redis_url, job_id, metric, sweep.mode, epochs, sweep.base.resources.time_limit_s)
     search_alg = searcher(sweep)
     space = param_space(sweep)
     own = in_trial(sweep)

@@ -149,8 +149,10 @@ def test_a_sweep_offers_its_best_trials_weights(stack: Stack, tmp_path: Path) ->
         list(c.events(sweep))  # until the sweep ends
         view = c.json("GET", f"/v1/sweeps/{sweep}")
         assert view["job"]["state"] == "succeeded", view["job"]
-        rows = [(t["state"], t["stopped_early"], 1 <= t["epochs"] < 1000) for t in view["trials"]]
-        assert rows == [("stopped early", True, True)] * 2, view["trials"]
+        limited = f"time limit of {TRIAL_LIMIT_S:g} s reached at epoch "
+        rows = [(t["state"], t["stopped_early"], 1 <= t["epochs"] < 1000, (t["reason"] or "").startswith(limited))
+                for t in view["trials"]]
+        assert rows == [("stopped early", True, True, True)] * 2, view["trials"]
         items = {a["name"] for a in c.json("GET", f"/v1/sweeps/{sweep}/artifacts")["items"]}
         assert {"model.safetensors", "checkpoint.pt", "metrics.csv", "summary.json"} <= items, items
         summary = json.loads(c.request("GET", f"/v1/sweeps/{sweep}/artifacts/summary.json").content)

@@ -39,10 +39,10 @@ def test_any_other_error_gives_its_last_line_and_a_missing_one_still_says_failed
 
 
 class Trial:
-    """What TrialTable reads of a Tune trial: its id and config."""
+    """What TrialTable reads of a Tune trial: its id, config and last result."""
 
-    def __init__(self, trial_id: str, config: dict) -> None:
-        self.trial_id, self.config = trial_id, config
+    def __init__(self, trial_id: str, config: dict, last_result: dict | None = None) -> None:
+        self.trial_id, self.config, self.last_result = trial_id, config, last_result or {}
 
 
 def test_the_rows_the_driver_writes_are_rows_the_api_reads(redis_server: str) -> None:
@@ -60,3 +60,18 @@ def test_the_rows_the_driver_writes_are_rows_the_api_reads(redis_server: str) ->
     rows = {r.trial: r for r in trial_rows(Store.from_url(redis_server), "s9")}
     assert rows["t0"].state == "succeeded" and rows["t0"].best == 0.5 and rows["t0"].reason is None
     assert rows["t1"].state == "failed" and rows["t1"].reason == "epoch 3: loss is NaN" and rows["t1"].epochs == 3
+
+
+def test_a_trial_stopped_at_its_time_limit_says_so(redis_server: str) -> None:
+    from service.store import Store
+    from service.studies import trial_rows
+    from workers.sweep import TrialTable
+
+    table = TrialTable(redis_server, "s10", "train_loss", "min", epochs=1000, time_limit_s=3)
+    timed, asha = Trial("t0", {}, {"time_total_s": 3.02}), Trial("t1", {}, {"time_total_s": 1.1})
+    for trial, epochs in ((timed, 14), (asha, 2)):
+        table.update(trial, result={"train_loss": 0.5, "epochs": epochs})
+        table.update(trial, state="done")
+    rows = {r.trial: r for r in trial_rows(Store.from_url(redis_server), "s10")}
+    assert rows["t0"].state == "stopped early" and rows["t0"].reason == "time limit of 3 s reached at epoch 14"
+    assert rows["t1"].state == "stopped early" and rows["t1"].reason is None  # the search's scheduler stopped it
