@@ -191,9 +191,16 @@ def teleport_batch(
     With ``comm`` (data-parallel ranks, see ``teleport.distributed``), (x, y) is this rank's shard
     of the teleport batch, at least one sample on every rank; pass the bare module, not a DDP wrapper
     (DDP's hooks would all-reduce inside the double backward). Every rank returns the same report
-    and the same weights, or raises the same error.
+    and the same weights, or raises the same error. A caller's autocast (bf16 training) stops here: the
+    teleport computes in the weights' own dtype.
     """
-    config = config or TeleportConfig()
+    with torch.autocast(x.device.type, enabled=False):
+        return _teleport(model, loss_fn, x, y, config or TeleportConfig(), executor, holdout, comm)
+
+
+def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: TeleportConfig,
+              executor: BasisExecutor | None, holdout: tuple[Tensor, Tensor] | None,
+              comm: Collective | None) -> TeleportReport:
     start = time.perf_counter()
     was_training = model.training
     model.eval()

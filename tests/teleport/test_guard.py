@@ -143,6 +143,18 @@ def test_low_precision_inputs_get_float32_bases_and_tolerance() -> None:
     assert thin.rank == 10 and thin.kept is not None and thin.kept.dtype == torch.float32
 
 
+def test_a_callers_autocast_does_not_reach_the_teleport() -> None:
+    torch.manual_seed(7)
+    model, x, y = mlp().float(), torch.randn(8, 6, dtype=torch.float32), torch.randint(0, 3, (8,))
+    plain, mixed = copy.deepcopy(model), copy.deepcopy(model)
+    config = TeleportConfig(steps=3, lr=0.2, cap=1e6)
+    expected = teleport_batch(plain, F.cross_entropy, x, y, config)
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):  # a bf16 training step around it
+        report = teleport_batch(mixed, F.cross_entropy, x, y, config)
+    assert report.steps == expected.steps > 0 and report.loss_after == expected.loss_after
+    assert unchanged(mixed, plain)
+
+
 def test_energy_rule_frees_the_negligible_tail_that_the_numerical_rank_keeps() -> None:
     torch.manual_seed(6)
     u, _ = torch.linalg.qr(torch.randn(30, 30))
