@@ -143,6 +143,8 @@ class Preflights:
         the job can never start as stored (its package is gone: it failed)."""
         try:
             code = self.code(job_id)
+            if self.jobs.status(preflight_sid(job_id)) is not None:
+                return True  # Ray has it: never arm its (maybe redeemed) ticket again (``RayJobs.submit``)
             env = self.acl.credentials(job_id, preflight_sid(job_id), preflight_user(job_id)) if self.acl else {}
             self.jobs.start(job_id, code, env, node)
         except Unstartable as err:

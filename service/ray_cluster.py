@@ -156,6 +156,10 @@ class RayJobs:
             env[IN_DRIVER] = "1" if in_driver else "0"
             env[PLACEMENT] = json.dumps(list(placement))  # where its gang's other ranks go (workers.gang)
         if self.credentials:  # made right before each submit, the same again for the same submission id
+            # Ray has it already when an earlier submit got an error after Ray took it: its ticket may have been
+            # redeemed, and making it again would arm a spent ticket for whoever reads the runtime_env
+            if self.status(submission_id) is not None:
+                return
             env = with_credentials(env, self.credentials(job_id, submission_id))
         runtime_env, python = self.runtime_env(job_id, env)
         try:

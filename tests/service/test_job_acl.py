@@ -349,3 +349,29 @@ def test_a_jobs_code_is_refused_other_jobs_data_and_tickets_and_still_trains(sta
             time.sleep(0.2)
         assert r.keys("tlab:ticket:*") == []  # every ticket redeemed (or deleted with its job)
     r.close()
+
+
+@pytest.mark.slow
+def test_a_resubmitted_attempt_never_arms_its_spent_ticket_again(
+    ray_head: Stack, redis_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A submit that errs after Ray took the job sends the job back to the queue and the same attempt is
+    submitted again: by then its driver may have redeemed the ticket, which must stay spent (real Ray head)."""
+    from service.ray_cluster import RayJobs
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", ray_head.ray_token or "")
+    store = Store.from_url(redis_server)
+    acl = JobAcl(store.r, Settings(redis_url=redis_server))
+    job = started(store)
+    jobs = RayJobs(ray_head.ray_address or "", {"REDIS_URL": redis_server}, credentials=acl.credentials)
+    sid = jobs.submission_id(job, 1)
+    jobs.submit(job, sid)  # its driver redeems the ticket at start (then ends: this job has no spec to train)
+    ticket = keys.ticket(ticket_user(user_name(job)))
+    deadline = time.monotonic() + 120
+    while jobs.status(sid) not in ("SUCCEEDED", "FAILED", "STOPPED"):
+        assert time.monotonic() < deadline, "the Ray job did not end"
+        time.sleep(0.2)
+    assert not store.r.exists(ticket), "the driver did not redeem its ticket"
+    jobs.submit(job, sid)  # the scheduler's retry of the same attempt
+    assert not store.r.exists(ticket)  # still spent: nobody can redeem it
