@@ -26,6 +26,10 @@ class TicketTaken(RuntimeError):
     """The job's ticket was redeemed already, or no longer opens anything: the job must not start."""
 
 
+class TicketUnreadable(RuntimeError):
+    """Redis did not answer while the job redeemed its ticket: the job cannot start (a later attempt may)."""
+
+
 def ticket_user(url: str) -> str:
     """The Redis user a URL names (``redis://user:pw@host/0``, or ``unix://path?username=user&...``)."""
     parts = urlsplit(url)
@@ -34,7 +38,7 @@ def ticket_user(url: str) -> str:
 
 def redeem(ticket: str) -> str:
     """The job's ``REDIS_URL``, read and deleted at once with the ticket's user (``TicketTaken`` if gone)."""
-    from redis.exceptions import AuthenticationError
+    from redis.exceptions import AuthenticationError, ConnectionError, TimeoutError
 
     from workers.job_record import connect  # rides out a Redis restart (the scheduler makes the user again)
 
@@ -44,6 +48,8 @@ def redeem(ticket: str) -> str:
         url = client.getdel(keys.ticket(user))
     except AuthenticationError:
         raise TicketTaken(f"this job's Redis ticket ({user}) opens nothing: its attempt is over") from None
+    except (ConnectionError, TimeoutError) as err:
+        raise TicketUnreadable(f"Redis did not answer while this job redeemed its ticket ({user}): {err}") from None
     finally:
         client.close()
     if not url:

@@ -117,6 +117,8 @@ class TrialTable:
     """A Tune callback that keeps the trials table in Redis: config, state, last and best metric,
     epochs run, whether the scheduler stopped the trial early, and the run summary so far."""
 
+    time_limit_s: float | None = None  # a table restored from a sweep's saved state written before it had one
+
     def __init__(self, redis_url: str, job_id: str, metric: str, mode: str, epochs: int,
                  time_limit_s: float | None = None) -> None:
         from ray.tune import Callback
