@@ -282,7 +282,7 @@ EVIL = '''
         tried = {"other_job": attempt(lambda: r.hgetall(f"tlab:job:{victim}")), "flushall": attempt(r.flushall),
                  "users": attempt(lambda: r.hgetall("tlab:users")), "anonymous": anonymous(url),
                  "jobs": sorted(envs), "secrets": sorted(k for env in envs.values() for k, v in env.items()
-                                                         if k == "REDIS_URL" or "tlab-job-" in v
+                                                         if k == "REDIS_URL" or k.startswith("AWS_") or "tlab-job-" in v
                                                          or "tlab-preflight-" in v),
                  "tickets": {sid: spend(t) for sid, t in tickets.items()},  # the victim's and its own among them
                  "victim_events": attempt(lambda: redis.Redis.from_url(theirs, retry=None).xadd(
