@@ -191,7 +191,7 @@ class TrainingSpec(_Strict):
                                             "reads as ctx.args (a sweep can vary the ones set here)")
 
     @model_validator(mode="after")
-    def _entrypoint_args(self) -> TrainingSpec:
+    def _cross_field(self) -> TrainingSpec:
         if self.entrypoint_args and not self.entrypoint:
             raise ValueError("training.entrypoint_args is for training.entrypoint: set the entrypoint, or drop them")
         if self.precision == "bf16" and self.dtype != "float32":  # autocast leaves float64 tensors as they are
