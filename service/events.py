@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import time
 import uuid
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from api_schemas import keys
 
@@ -27,6 +29,9 @@ READ_BLOCK_MS = 2000  # the reader's XREAD BLOCK: under redis-py's 5 s socket ti
 WAKE_TTL_S = 86400  # a hub's wake stream outlives its process by at most this
 REAUTH_S = 2.0  # a live stream re-checks its token this often: a rotated token's stream ends within it
 Batch = tuple[list[Entry], bytes]  # entries and their SSE text, encoded once for every follower
+ENDED: Batch = ([], b"")  # put in a follower's queue when its job's feed is dropped: its stream ends
+RESTART_S = (0.5, 1.0, 2.0, 5.0)  # a crashed reader starts again after these (the last one from then on)
+log = logging.getLogger("tlab.api")
 
 
 def stream_id(eid: str) -> tuple[int, int]:
@@ -64,7 +69,12 @@ class Hub:
     history and goes live XADDs to it (at most once per XREAD), so the blocked read returns at once and the next
     one includes the job (a finished job's history wakes nothing). The job's entries are not lost meanwhile:
     its cursor is its last id when it was first followed. A job whose last follower left drops out of the next
-    read."""
+    read.
+
+    A job's own code may ``DEL`` its events stream and ``HSET`` the key (its Redis user may, on its own keys): the
+    shared XREAD then fails with WRONGTYPE for every job. On an error reply the reader asks ``TYPE`` of the followed
+    keys and drops the jobs whose key is no longer a stream (or absent): their followers' streams end, the others go
+    on. A reader that dies of anything else is logged and started again while jobs are followed."""
 
     def __init__(self, client: aioredis.Redis, block_ms: int = READ_BLOCK_MS) -> None:
         self.r = client
@@ -76,6 +86,7 @@ class Hub:
         self._woken = False  # ...and a wake was sent to end it
         self._busy = asyncio.Event()  # set while jobs are followed: the reader waits on it when none are
         self._task: asyncio.Task[None] | None = None
+        self._crashes = 0  # the reader's crashes since its last whole round: its restart's back-off
         self._closed = False
 
     async def subscribe(self, job_id: str) -> asyncio.Queue[Batch]:
@@ -89,7 +100,7 @@ class Hub:
         self.feeds[job_id].subscribers.add(queue)
         self._busy.set()
         if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._read())
+            self._start(0.0)
         return queue
 
     def unsubscribe(self, job_id: str, queue: asyncio.Queue[Batch]) -> None:
@@ -115,7 +126,26 @@ class Hub:
             self._woken = False
             raise
 
-    async def _read(self) -> None:
+    def _start(self, delay_s: float) -> None:
+        self._task = asyncio.create_task(self._read(delay_s))
+        self._task.add_done_callback(self._reader_done)
+
+    def _reader_done(self, task: asyncio.Task[None]) -> None:
+        """A reader that died of an exception is logged, and started again after a back-off while jobs are
+        followed (a later ``subscribe`` starts one otherwise)."""
+        if task.cancelled() or task.exception() is None:
+            return
+        again = bool(self.feeds) and not self._closed and task is self._task
+        delay = RESTART_S[min(self._crashes, len(RESTART_S) - 1)]
+        self._crashes += 1
+        log.error("the event reader stopped with %d jobs followed: %r; %s", len(self.feeds), task.exception(),
+                  f"it starts again in {delay} s" if again else "a new follower starts it again",
+                  exc_info=task.exception())
+        if again:
+            self._start(delay)
+
+    async def _read(self, delay_s: float = 0.0) -> None:
+        await asyncio.sleep(delay_s)
         wake_cursor = "0-0"
         while not self._closed:
             if not self.feeds:
@@ -129,9 +159,10 @@ class Hub:
                 got = await self.r.xread(streams, block=self.block_ms, count=1000)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # Redis hiccup: the followers keep their queues; try again shortly
+            except Exception as e:  # Redis hiccup, or a job's key no stream: the followers keep their queues
                 self._reading = False
-                await asyncio.sleep(0.5)
+                if not (isinstance(e, ResponseError) and await self._drop_wrong_types(jobs, e)):
+                    await asyncio.sleep(0.5)  # try again shortly
                 continue
             self._reading = False
             for key, entries in got or []:
@@ -139,6 +170,28 @@ class Hub:
                     wake_cursor = entries[-1][0]
                 elif entries:
                     self._deliver(jobs[key], entries)
+            self._crashes = 0
+
+    async def _drop_wrong_types(self, jobs: dict[str, str], error: ResponseError) -> bool:
+        """After an XREAD error reply: drop the jobs whose events key holds something else than a stream (one
+        ``TYPE`` each, in one pipeline) and end their followers' streams; whether there was one."""
+        try:
+            async with self.r.pipeline(transaction=False) as p:
+                for key in jobs:
+                    p.type(key)
+                types = await p.execute()
+        except Exception:
+            return False
+        wrong = [(jobs[key], kind) for key, kind in zip(jobs, types, strict=True) if kind not in ("stream", "none")]
+        for job_id, kind in wrong:
+            feed = self.feeds.pop(job_id, None)
+            if feed is None:
+                continue
+            log.warning("job %s: its events key %s is a %s, not a stream (XREAD: %s): its %d live event "
+                        "stream(s) end", job_id, keys.events(job_id), kind, error, len(feed.subscribers))
+            for q in feed.subscribers:
+                q.put_nowait(ENDED)
+        return bool(wrong)
 
     def _deliver(self, job_id: str, entries: list[Entry]) -> None:
         """Entries after the job's cursor to every follower (the job may have been dropped and followed again
@@ -173,10 +226,12 @@ async def follow(hub: Hub, job_id: str, last_id: str | None, heartbeat_s: float,
     """SSE text for a job: history after ``last_id``, then live until the ``end`` event; a comment
     line every ``heartbeat_s`` of silence keeps proxies and clients from timing out. While live, the
     caller's token is re-checked every ``REAUTH_S``: once it is rotated or its user disabled, the stream
-    ends, and the client's reconnect (with ``Last-Event-ID``) is answered 401."""
-    queue = await hub.subscribe(job_id)
+    ends, and the client's reconnect (with ``Last-Event-ID``) is answered 401. A job whose events key is no
+    stream (its code made it a hash) ends the stream, as the hub does for its live followers."""
+    queue: asyncio.Queue[Batch] | None = None
     sent = stream_id(last_id) if last_id else (0, 0)
     try:
+        queue = await hub.subscribe(job_id)
         yield "retry: 2000\n\n"
         cursor = f"({last_id}" if last_id else "-"
         while True:  # history, in pages
@@ -203,7 +258,7 @@ async def follow(hub: Hub, job_id: str, last_id: str | None, heartbeat_s: float,
                     quiet = 0.0
                     yield ": keep-alive\n\n"
                 continue
-            if not await gate.ok():
+            if not batch or not await gate.ok():  # the hub dropped the job (its key is no stream), or a token
                 return
             if stream_id(batch[0][0]) > sent:  # the usual case: all new, send the shared text
                 fresh = batch
@@ -216,8 +271,11 @@ async def follow(hub: Hub, job_id: str, last_id: str | None, heartbeat_s: float,
             sent = stream_id(fresh[-1][0])
             if any(f.get("kind") == "end" for _, f in fresh):
                 return
+    except ResponseError as e:  # e.g. WRONGTYPE: the job's key is a hash now
+        log.warning("job %s: its events cannot be read (%s): a stream of them ends", job_id, e)
     finally:
-        hub.unsubscribe(job_id, queue)
+        if queue is not None:
+            hub.unsubscribe(job_id, queue)
 
 
 class _Reauth:

@@ -4,9 +4,11 @@ process's cap on open SSE streams (``TLAB_MAX_STREAMS``): a real Redis, the real
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
@@ -16,6 +18,8 @@ import redis.asyncio as aioredis
 from api_schemas import keys
 from service.deps import ASYNC_CLIENT_NAME
 from service.events import Hub
+from service.events import follow as live
+from service.job_acl import job_url, rules, user_name
 from tests.service.conftest import Api, tiny
 
 JOBS = 80  # followed at once, one stream each, by one user
@@ -128,11 +132,9 @@ async def _hold(rds: redis.Redis, jobs: list[str], bobs: str, bob: httpx.AsyncCl
         assert over.status_code == 429 and over.headers["Retry-After"], body
         assert f"{JOBS + 1} event streams" in body["detail"] and "TLAB_MAX_STREAMS)" in body["detail"], body
         assert body["errors"][0]["field"] == "events", body
-    start = time.monotonic()
-    publish(rds, [bobs])
+    publish(rds, [bobs])  # a failure deadline, not a bound: that the wake reads a job at once is the next test's
     publish(rds, [bobs], "end")
-    bob_got = await asyncio.wait_for(bob_follows, 5)
-    assert time.monotonic() - start < 2.0, "bob's live events were late"
+    bob_got = await asyncio.wait_for(bob_follows, 30)
     assert bob_got == [(eid, f["kind"]) for eid, f in rds.xrange(keys.events(bobs))], bob_got
     assert [kind for _, kind in bob_got[-2:]] == ["metric", "end"], bob_got
 
@@ -146,22 +148,22 @@ async def _hold(rds: redis.Redis, jobs: list[str], bobs: str, bob: httpx.AsyncCl
 
 def test_a_newly_followed_job_is_read_at_once_and_a_left_one_is_dropped(redis_server: str,
                                                                         rds: redis.Redis) -> None:
-    """The reader blocks for 4 s, yet a job followed while it waits gets its events within a fraction of it
-    (the wake stream), with one blocked connection throughout."""
+    """The reader blocks for 60 s, yet a job followed while it waits gets its events before a 20-s deadline: its
+    blocked XREAD ends at once (the wake stream) rather than when its block does (a failure without the wake, not
+    a measured time), with one blocked connection throughout."""
     a, b = "18f3a2b4c5d-0000e1", "18f3a2b4c5d-0000e2"
 
     async def run() -> None:
-        client = aioredis.Redis.from_url(redis_server, decode_responses=True, client_name=ASYNC_CLIENT_NAME)
-        hub = Hub(client, block_ms=4000)
+        client = aioredis.Redis.from_url(redis_server, decode_responses=True, client_name=ASYNC_CLIENT_NAME,
+                                         socket_timeout=90)  # above the block, which would end it as an error
+        hub = Hub(client, block_ms=60_000)
         try:
             qa = await hub.subscribe(a)
             await until(lambda: api_clients(rds)[1] == 1, "the reader never blocked")
             qb = await hub.subscribe(b)
             await hub.listen(b)
-            start = time.monotonic()
             publish(rds, [b])
-            entries, text = await asyncio.wait_for(qb.get(), 5)
-            assert time.monotonic() - start < 1.0, "the newly followed job waited for the reader's block"
+            entries, text = await asyncio.wait_for(qb.get(), 20)  # TimeoutError: it waited for the 60-s block
             assert [e[0] for e in entries] == [e[0] for e in rds.xrange(keys.events(b))]
             assert text.startswith(b"id: ") and qa.empty()
             await until(lambda: api_clients(rds)[1] == 1, "the reader did not block again on both jobs")
@@ -178,3 +180,89 @@ def test_a_newly_followed_job_is_read_at_once_and_a_left_one_is_dropped(redis_se
         assert not rds.exists(hub.wake_key)
 
     asyncio.run(asyncio.wait_for(run(), timeout=60))
+
+
+def test_a_job_that_makes_its_stream_a_hash_ends_its_own_followers_only(redis_server: str, rds: redis.Redis,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A followed job's code, as the job's own Redis user (service/job_acl.py's rules), deletes its events stream
+    and makes the key a hash: the shared XREAD fails with WRONGTYPE. The hub drops that job (its follower's stream
+    ends, a log line says why; a new follower's ends at once) and the other job's follower goes on getting its
+    events."""
+    good, bad = "18f3a2b4c5d-0000f1", "18f3a2b4c5d-0000f2"
+    publish(rds, [good, bad])
+    rds.execute_command("ACL", "SETUSER", user_name(bad), *rules(bad, "job-secret"))
+    job = redis.Redis.from_url(job_url(redis_server, user_name(bad), "job-secret"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="tlab.api"):
+            asyncio.run(asyncio.wait_for(_poisoned(redis_server, rds, job, good, bad), timeout=60))
+    finally:
+        job.close()
+        rds.acl_deluser(user_name(bad))
+    assert any(bad in r.getMessage() and "is a hash, not a stream" in r.getMessage() for r in caplog.records), \
+        caplog.text
+
+
+async def _poisoned(redis_server: str, rds: redis.Redis, job: redis.Redis, good: str, bad: str) -> None:
+    client = aioredis.Redis.from_url(redis_server, decode_responses=True)
+    hub = Hub(client)
+    got: dict[str, list[str]] = {good: [], bad: []}
+    readers = {j: asyncio.create_task(sse_ids(live(hub, j, None, 30.0), got[j])) for j in got}
+    try:
+        await until(lambda: all(got.values()), "the history never came")
+        publish(rds, [good, bad])
+        await until(lambda: all(len(ids) == 2 for ids in got.values()), "the live events never came")
+        job.delete(keys.events(bad))
+        job.hset(keys.events(bad), "kind", "not a stream")
+        publish(rds, [good])  # ends the XREAD blocked on both: the next one fails
+        await asyncio.wait_for(readers[bad], 20)  # TimeoutError before the fix: no XREAD succeeds again
+        assert len(got[bad]) == 2 and set(hub.feeds) == {good}
+        late: list[str] = []  # a new follower of the job: its stream ends at once, no error
+        await asyncio.wait_for(sse_ids(live(hub, bad, None, 30.0), late), 20)
+        assert late == [] and set(hub.feeds) == {good}
+        publish(rds, [good])
+        publish(rds, [good], "end")
+        await asyncio.wait_for(readers[good], 20)
+        assert got[good] == [eid for eid, _ in rds.xrange(keys.events(good))] and len(got[good]) == 5, got
+    finally:
+        for r in readers.values():
+            r.cancel()
+        await asyncio.gather(*readers.values(), return_exceptions=True)
+        await hub.close()
+        await client.aclose()
+
+
+async def sse_ids(stream: AsyncIterator[str | bytes], ids: list[str]) -> None:
+    """The ``id`` of every event a job's SSE text (``service.events.follow``) sends, into ``ids``, until it ends."""
+    async with contextlib.aclosing(stream):
+        async for chunk in stream:
+            text = chunk.decode() if isinstance(chunk, bytes) else chunk
+            ids.extend(line[4:] for line in text.split("\n") if line.startswith("id: "))
+
+
+def test_a_reader_that_dies_is_logged_and_started_again(redis_server: str, rds: redis.Redis,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """The reader dies of a bug (here: a client without ``decode_responses``, whose stream names come back as
+    bytes: a KeyError); it is logged with its traceback and, while its job is followed, started again: once the
+    cause is gone, the follower gets the event."""
+    a = "18f3a2b4c5d-0000f3"
+
+    async def run() -> None:
+        raw = aioredis.Redis.from_url(redis_server)
+        fixed = aioredis.Redis.from_url(redis_server, decode_responses=True)
+        hub = Hub(raw)
+        try:
+            queue = await hub.subscribe(a)  # no history: its cursor is 0-0
+            publish(rds, [a])
+            await until(lambda: any("event reader stopped" in r.getMessage() and r.exc_info
+                                    for r in caplog.records), "the reader's death was not logged")
+            hub.r = fixed
+            entries, _ = await asyncio.wait_for(queue.get(), 20)  # TimeoutError before: the reader stayed dead
+            assert [e[0] for e in entries] == [eid for eid, _ in rds.xrange(keys.events(a))]
+        finally:
+            await hub.close()
+            await raw.aclose()
+            await fixed.aclose()
+
+    with caplog.at_level(logging.ERROR, logger="tlab.api"):
+        asyncio.run(asyncio.wait_for(run(), timeout=60))
+    assert "KeyError" in caplog.text
