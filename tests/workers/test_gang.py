@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
+import re
 import subprocess
 import sys
 import time
@@ -88,9 +88,10 @@ def test_a_killed_rank_fails_the_try_and_the_gang_resumes_every_epoch_once(
             if driver.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"the gang reported no 2 epochs: {ended(driver, log)}")
             time.sleep(0.05)
-        rank1 = [p for p in psutil.process_iter(["cmdline"]) if "ray::gang_rank" in " ".join(p.info["cmdline"] or [])]
-        assert len(rank1) == 1, rank1  # Ray titles a task's process by its function while it runs
-        os.kill(rank1[0].pid, signal.SIGKILL)
+        header = (tmp_path / "kill" / "logs" / "attempt-1" / "rank-1.log").read_text().splitlines()[0]
+        rank1 = psutil.Process(int(re.search(r"pid (\d+) on", header)[1]))  # its log's first line names it
+        assert "ray::gang_rank" in " ".join(rank1.cmdline()), header  # Ray titles a task's process by its function
+        rank1.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):  # within pytest's 300 s, so the message is ours
             driver.wait(timeout=150)
         assert driver.poll() == 0, ended(driver, log)
