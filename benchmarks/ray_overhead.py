@@ -4,7 +4,7 @@ Both runs train the same digits MLP for the same epochs in one invocation; per-e
 median of the epoch-to-epoch differences of the cumulative ``seconds`` in the epoch records
 (teleport epochs excluded, so the comparison is the training loop itself), and start-up is the
 wall time outside the epochs (Ray: cluster start, worker group, process group). The in-process and driver
-runs alternate (two rounds, medians over both) before Ray starts: the processes a stopped local Ray
+runs alternate (three rounds, medians over all) before Ray starts: the processes a stopped local Ray
 leaves behind for a few seconds took a core from whatever ran right after it (the driver run measured
 1.55x when it came after Ray, 1.04-1.11x before it). Floor from
 issue 3: Ray per-epoch time ≤ 1.15x the in-process one. A third runner is the loop a 1-worker service job
@@ -27,7 +27,7 @@ from typing import Any
 from api_schemas import build_spec
 from benchmarks.common import print_table, verdict, wait_for_quiet, write_result
 
-ROUNDS = 2  # in-process and driver runs, alternating
+ROUNDS = 3  # in-process and driver runs, alternating (--quick: 1)
 
 
 def epoch_deltas(records: list[dict[str, Any]], skip: set[int]) -> list[float]:
@@ -40,7 +40,7 @@ def per_epoch(records: list[dict[str, Any]], skip: set[int]) -> float:
     return statistics.median(epoch_deltas(records, skip))
 
 
-def run(epochs: int, hidden: list[int], max_train: int | None, cpus: int = 2) -> dict[str, Any]:
+def run(epochs: int, hidden: list[int], max_train: int | None, cpus: int = 2, rounds: int = ROUNDS) -> dict[str, Any]:
     import ray
 
     from plots.curves import read_metrics
@@ -59,7 +59,7 @@ def run(epochs: int, hidden: list[int], max_train: int | None, cpus: int = 2) ->
     results: dict[str, Any] = {}
     walls: dict[str, list[float]] = {"local": [], "driver": []}
     deltas: dict[str, list[float]] = {"local": [], "driver": []}
-    for round_ in range(ROUNDS):
+    for round_ in range(rounds):
         start = time.perf_counter()
         run_local(spec, out / f"local{round_}", progress=False)
         walls["local"].append(time.perf_counter() - start)
@@ -143,10 +143,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "machine 2 leaves no core for the checkpoint writer, Redis or Ray)")
     args = parser.parse_args(argv)
     if args.quick:
-        result = {**run(3, [32], 200, args.cpus), "quick": True}
+        result = {**run(3, [32], 200, args.cpus, rounds=1), "quick": True}
     else:
         wait_for_quiet()
-        result = run(12, [512, 512], None, args.cpus)
+        result = run(30, [512, 512], None, args.cpus)  # 3 x 29 epoch times per runner
     write_result("ray_overhead" if args.cpus == 2 else f"ray_overhead_{args.cpus}cpu", result)
     return result
 
