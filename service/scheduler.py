@@ -377,7 +377,7 @@ def serve(settings: Settings) -> None:
                 quiet.report(err)
             try:
                 scheduler.store.wait_wake(settings.tick_s)
-            except redis.ConnectionError:  # Redis went away mid-wait (a restart): the next tick says so
+            except (redis.ConnectionError, redis.TimeoutError):  # Redis went away mid-wait: the next tick says so
                 time.sleep(settings.tick_s)
     finally:
         sender.stop()

@@ -261,8 +261,8 @@ class Store:
         BLPOP in chunks of at most ``WAKE_CHUNK_S``: redis-py 8 gives every read a 5 s socket timeout, so a longer
         BLPOP (a ``TLAB_TICK_S`` of 5 or more) raised TimeoutError instead of returning empty."""
         deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            if self.r.blpop([keys.wake()], timeout=min(left, WAKE_CHUNK_S)):
+        while (left := deadline - time.monotonic()) >= 0.01:  # Redis reads a timeout under 1 ms as 0: forever
+            if self.r.blpop([keys.wake()], timeout=round(min(left, WAKE_CHUNK_S), 3)):
                 return True
         return False
 

@@ -136,6 +136,7 @@ def test_the_schedulers_wait_outlasts_redis_pys_socket_timeout(redis_server: str
     store = Store.from_url(redis_server)
     store.r.delete(keys.wake())
     assert store.wait_wake(0.3) is False
+    assert store.wait_wake(1e-5) is False and store.wait_wake(0.0105) is False  # a BLPOP of 0 ms blocks forever
     timer = threading.Timer(5.5, lambda: store.r.lpush(keys.wake(), "x"))  # the only push: past the 5 s timeout
     timer.start()
     try:
