@@ -83,8 +83,10 @@ def time_call(fn: Callable[[Any], object], setup: Callable[[], Any] | None = Non
     value: object = None
     for i in range(warmup + repeats):
         arg = setup() if setup is not None else None
+        sync()
         start = time.perf_counter()
         value = fn(arg)
+        sync()
         elapsed = time.perf_counter() - start
         if i >= warmup:
             samples.append(elapsed)
@@ -92,6 +94,12 @@ def time_call(fn: Callable[[Any], object], setup: Callable[[], Any] | None = Non
 
 
 Timed = tuple[Callable[[Any], object], Callable[[], Any] | None]
+
+
+def sync() -> None:
+    """Wait for queued GPU work, so that a wall-clock timer around a call times the call (no-op on a CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def spread(samples: Sequence[float]) -> float:
@@ -148,8 +156,10 @@ def time_interleaved(cases: dict[str, Timed], warmup: int = 1, repeats: int = 3,
         for i in range(warmup + repeats):
             for name, (fn, setup) in cases.items():
                 arg = setup() if setup is not None else None
+                sync()
                 start = time.perf_counter()
                 values[name] = fn(arg)
+                sync()
                 elapsed = time.perf_counter() - start
                 if i >= warmup:
                     samples[name].append(elapsed)

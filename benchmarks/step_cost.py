@@ -21,7 +21,11 @@ A second table splits a step into its parts, each timed alone: L and ∇L with t
 ‖∇L‖², the direction π(H·∇L) (the second backward and π, as a step computes them: at τ = 1 a Linear's
 from its factors, ``teleport.factored``), and the rest; plus the per-batch bases.
 
-    python -m benchmarks.step_cost [--quick] [--repeats R] [--threads K]
+On a GPU (``--device cuda``) the training step is also timed under bf16 autocast ('f+b bf16', how a
+lab trains there); the teleport itself always runs in float32 with TF32 off (``teleport.precision``),
+and the ratios stay against the float32 fwd+bwd, the same precision as the teleport.
+
+    python -m benchmarks.step_cost [--quick] [--repeats R] [--threads K] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -97,19 +101,20 @@ class Transformer(nn.Module):
         return self.head(self.ln(h).mean(1))
 
 
-def models(quick: bool) -> dict[str, tuple[nn.Module, Tensor, Tensor]]:
-    """name -> (model, x, y), seeded."""
+def models(quick: bool, device: str = "cpu") -> dict[str, tuple[nn.Module, Tensor, Tensor]]:
+    """name -> (model, x, y), seeded (on the CPU, then moved to ``device``)."""
     torch.manual_seed(0)
     n = 4 if quick else 32
     width, channels, size = (32, [4, 8], 8) if quick else (1024, [16, 32, 64], 32)
     d, length = (16, 8) if quick else (128, 64)
     vocab = 256
     y = torch.randint(0, CLASSES, (n,))
-    return {
+    built = {
         "mlp": (leaky_mlp([784, width, width, CLASSES]), torch.randn(n, 784), y),
         "cnn": (cnn(channels, size), torch.randn(n, 3, size, size), y),
         "transformer": (Transformer(vocab, d, 4, 2, length), torch.randint(0, vocab, (n, length)), y),
     }
+    return {name: (m.to(device), x.to(device), t.to(device)) for name, (m, x, t) in built.items()}
 
 
 def measure(model: nn.Module, x: Tensor, y: Tensor, steps: int, warmup: int, repeats: int,
@@ -124,6 +129,10 @@ def measure(model: nn.Module, x: Tensor, y: Tensor, steps: int, warmup: int, rep
         with sdpa_kernel(SDPBackend.MATH):
             return fwd_bwd(m)
 
+    def fwd_bwd_bf16(m: nn.Module) -> float:
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            return fwd_bwd(m)
+
     def teleport(t: int) -> Callable[[nn.Module], TeleportReport]:
         config = TeleportConfig(steps=t, lr=LR, **NO_STOP)
         return lambda m: teleport_batch(m, F.cross_entropy, x, y, config)
@@ -131,9 +140,11 @@ def measure(model: nn.Module, x: Tensor, y: Tensor, steps: int, warmup: int, rep
     def fresh() -> nn.Module:
         return copy.deepcopy(model)
 
+    bf16 = {"fwd_bwd_bf16": (fwd_bwd_bf16, lambda: model)} if x.device.type == "cuda" else {}
     timings = time_interleaved({
         "fwd_bwd": (fwd_bwd, lambda: model),
         "fwd_bwd_math_sdpa": (fwd_bwd_math, lambda: model),
+        **bf16,
         "teleport_0": (teleport(0), fresh),
         "teleport_t": (teleport(steps), fresh),
     }, warmup=warmup, repeats=repeats, max_spread=MAX_SPREAD, retries=RETRIES, canary=canary)
@@ -196,25 +207,28 @@ def breakdown(model: nn.Module, x: Tensor, y: Tensor, warmup: int, repeats: int,
             "bases": med["bases"]}
 
 
-def run(quick: bool, steps: int, warmup: int, repeats: int) -> dict[str, Any]:
+def run(quick: bool, steps: int, warmup: int, repeats: int, device: str = "cpu") -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     canary = Canary()
-    for name, (model, x, y) in models(quick).items():
+    for name, (model, x, y) in models(quick, device).items():
         print(f"  {name}: {sum(p.numel() for p in model.parameters()):,} parameters, x {tuple(x.shape)} ...",
               flush=True)
         rows[name] = measure(model, x, y, steps, warmup, repeats, canary)
         parts = breakdown(model, x, y, warmup, repeats, canary)
         parts["rest"] = max(rows[name]["step_excl_bases_seconds"] - parts["objective"] - parts["direction"], 0.0)
         rows[name]["breakdown_seconds"] = parts
-    table = [[name, f"{r['fwd_bwd_seconds'] * 1e3:.2f}", f"{r['seconds']['fwd_bwd_math_sdpa']['median'] * 1e3:.2f}",
+    def ms(r: dict[str, Any], case: str) -> str:
+        return f"{r['seconds'][case]['median'] * 1e3:.2f}" if case in r["seconds"] else "-"
+
+    table = [[name, f"{r['fwd_bwd_seconds'] * 1e3:.2f}", ms(r, "fwd_bwd_math_sdpa"), ms(r, "fwd_bwd_bf16"),
               f"{r['overhead_seconds'] * 1e3:.2f}", f"{r['amortized_step_seconds'] * 1e3:.2f}",
               f"{r['step_excl_bases_seconds'] * 1e3:.2f}", f"{r['ratio_overhead']:.2f}x",
               f"{r['ratio_amortized_step']:.2f}x", f"{r['ratio_step_excl_bases']:.2f}x", r["free_directions"],
               f"{r['spread']:.2f}", f"{r['contention']:.2f}"]
              for name, r in rows.items()]
-    print(f"\nstep cost (t = {steps}); times in ms, ratios to fwd+bwd")
-    text = print_table(["model", "fwd+bwd", "f+b math", "steps=0", "step amort.", "step excl.", "overhead/fb",
-                        "amort./fb", "excl./fb", "free dirs", "spread", "contention"], table)
+    print(f"\nstep cost (t = {steps}, {device}); times in ms, ratios to fwd+bwd")
+    text = print_table(["model", "fwd+bwd", "f+b math", "f+b bf16", "steps=0", "step amort.", "step excl.",
+                        "overhead/fb", "amort./fb", "excl./fb", "free dirs", "spread", "contention"], table)
     def share(r: dict[str, Any], part: str) -> str:
         sec = r["breakdown_seconds"][part]
         return f"{sec * 1e3:.2f} ({sec / max(r['step_excl_bases_seconds'], 1e-12):.0%})"
@@ -250,7 +264,8 @@ def run(quick: bool, steps: int, warmup: int, repeats: int) -> dict[str, Any]:
         "parts timed alone do not add up exactly to a step",
     ]
     print("\nnotes:\n" + "\n".join(f"- {n}" for n in notes), flush=True)
-    return {"steps": steps, "repeats": repeats, "warmup": warmup, "lr": LR, "floor": FLOOR, "models": rows,
+    return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+            "steps": steps, "repeats": repeats, "warmup": warmup, "lr": LR, "floor": FLOOR, "models": rows,
             "floors": floors, "notes": notes, "table": text}
 
 
@@ -259,14 +274,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="tiny models (seconds), for the smoke test")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 7, quick 1)")
     parser.add_argument("--steps", type=int, default=None, help=f"teleport steps t (default {STEPS}, quick 2)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the models run (cuda: results go to step_cost_cuda.json)")
     add_machine_args(parser)
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible here")
     with quiet_machine("step_cost", args):
         if args.quick:
-            result = run(True, args.steps or 2, warmup=0, repeats=args.repeats or 1)
+            result = run(True, args.steps or 2, warmup=0, repeats=args.repeats or 1, device=args.device)
         else:
-            result = run(False, args.steps or STEPS, warmup=2, repeats=args.repeats or 7)
-        write_result("step_cost", {"quick": args.quick, **result})  # machine info: the threads it ran with
+            result = run(False, args.steps or STEPS, warmup=2, repeats=args.repeats or 7, device=args.device)
+        name = "step_cost" if args.device == "cpu" else "step_cost_cuda"
+        write_result(name, {"quick": args.quick, **result})  # machine info: the threads it ran with
     return result
 
 

@@ -29,6 +29,7 @@ from teleport.capture import UseRecorder, trainable
 from teleport.distributed import Collective, any_across_, distributed_spectra
 from teleport.factored import factored_direction
 from teleport.objective import LossFn, Objective, objective, squared_norm, teleport_gradient, teleport_gradient_and
+from teleport.precision import ieee_float32
 from teleport.report import TeleportConfig, TeleportReport
 
 AIM = 0.8  # share of the way to CAP a step predicted to overshoot it is aimed at
@@ -192,9 +193,9 @@ def teleport_batch(
     of the teleport batch, at least one sample on every rank; pass the bare module, not a DDP wrapper
     (DDP's hooks would all-reduce inside the double backward). Every rank returns the same report
     and the same weights, or raises the same error. A caller's autocast (bf16 training) stops here: the
-    teleport computes in the weights' own dtype.
+    teleport computes in the weights' own dtype, and float32 without TF32 (``teleport.precision``).
     """
-    with torch.autocast(x.device.type, enabled=False):
+    with torch.autocast(x.device.type, enabled=False), ieee_float32():
         return _teleport(model, loss_fn, x, y, config or TeleportConfig(), executor, holdout, comm)
 
 

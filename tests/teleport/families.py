@@ -84,10 +84,10 @@ class Attention(nn.Module):
         mem = x[:, :2] if self.cross else h  # cross: keys/values from another tensor (2 positions)
         q, kv = (h, mem) if self.batch_first else (h.transpose(0, 1), mem.transpose(0, 1))
         s, t = kv.shape[1 if self.batch_first else 0], h.shape[1]
-        attn_mask = torch.triu(torch.ones(t, s, dtype=torch.bool), 1) if self.masks else None
+        attn_mask = torch.triu(torch.ones(t, s, dtype=torch.bool, device=x.device), 1) if self.masks else None
         pad = None
         if self.masks:  # the last key is padding in the samples whose last key position reads x > 0
-            pad = torch.zeros(x.shape[0], s, dtype=torch.bool)
+            pad = torch.zeros(x.shape[0], s, dtype=torch.bool, device=x.device)
             pad[:, -1] = x[:, s - 1, 0] > 0
         out, _ = self.attn(q, kv, kv, attn_mask=attn_mask, key_padding_mask=pad, need_weights=False)
         out = out if self.batch_first else out.transpose(0, 1)
@@ -180,8 +180,9 @@ class TinyLM(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         t = tokens.shape[1]
-        h = self.wte(tokens) + self.wpe(torch.arange(t))
-        h = self.block(h, src_mask=nn.Transformer.generate_square_subsequent_mask(t), is_causal=True)
+        h = self.wte(tokens) + self.wpe(torch.arange(t, device=tokens.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=tokens.device)
+        h = self.block(h, src_mask=mask, is_causal=True)
         return F.linear(h, self.wte.weight)  # tied LM head, (B, T, V)
 
 

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 18 in one run, for a lent GPU machine (or any machine with CUDA and PyTorch):
+# the teleport tests on CUDA, the step-cost benchmark on CUDA, a bf16-autocast training run with teleport
+# through the worker's own loop, float32 drift (1 seed) and the convergence benchmark there. Logs and result
+# JSONs go to $DIR (default /tmp/gpu-checks), packed into $OUT/gpu_checks.tgz at the end when $OUT is set. Each part has its own time limit,
+# cut to what is left of DEADLINE seconds (default 540); a part that fails does not stop the rest.
+# DEV=cpu runs the same parts on the CPU (a dry run of this script).
+#
+#   PYTHON=python3 DIR=/tmp/gpu OUT=/tmp/out DEADLINE=540 bash benchmarks/gpu_checks.sh [--quick]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+DIR=${DIR:-/tmp/gpu-checks}
+TGZ=${OUT:+$OUT/gpu_checks.tgz}
+QUICK=${1:-}
+DEV=${DEV:-cuda}
+DEADLINE=${DEADLINE:-540}
+mkdir -p "$DIR"
+export PYTHONUNBUFFERED=1 BENCH_RESULTS_DIR="$DIR"
+start=$(date +%s)
+
+part() {  # part NAME SECONDS CMD...: run CMD with a time limit, log to $DIR/NAME.log, say how it ended
+    local name=$1 limit=$2 left
+    shift 2
+    left=$((DEADLINE - 20 - ($(date +%s) - start)))
+    ((left < limit)) && limit=$left
+    ((limit < 10)) && { echo "=== $name: skipped, no time left"; return; }
+    echo "=== $name (limit ${limit}s, at $(($(date +%s) - start))s)"
+    timeout "$limit" "$@" >"$DIR/$name.log" 2>&1
+    local rc=$?
+    tail -n 25 "$DIR/$name.log"
+    echo "=== $name: exit $rc after $(($(date +%s) - start))s"
+}
+
+$PY -c "import torch; print(torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
+part test_cuda 90 $PY -m pytest -q -rfs -p no:cacheprovider tests/teleport/test_cuda.py
+part teleport_tests_on_device 120 env TLAB_TEST_DEVICE=$DEV $PY -m pytest -q -rf -p no:cacheprovider tests/teleport \
+    --ignore tests/teleport/test_distributed.py
+part step_cost 120 $PY -m benchmarks.step_cost --device $DEV --wait 0 --threads 4 $QUICK
+part bf16_run 60 $PY -m workers.cli run digits/teleport --local --no-progress --out "$DIR/bf16_run" \
+    --set training.device=$DEV --set training.precision=bf16
+part float32_drift 90 $PY -m benchmarks.float32_drift --seeds 1 $QUICK
+part convergence 240 $PY -m benchmarks.convergence $QUICK
+[[ -n "$TGZ" ]] && tar czf "$TGZ" -C "$DIR" --exclude '*.safetensors' --exclude '*.pt' . && echo "packed $TGZ"
