@@ -199,6 +199,8 @@ class ThreadExecutor:
 
     Each decomposition runs single-threaded while the pool is busy (torch's thread count is
     process-wide): k BLAS-threaded SVDs on k cores oversubscribe them and run 10-20x slower.
+    Representations on a GPU are decomposed one after another in the calling thread: the device runs
+    them in turn anyway, and a pool thread has no current CUDA context (cuBLAS warns and sets one up).
     """
 
     def __init__(self, max_workers: int | None = None) -> None:
@@ -207,7 +209,8 @@ class ThreadExecutor:
     def map(self, fn: Callable[[T], U], items: Sequence[T]) -> list[U]:
         threads = torch.get_num_threads()
         workers = self.max_workers or threads
-        if len(items) <= 1 or workers <= 1:
+        on_gpu = any(isinstance(item, Tensor) and item.device.type != "cpu" for item in items)
+        if len(items) <= 1 or workers <= 1 or on_gpu:
             return [fn(item) for item in items]
         try:  # OpenMP's thread count is per calling thread: set it in each pool thread too
             with ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:

@@ -51,10 +51,11 @@ def test_tf32_is_off_inside_a_teleport_and_the_callers_flags_come_back() -> None
 @pytest.mark.usefixtures("float64")
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_every_model_family_teleports_exactly_on_cuda_as_on_the_cpu(name: str) -> None:
-    cpu, gpu = CASES[name](), on(CASES[name](), "cuda")  # seeded builders: the same weights and batch
+    with torch.device("cpu"):  # built on the CPU also under TLAB_TEST_DEVICE=cuda: the CUDA RNG draws others
+        cpu, gpu = CASES[name](), on(CASES[name](), "cuda")  # seeded builders: the same weights and batch
+        expected = teleport_batch(cpu.model, cpu.loss_fn, cpu.x, cpu.y, OPEN)
     untouched = assert_exact(gpu)  # drift <= 1e-9, the listed parameters move, the untouched stay
     assert all(p.device.type == "cuda" for p in gpu.model.parameters())
-    expected = teleport_batch(cpu.model, cpu.loss_fn, cpu.x, cpu.y, OPEN)
     assert set(untouched) == set(expected.untouched)
     for (n, a), (_, b) in zip(gpu.model.named_parameters(), cpu.model.named_parameters(), strict=True):
         assert torch.allclose(a.cpu(), b, rtol=1e-6, atol=1e-9), f"{name}: {n} differs from the CPU teleport"
