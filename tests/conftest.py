@@ -12,31 +12,34 @@ from typing import Any
 
 import pytest
 
-# Under pytest-xdist (`make test` runs -n 3) the modules that run Ray — the session's head (ray_head, stack),
-# ray.init() here (ray_local), a Ray cluster of their own, any slow integration test — run in two chains, each on
-# one worker in file order, while the third worker takes every other module. A chain's session starts its own
-# Ray head (free ports, its own temp dir: two heads side by side are what `tlab up` is built for). Every module
-# that starts a bare local cluster (ray.init() without an address, whose defaults would clash with a second
-# one) is in chain A. Measured (2026-11-26, 2 cores, -v --durations=0): one chain was 1,067 s of the run's
-# 1,088 s while the other two workers finished their 163 s each and waited; the CPUs were busy 54 % of the run.
-# (A chain per module thrashed once: load 40+, 300 s timeouts. xdist's own --dist loadgroup cannot do this under
-# pytest 9.2: it renames node ids through an attribute pytest no longer reads.)
+# Under pytest-xdist (`make test` runs -n 4) the modules that run Ray — the session's head (ray_head, stack),
+# ray.init() here (ray_local), a Ray cluster of their own, any slow integration test — run in three chains, each on
+# one worker in file order, while the fourth worker takes every other module. A chain's session starts its own
+# Ray head (free ports, its own temp dir: heads side by side are what `tlab up` is built for). Every module that
+# starts a bare local cluster (ray.init() without an address, whose defaults would clash with a second one) is in
+# chain A. Measured (2026-11-26, 2 cores, -v --durations=0): as one chain it was 1,067 s of the run's 1,088 s while
+# the other two workers finished their 163 s each and waited (the CPUs busy 54 % of the run); as two chains the run
+# took 952 s (A 856 s, B 935 s of test time, the CPUs busy 75 %); the chains are mostly waiting on Ray and
+# training, not on the CPUs. (A chain per module thrashed once: load 40+, 300 s timeouts. xdist's own --dist
+# loadgroup cannot do this under pytest 9.2: it renames node ids through an attribute pytest no longer reads.)
 RAY_FIXTURES = frozenset({"ray_head", "stack", "ray_local"})
-RAY_CHAIN_A = frozenset({  # bare local Ray clusters (ray_local, ray.init(), `tlab run --ray`) and ~half the time
+RAY_CHAIN_A = frozenset({  # bare local Ray clusters (ray_local, ray.init(), `tlab run --ray`)
     "tests/benchmarks/test_ray_benchmarks_smoke.py", "tests/service/test_cli.py", "tests/teleport/test_distributed.py",
     "tests/workers/test_executors.py", "tests/workers/test_ray_train.py", "tests/workers/test_run_entrypoint.py",
-    "tests/workers/test_trial.py", "tests/workers/test_gang.py",
-    "tests/service/test_e2e.py", "tests/service/test_multinode.py", "tests/service/test_job_acl.py",
+    "tests/workers/test_trial.py", "tests/workers/test_gang.py", "tests/service/test_multinode.py",
+    "tests/service/test_job_acl.py",
 })
-RAY_CHAIN_B = frozenset({  # the session head's stacks only
-    "tests/service/test_code_packages.py", "tests/benchmarks/test_service_bench.py",
-    "tests/benchmarks/test_sweep_bench.py", "tests/service/test_artifacts.py", "tests/service/test_failure_reasons.py",
-    "tests/service/test_preemption.py", "tests/service/test_lineage.py", "tests/service/test_own_loop_service.py",
-    "tests/service/test_preflight.py", "tests/service/test_ray_cluster.py", "tests/service/test_sweeps.py",
-    "tests/service/test_time_limits.py", "tests/service/test_up_security.py", "tests/service/test_supervise.py",
-    "tests/service/test_storage_bucket.py", "tests/web/test_dashboard.py",
+RAY_CHAIN_B = frozenset({  # stacks on the session head, and `tlab up` stacks of their own
+    "tests/service/test_e2e.py", "tests/benchmarks/test_service_bench.py", "tests/benchmarks/test_sweep_bench.py",
+    "tests/service/test_failure_reasons.py", "tests/service/test_own_loop_service.py",
+    "tests/service/test_preflight.py", "tests/service/test_ray_cluster.py", "tests/service/test_time_limits.py",
+    "tests/service/test_up_security.py", "tests/service/test_storage_bucket.py", "tests/web/test_dashboard.py",
 })
-RAY_MODULES = RAY_CHAIN_A | RAY_CHAIN_B
+RAY_CHAIN_C = frozenset({  # the same kinds as B: the sweeps and the other long stack tests
+    "tests/service/test_sweeps.py", "tests/service/test_preemption.py", "tests/service/test_supervise.py",
+    "tests/service/test_code_packages.py", "tests/service/test_lineage.py", "tests/service/test_artifacts.py",
+})
+RAY_MODULES = RAY_CHAIN_A | RAY_CHAIN_B | RAY_CHAIN_C
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -44,21 +47,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         runs_ray = RAY_FIXTURES.intersection(getattr(item, "fixturenames", ())) or item.get_closest_marker("slow")
         if runs_ray and item.nodeid.split("::", 1)[0] not in RAY_MODULES:
-            raise pytest.UsageError(f"{item.nodeid} runs Ray or is slow: add its file to RAY_CHAIN_A or RAY_CHAIN_B in "
-                                    "tests/conftest.py (so pytest-xdist runs it in that chain)")
+            raise pytest.UsageError(f"{item.nodeid} runs Ray or is slow: add its file to one of the RAY_CHAIN_* "
+                                    "sets in tests/conftest.py (so pytest-xdist runs it in that chain)")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Load scheduling where each Ray chain is one scope (one worker, file order), any other test its own.
 
-    xdist orders scopes by size, so the two chains, the largest, go to two workers first."""
+    xdist orders scopes by size, so the chains, the largest, go to a worker each first."""
     from xdist.scheduler import LoadScopeScheduling
 
     class RayTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return "ray-a" if module in RAY_CHAIN_A else "ray-b" if module in RAY_CHAIN_B else nodeid
+            chains = (("ray-a", RAY_CHAIN_A), ("ray-b", RAY_CHAIN_B), ("ray-c", RAY_CHAIN_C))
+            return next((name for name, chain in chains if module in chain), nodeid)
 
     return RayTogether(config, log)
 

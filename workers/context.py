@@ -38,6 +38,21 @@ def keep_checkpoints() -> int:
     return int(raw)
 
 
+def checkpoint_every_s() -> float:
+    """``TLAB_CHECKPOINT_EVERY_S``: a job training in its driver writes an epoch's checkpoint only when this many
+    seconds have passed since its last write (default 2; 0: every epoch). The newest epoch's state, held in
+    memory meanwhile, is written whenever the run ends, is stopped (cancel, time limit, preemption) or fails;
+    only a kill (SIGKILL, a lost node) loses the epochs of the last interval, which the retry runs again."""
+    raw = os.environ.get("TLAB_CHECKPOINT_EVERY_S", "2")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"TLAB_CHECKPOINT_EVERY_S={raw!r}: give a number of seconds, 0 or more")
+    return value
+
+
 class CheckpointRefused(RuntimeError):
     """A checkpoint holds something other than tensors and plain values: it is not loaded."""
 

@@ -34,6 +34,7 @@ def test_checkpoints_are_whole_newest_first_and_only_the_last_n_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TLAB_KEEP_CHECKPOINTS", "2")
+    monkeypatch.setenv("TLAB_CHECKPOINT_EVERY_S", "0")  # every epoch's checkpoint written
     run_dir = tmp_path / "job"
     half = run_dir / f"{TMP_PREFIX}killed"  # what a kill during a save leaves behind
     half.mkdir(parents=True)
@@ -53,9 +54,12 @@ def test_checkpoints_are_whole_newest_first_and_only_the_last_n_kept(
     assert state is not None and state["epoch"] == 5 and torch.equal(state["model"]["w"], torch.full((2,), 5.0))
 
 
-def test_a_checkpoint_written_in_the_background_holds_the_state_as_it_was_saved(tmp_path: Path) -> None:
+def test_a_checkpoint_written_in_the_background_holds_the_state_as_it_was_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # the loop goes on changing the weights in place while the writer thread works: what is written is the
     # state at save time, whole, in save order; a write's error reaches the loop at the next save or flush
+    monkeypatch.setenv("TLAB_CHECKPOINT_EVERY_S", "0")
     ctx = DriverContext(MemorySink(), tmp_path / "job", keep=10)
     w = torch.zeros(1000)
     state = {"epoch": 1, "model": {"w": w}, "history": [{"epoch": 0}]}
@@ -74,6 +78,43 @@ def test_a_checkpoint_written_in_the_background_holds_the_state_as_it_was_saved(
     ctx.save(state, {"epochs": 4})
     with pytest.raises(FileNotFoundError):
         ctx.flush()
+
+
+def test_within_the_interval_the_newest_state_is_held_and_written_by_a_flush_or_before_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TLAB_CHECKPOINT_EVERY_S", "3600")
+    run_dir = tmp_path / "job"
+    ctx = DriverContext(MemorySink(), run_dir, keep=10)
+
+    def on_disk() -> list[int]:
+        return [json.loads((p / "meta.json").read_text())["epoch"] for p in checkpoints([run_dir])]
+
+    w = torch.zeros(10)
+    for epoch in range(1, 6):
+        ctx.save({"epoch": epoch, "model": {"w": w}}, {"epochs": epoch})
+        w.add_(1.0)  # the next epoch changes the weights in place: what is held is a copy
+    assert ctx._writer is not None
+    ctx._writer.flush()  # the writes submitted so far (not the held state) are on disk
+    assert on_disk() == [1]  # the first epoch is written at once, the later ones within the hour are held
+    ctx.flush()  # the run's end, a stop or a failure: the newest held state is written
+    assert on_disk() == [5, 1]
+    newest = DriverContext(MemorySink(), run_dir).restore()
+    assert newest is not None and torch.equal(newest["model"]["w"], torch.full((10,), 4.0))
+    ctx.save({"epoch": 6, "model": {"w": w}}, {"epochs": 6})  # held
+    ctx.save({"failed": "diverged at epoch 6"}, {"failed": True})  # written at once, after the held epoch 6
+    ctx.flush()
+    assert on_disk() == [None, 6, 5, 1]  # the failure's marker (no epoch), newest, after the held epoch 6
+    state = DriverContext(MemorySink(), run_dir).restore()
+    assert state is not None and state["epoch"] == 6
+
+
+@pytest.mark.parametrize("raw", ["-1", "soon", "inf", "nan"])
+def test_a_bad_checkpoint_interval_is_refused_by_name(raw: str, monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    monkeypatch.setenv("TLAB_CHECKPOINT_EVERY_S", raw)
+    with pytest.raises(ValueError, match="TLAB_CHECKPOINT_EVERY_S"):
+        DriverContext(MemorySink(), tmp_path / "job")
 
 
 def test_a_stop_while_waiting_for_a_write_leaves_it_to_the_next_flush() -> None:
