@@ -12,34 +12,32 @@ from typing import Any
 
 import pytest
 
-# Under pytest-xdist (`make test` runs -n 4) the modules that run Ray — the session's head (ray_head, stack),
-# ray.init() here (ray_local), a Ray cluster of their own, any slow integration test — run in three chains, each on
-# one worker in file order, while the fourth worker takes every other module. A chain's session starts its own
-# Ray head (free ports, its own temp dir: heads side by side are what `tlab up` is built for). Every module that
-# starts a bare local cluster (ray.init() without an address, whose defaults would clash with a second one) is in
-# chain A. Measured (2026-11-26, 2 cores, -v --durations=0): as one chain it was 1,067 s of the run's 1,088 s while
-# the other two workers finished their 163 s each and waited (the CPUs busy 54 % of the run); as two chains the run
-# took 952 s (A 856 s, B 935 s of test time, the CPUs busy 75 %); the chains are mostly waiting on Ray and
-# training, not on the CPUs. (A chain per module thrashed once: load 40+, 300 s timeouts. xdist's own --dist
-# loadgroup cannot do this under pytest 9.2: it renames node ids through an attribute pytest no longer reads.)
+# Under pytest-xdist (`make test` runs -n 3) the modules that run Ray — the session's head (ray_head, stack),
+# ray.init() here (ray_local), a Ray cluster of their own, any slow integration test — run in two chains, each on
+# one worker in file order, while the third worker takes every other module. A chain's session starts its own
+# Ray head (free ports, its own temp dir: two heads side by side are what `tlab up` is built for). Every module
+# that starts a bare local cluster (ray.init() without an address, whose defaults would clash with a second
+# one) is in chain A. Measured (2026-11-26, 2 cores, -v --durations=0): as one chain it was 1,067 s of the run's
+# 1,088 s while the other two workers finished their 163 s each and waited (CPUs busy 54 % of the run); as two
+# chains the run took 952 s (CPUs busy 75 %); three chains on 4 workers thrashed (load 26, slower than one).
+# (xdist's own --dist loadgroup cannot do this under pytest 9.2: it renames node ids through an attribute pytest
+# no longer reads.)
 RAY_FIXTURES = frozenset({"ray_head", "stack", "ray_local"})
-RAY_CHAIN_A = frozenset({  # bare local Ray clusters (ray_local, ray.init(), `tlab run --ray`)
+RAY_CHAIN_A = frozenset({  # bare local Ray clusters (ray_local, ray.init(), `tlab run --ray`) and ~half the time
     "tests/benchmarks/test_ray_benchmarks_smoke.py", "tests/service/test_cli.py", "tests/teleport/test_distributed.py",
     "tests/workers/test_executors.py", "tests/workers/test_ray_train.py", "tests/workers/test_run_entrypoint.py",
     "tests/workers/test_trial.py", "tests/workers/test_gang.py", "tests/service/test_multinode.py",
-    "tests/service/test_job_acl.py",
+    "tests/service/test_job_acl.py", "tests/service/test_e2e.py", "tests/service/test_code_packages.py",
 })
 RAY_CHAIN_B = frozenset({  # stacks on the session head, and `tlab up` stacks of their own
-    "tests/service/test_e2e.py", "tests/benchmarks/test_service_bench.py", "tests/benchmarks/test_sweep_bench.py",
+    "tests/benchmarks/test_service_bench.py", "tests/benchmarks/test_sweep_bench.py",
     "tests/service/test_failure_reasons.py", "tests/service/test_own_loop_service.py",
     "tests/service/test_preflight.py", "tests/service/test_ray_cluster.py", "tests/service/test_time_limits.py",
     "tests/service/test_up_security.py", "tests/service/test_storage_bucket.py", "tests/web/test_dashboard.py",
-})
-RAY_CHAIN_C = frozenset({  # the same kinds as B: the sweeps and the other long stack tests
     "tests/service/test_sweeps.py", "tests/service/test_preemption.py", "tests/service/test_supervise.py",
-    "tests/service/test_code_packages.py", "tests/service/test_lineage.py", "tests/service/test_artifacts.py",
+    "tests/service/test_lineage.py", "tests/service/test_artifacts.py",
 })
-RAY_MODULES = RAY_CHAIN_A | RAY_CHAIN_B | RAY_CHAIN_C
+RAY_MODULES = RAY_CHAIN_A | RAY_CHAIN_B
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -61,7 +59,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     class RayTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            chains = (("ray-a", RAY_CHAIN_A), ("ray-b", RAY_CHAIN_B), ("ray-c", RAY_CHAIN_C))
+            chains = (("ray-a", RAY_CHAIN_A), ("ray-b", RAY_CHAIN_B))
             return next((name for name, chain in chains if module in chain), nodeid)
 
     return RayTogether(config, log)

@@ -80,14 +80,14 @@ def test_a_checkpoint_written_in_the_background_holds_the_state_as_it_was_saved(
         ctx.flush()
 
 
-def test_within_the_interval_the_newest_state_is_held_and_written_by_a_flush_or_before_a_failure(
+def test_within_the_interval_the_last_states_are_held_and_written_by_a_flush_or_before_a_failure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TLAB_CHECKPOINT_EVERY_S", "3600")
     run_dir = tmp_path / "job"
-    ctx = DriverContext(MemorySink(), run_dir, keep=10)
+    ctx = DriverContext(MemorySink(), run_dir, keep=2)
 
-    def on_disk() -> list[int]:
+    def on_disk() -> list[int | None]:
         return [json.loads((p / "meta.json").read_text())["epoch"] for p in checkpoints([run_dir])]
 
     w = torch.zeros(10)
@@ -95,16 +95,16 @@ def test_within_the_interval_the_newest_state_is_held_and_written_by_a_flush_or_
         ctx.save({"epoch": epoch, "model": {"w": w}}, {"epochs": epoch})
         w.add_(1.0)  # the next epoch changes the weights in place: what is held is a copy
     assert ctx._writer is not None
-    ctx._writer.flush()  # the writes submitted so far (not the held state) are on disk
+    ctx._writer.flush()  # the writes submitted so far (not the held copies) are on disk
     assert on_disk() == [1]  # the first epoch is written at once, the later ones within the hour are held
-    ctx.flush()  # the run's end, a stop or a failure: the newest held state is written
-    assert on_disk() == [5, 1]
+    ctx.flush()  # the run's end, a stop or a failure: the last `keep` epochs are written, in epoch order
+    assert on_disk() == [5, 4]  # what an ended run kept before the interval existed: continue and fork name these
     newest = DriverContext(MemorySink(), run_dir).restore()
     assert newest is not None and torch.equal(newest["model"]["w"], torch.full((10,), 4.0))
     ctx.save({"epoch": 6, "model": {"w": w}}, {"epochs": 6})  # held
     ctx.save({"failed": "diverged at epoch 6"}, {"failed": True})  # written at once, after the held epoch 6
     ctx.flush()
-    assert on_disk() == [None, 6, 5, 1]  # the failure's marker (no epoch), newest, after the held epoch 6
+    assert on_disk() == [None, 6]  # the failure's marker (no epoch), newest, after epoch 6
     state = DriverContext(MemorySink(), run_dir).restore()
     assert state is not None and state["epoch"] == 6
 
