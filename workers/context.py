@@ -40,9 +40,10 @@ def keep_checkpoints() -> int:
 
 def checkpoint_every_s() -> float:
     """``TLAB_CHECKPOINT_EVERY_S``: a job training in its driver writes an epoch's checkpoint only when this many
-    seconds have passed since its last write (default 2; 0: every epoch). The newest epoch's state, held in
-    memory meanwhile, is written whenever the run ends, is stopped (cancel, time limit, preemption) or fails;
-    only a kill (SIGKILL, a lost node) loses the epochs of the last interval, which the retry runs again."""
+    seconds have passed since its last write (default 2; 0: every epoch). The last ``TLAB_KEEP_CHECKPOINTS``
+    epochs' states, held in memory meanwhile, are written whenever the run ends, is stopped (cancel, time limit,
+    preemption) or fails; only a kill (SIGKILL, a lost node) loses the epochs of the last interval, which the
+    retry runs again (``workers.driver.DriverContext.save``)."""
     raw = os.environ.get("TLAB_CHECKPOINT_EVERY_S", "2")
     try:
         value = float(raw)

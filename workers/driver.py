@@ -155,8 +155,10 @@ class DriverContext(RunContext):
         (``{"failed": ...}``) is written at once, after the copies held before it."""
         entry = [checkpoint_name(), detached_copy(state), False]  # name, state, submitted
         self._recent.append(entry)
-        if "failed" in state or time.monotonic() - self._last_write >= self.every_s:
+        if "failed" in state:
             self._write_held()
+        elif time.monotonic() - self._last_write >= self.every_s:
+            self._submit(entry)  # the copies held before it are written only if a flush still holds them
 
     def flush(self) -> None:
         """Write the held copies, if any, and wait until every checkpoint saved so far is on disk."""
@@ -165,13 +167,16 @@ class DriverContext(RunContext):
             self._writer.flush()
 
     def _write_held(self) -> None:
-        for entry in self._recent:  # oldest first; marked once submitted: a stop raised in ``submit`` leaves the
-            if not entry[2]:  # rest to the next flush
-                if self._writer is None:
-                    self._writer = CheckpointWriter()
-                self._last_write = time.monotonic()
-                self._writer.submit(self._write, (entry[0], entry[1]))
-                entry[2] = True
+        for entry in self._recent:  # oldest first (their names sort the same way whenever they are written)
+            if not entry[2]:
+                self._submit(entry)
+
+    def _submit(self, entry: list[Any]) -> None:
+        if self._writer is None:
+            self._writer = CheckpointWriter()
+        self._last_write = time.monotonic()
+        self._writer.submit(self._write, (entry[0], entry[1]))
+        entry[2] = True  # marked once submitted: a stop raised in ``submit`` leaves it to the next flush
 
     def _write(self, named: tuple[str, dict[str, Any]]) -> None:
         name, state = named
