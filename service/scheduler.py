@@ -65,8 +65,7 @@ def job_env(settings: Settings) -> dict[str, str]:
     the service's, replaced at each submit by a one-time ticket to the job's own Redis user, ``TLAB_JOB_TICKET``,
     unless jobs are not isolated: ``service.job_acl``, ``service.ray_cluster.with_credentials``)."""
     env = {"REDIS_URL": settings.redis_url, "TLAB_STORAGE": settings.storage_path,
-           "TLAB_MAX_FAILURES": str(settings.max_failures),
-           "RAY_JOB_STOP_WAIT_TIME_S": str(int(settings.stop_grace_s)),
+           "TLAB_MAX_FAILURES": str(settings.max_failures), "RAY_JOB_STOP_WAIT_TIME_S": str(int(settings.stop_grace_s)),
            "TLAB_KEEP_CHECKPOINTS": str(settings.keep_checkpoints),
            "TLAB_CHECKPOINT_EVERY_S": str(settings.checkpoint_every_s),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
