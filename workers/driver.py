@@ -28,6 +28,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -95,9 +96,9 @@ class CheckpointWriter:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tlab-checkpoint")
         self._pending: Future[None] | None = None
 
-    def submit(self, write: Callable[[dict[str, Any]], None], state: dict[str, Any]) -> None:
+    def submit(self, write: Callable[[Any], None], item: Any) -> None:
         self.flush()
-        self._pending = self._pool.submit(write, state)
+        self._pending = self._pool.submit(write, item)
 
     def flush(self) -> None:
         pending = self._pending
@@ -108,6 +109,15 @@ class CheckpointWriter:
         finally:  # a stop raised while waiting leaves the write pending: the next flush waits for it again
             if pending.done():
                 self._pending = None
+
+
+@dataclass
+class HeldCheckpoint:
+    """A saved epoch's state (a copy), named by its save time, and whether it went to the writer yet."""
+
+    name: str
+    state: dict[str, Any]
+    submitted: bool = False
 
 
 class DriverContext(RunContext):
@@ -126,7 +136,7 @@ class DriverContext(RunContext):
         self.every_s = checkpoint_every_s()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._writer: CheckpointWriter | None = None
-        self._recent: deque[list[Any]] = deque(maxlen=self.keep)  # [name, state copy, submitted] (``save``)
+        self._recent: deque[HeldCheckpoint] = deque(maxlen=self.keep)  # the last saves (``save``)
         self._last_write = -float("inf")
         if self.is_chief:
             self.drop_partial()  # what a kill left mid-write
@@ -153,7 +163,7 @@ class DriverContext(RunContext):
         kill loses the interval. Measured (digits MLP [512, 512], 1 CPU, 60-ms epochs): writing its 1.2-MB state
         costs ~1.5-2 ms of CPU (torch.save, the file, the rotation), the copy 0.13 ms. A failure's marker
         (``{"failed": ...}``) is written at once, after the copies held before it."""
-        entry = [checkpoint_name(), detached_copy(state), False]  # name, state, submitted
+        entry = HeldCheckpoint(checkpoint_name(), detached_copy(state))
         self._recent.append(entry)
         if "failed" in state:
             self._write_held()
@@ -168,22 +178,21 @@ class DriverContext(RunContext):
 
     def _write_held(self) -> None:
         for entry in self._recent:  # oldest first (their names sort the same way whenever they are written)
-            if not entry[2]:
+            if not entry.submitted:
                 self._submit(entry)
 
-    def _submit(self, entry: list[Any]) -> None:
+    def _submit(self, entry: HeldCheckpoint) -> None:
         if self._writer is None:
             self._writer = CheckpointWriter()
         self._last_write = time.monotonic()
-        self._writer.submit(self._write, (entry[0], entry[1]))
-        entry[2] = True  # marked once submitted: a stop raised in ``submit`` leaves it to the next flush
+        self._writer.submit(self._write, entry)
+        entry.submitted = True  # marked once submitted: a stop raised in ``submit`` leaves it to the next flush
 
-    def _write(self, named: tuple[str, dict[str, Any]]) -> None:
-        name, state = named
+    def _write(self, entry: HeldCheckpoint) -> None:
         try:  # the temporary directory is made inside: a stop may land between its mkdir and mkdtemp's return
             tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=self.run_dir))
-            write_checkpoint(state, tmp)
-            final = self.run_dir / name  # the save's time: a copy held, then written, sorts in epoch order
+            write_checkpoint(entry.state, tmp)
+            final = self.run_dir / entry.name  # the save's time: a copy held, then written, sorts in epoch order
             while final.exists():  # two saves within one microsecond
                 final = self.run_dir / checkpoint_name()
             os.rename(tmp, final)  # atomic on one filesystem: readers see all of it or none

@@ -22,11 +22,15 @@ TICKET = keys.JOB_TICKET_ENV
 _redeemed: dict[str, str] = {}  # ticket -> the URL it gave this process (a ticket is redeemed once per process)
 
 
-class TicketTaken(RuntimeError):
+class TicketError(RuntimeError):
+    """The job's ticket gave no Redis URL: the job cannot start (what its first process catches)."""
+
+
+class TicketTaken(TicketError):
     """The job's ticket was redeemed already, or no longer opens anything: the job must not start."""
 
 
-class TicketUnreadable(RuntimeError):
+class TicketUnreadable(TicketError):
     """Redis did not answer while the job redeemed its ticket: the job cannot start (a later attempt may)."""
 
 

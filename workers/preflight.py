@@ -130,11 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job", required=True, help="the job id (its spec is in Redis)")
     args = parser.parse_args(argv)
     from api_schemas.reasons import FAILURE_MARK
-    from workers.job_ticket import TicketTaken, TicketUnreadable, job_redis_url
+    from workers.job_ticket import TicketError, job_redis_url
 
     try:
         redis_url, storage = job_redis_url(), os.environ.get("TLAB_STORAGE")  # the ticket redeemed, if one
-    except (TicketTaken, TicketUnreadable) as err:
+    except TicketError as err:
         print(f"{FAILURE_MARK}{err}", file=sys.stderr)  # the scheduler reads it from Ray: no_verdict
         return 2
     if not redis_url or not storage:

@@ -37,7 +37,7 @@ from workers.bucket import pull_checkpoint, push
 from workers.failure import JobFailed, failure_reason
 from workers.job_logs import also_as, capture
 from workers.job_record import attempt_of, job_field, write_summary
-from workers.job_ticket import TicketTaken, TicketUnreadable, job_redis_url
+from workers.job_ticket import TicketError, job_redis_url
 from workers.redis_sink import RedisSink
 from workers.startup import begin, mark, timeline
 
@@ -173,7 +173,7 @@ def job_main(prog: str, description: str, run: Callable[[str, str, str], dict], 
         if not redis_url:
             _env("REDIS_URL")
         storage = _env("TLAB_STORAGE")
-    except (SetupError, TicketTaken, TicketUnreadable) as err:
+    except (SetupError, TicketError) as err:
         print(f"{FAILURE_MARK}{err}", file=sys.stderr)  # no Redis to say it in: the scheduler reads it from Ray
         return 2
     with capture(storage, args.job, "driver", attempt_of(redis_url, args.job)):
