@@ -32,7 +32,7 @@ demo: setup
 	$(BIN)/tlab demo --home runs/demo
 
 # The suite mostly waits (Ray start-ups, subprocesses): 3 xdist workers overlap the waits on 2 cores. Tests that
-# run Ray go to one worker together, in file order (tests/conftest.py). TEST_WORKERS=0 runs it in one process.
+# run Ray go to two chains, a worker each, in file order (tests/conftest.py). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 3
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_WORKERS)
 

@@ -10,6 +10,7 @@ under ``$TLAB_HOME`` (default ``~/.tlab``): ``redis/`` (the AOF), ``storage/`` (
 from __future__ import annotations
 
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -33,18 +34,36 @@ ADMIN = "admin"
 
 
 _GIVEN: set[int] = set()
+PORT_RANGE = "20000-32767"  # above Ray's worker ports (10002-19999), below Linux's ephemeral ports (32768-60999)
+
+
+def port_range() -> range:
+    """Where a stack takes its ports: ``TLAB_PORT_RANGE`` (``lo-hi``). Outside the kernel's ephemeral range, which
+    every outgoing connection and every ``bind(0)`` (Ray's own, torch's stores) draws from, a port a stack chose
+    stays free while one of its parts is down, so the part restarts on it."""
+    text = os.environ.get("TLAB_PORT_RANGE") or PORT_RANGE
+    lo, _, hi = text.partition("-")
+    if not (lo.strip().isdigit() and hi.strip().isdigit() and 1024 <= int(lo) < int(hi) <= 65535):
+        raise ValueError(f"TLAB_PORT_RANGE={text!r}: give two port numbers lo-hi, 1024 <= lo < hi <= 65535")
+    return range(int(lo), int(hi) + 1)
 
 
 def free_port() -> int:
-    """A free loopback port, never one this process handed out before: the kernel may give a just-closed
-    port again, and Ray refuses to start when two of its components are given the same one."""
-    while True:
+    """A free loopback port of ``port_range()``, at random, never one this process handed out before: Ray
+    refuses to start when two of its components are given the same one."""
+    ports = port_range()
+    for _ in range(4 * len(ports)):
+        port = random.choice(ports)
+        if port in _GIVEN:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _GIVEN:
-            _GIVEN.add(port)
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free port in TLAB_PORT_RANGE {ports.start}-{ports.stop - 1}: widen it")
 
 
 def redis_binary() -> str:
@@ -322,6 +341,11 @@ def up(home: Path, port: int | None, num_cpus: int | None) -> int:
 
     policy = supervise_policy()  # a bad TLAB_RESTART_*/TLAB_CRASH_LOOP_* setting stops here, before anything runs
     check_or_exit(Settings(TLAB_HOME=home))  # so does a malformed TLAB_STORAGE URI or an unreachable bucket
+    try:
+        port_range()
+    except ValueError as err:  # and a malformed TLAB_PORT_RANGE
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
     stack = Stack(home, port=port, redis_url=os.environ.get("REDIS_URL") or None,
                   ray_address=os.environ.get("RAY_ADDRESS") or None, num_cpus=num_cpus)
     supervisor = Supervisor(stack, policy)

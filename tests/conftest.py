@@ -13,46 +13,68 @@ from typing import Any
 import pytest
 
 # Under pytest-xdist (`make test` runs -n 3) the modules that run Ray — the session's head (ray_head, stack),
-# ray.init() here (ray_local), a Ray cluster of their own on Ray's default ports, any slow integration test — go to
-# one worker together, in file order, as they would run serially: two or three Ray clusters training side by side on
-# 2 cores thrashed (load 40+, 300 s timeouts). The other workers take the fast modules meanwhile. (xdist's own
-# --dist loadgroup cannot do this under pytest 9.2: it renames node ids through an attribute pytest no longer reads.)
+# ray.init() here (ray_local), a Ray cluster of their own, any slow integration test — run in two chains, each on
+# one worker in file order, while the third worker takes every other module. A chain's session starts its own
+# Ray head (free ports, its own temp dir: two heads side by side are what `tlab up` is built for). Every module
+# that starts a bare local cluster (ray.init() without an address, whose defaults would clash with a second
+# one) is in chain A. Measured (2026-11-26, 2 cores, -v --durations=0): as one chain it was 1,067 s of the run's
+# 1,088 s while the other two workers finished their 163 s each and waited (CPUs busy 54 % of the run); as two
+# chains the run took 952 s (CPUs busy 75 %); three chains on 4 workers thrashed (load 26, slower than one).
+# (xdist's own --dist loadgroup cannot do this under pytest 9.2: it renames node ids through an attribute pytest
+# no longer reads.)
 RAY_FIXTURES = frozenset({"ray_head", "stack", "ray_local"})
-RAY_MODULES = frozenset({
-    "tests/service/test_code_packages.py", "tests/service/test_multinode.py",
-    "tests/benchmarks/test_ray_benchmarks_smoke.py", "tests/benchmarks/test_service_bench.py",
-    "tests/benchmarks/test_sweep_bench.py", "tests/service/test_artifacts.py", "tests/service/test_cli.py",
-    "tests/service/test_e2e.py", "tests/service/test_failure_reasons.py", "tests/service/test_preemption.py",
-    "tests/service/test_lineage.py",
-    "tests/service/test_own_loop_service.py",
-    "tests/service/test_preflight.py",
-    "tests/service/test_job_acl.py",
-    "tests/service/test_ray_cluster.py",
-    "tests/service/test_sweeps.py", "tests/service/test_time_limits.py", "tests/service/test_up_security.py",
-    "tests/service/test_supervise.py", "tests/service/test_storage_bucket.py",
-    "tests/teleport/test_distributed.py", "tests/web/test_dashboard.py", "tests/workers/test_executors.py",
-    "tests/workers/test_ray_train.py", "tests/workers/test_run_entrypoint.py", "tests/workers/test_trial.py",
-    "tests/workers/test_gang.py",
+RAY_CHAIN_A = frozenset({  # bare local Ray clusters (ray_local, ray.init(), `tlab run --ray`) and ~half the time
+    "tests/benchmarks/test_ray_benchmarks_smoke.py", "tests/service/test_cli.py", "tests/teleport/test_distributed.py",
+    "tests/workers/test_executors.py", "tests/workers/test_ray_train.py", "tests/workers/test_run_entrypoint.py",
+    "tests/workers/test_trial.py", "tests/workers/test_gang.py", "tests/service/test_multinode.py",
+    "tests/service/test_job_acl.py", "tests/service/test_e2e.py", "tests/service/test_code_packages.py",
 })
+RAY_CHAIN_B = frozenset({  # stacks on the session head, and `tlab up` stacks of their own
+    "tests/benchmarks/test_service_bench.py", "tests/benchmarks/test_sweep_bench.py",
+    "tests/service/test_failure_reasons.py", "tests/service/test_own_loop_service.py",
+    "tests/service/test_preflight.py", "tests/service/test_ray_cluster.py", "tests/service/test_time_limits.py",
+    "tests/service/test_up_security.py", "tests/service/test_storage_bucket.py", "tests/web/test_dashboard.py",
+    "tests/service/test_sweeps.py", "tests/service/test_preemption.py", "tests/service/test_supervise.py",
+    "tests/service/test_lineage.py", "tests/service/test_artifacts.py",
+})
+RAY_MODULES = RAY_CHAIN_A | RAY_CHAIN_B
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Each xdist worker's stacks draw their ports from a share of TLAB_PORT_RANGE of their own: a stack restarts
+    a part on the ports it had (tests/service/test_supervise.py, the sweep restarts), and while it was down a
+    stack of the other chain must not have drawn one of them (a head that came back on a port another chain's
+    cluster held died: 'Runtime Env Agent network error: on_read bad version')."""
+    from service.stack import port_range
+
+    ports = port_range()
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    share = len(ports) // count
+    low = ports.start + share * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    os.environ["TLAB_PORT_RANGE"] = f"{low}-{low + share - 1}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A test that runs Ray (or is slow) outside RAY_MODULES would run beside the Ray chain: refuse to start."""
+    """A test that runs Ray (or is slow) outside both Ray chains would run beside them: refuse to start."""
     for item in items:
         runs_ray = RAY_FIXTURES.intersection(getattr(item, "fixturenames", ())) or item.get_closest_marker("slow")
         if runs_ray and item.nodeid.split("::", 1)[0] not in RAY_MODULES:
-            raise pytest.UsageError(f"{item.nodeid} runs Ray or is slow: add its file to RAY_MODULES in "
-                                    "tests/conftest.py (so pytest-xdist keeps it with the other Ray tests)")
+            raise pytest.UsageError(f"{item.nodeid} runs Ray or is slow: add its file to one of the RAY_CHAIN_* "
+                                    "sets in tests/conftest.py (so pytest-xdist runs it in that chain)")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Load scheduling where every RAY_MODULES test is one scope (one worker, file order), any other its own."""
+    """Load scheduling where each Ray chain is one scope (one worker, file order), any other test its own.
+
+    xdist orders scopes by size, so the chains, the largest, go to a worker each first."""
     from xdist.scheduler import LoadScopeScheduling
 
     class RayTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "ray" if nodeid.split("::", 1)[0] in RAY_MODULES else nodeid
+            module = nodeid.split("::", 1)[0]
+            chains = (("ray-a", RAY_CHAIN_A), ("ray-b", RAY_CHAIN_B))
+            return next((name for name, chain in chains if module in chain), nodeid)
 
     return RayTogether(config, log)
 
