@@ -97,35 +97,34 @@ def stack(redis_server: str, ray_head: Stack, tmp_path: Path, stack_env: dict[st
         s.stop()
 
 
-_RAY_HOLDERS = """
-import json, sys
-from ray.job_submission import JobSubmissionClient
-from ray.util.state import list_actors, list_placement_groups
-addr = sys.argv[1]
-jobs = [{"id": j.submission_id, "status": j.status.value, "tlab_job": (j.metadata or {}).get("tlab_job")}
-        for j in JobSubmissionClient(addr).list_jobs() if j.status.value in ("PENDING", "RUNNING")]
-actors = [{"class": a.class_name, "pid": a.pid, "resources": a.required_resources, "job": a.job_id,
-           "placement_group": a.placement_group_id}
-          for a in list_actors(address=addr, filters=[("state", "=", "ALIVE")], detail=True, limit=10_000,
-                               raise_on_missing_output=False)
-          if (a.required_resources or {}).get("CPU", 0) > 0]
-groups = [{"id": g.placement_group_id, "state": g.state, "creator_job": g.creator_job_id,
-           "bundles": [b.get("unit_resources") for b in g.bundles or []]}
-          for g in list_placement_groups(address=addr, detail=True, limit=10_000, raise_on_missing_output=False)
-          if g.state in ("PENDING", "CREATED", "RESCHEDULING")]
-print(json.dumps({"ray_jobs": jobs, "cpu_actors": actors, "placement_groups": groups}))
-"""
+def ray_rest(stack: Stack) -> httpx.Client:
+    """An HTTP client for the head's dashboard (Jobs and State REST APIs) that sends the cluster's token."""
+    headers = {"Authorization": f"Bearer {stack.ray_token}"} if stack.ray_token else {}
+    return httpx.Client(base_url=stack.ray_address or "", headers=headers, timeout=60)
 
 
 def ray_holders(stack: Stack) -> dict[str, list[dict]]:
     """What holds the Ray cluster's CPUs now, as Ray itself sees it: unfinished Ray jobs, alive actors that
-    take CPU, and placement groups not removed (asked from a child process holding the cluster's token)."""
-    import subprocess
-    import sys
+    take CPU, and placement groups not removed (the head's Jobs and State REST APIs, with the cluster's token:
+    what ``JobSubmissionClient`` and ``ray.util.state`` ask, without importing Ray into a process of its own)."""
+    with ray_rest(stack) as http:
 
-    out = subprocess.run([sys.executable, "-c", _RAY_HOLDERS, stack.ray_address or ""], env=stack.env(),
-                         capture_output=True, text=True, check=True, timeout=60)
-    return json.loads(out.stdout)
+        def listed(resource: str) -> list[dict]:
+            body = http.get(f"/api/v0/{resource}", params={"limit": 10_000, "detail": "true"}).raise_for_status()
+            assert body.json()["result"], body.text  # the State API's own failure
+            return body.json()["data"]["result"]["result"]
+
+        listing = http.get("/api/jobs/").raise_for_status().json()
+        jobs = [{"id": j["submission_id"], "status": j["status"], "tlab_job": (j.get("metadata") or {}).get("tlab_job")}
+                for j in listing if j["status"] in ("PENDING", "RUNNING")]
+        actors = [{"class": a["class_name"], "pid": a.get("pid"), "resources": a.get("required_resources"),
+                   "job": a.get("job_id"), "placement_group": a.get("placement_group_id")}
+                  for a in listed("actors")
+                  if a["state"] == "ALIVE" and (a.get("required_resources") or {}).get("CPU", 0) > 0]
+        groups = [{"id": g["placement_group_id"], "state": g["state"], "creator_job": g.get("creator_job_id"),
+                   "bundles": [b.get("unit_resources") for b in g.get("bundles") or []]}
+                  for g in listed("placement_groups") if g["state"] in ("PENDING", "CREATED", "RESCHEDULING")]
+    return {"ray_jobs": jobs, "cpu_actors": actors, "placement_groups": groups}
 
 
 def wait_ray_idle(stack: Stack, timeout_s: float = 120.0) -> None:

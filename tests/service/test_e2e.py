@@ -17,7 +17,7 @@ from api_schemas.jobs import JobState
 from service.client import Client, Event
 from service.stack import Stack
 from service.store import Store
-from tests.service.conftest import tiny
+from tests.service.conftest import ray_holders, ray_rest, tiny
 
 pytestmark = pytest.mark.slow
 
@@ -191,27 +191,21 @@ def test_queue_says_why_jobs_wait_quota_and_room(stack: Stack) -> None:
         assert alice.get(long)["state"] == "cancelled"
 
 
-_OUTSIDE = """
-import sys, time
-from ray.job_submission import JobSubmissionClient
-c = JobSubmissionClient(sys.argv[1])
-if sys.argv[2] == "start":
-    code = ("import ray, time; ray.init(); pg = ray.util.placement_group([{'CPU': 1.5}]); ray.get(pg.ready()); "
-            "print('held', flush=True); time.sleep(600)")
-    print(c.submit_job(entrypoint=f"{sys.executable} -c \\"{code}\\"", entrypoint_num_cpus=0))
-elif sys.argv[2] == "logs":
-    print(c.get_job_logs(sys.argv[3]))
-else:
-    c.stop_job(sys.argv[3])
-"""
+HOLD = ("import ray, time; ray.init(); pg = ray.util.placement_group([{'CPU': 1.5}]); ray.get(pg.ready()); "
+        "print('held', flush=True); time.sleep(600)")
 
 
-def outside_ray_job(stack: Stack, *args: str) -> str:
-    """Another Ray user's job on the same cluster, through the Jobs API (from a child process that holds the
-    cluster's token): ``start`` one that holds 1.5 CPUs in a placement group, read its ``logs``, ``stop`` it."""
-    out = subprocess.run([sys.executable, "-c", _OUTSIDE, stack.ray_address or "", *args], env=stack.env(),
-                         capture_output=True, text=True, check=True, timeout=60)
-    return out.stdout.strip()
+def outside_ray_job(stack: Stack, what: str, job: str = "") -> str:
+    """Another Ray user's job on the same cluster, through Ray's Jobs REST API with the cluster's token: ``start``
+    one that holds 1.5 CPUs in a placement group (its submission id), read its ``logs``, ``stop`` it."""
+    with ray_rest(stack) as http:
+        if what == "start":
+            body = {"entrypoint": f'{sys.executable} -c "{HOLD}"', "entrypoint_num_cpus": 0}
+            return http.post("/api/jobs/", json=body).raise_for_status().json()["submission_id"]
+        if what == "logs":
+            return http.get(f"/api/jobs/{job}/logs").raise_for_status().json()["logs"]
+        http.post(f"/api/jobs/{job}/stop").raise_for_status()
+        return ""
 
 
 def test_cpus_held_by_other_ray_work_are_not_handed_out(stack: Stack, capsys: pytest.CaptureFixture[str]) -> None:
@@ -228,6 +222,9 @@ def test_cpus_held_by_other_ray_work_are_not_handed_out(stack: Stack, capsys: py
         while "held" not in outside_ray_job(stack, "logs", holder):
             assert time.monotonic() < deadline, outside_ray_job(stack, "logs", holder)
             time.sleep(1.0)
+        held = ray_holders(stack)  # as Ray's own APIs see it: the job, and its placement group of 1.5 CPUs
+        assert [j["id"] for j in held["ray_jobs"]] == [holder], held
+        assert [g["bundles"] for g in held["placement_groups"]] == [[{"CPU": 1.5}]], held
         time.sleep(8.0)  # the head's autoscaler report (refreshed every ~5 s) has seen the placement group
         with Client(stack.url, stack.admin_token) as c:
             job = c.submit(tiny(training={"epochs": 1}))["id"]
