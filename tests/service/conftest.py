@@ -3,6 +3,7 @@ and scheduler processes, talked to over real HTTP."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -103,17 +104,19 @@ def ray_rest(stack: Stack) -> httpx.Client:
     return httpx.Client(base_url=stack.ray_address or "", headers=headers, timeout=60)
 
 
+def ray_state(http: httpx.Client, resource: str) -> list[dict]:
+    """Every record of one kind (``actors``, ``placement_groups``, ...) from the head's State API, in detail."""
+    body = http.get(f"/api/v0/{resource}", params={"limit": 10_000, "detail": "true"}).raise_for_status()
+    assert body.json()["result"], body.text  # the State API's own failure
+    return body.json()["data"]["result"]["result"]
+
+
 def ray_holders(stack: Stack) -> dict[str, list[dict]]:
     """What holds the Ray cluster's CPUs now, as Ray itself sees it: unfinished Ray jobs, alive actors that
     take CPU, and placement groups not removed (the head's Jobs and State REST APIs, with the cluster's token:
     what ``JobSubmissionClient`` and ``ray.util.state`` ask, without importing Ray into a process of its own)."""
     with ray_rest(stack) as http:
-
-        def listed(resource: str) -> list[dict]:
-            body = http.get(f"/api/v0/{resource}", params={"limit": 10_000, "detail": "true"}).raise_for_status()
-            assert body.json()["result"], body.text  # the State API's own failure
-            return body.json()["data"]["result"]["result"]
-
+        listed = functools.partial(ray_state, http)
         listing = http.get("/api/jobs/").raise_for_status().json()
         jobs = [{"id": j["submission_id"], "status": j["status"], "tlab_job": (j.get("metadata") or {}).get("tlab_job")}
                 for j in listing if j["status"] in ("PENDING", "RUNNING")]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,14 +37,11 @@ def stream_ids(redis_url: str, job: str) -> list[str]:
 
 
 def ray_jobs_of(stack: Stack, job: str) -> list[dict]:
-    """The Ray cluster's own record of a job's Ray jobs (asked from a child process that holds the
-    cluster's token, as the scheduler does; this test process runs with Ray auth off)."""
-    code = ("import json, sys; from ray.job_submission import JobSubmissionClient as C; "
-            "print(json.dumps([{'id': j.submission_id, 'status': j.status.value} for j in C(sys.argv[1]).list_jobs() "
-            "if (j.metadata or {}).get('tlab_job') == sys.argv[2]]))")
-    out = subprocess.run([sys.executable, "-c", code, stack.ray_address or "", job], env=stack.env(),
-                         capture_output=True, text=True, check=True, timeout=60)
-    return json.loads(out.stdout)
+    """The Ray cluster's own record of a job's Ray jobs (its Jobs REST API, with the cluster's token)."""
+    with ray_rest(stack) as http:
+        listing = http.get("/api/jobs/").raise_for_status().json()
+    return [{"id": j["submission_id"], "status": j["status"]} for j in listing
+            if (j.get("metadata") or {}).get("tlab_job") == job]
 
 
 def epochs_in(events: list[Event]) -> list[int]:

@@ -4,8 +4,6 @@ the driver holds the worker's CPUs and GPUs on the planned node; everything else
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
@@ -15,7 +13,7 @@ from service.client import Client
 from service.ray_cluster import driver_options, trains_in_driver
 from service.stack import Stack
 from service.store import Store
-from tests.service.conftest import tiny
+from tests.service.conftest import ray_rest, ray_state, tiny
 
 NODE = "ab" * 28  # a Ray node id: 56 hex digits
 
@@ -33,20 +31,11 @@ def test_an_experiment_trains_in_its_driver_which_holds_rank_0s_resources() -> N
     assert driver_options(None, [NODE]) == {"entrypoint_num_cpus": 0}  # the worker group or trials hold them
 
 
-_DRIVERS = """
-import json, sys
-from ray.util.state import list_actors
-print(json.dumps([{"class": a.class_name, "node": a.node_id, "resources": a.required_resources}
-                  for a in list_actors(address=sys.argv[1], filters=[("state", "=", "ALIVE")], detail=True,
-                                       raise_on_missing_output=False)]))
-"""
-
-
 def alive_actors(stack: Stack) -> list[dict]:
-    """Ray's own list of alive actors (from a child process holding the cluster's token)."""
-    out = subprocess.run([sys.executable, "-c", _DRIVERS, stack.ray_address or ""], env=stack.env(),
-                         capture_output=True, text=True, check=True, timeout=60)
-    return json.loads(out.stdout)
+    """Ray's own list of alive actors (its State REST API, with the cluster's token)."""
+    with ray_rest(stack) as http:
+        return [{"class": a["class_name"], "node": a.get("node_id"), "resources": a.get("required_resources")}
+                for a in ray_state(http, "actors") if a["state"] == "ALIVE"]
 
 
 @pytest.mark.slow
