@@ -218,7 +218,10 @@ def test_cpus_held_by_other_ray_work_are_not_handed_out(stack: Stack, capsys: py
         while "held" not in outside_ray_job(stack, "logs", holder):
             assert time.monotonic() < deadline, outside_ray_job(stack, "logs", holder)
             time.sleep(1.0)
-        held = ray_holders(stack)  # as Ray's own APIs see it: the job, and its placement group of 1.5 CPUs
+        deadline = time.monotonic() + 30  # as Ray's own APIs see it: the job, and its placement group of 1.5 CPUs
+        while not (held := ray_holders(stack))["placement_groups"]:  # the State API may lag the job's own view
+            assert time.monotonic() < deadline, held
+            time.sleep(0.5)
         assert [j["id"] for j in held["ray_jobs"]] == [holder], held
         assert [g["bundles"] for g in held["placement_groups"]] == [[{"CPU": 1.5}]], held
         time.sleep(8.0)  # the head's autoscaler report (refreshed every ~5 s) has seen the placement group
