@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from pathlib import Path
 
@@ -27,15 +28,29 @@ def test_the_default_range_lies_between_rays_worker_ports_and_the_ephemeral_port
     assert stack.free_port() in ports
 
 
+def free_block(size: int) -> int:
+    """The first port of ``size`` consecutive ports of this worker's range that nothing listens on now."""
+    for first in range(stack.port_range().start, stack.port_range().stop - size, size):
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(first, first + size):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return first
+    raise AssertionError("no free block of ports")
+
+
 def test_ports_come_from_the_range_each_once_and_an_exhausted_range_names_the_setting(
         monkeypatch: pytest.MonkeyPatch, fresh: set[int]) -> None:
-    monkeypatch.setenv("TLAB_PORT_RANGE", "29100-29109")
+    first = free_block(10)
+    monkeypatch.setenv("TLAB_PORT_RANGE", f"{first}-{first + 9}")
     with socket.socket() as taken:  # a port someone listens on is skipped
-        taken.bind(("127.0.0.1", 29104))
+        taken.bind(("127.0.0.1", first + 4))
         taken.listen()
         got = [stack.free_port() for _ in range(9)]
-        assert sorted(got) == [p for p in range(29100, 29110) if p != 29104]
-        with pytest.raises(RuntimeError, match="no free port in TLAB_PORT_RANGE 29100-29109: widen it"):
+        assert sorted(got) == [p for p in range(first, first + 10) if p != first + 4]
+        with pytest.raises(RuntimeError, match=f"no free port in TLAB_PORT_RANGE {first}-{first + 9}: widen it"):
             stack.free_port()
 
 
