@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -39,9 +40,12 @@ class RayNodes:
     the head runs no autoscaler monitor or its report is stale)."""
 
     STALE_S = 60.0
+    REFRESH_S = 2.0  # the node list and usage are asked again at most this often (a tick may be every 0.2 s)
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, refresh_s: float = REFRESH_S) -> None:
         self.address = address.rstrip("/")
+        self.refresh_s = refresh_s
+        self._seen: tuple[float, list[Node]] | None = None  # (when, what) the head last answered
         try:  # the cluster's token, as Ray's own clients send it
             from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
 
@@ -50,6 +54,14 @@ class RayNodes:
             self.headers = {}
 
     def nodes(self) -> list[Node]:
+        """The alive nodes, as the head answered at most ``refresh_s`` ago: one answer costs ~40 ms of CPU
+        (the State API's node list and the autoscaler's status, which itself is refreshed only every ~5 s)."""
+        now = time.monotonic()
+        if self._seen is None or now - self._seen[0] >= self.refresh_s:
+            self._seen = (now, self.ask_nodes())  # a failed answer raises and is not kept
+        return list(self._seen[1])
+
+    def ask_nodes(self) -> list[Node]:
         from ray.util.state import list_nodes
 
         used = self.usage()
@@ -66,8 +78,6 @@ class RayNodes:
 
     def usage(self) -> dict[str, tuple[float, float]]:
         """node id -> (CPUs, GPUs) in use, from ``/api/cluster_status``; empty when not known."""
-        import time
-
         import httpx
 
         try:

@@ -10,7 +10,8 @@ import pytest
 
 from api_schemas.jobs import Demand
 from service.client import Client
-from service.ray_cluster import driver_options, trains_in_driver
+from service.policy import Node
+from service.ray_cluster import RayNodes, driver_options, trains_in_driver
 from service.stack import Stack
 from service.store import Store
 from tests.service.conftest import ray_rest, ray_state, tiny
@@ -29,6 +30,30 @@ def test_an_experiment_trains_in_its_driver_which_holds_rank_0s_resources() -> N
                                            "entrypoint_label_selector": {"ray.io/node-id": NODE}}
     assert driver_options(one, ["n1"]) == {"entrypoint_num_cpus": 2, "entrypoint_num_gpus": 0.5}  # a static node
     assert driver_options(None, [NODE]) == {"entrypoint_num_cpus": 0}  # the worker group or trials hold them
+
+
+class Counted(RayNodes):
+    """RayNodes whose answer from the head is counted (what the head would say: one node per answer, numbered)."""
+
+    asked = 0
+
+    def ask_nodes(self) -> list[Node]:
+        self.asked += 1
+        return [Node(id=f"n{self.asked}", cpus=2, gpus=0)]
+
+
+def test_the_node_list_is_asked_again_only_after_refresh_s() -> None:
+    nodes = Counted("http://127.0.0.1:9", refresh_s=0.3)
+    assert nodes.nodes() == nodes.nodes() == [Node(id="n1", cpus=2, gpus=0)] and nodes.asked == 1
+    time.sleep(0.35)
+    assert [n.id for n in nodes.nodes()] == ["n2"] and nodes.asked == 2
+
+
+def test_a_head_that_does_not_answer_is_asked_again_each_time() -> None:
+    nodes = RayNodes("http://127.0.0.1:9", refresh_s=60)  # nothing listens there
+    for _ in range(2):
+        with pytest.raises(Exception, match="127.0.0.1:9"):
+            nodes.nodes()
 
 
 def alive_actors(stack: Stack) -> list[dict]:
