@@ -40,12 +40,12 @@ class RayNodes:
     the head runs no autoscaler monitor or its report is stale)."""
 
     STALE_S = 60.0
-    REFRESH_S = 2.0  # the node list and usage are asked again at most this often (a tick may be every 0.2 s)
+    REFRESH_S = 2.0  # Ray's usage report is asked again at most this often (a tick may be every 0.2 s)
 
     def __init__(self, address: str, refresh_s: float = REFRESH_S) -> None:
         self.address = address.rstrip("/")
         self.refresh_s = refresh_s
-        self._seen: tuple[float, list[Node]] | None = None  # (when, what) the head last answered
+        self._used: tuple[float, dict[str, tuple[float, float]]] | None = None  # (when, what) it last answered
         try:  # the cluster's token, as Ray's own clients send it
             from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
 
@@ -54,14 +54,8 @@ class RayNodes:
             self.headers = {}
 
     def nodes(self) -> list[Node]:
-        """The alive nodes, as the head answered at most ``refresh_s`` ago: one answer costs ~40 ms of CPU
-        (the State API's node list and the autoscaler's status, which itself is refreshed only every ~5 s)."""
-        now = time.monotonic()
-        if self._seen is None or now - self._seen[0] >= self.refresh_s:
-            self._seen = (now, self.ask_nodes())  # a failed answer raises and is not kept
-        return list(self._seen[1])
-
-    def ask_nodes(self) -> list[Node]:
+        """The alive nodes, asked each time (a node's loss must be seen before its job's failure is read as the
+        job's own), with what Ray reports in use on each as of at most ``refresh_s`` ago (``usage``)."""
         from ray.util.state import list_nodes
 
         used = self.usage()
@@ -77,6 +71,14 @@ class RayNodes:
         return out
 
     def usage(self) -> dict[str, tuple[float, float]]:
+        """``ask_usage``'s answer of at most ``refresh_s`` ago: it costs the head and this process ~27 ms of CPU
+        (the autoscaler's report it reads is itself refreshed only every ~5 s)."""
+        now = time.monotonic()
+        if self._used is None or now - self._used[0] >= self.refresh_s:
+            self._used = (now, self.ask_usage())
+        return self._used[1]
+
+    def ask_usage(self) -> dict[str, tuple[float, float]]:
         """node id -> (CPUs, GPUs) in use, from ``/api/cluster_status``; empty when not known."""
         import httpx
 

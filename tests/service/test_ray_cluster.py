@@ -10,7 +10,6 @@ import pytest
 
 from api_schemas.jobs import Demand
 from service.client import Client
-from service.policy import Node
 from service.ray_cluster import RayNodes, driver_options, trains_in_driver
 from service.stack import Stack
 from service.store import Store
@@ -33,24 +32,24 @@ def test_an_experiment_trains_in_its_driver_which_holds_rank_0s_resources() -> N
 
 
 class Counted(RayNodes):
-    """RayNodes whose answer from the head is counted (what the head would say: one node per answer, numbered)."""
+    """RayNodes whose asking the head for its usage report is counted (the answer: the count, as CPUs in use)."""
 
     asked = 0
 
-    def ask_nodes(self) -> list[Node]:
+    def ask_usage(self) -> dict[str, tuple[float, float]]:
         self.asked += 1
-        return [Node(id=f"n{self.asked}", cpus=2, gpus=0)]
+        return {"n1": (float(self.asked), 0.0)}
 
 
-def test_the_node_list_is_asked_again_only_after_refresh_s() -> None:
+def test_rays_usage_report_is_asked_again_only_after_refresh_s() -> None:
     nodes = Counted("http://127.0.0.1:9", refresh_s=0.3)
-    assert nodes.nodes() == nodes.nodes() == [Node(id="n1", cpus=2, gpus=0)] and nodes.asked == 1
+    assert nodes.usage() == nodes.usage() == {"n1": (1.0, 0.0)} and nodes.asked == 1
     time.sleep(0.35)
-    assert [n.id for n in nodes.nodes()] == ["n2"] and nodes.asked == 2
+    assert nodes.usage() == {"n1": (2.0, 0.0)} and nodes.asked == 2
 
 
-def test_a_head_that_does_not_answer_is_asked_again_each_time() -> None:
-    nodes = RayNodes("http://127.0.0.1:9", refresh_s=60)  # nothing listens there
+def test_the_node_list_is_asked_each_time() -> None:
+    nodes = RayNodes("http://127.0.0.1:9", refresh_s=60)  # nothing listens there: no answer is kept
     for _ in range(2):
         with pytest.raises(Exception, match="127.0.0.1:9"):
             nodes.nodes()
