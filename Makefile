@@ -31,8 +31,8 @@ browser:
 demo: setup
 	$(BIN)/tlab demo --home runs/demo
 
-# The suite mostly waits (Ray start-ups, subprocesses): 3 xdist workers overlap the waits on 2 cores. Tests that
-# run Ray go to two chains, a worker each, in file order (tests/conftest.py). TEST_WORKERS=0: one process.
+# 3 xdist workers: the tests that run Ray go to two chains, a worker each, in file order, the third takes the
+# rest (tests/conftest.py, which also says what the run costs). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 3
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_WORKERS)
 

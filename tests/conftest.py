@@ -15,13 +15,14 @@ import pytest
 # Under pytest-xdist (`make test` runs -n 3) the modules that run Ray — the session's head (ray_head, stack),
 # ray.init() here (ray_local), a Ray cluster of their own, any slow integration test — run in two chains, each on
 # one worker in file order, while the third worker takes every other module. A chain's session starts its own
-# Ray head (free ports, its own temp dir: two heads side by side are what `tlab up` is built for). Every module
+# Ray head (its own temp dir, ports from its worker's share of TLAB_PORT_RANGE: pytest_configure). Every module
 # that starts a bare local cluster (ray.init() without an address, whose defaults would clash with a second
-# one) is in chain A. Measured (2026-11-26, 2 cores, -v --durations=0): as one chain it was 1,067 s of the run's
-# 1,088 s while the other two workers finished their 163 s each and waited (CPUs busy 54 % of the run); as two
-# chains the run took 952 s (CPUs busy 75 %); three chains on 4 workers thrashed (load 26, slower than one).
-# (xdist's own --dist loadgroup cannot do this under pytest 9.2: it renames node ids through an attribute pytest
-# no longer reads.)
+# one) is in chain A. Measured (2026-11-26, 2 cores): as one chain it was 1,067 s of the run's 1,088 s while the
+# other two workers finished their 163 s each and waited; as two chains the run takes 900-990 s, the chains
+# ~930-960 s each and the third worker ~510-590 s. The run is now CPU-bound (vmstat: 87-100 % busy throughout):
+# a tiny job costs ~7.5 CPU-s (its driver ~2.8, Ray's JobSupervisor ~1.5, the scheduler's ticks), a stack's start
+# ~13 (Ray head 9). Three chains on 4 workers thrashed (load 26, slower than one). (xdist's own --dist loadgroup
+# cannot do this under pytest 9.2: it renames node ids through an attribute pytest no longer reads.)
 RAY_FIXTURES = frozenset({"ray_head", "stack", "ray_local"})
 RAY_CHAIN_A = frozenset({  # bare local Ray clusters (ray_local, ray.init(), `tlab run --ray`) and ~half the time
     "tests/benchmarks/test_ray_benchmarks_smoke.py", "tests/service/test_cli.py", "tests/teleport/test_distributed.py",
