@@ -111,15 +111,20 @@ def ray_state(http: httpx.Client, resource: str) -> list[dict]:
     return body.json()["data"]["result"]["result"]
 
 
+def ray_jobs(stack: Stack) -> list[dict]:
+    """Every Ray job the head knows (its Jobs REST API, with the cluster's token), as Ray's JobDetails dicts."""
+    with ray_rest(stack) as http:
+        return http.get("/api/jobs/").raise_for_status().json()
+
+
 def ray_holders(stack: Stack) -> dict[str, list[dict]]:
     """What holds the Ray cluster's CPUs now, as Ray itself sees it: unfinished Ray jobs, alive actors that
     take CPU, and placement groups not removed (the head's Jobs and State REST APIs, with the cluster's token:
     what ``JobSubmissionClient`` and ``ray.util.state`` ask, without importing Ray into a process of its own)."""
     with ray_rest(stack) as http:
         listed = functools.partial(ray_state, http)
-        listing = http.get("/api/jobs/").raise_for_status().json()
         jobs = [{"id": j["submission_id"], "status": j["status"], "tlab_job": (j.get("metadata") or {}).get("tlab_job")}
-                for j in listing if j["status"] in ("PENDING", "RUNNING")]
+                for j in ray_jobs(stack) if j["status"] in ("PENDING", "RUNNING")]
         actors = [{"class": a["class_name"], "pid": a.get("pid"), "resources": a.get("required_resources"),
                    "job": a.get("job_id"), "placement_group": a.get("placement_group_id")}
                   for a in listed("actors")

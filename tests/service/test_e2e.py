@@ -16,7 +16,7 @@ from api_schemas.jobs import JobState
 from service.client import Client, Event
 from service.stack import Stack
 from service.store import Store
-from tests.service.conftest import ray_holders, ray_rest, tiny
+from tests.service.conftest import ray_holders, ray_jobs, ray_rest, tiny
 
 pytestmark = pytest.mark.slow
 
@@ -38,9 +38,7 @@ def stream_ids(redis_url: str, job: str) -> list[str]:
 
 def ray_jobs_of(stack: Stack, job: str) -> list[dict]:
     """The Ray cluster's own record of a job's Ray jobs (its Jobs REST API, with the cluster's token)."""
-    with ray_rest(stack) as http:
-        listing = http.get("/api/jobs/").raise_for_status().json()
-    return [{"id": j["submission_id"], "status": j["status"]} for j in listing
+    return [{"id": j["submission_id"], "status": j["status"]} for j in ray_jobs(stack)
             if (j.get("metadata") or {}).get("tlab_job") == job]
 
 
