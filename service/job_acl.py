@@ -47,9 +47,9 @@ USER_PREFIX = "tlab-job-"
 TICKET_PREFIX = "tlab-ticket-"
 INPUTS = ("spec", "sweep", "start_from", "attempts")  # what workers/ reads of its job (workers.job_record)
 # what workers/ sends (redis_sink, job_record, sweep's trials, the XADD_ONCE script's own calls, which Redis checks
-# against the user too), a few reads of the same keys, PING, and SELECT for a non-zero db
+# against the user too), a few reads of the same keys, PING, SELECT for a non-zero db, and ACL WHOAMI (who it is)
 COMMANDS = ("ping", "select", "hget", "hmget", "hgetall", "hvals", "hset", "hsetnx", "del", "xadd", "xrange",
-            "xrevrange", "evalsha")
+            "xrevrange", "evalsha", "acl|whoami")
 
 
 def user_name(job_id: str) -> str:

@@ -134,6 +134,23 @@ RAY_STOP_WAIT_S = 5.0  # `ray start --block` stops its cluster in about a second
 HEAD_MARK = "TLAB_RAY_HEAD"  # in the environment of every process of a Ray head `tlab up` started: its temp dir
 
 
+# what a Ray node's environment keeps of the service's TLAB_* settings: those a job's processes read themselves
+JOB_SETTINGS = frozenset({"TLAB_GANG_TIMEOUT_S", "TLAB_MAX_LOG_MB", "TLAB_DEBUG", "TLAB_DATA", "TLAB_IN_DRIVER",
+                          "TLAB_TRIAL_RETRIES", HEAD_MARK})
+
+
+def job_safe(name: str) -> bool:
+    """Whether the variable ``name`` may be in a Ray node's environment, which every job inherits: no Redis URL or
+    password, no admin token or other secret (``*PASSWORD*``, ``*SECRET*``, ``*TOKEN*`` but Ray's own auth token),
+    and of ``TLAB_*`` only ``JOB_SETTINGS`` (``TLAB_HOME`` holds the service's secrets)."""
+    upper = name.upper()
+    if upper.startswith("REDIS") or any(word in upper for word in ("PASSWORD", "SECRET", "CREDENTIAL")):
+        return False
+    if "TOKEN" in upper:
+        return upper == "RAY_AUTH_TOKEN"
+    return not upper.startswith("TLAB_") or upper in JOB_SETTINGS
+
+
 def kill_processes_of(ray_temp: str) -> None:
     """SIGKILL this user's processes of one Ray head that its process group did not hold: workers and job drivers
     (their own process groups and sessions; their titles renamed), found by ``HEAD_MARK`` in their environment."""
@@ -200,10 +217,18 @@ class Stack:
         env.update(self.extra_env)
         return env
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    def ray_env(self) -> dict[str, str]:
+        """The environment of a Ray node this stack starts, which every job's process inherits: the service's,
+        less its secrets and settings (``job_safe``); the cluster's token stays (Ray's own processes need it)."""
+        return {k: v for k, v in self.env().items() if job_safe(k)}
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+               ray: bool = False) -> subprocess.Popen:
+        """Start a part; ``ray``: a Ray node, given ``ray_env()`` rather than the service's own environment."""
         self.logs.mkdir(parents=True, exist_ok=True)
+        base = self.ray_env() if ray else self.env()
         with (self.logs / f"{name}.log").open("ab") as out:  # the child keeps its own copy of the descriptor
-            proc = subprocess.Popen(argv, env={**self.env(), **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(argv, env={**base, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)  # Ctrl-C reaches us; we stop the children in order
         self.procs[name] = proc
         return proc
@@ -241,7 +266,7 @@ class Stack:
         env = loopback_ray_env(ports)
         if self.joinable:  # Ray then listens on the machine's address, where a joining node looks for it
             env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
-        proc = self._spawn("ray", argv, {**env, HEAD_MARK: self.ray_temp})
+        proc = self._spawn("ray", argv, {**env, HEAD_MARK: self.ray_temp}, ray=True)
         self.ray_address = f"http://127.0.0.1:{ports['--dashboard-port']}"
         headers = {"Authorization": f"Bearer {self.ray_token}"}
         wait_for(lambda: httpx.get(f"{self.ray_address}/api/version", headers=headers, timeout=2).is_success,

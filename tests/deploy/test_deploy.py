@@ -123,7 +123,10 @@ def test_compose_ray_uses_token_auth_from_the_env_file() -> None:
         env_file = svcs[name].get("env_file")
         files = [env_file] if isinstance(env_file, str) else [e if isinstance(e, str) else e["path"]
                                                                for e in env_file or []]
-        assert ".env" in files, f"{name} does not read .env"
+        # every job inherits a Ray node's environment: the Ray nodes get the token, none of .env's secrets
+        assert (".env" in files) == (name in ("api", "scheduler")), f"{name}: env_file {files}"
+        if name.startswith("ray-"):
+            assert set(service_env(svcs[name])) == {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}, name
     assert "RAY_AUTH_TOKEN" in env_example()
     head = " ".join(svcs["ray-head"]["command"])
     assert "--head" in head and "--block" in head and "--dashboard-host=0.0.0.0" in head

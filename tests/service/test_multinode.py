@@ -53,7 +53,8 @@ def add_node(stack: Stack, name: str) -> None:
             "127.0.0.1", "--disable-usage-stats"]
     argv += [str(x) for flag in NODE_PORTS for x in (flag, ports[flag])]
     env = {k: v for k, v in loopback_ray_env(ports).items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
-    stack._spawn(name, argv, {**env, "TLAB_RAY_HEAD": stack.ray_temp or ""})  # (that setting allows no 2nd node)
+    # (that setting allows no 2nd node); a Ray node's environment, without the service's secrets
+    stack._spawn(name, argv, {**env, "TLAB_RAY_HEAD": stack.ray_temp or ""}, ray=True)
 
 
 def wait_nodes(c: Client, n: int, timeout: float = 60) -> list[str]:

@@ -1,10 +1,13 @@
 """`tlab up` as a user starts it, checked as an attacker on the same network or machine would: Redis asks for a
-password, no server of the stack listens beyond loopback, and what it keeps under TLAB_HOME is the owner's only."""
+password, no server of the stack listens beyond loopback, what it keeps under TLAB_HOME is the owner's only, and a
+job's code finds no service secret in its environment (it reaches Redis only as its own ACL user)."""
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import stat
+import textwrap
 import time
 from pathlib import Path
 
@@ -13,7 +16,32 @@ import psutil
 import pytest
 import redis
 
-from tests.service.conftest import tlab_up
+from service.cli.code_zip import upload
+from service.client import Client
+from tests.service.conftest import tiny, tlab_up
+
+# a user's model factory that reports what its process inherited, and who it is in Redis with each URL it finds
+PROBE = '''
+import json, os
+import redis
+from torch import nn
+from workers.job_ticket import job_redis_url
+
+
+def whoami(url):
+    try:
+        return redis.Redis.from_url(url, decode_responses=True).execute_command("ACL", "WHOAMI")
+    except redis.RedisError as err:
+        return f"{type(err).__name__}: {err}"
+
+
+def build():
+    env = dict(os.environ)
+    print("PROBE " + json.dumps({"env": env, "own": whoami(job_redis_url()),
+                                 "inherited": whoami(env["REDIS_URL"]) if env.get("REDIS_URL") else None}), flush=True)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+'''
+SERVICE_ONLY = ("REDIS_URL", "REDIS_PASSWORD", "TLAB_ADMIN_TOKEN", "TLAB_HOME")
 
 
 def listening(procs: list[psutil.Process]) -> list[tuple[str, str, int]]:
@@ -63,4 +91,27 @@ def test_tlab_up_keeps_redis_ray_and_its_files_private(tmp_path: Path) -> None:
             assert stat.S_IMODE((home / name).stat().st_mode) == 0o600, name
         shared = [str(p) for p in [home, *home.rglob("*")] if p.stat().st_mode & 0o077]
         assert shared == [], f"readable by others under TLAB_HOME: {shared}"
+        probe = job_environment(url, token, home / "pkg")
+        assert probe["own"] == f"tlab-job-{probe['job']}" and probe["inherited"] is None, probe
+        assert not [k for k in SERVICE_ONLY if k in probe["env"]], sorted(probe["env"])
+        held = [k for k, v in probe["env"].items() if password in v or token in v]
+        assert held == [], f"the job's environment holds the service's secrets in {held}"
     assert proc.returncode == 0
+
+
+def job_environment(url: str, token: str, pkg: Path) -> dict:
+    """Run ``PROBE`` as a job of the stack at ``url``: what it printed, with its ``job`` id."""
+    (pkg / "probe").mkdir(parents=True)
+    (pkg / "probe" / "__init__.py").write_text("")
+    (pkg / "probe" / "model.py").write_text(textwrap.dedent(PROBE))
+    with Client(url, token) as c:
+        spec = {**tiny(training={"epochs": 1}), "model": {"kind": "custom", "factory": "probe.model:build"},
+                "code": {"package": upload(c, str(pkg))["package"]}}
+        job = c.submit(spec, name="probe")["id"]
+        deadline = time.monotonic() + 150
+        while (view := c.get(job))["state"] not in ("succeeded", "failed", "cancelled"):
+            assert time.monotonic() < deadline, view
+            time.sleep(0.5)
+        assert view["state"] == "succeeded", view.get("failure_reason")
+        line = next(x for x in c.logs(job).splitlines() if x.startswith("PROBE "))
+    return {**json.loads(line.removeprefix("PROBE ")), "job": job}
