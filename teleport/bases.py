@@ -24,9 +24,17 @@ amplified by |G K|/|π(G)|. A float32 thin SVD's K is orthogonal to ~1.5e-6: 1.8
 on the digits MLP preset; from a float64 SVD, ~3e-5. (Projecting twice in float32 reaches 4e-7 but
 adds ~20 % to every step of a [1024, 1024] MLP on CPU; the float64 SVD costs once per batch.)
 
-Two routes, picked by shape (both return the same subspace):
-- ``svd``:  thin SVD of R (d, N) when N < d — O(d N²);
-- ``gram``: eigh of R Rᵀ (d, d), accumulated in float64, when N ≥ d — O(d² N + d³).
+Three routes, all in float64, all returning the same subspace:
+- ``gram``: eigh of R Rᵀ (d, d) when N ≥ d — O(d² N + d³);
+- ``cols``: eigh of Rᵀ R (N, N) when N < d — O(d N² + N³): U = R V Σ⁻¹ for the kept σ, made orthonormal
+  again by CholeskyQR2 (two passes of U ← U L⁻ᵀ, L Lᵀ = UᵀU), since R V Σ⁻¹ loses orthogonality as
+  ε·σ₁²/σ_k² for small kept σ_k. The default for N < d: a GPU's eigh of a few hundred rows is fast, its
+  thin SVD of (d, N) is cuSOLVER's unblocked QR (88 % of a GPT teleport's GPU time on an H100, issue 27);
+  on 1 CPU thread it is 1.2-1.5x faster than the SVD (d = 512-2048, N = 256).
+- ``svd``: thin SVD of R (d, N), N < d — O(d N²): ask for it by name (``compute_basis(..., route="svd")``);
+  the distributed path uses it for gathered columns.
+``spectra`` decomposes a list of R at once: R of equal shape (a transformer's blocks) in one batched eigh,
+and every σ² comes to the host in one copy, so the τ rule costs one host sync per teleport, not per layer.
 """
 
 from __future__ import annotations
@@ -110,37 +118,101 @@ def gram(rep: Tensor) -> Tensor:
     return r64 @ r64.T  # (d, d)
 
 
+def svd_spectrum(rep: Tensor) -> Spectrum:
+    """Thin SVD of R (d, N), N < d, in float64: a float32 SVD's vectors are orthogonal to ~1e-6 only."""
+    u, s, _ = torch.linalg.svd(rep.double(), full_matrices=False)  # u: (d, N), s: (N,)
+    return Spectrum(s**2, u.to(working_dtype(rep.dtype)), rep.shape[1], "svd", rep.dtype)
+
+
+def spectra(reps: Sequence[Tensor]) -> list[Spectrum]:
+    """The spectrum of every R by its shape's route (``gram`` when N ≥ d, else ``cols``), batched.
+
+    R of one shape, dtype and device are stacked and decomposed by one batched eigh; every σ² then comes
+    to the host in one copy (the τ rule reads them there), so a list of R costs one host sync per
+    distinct shape (eigh checks its result) and one more, not a few per layer.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, rep in enumerate(reps):
+        groups.setdefault((tuple(rep.shape), rep.dtype, rep.device), []).append(i)
+    found: dict[int, tuple[Tensor, Tensor, str]] = {}
+    for (shape, _, _), idx in groups.items():
+        d, n = shape
+        stack = torch.stack([reps[i] for i in idx]).double()  # (b, d, N)
+        route = "gram" if n >= d else "cols"
+        lam, vecs = torch.linalg.eigh(stack @ stack.mT if route == "gram" else stack.mT @ stack)  # ascending
+        lam, vecs = lam.flip(-1).clamp_min(0), vecs.flip(-1)
+        if route == "cols":
+            vecs = stack @ vecs  # R V = U Σ: (b, d, N), normalized once the kept σ are known
+        for j, i in enumerate(idx):
+            found[i] = (lam[j], vecs[j], route)
+    if not reps:
+        return []
+    host = torch.cat([found[i][0] for i in range(len(reps))]).cpu()  # every σ², one copy
+    out, offset = [], 0
+    for i, rep in enumerate(reps):
+        lam, vecs, route = found[i]
+        sq = host[offset : offset + lam.numel()]
+        offset += lam.numel()
+        vectors = vecs if route == "cols" else vecs.to(working_dtype(rep.dtype))
+        out.append(Spectrum(sq, vectors, rep.shape[1], route, rep.dtype))
+    return out
+
+
 def spectrum(rep: Tensor) -> Spectrum:
-    """The cheaper route for R's shape: thin SVD when N < d, else the Gram matrix's eigh."""
-    d, n = rep.shape
-    if n < d:  # in float64: a float32 SVD's vectors are orthogonal to ~1e-6 only (see module docstring)
-        u, s, _ = torch.linalg.svd(rep.double(), full_matrices=False)  # u: (d, N), s: (N,)
-        return Spectrum(s**2, u.to(working_dtype(rep.dtype)), n, "svd", rep.dtype)
-    return spectrum_of_gram(gram(rep), n, rep.dtype)
+    """The spectrum of one R by the route for its shape (see ``spectra``)."""
+    return spectra([rep])[0]
+
+
+def orthonormalize(u: Tensor) -> Tensor:
+    """CholeskyQR2: u (d, k) of full column rank -> an orthonormal basis of its span, same column order.
+
+    Q = U L⁻ᵀ with L Lᵀ = UᵀU, twice: the second pass takes the first's ε·κ² loss of orthogonality to ε.
+    ``cholesky_ex``: no host sync on a GPU (``cholesky`` checks its info flag on the host).
+    """
+    for _ in range(2):
+        chol, _ = torch.linalg.cholesky_ex(u.mT @ u)  # (k, k), lower
+        u = torch.linalg.solve_triangular(chol.mT, u, upper=True, left=False)  # U L⁻ᵀ
+    return u
+
+
+def _kept_vectors(spec: Spectrum, k: int) -> Tensor:
+    """The first k left singular vectors, orthonormal, in the working dtype."""
+    if spec.route != "cols":
+        return spec.vectors[:, :k].contiguous()
+    scale = spec.sq[:k].sqrt().reciprocal().to(spec.vectors.device)  # host -> device: a copy, no sync
+    return orthonormalize(spec.vectors[:, :k] * scale).to(working_dtype(spec.source))
 
 
 def select_basis(spec: Spectrum, tau: float, rule: str = "numerical_rank") -> Basis:
     """Apply eq. 3 (and the numerical rank) to a spectrum; keep the smaller of span and complement."""
     vectors, sq = spec.vectors, spec.sq
     d = vectors.shape[0]
+    wdtype = working_dtype(spec.source)
     total = float(sq.sum())
     if total == 0.0:  # an all-zero input: nothing to keep, every direction is free
-        return Basis(d, 0, 1.0, None, torch.eye(d, dtype=vectors.dtype, device=vectors.device), spec.route)
-    tol = _rank_tol(float(sq[0]), (d, spec.cols), vectors.dtype)
-    if spec.route == "gram":  # eigenvalues of a float64 Gram carry ~max(d, N)·eps64·λ_max of round-off
+        return Basis(d, 0, 1.0, None, torch.eye(d, dtype=wdtype, device=vectors.device), spec.route)
+    tol = _rank_tol(float(sq[0]), (d, spec.cols), wdtype)
+    if spec.route != "svd":  # eigenvalues of a float64 Gram carry ~max(d, N)·eps64·λ_max of round-off
         tol = max(tol, max(d, spec.cols) * torch.finfo(torch.float64).eps * float(sq[0]))
-    k = tau_rank(sq, tau, tol) if rule == "numerical_rank" else energy_rank(sq, tau, working_dtype(spec.source))
+    k = tau_rank(sq, tau, tol) if rule == "numerical_rank" else energy_rank(sq, tau, wdtype)
     captured = float(sq[:k].sum()) / total
     free = vectors[:, k:].contiguous() if spec.route == "gram" else None
     # keep only the smaller side; projecting with it costs 2·C_o·d·min(k, d−k)
     if free is not None and free.shape[1] <= k:
         return Basis(d, k, captured, None, free, spec.route)
-    return Basis(d, k, captured, vectors[:, :k].contiguous(), None, spec.route)
+    return Basis(d, k, captured, _kept_vectors(spec, k), None, spec.route)
 
 
-def compute_basis(rep: Tensor, tau: float = 1.0, rule: str = "numerical_rank") -> Basis:
-    """SVD of R (d, N) with the τ rule, by the cheaper route for its shape."""
+def compute_basis(rep: Tensor, tau: float = 1.0, rule: str = "numerical_rank", route: str = "auto") -> Basis:
+    """The basis of R (d, N) by eq. 3: ``route`` "auto" (eigh of the smaller Gram, see ``spectra``) or "svd"."""
+    if route == "svd" and rep.shape[1] < rep.shape[0]:
+        return select_basis(svd_spectrum(rep), tau, rule)
     return select_basis(spectrum(rep), tau, rule)
+
+
+def compute_bases(reps: Sequence[Tensor], tau: float, rule: str = "numerical_rank") -> list[Basis]:
+    """``compute_basis`` of every R, batched (``spectra``): one eigh per shape, one host sync for the τ rule."""
+    return [select_basis(spec, tau, rule) for spec in spectra(reps)]
 
 
 def project(grad: Tensor, basis: Basis, inplace: bool = False) -> Tensor:

@@ -28,15 +28,19 @@ class StepBuffers:
         self.spare = [torch.empty_like(w) for w in weights]
         self.origin: list[Tensor] | None = None  # W₀ of the step being tried (not the parameters' storage)
 
-    def move(self, direction: list[Tensor], eta: float) -> None:
-        """W = W₀ + η·U, W₀ being the weights when this step's first try began."""
+    def move(self, direction: list[Tensor], eta: float | Tensor) -> None:
+        """W = W₀ + η·U, W₀ being the weights when this step's first try began; η a number or a 0-d tensor
+        on the weights' device (decided there: no host sync)."""
         with torch.no_grad():
             if self.origin is None:  # first try of a step: the spare takes W₀ + ηU, W₀ stays put
                 self.origin = [w.data for w in self.weights]
                 for w, s in zip(self.weights, self.spare, strict=True):
                     w.data = s
             for w, w0, u in zip(self.weights, self.origin, direction, strict=True):
-                torch.add(w0, u, alpha=eta, out=w)
+                if isinstance(eta, Tensor):
+                    torch.addcmul(w0, u, eta.to(u.dtype), out=w)
+                else:
+                    torch.add(w0, u, alpha=eta, out=w)
 
     def restore(self) -> None:
         """Back to W₀ (no try of this step is kept)."""

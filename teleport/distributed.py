@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from teleport.bases import BasisExecutor, Spectrum, gram, spectrum, spectrum_of_gram, working_dtype
+from teleport.bases import BasisExecutor, Spectrum, gram, spectrum_of_gram, svd_spectrum, working_dtype
 
 
 class Collective(Protocol):
@@ -114,7 +114,7 @@ class Decomposition:
     def run(self) -> Spectrum:
         if self.gram:
             return spectrum_of_gram(self.matrix, self.cols, self.dtype)
-        return spectrum(self.matrix)
+        return svd_spectrum(self.matrix)  # vectors (d, N) in R's dtype: what the other ranks expect
 
 
 def distributed_spectra(reps: Sequence[Tensor], comm: Collective, executor: BasisExecutor) -> list[Spectrum]:

@@ -22,7 +22,7 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from teleport.bases import BasisExecutor, SerialExecutor, compute_basis, select_basis
+from teleport.bases import BasisExecutor, SerialExecutor, compute_bases, compute_basis, select_basis
 from teleport.blocks import Block, RowClass, build_blocks, moving_blocks, partition
 from teleport.buffers import StepBuffers
 from teleport.capture import UseRecorder, trainable
@@ -40,8 +40,9 @@ def layer_bases(blocks: list[Block] | UseRecorder, tau: float, executor: BasisEx
     """Partition each block's rows into classes and give every class its basis, through ``executor``.
 
     ``blocks`` may be a recorder that has seen the forward (``capture_inputs``): its blocks are built.
-    One basis per distinct representation (Q/K/V reading one tensor share theirs). With a
-    collective, the bases are those of the whole batch across ranks, identical on every rank.
+    One basis per distinct representation (Q/K/V reading one tensor share theirs); in this process
+    (the serial executor, or any R on a GPU) they are decomposed batched by shape. With a collective,
+    the bases are those of the whole batch across ranks, identical on every rank.
     """
     if isinstance(blocks, UseRecorder):
         blocks = build_blocks(blocks.uses)[0]
@@ -58,6 +59,8 @@ def layer_bases(blocks: list[Block] | UseRecorder, tau: float, executor: BasisEx
             slots.append((cls, index[key]))
     if comm is not None and comm.world_size > 1:
         bases = [select_basis(spec, tau, rule) for spec in distributed_spectra(reps, comm, executor)]
+    elif isinstance(executor, SerialExecutor) or any(r.device.type != "cpu" for r in reps):
+        bases = compute_bases(reps, tau, rule)  # batched by shape; on a GPU always (one device runs them in turn)
     else:
         bases = executor.map(lambda r: compute_basis(r, tau, rule), reps)
     for cls, i in slots:
@@ -75,6 +78,7 @@ def guarded_step(
     grad_norm_sq: float | None = None,
     final_evaluate: Callable[[], Objective] | None = None,
     aimed: bool = False,
+    first: Objective | None = None,
 ) -> tuple[Objective | None, float, int, str]:
     """Take a step of size η, shortening it until the step is acceptable.
 
@@ -86,12 +90,16 @@ def guarded_step(
     "steps" (accepted), "cap" (accepted once shortened to fit under CAP — or ``aimed`` there from the
     start: CAP is reached), or on failure "not_finite", "cap", "loss_tol" or "no_ascent".
     A try whose acceptance would end the teleport ("cap") is evaluated by ``final_evaluate`` when
-    given (no graph for an H·∇L that will never be asked for).
+    given (no graph for an H·∇L that will never be asked for). ``first``: the first try, already moved
+    to and evaluated by the caller (η decided on the device, see ``aim_on_device``).
     """
     why = "cap" if aimed else "steps"
     for attempt in range(config.max_backoff + 1):
-        move(eta)
-        new = (final_evaluate or evaluate)() if why == "cap" else evaluate()
+        if attempt == 0 and first is not None:
+            new = first
+        else:
+            move(eta)
+            new = (final_evaluate or evaluate)() if why == "cap" else evaluate()
         verdict = step_verdict(new, loss0, config, grad_norm_sq)
         if verdict == "steps":
             return new, eta, attempt, "cap" if why == "cap" else "steps"
@@ -102,19 +110,21 @@ def guarded_step(
     return None, eta, config.max_backoff + 1, why
 
 
-def aim_below_cap(eta: float, grad_norm_sq: float, direction: list[Tensor], cap: float) -> tuple[float, bool]:
+def aim_on_device(eta: float, grad_norm_sq: float, direction: list[Tensor], cap: float) -> tuple[Tensor, Tensor]:
     """η, or — when the first-order prediction overshoots CAP — the η predicted to cover ``AIM`` of the way there.
 
     d‖∇L‖²/dη at η = 0 along U = π(G), G = H·∇L, is 2⟨G, π(G)⟩ = 2‖π(G)‖² (π is an orthogonal
     projector), so ‖∇L‖²(η) ≈ ‖∇L‖² + 2η‖U‖². ‖∇L‖² is convex along the step here: the prediction
     falls short by 4-25 % of the rise (digits MLP), so aiming at 80 % of the gap lands under CAP
-    and saves the evaluation of a step that overshoots it. Returns (η, whether it was shortened).
+    and saves the evaluation of a step that overshoots it. Decided on the device: (η, shortened) are
+    0-d tensors, read back with the next evaluation's L and ‖∇L‖² (``objective``'s ``fetch``), so the
+    step has one host sync.
     """
-    slope = 2.0 * float(squared_norm(direction))
+    slope = 2.0 * squared_norm(direction)  # float64, on the weights' device
     gap = cap - grad_norm_sq
-    if not (math.isfinite(slope) and slope > 0) or eta * slope <= gap:
-        return eta, False
-    return AIM * gap / slope, True
+    shorten = torch.isfinite(slope) & (slope > 0) & (eta * slope > gap)
+    aimed_eta = AIM * gap / torch.where(shorten, slope, torch.ones_like(slope))
+    return torch.where(shorten, aimed_eta, torch.full_like(slope, eta)), shorten
 
 
 def _shorten(why: str, after: float, before: float | None, cap: float) -> float:
@@ -211,8 +221,10 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
 
         exact = config.tau >= 1.0 and config.tau_rule == "numerical_rank"  # π removes all of X's span
 
-        def evaluate(recorder: UseRecorder | None = None, graph: bool = True) -> Objective:
-            return objective(model, loss_fn, x, y, params, comm, share, recorder, graph, span_free=exact)
+        def evaluate(recorder: UseRecorder | None = None, graph: bool = True,
+                     fetch: tuple[Tensor, ...] = ()) -> Objective:
+            return objective(model, loss_fn, x, y, params, comm, share, recorder, graph, span_free=exact,
+                             fetch=fetch)
 
         heldout_before = heldout_loss(model, loss_fn, holdout)
         recorder = UseRecorder(names, params)
@@ -281,12 +293,16 @@ class _Run:
             if self.cur.grad_norm_sq >= self.config.cap:
                 return "cap"
             direction = self.direction(blocks, weights)
-            try_eta, aimed = aim_below_cap(eta, self.cur.grad_norm_sq, direction, self.config.cap)
             last = self.steps + 1 == self.config.steps  # no H·∇L follows the last step: its graph is not kept
+            # the first try's η is decided on the device and read back with its L and ‖∇L‖²: one sync a step
+            eta_t, aimed_t = aim_on_device(eta, self.cur.grad_norm_sq, direction, self.config.cap)
+            buffers.move(direction, eta_t)
+            first = evaluate(graph=not last, fetch=(eta_t, aimed_t))
+            try_eta, aimed = first.fetched[0], bool(first.fetched[1])
             new, used, tries, why = guarded_step(
                 partial(buffers.move, direction), buffers.restore,
                 partial(evaluate, graph=not last), self.loss0, try_eta, self.config, self.cur.grad_norm_sq,
-                final_evaluate=partial(evaluate, graph=False), aimed=aimed)
+                final_evaluate=partial(evaluate, graph=False), aimed=aimed, first=first)
             eta = used if not aimed else eta
             self.backoffs += tries
             if new is None:

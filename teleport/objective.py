@@ -40,6 +40,7 @@ class Objective:
     aliases: dict[int, Tensor] = field(default_factory=dict)  # id(W) -> W's backward alias (``teleport.spanfree``)
     whole: set[int] = field(default_factory=set)  # the weights whose F.linear uses all went through their alias
     factors: dict[int, list[tuple[Tensor, Tensor]]] = field(default_factory=dict)  # id(W) -> its uses' (δ, ∂L/∂X)
+    fetched: list[float] = field(default_factory=list)  # the ``fetch`` scalars, read in the same host sync
 
 
 def objective(
@@ -53,6 +54,7 @@ def objective(
     recorder: UseRecorder | None = None,
     graph: bool = True,
     span_free: bool = False,
+    fetch: tuple[Tensor, ...] = (),
 ) -> Objective:
     """L(W) and ‖∇_W L‖² over every trainable parameter, keeping the graph for H·∇L (unless ``graph`` is False).
 
@@ -61,6 +63,8 @@ def objective(
     scaled_dot_product_attention is forced here. With a ``recorder``, the forward (and the loss, which
     may use parameters too) runs under it: every use of a parameter is recorded. With ``span_free``
     (exact τ = 1 only) the graph leaves out what π removes from H·∇L (``teleport.spanfree``).
+    L, ‖∇L‖² and the scalars of ``fetch`` (e.g. the η a step took, decided on the device) reach the host in
+    one copy: the only host sync of an evaluation (``HOST_READS`` counts them).
     """
     fast = SpanFreeLinear() if span_free and graph else None
     with sdpa_kernel(SDPBackend.MATH), fast or nullcontext(), recorder or nullcontext():
@@ -72,10 +76,20 @@ def objective(
         total = [t.clone() for t in total]  # reduced in place: never into the graph's own tensors
         all_reduce_list_(comm, total)  # ∇L = Σ_r w_r ∇L_r, L = Σ_r w_r L_r: one collective
     global_grads, loss_sum = total[:-1], total[-1]
-    gn2, loss_value = torch.stack([squared_norm(global_grads), loss_sum[0].double()]).tolist()  # one host sync
+    scalars = [squared_norm(global_grads), loss_sum[0].double()] + [t.reshape(()).double() for t in fetch]
+    gn2, loss_value, *fetched = host_floats(torch.stack(scalars))  # one host sync
     if fast is None:
-        return Objective(loss_value, gn2, local, global_grads)
-    return Objective(loss_value, gn2, local, global_grads, fast.aliases, fast.whole(), fast.factors)
+        return Objective(loss_value, gn2, local, global_grads, fetched=fetched)
+    return Objective(loss_value, gn2, local, global_grads, fast.aliases, fast.whole(), fast.factors, fetched)
+
+
+HOST_READS = [0]  # host reads of device values by the teleport (benchmarks/lm_payoff.py counts them per step)
+
+
+def host_floats(t: Tensor) -> list[float]:
+    """A 1-d tensor's values on the host: one device-to-host copy (a sync on a GPU), counted."""
+    HOST_READS[0] += 1
+    return t.tolist()
 
 
 def squared_norm(tensors: list[Tensor]) -> Tensor:

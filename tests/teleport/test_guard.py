@@ -195,12 +195,15 @@ def test_a_cap_overshoot_is_shortened_by_the_secant_and_ends_the_teleport() -> N
 
 
 def test_a_step_predicted_to_overshoot_cap_is_aimed_under_it_in_one_try() -> None:
-    from teleport.nullspace import AIM, aim_below_cap, guarded_step
+    from teleport.nullspace import AIM, aim_on_device, guarded_step
 
     u = [torch.full((2, 2), 0.5)]  # ‖U‖² = 1: the predicted rise of ‖∇L‖² is 2η
-    assert aim_below_cap(0.1, 1.0, u, 5.0) == (0.1, False)  # 1 + 0.2 < CAP: η as it is
-    eta, aimed = aim_below_cap(10.0, 1.0, u, 5.0)
+    kept, shortened = aim_on_device(0.1, 1.0, u, 5.0)  # 1 + 0.2 < CAP: η as it is
+    assert (float(kept), bool(shortened)) == (pytest.approx(0.1), False)
+    eta_t, aimed_t = aim_on_device(10.0, 1.0, u, 5.0)
+    eta, aimed = float(eta_t), bool(aimed_t)
     assert aimed and eta == pytest.approx(AIM * 4.0 / 2.0)
+    assert not bool(aim_on_device(10.0, 1.0, [torch.zeros(2, 2)], 5.0)[1])  # no slope: nothing to aim
     state, graphs = {"eta": 0.0}, []
 
     def move(step: float) -> None:

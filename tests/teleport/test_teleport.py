@@ -19,7 +19,7 @@ from teleport import (
     symmetry_teleport_batch,
     teleport_batch,
 )
-from teleport.bases import project_split
+from teleport.bases import compute_bases, project_split
 from teleport.nullspace import layer_bases, objective, teleport_gradient
 from workers import models
 
@@ -152,8 +152,13 @@ def test_both_routes_find_the_same_subspace_and_tau_rule() -> None:
     rep = torch.randn(30, 30) @ torch.diag(torch.logspace(0, -3, 30)) @ torch.randn(30, 60)
     for tau in [1.0, 0.999, 0.9]:
         gram = compute_basis(rep, tau)  # N ≥ d
-        svd = compute_basis(rep[:, :29].contiguous(), tau)  # N < d: thin SVD
-        assert gram.route == "gram" and svd.route == "svd"
+        cols = compute_basis(rep[:, :29].contiguous(), tau)  # N < d: eigh of RᵀR
+        svd = compute_basis(rep[:, :29].contiguous(), tau, route="svd")  # N < d: thin SVD
+        assert (gram.route, cols.route, svd.route) == ("gram", "cols", "svd")
+        assert cols.rank == svd.rank
+        assert torch.allclose(cols.kept.T @ cols.kept, torch.eye(cols.rank), atol=1e-13)  # CholeskyQR2
+        g = torch.randn(3, 30)
+        assert torch.allclose(project(g, cols), project(g, svd), atol=1e-9)
         s2 = torch.linalg.svdvals(rep) ** 2
         k = int((torch.cumsum(s2, 0) < tau * s2.sum() * (1 - 1e-12)).sum()) + 1
         assert gram.rank == min(k, 30)
@@ -161,8 +166,23 @@ def test_both_routes_find_the_same_subspace_and_tau_rule() -> None:
     # the same rank-r subspace whichever route finds it
     low = torch.randn(25, 4) @ torch.randn(4, 50)
     a, b = compute_basis(low, 1.0), compute_basis(low[:, :20].contiguous(), 1.0)
+    c = compute_basis(low[:, :20].contiguous(), 1.0, route="svd")
     g = torch.randn(3, 25)
     assert torch.allclose(project(g, a), project(g, b), atol=1e-9)
+    assert torch.allclose(project(g, c), project(g, b), atol=1e-9)
+
+
+def test_bases_of_equal_shapes_are_batched_and_match_one_by_one() -> None:
+    torch.manual_seed(5)
+    reps = [torch.randn(40, 12) @ torch.diag(torch.logspace(0, -4, 12)) @ torch.randn(12, 12) for _ in range(3)]
+    reps += [torch.randn(9, 30), torch.randn(40, 12)[:, :7].contiguous()]  # a Gram-route shape, a third shape
+    for tau in [1.0, 0.99]:
+        batched = compute_bases(reps, tau)
+        for rep, b in zip(reps, batched, strict=True):
+            alone = compute_basis(rep, tau, route="svd")
+            assert (b.rank, b.dim) == (alone.rank, alone.dim)
+            g = torch.randn(4, rep.shape[0])
+            assert torch.allclose(project(g, b), project(g, alone), atol=1e-8)
 
 
 def test_tau_below_one_keeps_fewer_directions_with_bounded_drift() -> None:
