@@ -71,6 +71,7 @@ class Demand(_Strict):
     workers: int
     cpus_per_worker: float
     gpus_per_worker: float
+    gpu_type: str | None = Field(None, description="the GPU model each worker needs (resources.gpu_type); none: any")
 
     @property
     def cpus(self) -> float:
@@ -157,6 +158,15 @@ class QueueView(_Strict):
     items: list[QueueEntry]
 
 
+class NodeShare(_Strict):
+    """What one running job holds on one node: its workers there and their CPUs and GPUs (a share of a card: < 1)."""
+
+    job: str
+    workers: int
+    cpus: float
+    gpus: float
+
+
 class NodeView(_Strict):
     id: str
     alive: bool
@@ -164,6 +174,8 @@ class NodeView(_Strict):
     cpus_free: float
     gpus_total: float
     gpus_free: float
+    gpu_type: str | None = Field(None, description="the node's GPU model as Ray names it (resources.gpu_type)")
+    jobs: list[NodeShare] = Field(default_factory=list, description="the running jobs' shares of this node")
 
 
 class ClusterView(_Strict):

@@ -225,6 +225,11 @@ class TeleportSpec(_Strict):
     )
     loss_tol: float = Field(1e-3, ge=0, description="largest relative batch-loss change, rise or fall, of a step")
     max_backoff: int = Field(6, ge=0, description="halvings of eta before a step is given up")
+    budget: float | None = Field(
+        0.1, gt=0, le=1,
+        description="largest share of the run's wall-clock time spent teleporting: a teleport that would pass it "
+                    "is shortened (fewer batches or steps) or skipped, and the run's events say so; null: no budget",
+    )
     reset_optimizer: bool = Field(False, description="clear optimizer state (momentum, Adam moments) after teleport")
     parallel: Literal["auto", "serial", "threads", "ray"] = "auto"
 
@@ -241,8 +246,17 @@ class TeleportSpec(_Strict):
 
 class ResourcesSpec(_Strict):
     workers: int = Field(1, ge=1)
-    gpus_per_worker: float = Field(0, ge=0)
+    gpus_per_worker: float = Field(
+        0, ge=0, description="a share of one GPU (< 1: several processes on one card, their process group on gloo) "
+                             "or whole GPUs (1, 2, ...: NCCL); 0: the job sees no GPU (CUDA_VISIBLE_DEVICES empty)")
     cpus_per_worker: float = Field(1, gt=0)
+    gpu_memory_gb: float | None = Field(
+        None, gt=0, description="GiB of its card's memory each process may allocate (its allocations beyond fail "
+                                "naming this limit); none: the gpus_per_worker share of the card when it is < 1")
+    gpu_type: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
+        description="the GPU model each worker needs, as Ray names it (H100, A100, L4, ...: a node's "
+                    "accelerator_type:<name> resource); none: any")
     time_limit_s: float | None = Field(
         None, gt=0, description="running time after which the job is stopped (its last checkpoint kept) and ends "
                                 "failed; none: the cluster default TLAB_DEFAULT_TIME_LIMIT_S. At most the user's "
@@ -251,6 +265,18 @@ class ResourcesSpec(_Strict):
         True, description="a queued job of strictly higher priority may stop this one (it checkpoints, goes back to "
                           "the queue keeping its age, and resumes from its checkpoint); false opts out, for at most "
                           "the user's max_unpreemptible quota of queued or running jobs. A sweep is preempted whole")
+
+    @model_validator(mode="after")
+    def _gpus(self) -> ResourcesSpec:
+        g = self.gpus_per_worker
+        if g > 1 and g != int(g):
+            raise ValueError(f"resources.gpus_per_worker={g:g}: above 1 it is a whole number of GPUs (Ray shares "
+                             "only a single card): use 1, 2, ... or a share below 1")
+        for name in ("gpu_memory_gb", "gpu_type"):
+            if getattr(self, name) is not None and g <= 0:
+                raise ValueError(f"resources.{name} is for a job with GPUs: set resources.gpus_per_worker > 0, "
+                                 f"or drop {name}")
+        return self
 
 
 # ---------------------------------------------------------------------------- spec

@@ -76,8 +76,17 @@ def check_code_axes(settings: Settings, user: UserPublic, body: SweepSubmit) -> 
 def admit_spec(settings: Settings, spec: ExperimentSpec, prefix: str) -> ExperimentSpec:
     """Sizes, CPU per worker, model-data fit, then the dataset's files; returns the spec with resolved paths."""
     check_sizes(settings, spec, prefix)
+    check_device(spec, prefix)
     check_compat(spec, prefix)
     return spec.model_copy(update={"dataset": admit_dataset(settings, spec.dataset, f"{prefix}.dataset")})
+
+
+def check_device(spec: ExperimentSpec, prefix: str) -> None:
+    """A job trains on CUDA only with a GPU share: without one it sees no GPU (``CUDA_VISIBLE_DEVICES`` empty)."""
+    if spec.training.device == "cuda" and spec.resources.gpus_per_worker <= 0:
+        raise InvalidInput(f"{prefix}.training.device=cuda but {prefix}.resources.gpus_per_worker=0: a job sees no "
+                           "GPU it did not ask for: set gpus_per_worker (e.g. 0.5 or 1), or training.device=auto",
+                           field=f"{prefix}.training.device")
 
 
 # ---------------------------------------------------------------------------------------- who may ask

@@ -35,6 +35,7 @@ class Node:
     # or a finished job's actors still being released, can hold more than Teleport Lab's own ledger says
     cpus_used: float | None = None
     gpus_used: float | None = None
+    gpu_type: str | None = None  # the node's GPU model (Ray's accelerator_type:<name> resource); None: not known
 
 
 @dataclass(frozen=True)
@@ -108,10 +109,22 @@ def place(demand: Demand, free: dict[str, list[float]]) -> list[str] | None:
     return out
 
 
+def of_type(free: dict[str, list[float]], nodes: list[Node], demand: Demand) -> dict[str, list[float]]:
+    """``free`` on the nodes with the GPU model the gang asks for (``resources.gpu_type``; any node without one)."""
+    if not demand.gpu_type:
+        return free
+    typed = {n.id for n in nodes if n.gpu_type == demand.gpu_type}
+    return {k: v for k, v in free.items() if k in typed}
+
+
 def never_fits(demand: Demand, nodes: list[Node]) -> str | None:
     """Why the gang cannot fit even an empty cluster (None if it can)."""
-    if place(demand, {n.id: [n.cpus, n.gpus] for n in nodes}) is not None:
+    if place(demand, of_type({n.id: [n.cpus, n.gpus] for n in nodes}, nodes, demand)) is not None:
         return None
+    if demand.gpu_type and not any(n.gpu_type == demand.gpu_type for n in nodes):
+        models = sorted({n.gpu_type for n in nodes if n.gpu_type}) or ["none known"]
+        return (f"resources.gpu_type={demand.gpu_type} but no node has that GPU model (the cluster has: "
+                f"{', '.join(models)}): name one of those, or drop gpu_type")
     most_cpu = max((n.cpus for n in nodes), default=0)
     most_gpu = max((n.gpus for n in nodes), default=0)
     total_gpu = sum(n.gpus for n in nodes)
@@ -193,7 +206,7 @@ def decide(queued: list[QueuedJob], active: list[ActiveJob], nodes: list[Node], 
         if why is None and reserved is not None and ((short_cpu and job.demand.cpus > 0)
                                                      or (short_gpu and job.demand.gpus > 0)):
             why = f"behind {reserved.id}, which is next and waiting for room"
-        placement = place(job.demand, free) if why is None else None
+        placement = place(job.demand, of_type(free, nodes, job.demand)) if why is None else None
         if why is None and placement is None and (never := never_fits(job.demand, nodes)):
             why = f"cannot fit the cluster as it is now (nodes missing?): {never}"  # waits without reserving
         elif why is None and placement is None:

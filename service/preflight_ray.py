@@ -18,6 +18,7 @@ from service.job_acl import ticket_user
 from service.ray_cluster import _RAY_NODE_ID, NODE_ID_LABEL, RayJobs, with_credentials
 
 PREFLIGHT_CPUS = 1.0
+NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # it runs on the CPU, and its code sees no GPU of the node
 MODULE = "workers.preflight"
 USER_PREFIX = "tlab-preflight-"
 
@@ -49,7 +50,8 @@ class PreflightJobs(RayJobs):
         try:
             self.client.submit_job(entrypoint=f"{python} -m {MODULE} --job {job_id}",
                                    submission_id=preflight_sid(job_id),
-                                   runtime_env={"env_vars": with_credentials(self.env, env), **code_env},
+                                   runtime_env={"env_vars": {**with_credentials(self.env, env), **NO_GPU},
+                                                **code_env},
                                    metadata={"tlab_job": job_id, "tlab_preflight": "true"}, **options)
         except RuntimeError as err:  # the Jobs API answers an existing id with HTTP 400 "already exists"
             if "already exists" not in str(err):

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 from api_schemas.jobs import Demand
 from service.policy import Node
 
+ACCELERATOR_PREFIX = "accelerator_type:"  # a Ray node's GPU model is a resource of this name (1 per node)
+
 
 class ClusterSource(Protocol):
     def nodes(self) -> list[Node]: ...
@@ -27,8 +29,8 @@ class StaticCluster:
 
     def __init__(self, spec: str | list[dict]) -> None:
         items = json.loads(spec) if isinstance(spec, str) else spec
-        self._nodes = [Node(id=str(n["id"]), cpus=float(n.get("cpus", 0)), gpus=float(n.get("gpus", 0)))
-                       for n in items]
+        self._nodes = [Node(id=str(n["id"]), cpus=float(n.get("cpus", 0)), gpus=float(n.get("gpus", 0)),
+                            gpu_type=n.get("gpu_type")) for n in items]
 
     def nodes(self) -> list[Node]:
         return list(self._nodes)
@@ -67,7 +69,7 @@ class RayNodes:
             cpus, gpus = float(res.get("CPU", 0)), float(res.get("GPU", 0))
             u = used.get(n.node_id)
             out.append(Node(id=n.node_id, cpus=cpus, gpus=gpus, cpus_used=None if u is None else u[0],
-                            gpus_used=None if u is None else u[1]))
+                            gpus_used=None if u is None else u[1], gpu_type=gpu_type_of(res)))
         return out
 
     def usage(self) -> dict[str, tuple[float, float]]:
@@ -94,6 +96,11 @@ class RayNodes:
             return {}  # no monitor on the head, another Ray's format, or the head is busy: the ledger alone
 
 
+def gpu_type_of(resources: dict[str, float]) -> str | None:
+    """A node's GPU model from its resources (Ray gives a GPU node ``accelerator_type:<model>``)."""
+    return next((k.split(":", 1)[1] for k in sorted(resources) if k.startswith(ACCELERATOR_PREFIX)), None)
+
+
 IN_DRIVER = "TLAB_IN_DRIVER"  # "0": a 1-worker experiment runs as a TorchTrainer too (workers.run.in_driver)
 PLACEMENT = "TLAB_PLACEMENT"  # the scheduler's node per worker, for a driver that leads a gang
 NODE_ID_LABEL = "ray.io/node-id"  # every Ray node's own label: its node id
@@ -116,9 +123,23 @@ def driver_options(demand: Demand | None, placement: Sequence[str] = ()) -> dict
     options: dict[str, Any] = {"entrypoint_num_cpus": demand.cpus_per_worker}
     if demand.gpus_per_worker > 0:
         options["entrypoint_num_gpus"] = demand.gpus_per_worker
+    if demand.gpu_type:  # what Ray's own accelerator_type= option asks: a sliver of the node's type resource
+        options["entrypoint_resources"] = {accelerator_resource(demand.gpu_type): 0.001}
     if placement and _RAY_NODE_ID.fullmatch(placement[0]):
         options["entrypoint_label_selector"] = {NODE_ID_LABEL: placement[0]}
     return options
+
+
+def accelerator_resource(gpu_type: str) -> str:
+    """The resource Ray gives each node with GPUs of that model (``accelerator_type:H100``)."""
+    return f"{ACCELERATOR_PREFIX}{gpu_type}"
+
+
+def gpu_env(demand: Demand | None) -> dict[str, str]:
+    """A job that asked for no GPU sees none: ``CUDA_VISIBLE_DEVICES`` empty for its driver and every process it
+    starts (Ray 2.60 leaves the variable alone for a process given 0 GPUs, so it would see every card of its
+    node). A process given a share is told its GPU by Ray, which sets the variable over this one."""
+    return {"CUDA_VISIBLE_DEVICES": ""} if demand is not None and demand.gpus_per_worker <= 0 else {}
 
 
 def with_credentials(env: dict[str, str], credentials: dict[str, str]) -> dict[str, str]:
@@ -163,7 +184,7 @@ class RayJobs:
         """Start ``python -m MODULE --job ID`` as a Ray job; a second call with the id is a no-op. ``demand`` and
         ``placement`` (the scheduler's node per worker) decide what the driver holds: ``driver_options``."""
         in_driver = trains_in_driver(module, demand, self.env)
-        env = dict(self.env)
+        env = {**self.env, **gpu_env(demand)}
         if module == "workers.run":  # the driver takes the path the resources were asked for
             env[IN_DRIVER] = "1" if in_driver else "0"
             env[PLACEMENT] = json.dumps(list(placement))  # where its gang's other ranks go (workers.gang)

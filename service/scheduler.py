@@ -30,9 +30,10 @@ import redis
 from redis.exceptions import LockError
 
 from api_schemas import keys
-from api_schemas.jobs import ClusterView, Demand, JobState, NodeView
+from api_schemas.jobs import Demand, JobState
 from api_schemas.reasons import FAILURE_MARK, one_line
 from service import dependencies, policy, preempting
+from service.cluster_view import cluster_view
 from service.errors import Unstartable
 from service.job_acl import JobAcl
 from service.limits import TIME_LIMITED, over_limit, time_limit_reason
@@ -299,15 +300,7 @@ class Scheduler:
 
     def publish(self, decision: policy.Decision, nodes: list[Node], active: list[ActiveJob], now: float) -> None:
         """Queue positions and reasons, and the cluster view, for the API to show."""
-        free = policy.free_resources(nodes, active)
-        outside = policy.held_outside(nodes, active)
-        view = ClusterView(
-            nodes=[NodeView(id=n.id, alive=True, cpus_total=n.cpus, cpus_free=free[n.id][0], gpus_total=n.gpus,
-                            gpus_free=free[n.id][1]) for n in nodes],
-            cpus_total=sum(n.cpus for n in nodes), gpus_total=sum(n.gpus for n in nodes),
-            cpus_free=sum(f[0] for f in free.values()), gpus_free=sum(f[1] for f in free.values()),
-            running_jobs=[a.id for a in active], scheduler_alive=True, cpus_outside=outside[0],
-            gpus_outside=outside[1])
+        view = cluster_view(nodes, active)  # per node: totals, free, each running job's share
         pipe = self.store.r.pipeline(transaction=True)
         pipe.delete(keys.queue_view())
         if decision.order:

@@ -9,6 +9,7 @@ under ``$TLAB_HOME`` (default ``~/.tlab``): ``redis/`` (the AOF), ``storage/`` (
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import secrets
@@ -185,12 +186,15 @@ class Stack:
 
     def __init__(self, home: Path, port: int | None = None, redis_url: str | None = None,
                  ray_address: str | None = None, num_cpus: int | None = None, tick_s: float | None = None,
-                 extra_env: dict[str, str] | None = None, ray_token: str = "", joinable: bool = False) -> None:
+                 extra_env: dict[str, str] | None = None, ray_token: str = "", joinable: bool = False,
+                 num_gpus: int | None = None, resources: dict[str, float] | None = None) -> None:
         self.home = home
         self.joinable = joinable  # a head other Ray nodes may join (`ray start --address`): not loopback-only
         self.port = port or free_port()
         self.redis_url, self.ray_address = redis_url, ray_address
         self.num_cpus, self.tick_s = num_cpus, tick_s
+        self.num_gpus = num_gpus  # GPUs the head offers (None: those Ray finds); more than it has: advertised only
+        self.resources = resources or {}  # more resources the head offers (`ray start --resources`)
         self.extra_env = extra_env or {}
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs = home / "logs"
@@ -263,6 +267,10 @@ class Stack:
         argv += [str(x) for flag, port in ports.items() if flag.startswith("--") for x in (flag, port)]
         if self.num_cpus is not None:
             argv += ["--num-cpus", str(self.num_cpus)]
+        if self.num_gpus is not None:
+            argv += ["--num-gpus", str(self.num_gpus)]
+        if self.resources:  # e.g. {"accelerator_type:H100": 1}: the GPU model a head that only advertises GPUs has
+            argv += ["--resources", json.dumps(self.resources)]
         env = loopback_ray_env(ports)
         if self.joinable:  # Ray then listens on the machine's address, where a joining node looks for it
             env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
@@ -358,7 +366,7 @@ class Stack:
         self.stop()
 
 
-def up(home: Path, port: int | None, num_cpus: int | None) -> int:
+def up(home: Path, port: int | None, num_cpus: int | None, num_gpus: int | None = None) -> int:
     """Start the stack and keep it up (``service.supervise``) until Ctrl-C or SIGTERM; 1 after a crash loop."""
     from service.settings import Settings
     from service.storage import check_or_exit
@@ -372,7 +380,7 @@ def up(home: Path, port: int | None, num_cpus: int | None) -> int:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     stack = Stack(home, port=port, redis_url=os.environ.get("REDIS_URL") or None,
-                  ray_address=os.environ.get("RAY_ADDRESS") or None, num_cpus=num_cpus)
+                  ray_address=os.environ.get("RAY_ADDRESS") or None, num_cpus=num_cpus, num_gpus=num_gpus)
     supervisor = Supervisor(stack, policy)
     os.umask(0o077)  # what the stack writes under TLAB_HOME (Redis's AOF, checkpoints, logs) is the owner's only
     stopping = stack.stopping = stop_on_signals()

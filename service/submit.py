@@ -22,7 +22,7 @@ def known_nodes(cluster_nodes: str, view: ClusterView | None) -> list[policy.Nod
         return StaticCluster(cluster_nodes).nodes()
     if view is None:
         return None
-    return [policy.Node(n.id, n.cpus_total, n.gpus_total) for n in view.nodes]
+    return [policy.Node(n.id, n.cpus_total, n.gpus_total, gpu_type=n.gpu_type) for n in view.nodes]
 
 
 def never_fits(demand: Demand, nodes: list[policy.Node] | None) -> str | None:
@@ -35,7 +35,7 @@ def dry_run_view(demand: Demand, view: ClusterView | None, nodes: list[policy.No
     why = never_fits(demand, nodes)
     free = ({n.id: [n.cpus_free, n.gpus_free] for n in view.nodes} if view else
             {n.id: [n.cpus, n.gpus] for n in nodes or []})
-    placement = policy.place(demand, free) if nodes else None
+    placement = policy.place(demand, policy.of_type(free, nodes, demand)) if nodes else None
     reason = why or (None if placement else "no room now: it would wait in the queue" if nodes
                      else "the cluster is not known yet: no scheduler has reported")
     return DryRun(demand=demand, fits_ever=why is None, fits_now=placement is not None, placement=placement or [],

@@ -140,10 +140,12 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One real Ray head (2 CPUs, token auth, Jobs API) for the whole session, started like `tlab up` does
-    (here, not in tests/service, so the service and the browser tests share one head)."""
+    (here, not in tests/service, so the service and the browser tests share one head). It advertises 2 GPUs of
+    model H100 (`tlab up --num-gpus 2`; none is there): placement, CUDA_VISIBLE_DEVICES, the process group's
+    backend and the GPU refusals run on real Ray, the jobs that ask for a share training on the CPU."""
     from service.stack import Stack
 
-    head = Stack(tmp_path_factory.mktemp("rayhead"), num_cpus=2,
+    head = Stack(tmp_path_factory.mktemp("rayhead"), num_cpus=2, num_gpus=2, resources={"accelerator_type:H100": 1},
                  extra_env={"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"})
     head.home.mkdir(parents=True, exist_ok=True)
     head.start_ray()

@@ -50,6 +50,7 @@ from workers.context import (
     write_checkpoint,
 )
 from workers.failure import JobFailed, failure_reason
+from workers.gpu_share import claim_device, device_report, oom_named
 from workers.job_record import job_field
 from workers.redis_sink import RedisSink
 from workers.sinks import MetricSink
@@ -62,18 +63,6 @@ NOT_RETRIED: tuple[type[BaseException], ...] = (
     ValueError, TypeError, LookupError, AttributeError, NameError, ImportError, SyntaxError, NotImplementedError,
     CheckpointRefused, JobFailed,
 )
-
-
-def driver_device(spec: ExperimentSpec) -> torch.device:
-    """CUDA when the spec asks for a GPU (Ray sets ``CUDA_VISIBLE_DEVICES`` for an entrypoint given GPUs),
-    else the CPU: what ``ray.train.torch.get_device`` gives a worker."""
-    if spec.resources.gpus_per_worker <= 0:
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError(f"resources.gpus_per_worker={spec.resources.gpus_per_worker:g} but no CUDA device is "
-                         "visible to the driver: submit through the scheduler (it asks Ray for the GPU) or set "
-                         "gpus_per_worker=0")
-    return torch.device("cuda", 0)
 
 
 def checkpoint_name() -> str:
@@ -244,7 +233,8 @@ def attempt(spec: ExperimentSpec, ctx: DriverContext) -> dict[str, Any]:
     from workers.local import TrainingDiverged, train
 
     try:
-        summary = train(spec, ctx)
+        with oom_named(spec.resources):
+            summary = train(spec, ctx)
     except TrainingDiverged as err:
         # it would diverge again from its last checkpoint: end the run as failed instead of a retry
         failed = {"failed": True, "reason": str(err)}
@@ -252,7 +242,7 @@ def attempt(spec: ExperimentSpec, ctx: DriverContext) -> dict[str, Any]:
         ctx.flush()
         return failed
     summary.pop("params")
-    return summary
+    return {**summary, **device_report(ctx.device)}  # the device, the GPUs it saw, its peak GPU memory
 
 
 def close_quietly(sink: RedisSink, record: dict[str, Any] | None = None) -> None:
@@ -275,7 +265,7 @@ def run_in_driver(spec: ExperimentSpec, job_id: str, redis_url: str, storage: st
     checkpoint to start from while the run has none of its own (``start_checkpoint``). With several workers
     this process is rank 0 of a gang it leads (``workers.gang``; ``placement``: the scheduler's node per rank;
     ``ranks``: the first try's other ranks, if started already: ``workers.gang_start.Ranks``)."""
-    device = driver_device(spec)
+    device = claim_device(spec)  # (its share of the card fenced before any model is built)
     failures = 0
     while True:
         sink = RedisSink(redis_url, job_id)

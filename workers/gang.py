@@ -26,8 +26,9 @@ from torch import nn
 
 from api_schemas import ExperimentSpec
 from teleport.distributed import Collective, TorchDistributed
-from workers.driver import DriverContext, attempt, driver_device
+from workers.driver import DriverContext, attempt
 from workers.gang_start import Ranks
+from workers.gpu_share import claim_device, process_group_backend
 from workers.sinks import MetricSink, NullSink
 from workers.startup import mark
 
@@ -71,16 +72,17 @@ def said(message: str) -> None:
     print(f"[tlab] {message}", file=sys.stderr, flush=True)  # the job's log
 
 
-def backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-def join(host: str, port: int, rank: int, world: int, device: torch.device, store: Any = None) -> None:
-    """Join the gang's process group (rank 0 passes the store it opened; the others connect to it and say so)."""
+def join(host: str, port: int, rank: int, spec: ExperimentSpec, device: torch.device, store: Any = None) -> str:
+    """Join the gang's process group (rank 0 passes the store it opened; the others connect to it and say so) on
+    the backend its placement allows (``process_group_backend``: gloo where ranks may share a card); says which."""
+    world, backend = spec.resources.workers, process_group_backend(spec.resources, device)
     if store is None:
         store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout())
         store.set(f"joined/{rank}", "1")
-    dist.init_process_group(backend(device), store=store, rank=rank, world_size=world, timeout=timeout())
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout())
+    said(f"rank {rank} of {world} joined on {backend} ({device}; resources.gpus_per_worker="
+         f"{spec.resources.gpus_per_worker:g}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    return backend
 
 
 def await_ranks(store: Any, ranks: Ranks) -> None:
@@ -108,10 +110,10 @@ def run_rank(spec_json: str, job_id: str, redis_url: str, storage: str, rank: in
 
     with capture(storage, job_id, f"rank-{rank}", attempt_of(redis_url, job_id)):
         spec = ExperimentSpec.model_validate_json(spec_json)
-        device = driver_device(spec)
+        device = claim_device(spec)  # (its share of the card fenced before the model is built)
         with redis.Redis.from_url(redis_url, decode_responses=True) as client:
             start_from = start_checkpoint(client, job_id, storage)
-        join(host, port, rank, world, device)
+        join(host, port, rank, spec, device)
         try:
             ctx = GangContext(NullSink(), Path(storage) / job_id, rank=rank, world_size=world, device=device,
                               artifacts_dir=artifacts, start_from=start_from)
@@ -132,9 +134,10 @@ def lead(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str | Path,
         store = dist.TCPStore(ranks.host, ranks.port, world, is_master=True, timeout=timeout(),
                               wait_for_workers=False, master_listen_fd=ranks.sock.detach())  # the store owns it
         await_ranks(store, ranks)
-        join(ranks.host, ranks.port, 0, world, device, store)
+        backend = join(ranks.host, ranks.port, 0, spec, device, store)
         mark("group")
-        said(f"gang of {world}: every rank joined ({time.perf_counter() - t0:.1f} s after rank 0 was ready)")
+        said(f"gang of {world} on {backend}: every rank joined ({time.perf_counter() - t0:.1f} s after rank 0 was "
+             "ready)")
         summary = attempt(spec, GangContext(sink, Path(storage) / job_id, rank=0, world_size=world, device=device,
                                             artifacts_dir=artifacts, start_from=start_from))
         ranks.wait()  # a rank's own error surfaces here

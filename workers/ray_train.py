@@ -7,8 +7,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
+from ray.train.torch import TorchConfig, TorchTrainer
 
 from api_schemas import ExperimentSpec
 from workers.context import keep_checkpoints
@@ -16,12 +17,23 @@ from workers.sinks import JsonlSink, MetricSink, NullSink
 
 
 def scaling_config(spec: ExperimentSpec) -> ScalingConfig:
-    """The gang: ``resources.workers`` ranks, each with its CPUs and (fractional) GPUs."""
+    """The gang: ``resources.workers`` ranks, each with its CPUs and (fractional) GPUs, training on them (Ray Train
+    refuses a GPU held and not used: ``training.device=cpu`` with a share is for the driver-led path only)."""
     r = spec.resources
     per_worker: dict[str, float] = {"CPU": r.cpus_per_worker}
     if r.gpus_per_worker > 0:
         per_worker["GPU"] = r.gpus_per_worker
+    if r.gpu_type:
+        per_worker[f"accelerator_type:{r.gpu_type}"] = 0.001  # what Ray's own accelerator_type= option asks
     return ScalingConfig(num_workers=r.workers, use_gpu=r.gpus_per_worker > 0, resources_per_worker=per_worker)
+
+
+def torch_config(spec: ExperimentSpec) -> TorchConfig:
+    """The gang's process group: gloo where its ranks may share a card (``workers.gpu_share``)."""
+    from workers.gpu_share import process_group_backend
+
+    device = torch.device("cuda" if scaling_config(spec).use_gpu else "cpu")
+    return TorchConfig(backend=process_group_backend(spec.resources, device))
 
 
 def _worker_sink(config: dict[str, Any], rank: int) -> MetricSink:
@@ -81,11 +93,13 @@ def _train(config: dict[str, Any]) -> None:
     import ray.train
 
     from workers.context import RayTrainContext
+    from workers.gpu_share import fence_memory
     from workers.local import TrainingDiverged, train
 
     spec = ExperimentSpec.model_validate(config["spec"])
     ctx = RayTrainContext(_worker_sink(config, ray.train.get_context().get_world_rank()),
                           resume_from=config.get("resume_from"), artifacts_dir=config.get("artifacts_dir"))
+    fence_memory(spec.resources, ctx.device)  # before the model is built
     try:
         train(spec, ctx)
     except TrainingDiverged as err:
@@ -132,6 +146,7 @@ def build_trainer(
         train_worker,
         train_loop_config=loop_config,
         scaling_config=scaling_config(spec),
+        torch_config=torch_config(spec),
         run_config=RunConfig(
             name=name,
             storage_path=str(storage_path),

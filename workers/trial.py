@@ -40,7 +40,8 @@ def in_trial(sweep: SweepSubmit) -> bool:
 def trial_resources(sweep: SweepSubmit) -> dict[str, float]:
     """What an in-trial trial holds in Ray: its one worker's CPUs and GPUs (the gang the scheduler counts)."""
     r = sweep.base.resources
-    return {"cpu": r.cpus_per_worker, **({"gpu": r.gpus_per_worker} if r.gpus_per_worker > 0 else {})}
+    held = {"cpu": r.cpus_per_worker, **({"gpu": r.gpus_per_worker} if r.gpus_per_worker > 0 else {})}
+    return {**held, f"accelerator_type:{r.gpu_type}": 0.001} if r.gpu_type else held  # Ray's accelerator_type=
 
 
 def trial_dirs(storage: str | Path, job_id: str, trial_id: str) -> list[Path]:
@@ -77,10 +78,10 @@ class TrialContext(RunContext):
 def train_in_trial(spec: ExperimentSpec, sink: MetricSink) -> None:
     """Train ``spec`` in this Tune trial; a diverged run reports its failure as ``train_worker`` does (its row
     shows no metric), and any other error propagates (the caller turns it into the trial's one line)."""
-    from workers.driver import driver_device
+    from workers.gpu_share import claim_device
     from workers.local import TrainingDiverged, train
 
-    ctx = TrialContext(device=driver_device(spec), sink=sink)
+    ctx = TrialContext(device=claim_device(spec), sink=sink)  # its share of the card fenced first
     try:
         train(spec, ctx)
     except TrainingDiverged as err:

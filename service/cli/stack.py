@@ -14,7 +14,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from service.client import home
     from service.stack import up
 
-    return up(Path(args.home).expanduser() if args.home else home(), args.port, args.num_cpus)
+    return up(Path(args.home).expanduser() if args.home else home(), args.port, args.num_cpus, args.num_gpus)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -38,10 +38,18 @@ def cmd_queue(args: argparse.Namespace) -> int:
 
 
 def _print_nodes(view: dict[str, Any]) -> None:
-    rows = [("NODE", "ALIVE", "CPUS FREE/TOTAL", "GPUS FREE/TOTAL")]
+    rows = [("NODE", "ALIVE", "CPUS FREE/TOTAL", "GPUS FREE/TOTAL", "GPU MODEL")]
     rows += [(n["id"], "yes" if n["alive"] else "no", f"{n['cpus_free']:g}/{n['cpus_total']:g}",
-              f"{n['gpus_free']:g}/{n['gpus_total']:g}") for n in view["nodes"]]
+              f"{n['gpus_free']:g}/{n['gpus_total']:g}", n.get("gpu_type") or "-") for n in view["nodes"]]
     print_table(rows)
+
+
+def _print_shares(view: dict[str, Any]) -> None:
+    """Each running job's share of each node it runs on (a GPU count below 1: a share of a card)."""
+    rows = [(s["job"], n["id"], str(s["workers"]), f"{s['cpus']:g}", f"{s['gpus']:g}")
+            for n in view["nodes"] for s in n.get("jobs") or []]
+    if rows:
+        print_table([("RUNNING", "NODE", "WORKERS", "CPUS", "GPUS"), *rows])
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
@@ -58,8 +66,11 @@ def cmd_cluster(args: argparse.Namespace) -> int:
               "Lab's running jobs (other Ray work, or a finished job's workers being released)")
     if view["nodes"]:
         _print_nodes(view)
+    shown = {s["job"] for n in view["nodes"] for s in n.get("jobs") or []}
+    _print_shares(view)
     for job_id in view["running_jobs"]:
-        print(f"running  {job_id}")
+        if job_id not in shown:  # (a job placed on nodes no longer listed)
+            print(f"running  {job_id}")
     return 0
 
 
@@ -90,6 +101,9 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--port", type=int, default=None, help="API port (default: a free one)")
     p.add_argument("--home", default=None, help="data folder (default: TLAB_HOME or ~/.tlab)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs the local Ray head offers (default: all)")
+    p.add_argument("--num-gpus", type=int, default=None,
+                   help="GPUs the local Ray head offers (default: those Ray finds; on a machine without them, "
+                        "advertised only: jobs that ask for a share then train with training.device=cpu)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("demo", help="start the embedded stack, run digits with and without teleport through "

@@ -39,6 +39,10 @@ def test_defaults_are_the_papers_mnist_settings() -> None:
         ({"resources": {"workers": 0}}, "resources.workers"),
         ({"training": {"precision": "fp16"}}, "training.precision"),
         ({"training": {"precision": "bf16", "dtype": "float64"}}, "training.precision=bf16 needs training.dtype"),
+        ({"resources": {"gpus_per_worker": 1.5}}, "resources.gpus_per_worker=1.5: above 1 it is a whole number"),
+        ({"resources": {"gpu_memory_gb": 8}}, "resources.gpu_memory_gb is for a job with GPUs"),
+        ({"resources": {"gpus_per_worker": 1, "gpu_type": "H100 SXM"}}, "resources.gpu_type"),
+        ({"resources": {"gpu_type": "H100"}}, "resources.gpu_type is for a job with GPUs"),
     ],
 )
 def test_bad_specs_name_the_field(data: dict, needle: str) -> None:

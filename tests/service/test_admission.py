@@ -91,6 +91,20 @@ def test_statically_wrong_specs_are_refused_naming_the_field(api: Api) -> None:
         assert post(c, tiny(), priority=50).status_code == 201
 
 
+def test_gpu_asks_that_can_never_work_are_refused_naming_the_fields(api: Api) -> None:
+    """A job sees no GPU it did not ask for; a share above one card is whole GPUs; a GPU model no node has is
+    refused while the nodes are known (the fixture's two nodes have 1 GPU each, of no known model)."""
+    with api.client() as c:
+        r = post(c, tiny(training={"device": "cuda"}))
+        refused(r, "spec.training.device", "spec.training.device=cuda but spec.resources.gpus_per_worker=0")
+        refused(post(c, tiny(resources={"gpus_per_worker": 1.5})), "spec.resources", "whole number of GPUs")
+        r = post(c, tiny(resources={"gpus_per_worker": 0.5, "gpu_type": "A100"}))
+        refused(r, "spec.resources", "resources.gpu_type=A100 but no node has that GPU model (the cluster has: "
+                "none known)")
+        r = post(c, tiny(training={"device": "cuda"}, resources={"gpus_per_worker": 0.5, "gpu_memory_gb": 8}))
+        assert r.status_code == 201, r.text  # a share of a card with its own memory limit
+
+
 def test_data_is_read_only_under_the_data_roots(api: Api, tmp_path: Path) -> None:
     a, b = roots(api)
     mnist_dir(b / "mnist")

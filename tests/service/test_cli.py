@@ -174,7 +174,7 @@ def test_tlab_up_prints_its_url_and_ctrl_c_stops_everything(tmp_path: Path) -> N
     from tests.service.conftest import tlab_up
 
     home = tmp_path / "home"
-    with tlab_up(home, "--num-cpus", "1") as (proc, url, _printed):
+    with tlab_up(home, "--num-cpus", "1", "--num-gpus", "2") as (proc, url, _printed):  # GPUs advertised only
         token = (home / "admin.token").read_text().strip()
         assert (home / "api.url").read_text().strip() == url
         me = httpx.get(f"{url}/v1/me", headers={"Authorization": f"Bearer {token}"}, timeout=10)
@@ -183,6 +183,8 @@ def test_tlab_up_prints_its_url_and_ctrl_c_stops_everything(tmp_path: Path) -> N
         while time.monotonic() < deadline and httpx.get(f"{url}/readyz", timeout=10).status_code != 200:
             time.sleep(0.3)
         assert httpx.get(f"{url}/readyz", timeout=10).status_code == 200
+        cluster = tlab("cluster", env={"TLAB_URL": url, "TLAB_TOKEN": token, "TLAB_HOME": str(home)})
+        assert "GPUs 2 free of 2" in cluster.stdout and "GPU MODEL" in cluster.stdout, cluster.stdout
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert "redis" in names and "raylet" in names and "service.api" in names and "service.scheduler" in names

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 import time
@@ -64,6 +65,8 @@ def test_submit_run_follow_and_resume_exactly_once(stack: Stack) -> None:
         assert any(e.kind == "teleport" for e in events)
         view = c.get(job)
         assert view["state"] == "succeeded" and view["summary"]["epochs"] == 4 and view["attempts"] == 1
+        # the head advertises 2 GPUs; a job that asked for none was shown none (Ray 2.60 would leave it unset)
+        assert (view["summary"]["device"], view["summary"]["cuda_visible_devices"]) == ("cpu", "")
         assert view["progress"]["epoch"] == 4 and view["started_at"] <= view["finished_at"]
         m = c.json("GET", f"/v1/experiments/{job}/metrics", params={"max_points": 2})
         assert m["total_points"] == 4 and [p["epoch"] for p in m["points"]] == [0, 3] and m["teleports"]
@@ -71,6 +74,35 @@ def test_submit_run_follow_and_resume_exactly_once(stack: Stack) -> None:
         assert csv[0].startswith("epoch,") and len(csv) == 5
         assert c.plot([job])[:8] == b"\x89PNG\r\n\x1a\n"
         assert c.request("GET", f"/v1/experiments/{job}/logs").text.startswith("[tlab] driver of job")  # kept
+
+
+def test_a_gang_of_two_half_gpus_shares_one_card_on_gloo(stack: Stack) -> None:
+    """Two ranks at 0.5 GPU on the session head's 2 advertised H100s (tests/conftest.py): Ray packs both onto one
+    card (each told the same CUDA_VISIBLE_DEVICES, where NCCL refused: "Duplicate GPU detected"), the process
+    group is gloo, every epoch is reported once, and the cluster view shows the job's share while it runs."""
+    from tests.service.conftest import wait_ray_idle
+
+    wait_ray_idle(stack)  # the gang needs both CPUs of the head
+    spec = tiny(training={"epochs": 3, "device": "cpu"},  # the share held, the CPU training (no card is there)
+                resources={"workers": 2, "gpus_per_worker": 0.5, "gpu_type": "H100"})
+    with Client(stack.url, stack.admin_token) as c:
+        job = c.submit(spec)["id"]
+        shares, deadline = [], time.monotonic() + 120
+        while not shares and time.monotonic() < deadline:
+            cluster = c.json("GET", "/v1/cluster")
+            shares = [(s["workers"], s["gpus"], n["gpu_type"]) for n in cluster["nodes"] for s in n["jobs"]
+                      if s["job"] == job]
+            time.sleep(0.1)
+        assert shares == [(2, 1.0, "H100")], cluster  # both ranks on the one node: 2 x 0.5 of its 2 GPUs
+        events = list(c.events(job))
+        assert epochs_in(events) == [0, 1, 2] and c.get(job)["state"] == "succeeded", c.get(job)
+        logs = {rank: c.logs(job, rank=rank) for rank in ("0", "1")}
+        joined = {rank: re.search(r"rank \d of 2 joined on (\w+) \(cpu; resources.gpus_per_worker=0.5, "
+                                  r"CUDA_VISIBLE_DEVICES='(\d)'\)", text) for rank, text in logs.items()}
+        assert all(joined.values()), logs
+        assert {m.group(1) for m in joined.values() if m} == {"gloo"}
+        assert len({m.group(2) for m in joined.values() if m}) == 1  # one physical card for both ranks
+        assert c.get(job)["summary"]["cuda_visible_devices"] == joined["0"].group(2)  # type: ignore[union-attr]
 
 
 def test_cancel_a_running_job_stops_its_ray_job(stack: Stack) -> None:

@@ -53,6 +53,35 @@ def test_gang_must_fit_whole_on_nodes() -> None:
     assert policy.never_fits(gang.demand, nodes) is None
 
 
+def test_a_gpu_model_is_placed_only_on_nodes_of_that_model_and_never_fits_without_one() -> None:
+    nodes = [Node("a", cpus=4, gpus=2, gpu_type="A100"), Node("h", cpus=4, gpus=2, gpu_type="H100")]
+    h100 = Demand(workers=2, cpus_per_worker=1, gpus_per_worker=0.5, gpu_type="H100")
+    d = policy.decide([q("alice", h100)], [], nodes, {}, {})
+    assert d.starts[0][1] == ["h", "h"]  # the A100 node had room first in the packing order, and is skipped
+    busy = [ActiveJob("x", "bob", Demand(workers=1, cpus_per_worker=1, gpus_per_worker=2), ("h",))]
+    d = policy.decide([q("alice", h100)], busy, nodes, {}, {})
+    assert not d.starts and d.order[0][1].startswith("no room")  # the A100s are free, and not its model
+    l4 = h100.model_copy(update={"gpu_type": "L4"})
+    assert "resources.gpu_type=L4 but no node has that GPU model (the cluster has: A100, H100)" in (
+        policy.never_fits(l4, nodes) or "")
+    d = policy.decide([q("alice", l4)], [], nodes, {}, {})
+    assert d.order[0][1].startswith("cannot fit the cluster as it is now (nodes missing?)")  # waits, as today
+
+
+def test_the_cluster_view_shows_each_running_jobs_share_of_each_node() -> None:
+    from service.cluster_view import cluster_view
+
+    nodes = [Node("n1", cpus=4, gpus=2, gpu_type="H100"), Node("n2", cpus=4, gpus=1)]
+    gang = ActiveJob("g", "alice", Demand(workers=2, cpus_per_worker=1, gpus_per_worker=0.5), ("n1", "n1"))
+    trial = ActiveJob("t", "bob", Demand(workers=2, cpus_per_worker=0.5, gpus_per_worker=0.25), ("n1", "n2"))
+    view = cluster_view(nodes, [gang, trial])
+    n1, n2 = view.nodes
+    assert [(s.job, s.workers, s.cpus, s.gpus) for s in n1.jobs] == [("g", 2, 2.0, 1.0), ("t", 1, 0.5, 0.25)]
+    assert [(s.job, s.gpus) for s in n2.jobs] == [("t", 0.25)]
+    assert (n1.gpus_total, n1.gpus_free, n1.gpu_type, n2.gpus_free, view.gpus_free) == (2, 0.75, "H100", 0.75, 1.5)
+    assert view.running_jobs == ["g", "t"]
+
+
 def test_quotas_skip_a_user_without_blocking_others() -> None:
     nodes = [Node("n", cpus=8, gpus=4)]
     gpu2 = Demand(workers=2, cpus_per_worker=1, gpus_per_worker=1)

@@ -10,7 +10,7 @@ import pytest
 
 from api_schemas.jobs import Demand
 from service.client import Client
-from service.ray_cluster import RayNodes, driver_options, trains_in_driver
+from service.ray_cluster import RayNodes, driver_options, gpu_env, gpu_type_of, trains_in_driver
 from service.stack import Stack
 from service.store import Store
 from tests.service.conftest import ray_rest, ray_state, tiny
@@ -29,6 +29,17 @@ def test_an_experiment_trains_in_its_driver_which_holds_rank_0s_resources() -> N
                                            "entrypoint_label_selector": {"ray.io/node-id": NODE}}
     assert driver_options(one, ["n1"]) == {"entrypoint_num_cpus": 2, "entrypoint_num_gpus": 0.5}  # a static node
     assert driver_options(None, [NODE]) == {"entrypoint_num_cpus": 0}  # the worker group or trials hold them
+    typed = one.model_copy(update={"gpu_type": "H100"})
+    assert driver_options(typed, ["n1"])["entrypoint_resources"] == {"accelerator_type:H100": 0.001}
+
+
+def test_a_job_without_gpus_is_shown_none_and_a_nodes_gpu_model_is_read_from_its_resources() -> None:
+    none, share = Demand(workers=2, cpus_per_worker=1, gpus_per_worker=0), Demand(workers=1, cpus_per_worker=1,
+                                                                                  gpus_per_worker=0.5)
+    assert gpu_env(none) == {"CUDA_VISIBLE_DEVICES": ""}  # Ray 2.60 leaves it unset for 0 GPUs: every card shows
+    assert gpu_env(share) == {} and gpu_env(None) == {}  # Ray names the share's card itself
+    assert gpu_type_of({"CPU": 8.0, "GPU": 2.0, "accelerator_type:H100": 1.0}) == "H100"
+    assert gpu_type_of({"CPU": 8.0}) is None
 
 
 class Counted(RayNodes):

@@ -158,15 +158,19 @@ def test_sign_in_tables_errors_and_cancel_without_ray(api_only: Api, tab_factory
     import redis
 
     from api_schemas import keys
-    from api_schemas.jobs import ClusterView, NodeView
+    from api_schemas.jobs import ClusterView, NodeShare, NodeView
 
-    view = ClusterView(nodes=[NodeView(id="n1", alive=True, cpus_total=4, cpus_free=1, gpus_total=1, gpus_free=1)],
+    shares = [NodeShare(job="gang-of-halves", workers=2, cpus=2, gpus=1.0)]  # each running job's share of the node
+    view = ClusterView(nodes=[NodeView(id="n1", alive=True, cpus_total=4, cpus_free=1, gpus_total=2, gpus_free=1,
+                                       gpu_type="H100", jobs=shares)],
                        cpus_total=4, cpus_free=1, gpus_total=1, gpus_free=1, running_jobs=[], scheduler_alive=True,
                        cpus_outside=3)
     with redis.Redis.from_url(api_only.stack.redis_url or "") as r:
         r.set(keys.cluster(), json.dumps({"view": view.model_dump(), "at": time.time()}))
     page.wait_for_selector("#cluster-summary #outside", timeout=15_000)
     assert "Ray holds 3 CPUs, 0 GPUs beyond Teleport Lab's jobs" in page.inner_text("#outside")
+    node = page.inner_text("#nodes-body")
+    assert "H100" in node and "gang-of-halves" in node and "1 GPU" in node, node
     assert "alive" in page.inner_text("#cluster-summary")
     page.click("#signout")
     page.wait_for_function("() => location.hash === '#/signin'")

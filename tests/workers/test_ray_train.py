@@ -158,3 +158,15 @@ def test_killed_worker_resumes_from_checkpoint_with_every_epoch_once(
     assert int((pids / "rank1.pid").read_text()) != victim  # a new worker process took over
     assert [e["epoch"] for e in metric_epochs(redis_server, job)] == list(range(8))
 
+
+
+def test_a_gang_of_card_shares_asks_ray_train_for_gloo_and_the_gpu_model() -> None:
+    from api_schemas import ExperimentSpec
+    from workers.gang_start import rank_options
+    from workers.ray_train import scaling_config, torch_config
+
+    shares = ExperimentSpec.model_validate({"resources": {"workers": 2, "gpus_per_worker": 0.5, "gpu_type": "H100"}})
+    whole = ExperimentSpec.model_validate({"resources": {"workers": 2, "gpus_per_worker": 1}})
+    assert torch_config(shares).backend == "gloo" and torch_config(whole).backend == "nccl"
+    assert scaling_config(shares).resources_per_worker == {"CPU": 1, "GPU": 0.5, "accelerator_type:H100": 0.001}
+    assert rank_options(shares, None)["accelerator_type"] == "H100"  # a gang's other ranks: the same model

@@ -1,4 +1,5 @@
-// #/cluster: nodes with their free CPUs/GPUs, what Ray holds beyond our jobs, and what is running (polled).
+// #/cluster: nodes with their free CPUs/GPUs and each running job's share, what Ray holds beyond our jobs, and what is
+// running (polled).
 
 import { api } from "../api.js";
 import { $, html, num, POLL_MS, put } from "../dom.js";
@@ -13,21 +14,27 @@ const summary = (c) => html`${c.nodes.length} node(s) · CPUs <b>${num(c.cpus_fr
   ${c.cpus_outside || c.gpus_outside ? html`<span id="outside" title="other Ray work on the cluster, or a finished job's workers still being released">Ray holds ${num(c.cpus_outside)} CPUs, ${num(c.gpus_outside)} GPUs beyond Teleport Lab's jobs</span> · ` : ""}
   scheduler ${alive(c.scheduler_alive)}`;
 
-const nodeRow = (n) => html`<tr><td class="mono">${n.id}</td><td>${n.alive ? "yes" : "no"}</td>
+// a running job's share of the node: its workers there, their CPUs and GPUs (below 1: a share of a card)
+const share = (s) => html`<a class="chip share" href="#/job/${s.job}" title="${s.workers} worker(s) here">${s.job}
+  ${num(s.cpus)} CPU${s.gpus ? html` · ${num(s.gpus)} GPU` : ""}</a> `;
+
+const nodeRow = (n) => html`<tr><td class="mono">${n.id}${n.gpu_type ? html` <span class="muted">${n.gpu_type}</span>` : ""}</td>
+  <td>${n.alive ? "yes" : "no"}</td>
   <td>${num(n.cpus_free)} / ${num(n.cpus_total)}</td><td>${meter(n.cpus_free, n.cpus_total)}</td>
-  <td>${num(n.gpus_free)} / ${num(n.gpus_total)}</td><td>${n.gpus_total ? meter(n.gpus_free, n.gpus_total) : ""}</td></tr>`;
+  <td>${num(n.gpus_free)} / ${num(n.gpus_total)}</td><td>${n.gpus_total ? meter(n.gpus_free, n.gpus_total) : ""}</td>
+  <td>${(n.jobs || []).map(share)}</td></tr>`;
 
 export async function clusterPage(page) {
   put(page.el, html`<section class="card"><h2>Cluster</h2><p id="cluster-summary"></p>
     <table><thead><tr><th>node</th><th>alive</th><th>CPUs free / total</th><th></th><th>GPUs free / total</th><th></th>
-      </tr></thead><tbody id="nodes-body"></tbody></table>
+      <th>running jobs' shares</th></tr></thead><tbody id="nodes-body"></tbody></table>
     <h3>Running</h3><p id="running"></p></section>`);
   await page.every(POLL_MS, async () => {
     const c = await api("GET", "/v1/cluster");
     if (page.dead) return;
     put($("#cluster-summary"), summary(c));
     put($("#nodes-body"), c.nodes.length ? c.nodes.map(nodeRow)
-      : html`<tr><td colspan="6" class="muted">no nodes known yet: has the scheduler started?</td></tr>`);
+      : html`<tr><td colspan="7" class="muted">no nodes known yet: has the scheduler started?</td></tr>`);
     put($("#running"), c.running_jobs.length ? c.running_jobs.map((j) => html`<a class="chip" href="#/job/${j}">${j}</a> `)
       : html`<span class="muted">nothing is running</span>`);
   });

@@ -60,6 +60,11 @@ function preflightFacts(pf) {
   return facts;
 }
 
+// where the job trained: its device, the GPUs Ray let it see, its tensors' peak GPU memory (rank 0's)
+const deviceText = (s) => [s.device, s.cuda_visible_devices === null || s.cuda_visible_devices === undefined ? ""
+  : `CUDA_VISIBLE_DEVICES="${s.cuda_visible_devices}"`,
+  s.gpu_memory_peak_mb === undefined ? "" : `peak GPU memory ${num(s.gpu_memory_peak_mb)} MiB`].filter(Boolean).join(" · ");
+
 function jobFacts(j) {
   const facts = [
     ["id", j.id], ["owner", j.owner], ["created", ago(j.created_at)],
@@ -73,6 +78,7 @@ function jobFacts(j) {
   if (j.preemptions) facts.push(["preempted", `${j.preemptions} time(s); last: ${j.last_preemption || "–"}`]);
   facts.push(...lineageFacts(j));
   if ((j.summary?.target_loss ?? null) !== null) facts.push(["to target loss", toTarget(j.summary)]);
+  if (j.summary?.device) facts.push(["device", deviceText(j.summary)]);
   if (j.summary) facts.push(["summary", Object.entries(j.summary).filter(([, v]) => typeof v !== "object")
     .map(([k, v]) => `${k}=${num(v)}`).join("  ")]);
   return facts.map(([k, v]) => html`<dt>${k}</dt><dd>${v}</dd>`);

@@ -1,0 +1,97 @@
+"""A process's share of a GPU (``workers.gpu_share``): the memory fence's fraction, the process group's backend,
+the device a job trains on, and what its summary says of it. On the CPU: the fence's call is guarded, its
+computation is tested here; on a CUDA machine the fence is also applied and read back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from api_schemas import ExperimentSpec
+from api_schemas.spec import ResourcesSpec
+from workers.failure import JobFailed
+from workers.gpu_share import (
+    GIB,
+    device_report,
+    fence_memory,
+    job_device,
+    memory_fraction,
+    oom_named,
+    process_group_backend,
+)
+
+CARD = int(80 * GIB)  # an H100's 80 GiB
+CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
+
+
+@pytest.mark.parametrize(("resources", "fraction"), [
+    ({"gpus_per_worker": 0.25}, 0.25),  # four sweep trials on one card: a quarter each
+    ({"gpus_per_worker": 0.5}, 0.5),
+    ({"gpus_per_worker": 1}, None),  # whole GPUs: no fence
+    ({"gpus_per_worker": 2}, None),
+    ({"gpus_per_worker": 0.5, "gpu_memory_gb": 20}, 0.25),  # an explicit limit wins over the share
+    ({"gpus_per_worker": 1, "gpu_memory_gb": 60}, 0.75),
+])
+def test_the_fence_is_the_share_of_the_card_or_the_explicit_limit(resources: dict, fraction: float | None) -> None:
+    assert memory_fraction(ResourcesSpec(**resources), CARD) == fraction
+
+
+def test_a_limit_above_the_card_is_refused_naming_the_field() -> None:
+    with pytest.raises(ValueError, match=r"resources.gpu_memory_gb=100 but this GPU has 80.0 GiB"):
+        memory_fraction(ResourcesSpec(gpus_per_worker=1, gpu_memory_gb=100), CARD)
+
+
+@pytest.mark.parametrize(("share", "device", "backend"), [
+    (0.5, CUDA, "gloo"),  # two ranks may be given the same card: NCCL would refuse ("Duplicate GPU detected")
+    (0.25, CUDA, "gloo"),
+    (1, CUDA, "nccl"),  # whole distinct GPUs
+    (2, CUDA, "nccl"),
+    (1, torch.device("cpu"), "gloo"),  # a share held, the CPU training (training.device=cpu)
+    (0, torch.device("cpu"), "gloo"),
+])
+def test_the_backend_follows_the_placement(share: float, device: torch.device, backend: str) -> None:
+    assert process_group_backend(ResourcesSpec(gpus_per_worker=share), device) == backend
+
+
+def spec(**resources: object) -> ExperimentSpec:
+    device = resources.pop("device", "auto")
+    return ExperimentSpec.model_validate({"resources": resources, "training": {"device": device}})
+
+
+def test_a_job_without_gpus_or_told_cpu_trains_on_the_cpu() -> None:
+    assert job_device(spec()) == torch.device("cpu")
+    assert job_device(spec(gpus_per_worker=0.5, device="cpu")) == torch.device("cpu")  # the share held only
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_share_with_no_visible_gpu_fails_naming_the_field() -> None:
+    with pytest.raises(ValueError, match=r"resources.gpus_per_worker=0.5 but no CUDA device is visible"):
+        job_device(spec(gpus_per_worker=0.5))
+
+
+def test_the_fence_is_not_applied_off_cuda() -> None:
+    assert fence_memory(ResourcesSpec(gpus_per_worker=0.25), torch.device("cpu")) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_fence_limits_this_process() -> None:
+    resources = ResourcesSpec(gpus_per_worker=1, gpu_memory_gb=1)
+    fraction = fence_memory(resources, CUDA)
+    assert fraction == pytest.approx(GIB / torch.cuda.get_device_properties(0).total_memory)
+    with pytest.raises(JobFailed, match=r"resources.gpu_memory_gb=1\)"), oom_named(resources):
+        torch.empty(int(1.5 * GIB), dtype=torch.uint8, device=CUDA)  # over its 1 GiB, though the card has room
+    torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    assert device_report(CUDA)["gpu_memory_peak_mb"] >= 0
+
+
+def test_out_of_memory_fails_the_job_naming_its_own_limit() -> None:
+    with pytest.raises(JobFailed, match=r"share \(resources.gpus_per_worker=0.25 of the card\): raise"):
+        with oom_named(ResourcesSpec(gpus_per_worker=0.25)):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+
+
+def test_the_summary_says_the_device_and_the_gpus_the_process_saw(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert device_report(torch.device("cpu")) == {"device": "cpu", "cuda_visible_devices": ""}
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert device_report(torch.device("cpu"))["cuda_visible_devices"] is None
