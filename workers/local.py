@@ -6,7 +6,8 @@ is scheduled, one epoch of the primary optimizer, and an evaluation. Every recor
 ``ctx.sink``:
 
 - ``{"kind": "start", ...}`` once: dataset, model, parameter count, the spec;
-- ``{"kind": "teleport", "epoch", "batch", **TeleportReport.to_dict()}`` per teleport batch;
+- ``{"kind": "teleport", "epoch", "batch", **TeleportReport.to_dict()}`` per teleport batch, and
+  ``{"kind": "budget", ...}`` when ``teleport.budget`` cut an epoch's teleport short (``workers.teleporting``);
 - ``{"kind": "epoch", "epoch", "train_loss", "test_loss", "test_acc" (classification),
   "test_ppl" (lm), "seconds", "teleport_seconds"}`` per epoch (times are cumulative);
 - ``{"kind": "error", ...}`` before ``TrainingDiverged`` is raised; ``{"kind": "summary", ...}`` last.
@@ -26,12 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-from torch.utils.data import Dataset, default_collate
+from torch import nn
 from tqdm import tqdm
 
 from api_schemas import ExperimentSpec
-from teleport import TeleportReport, symmetry_teleport_batch, teleport_batch
+from workers.budget import TeleportBudget
 from workers.build import (
     autocast,
     basis_executor,
@@ -46,6 +46,10 @@ from workers.build import (
 )
 from workers.context import RunContext
 from workers.sinks import JsonlSink, MemorySink, MetricSink, TeeSink
+from workers.teleporting import TeleportDiverged, Teleporter, sample_batch, steps_per_epoch, to_device
+
+__all__ = ["TrainingDiverged", "evaluate", "param_count", "run_local", "sample_batch", "summarize", "to_device",
+           "train"]
 
 WARMUP_EPOCH = 1_000_000  # loader seed offset for warm-up passes, apart from the epochs' own
 
@@ -55,20 +59,6 @@ class TrainingDiverged(RuntimeError):
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def to_device(batch: Any, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(x, y) on ``device``; floating inputs/targets in the run's dtype, token ids and labels untouched."""
-    x, y = batch
-    x = x.to(device, dtype) if x.is_floating_point() else x.to(device)
-    y = y.to(device, dtype) if y.is_floating_point() else y.to(device)
-    return x, y
-
-
-def sample_batch(dataset: Dataset, indices: Tensor) -> tuple[Tensor, Tensor]:
-    """The samples at ``indices``, stacked like a DataLoader batch."""
-    x, y = default_collate([dataset[int(i)] for i in indices])
-    return x, y
 
 
 def param_count(model: nn.Module) -> int:
@@ -190,7 +180,6 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
         model.load_state_dict(state["model"])
     net = ctx.prepare_model(model)  # what the optimizer steps through (DDP-wrapped on Ray)
     optimizer = build_optimizer(spec.optimizer, net.parameters())
-    config = teleport_config(tp)
     executor = basis_executor(tp) if tp.enabled and tp.method == "nullspace" else None
     teleport_epochs = set(tp.epochs) if tp.enabled else set()
     sharded = ctx.comm is not None and tp.method == "nullspace"
@@ -201,6 +190,8 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
     g = torch.Generator().manual_seed(tr.seed)
     holdout_idx = torch.randperm(len(data.test), generator=g)[: min(tp.batch_size, len(data.test))]
     holdout = to_device(sample_batch(data.test, holdout_idx), ctx.device, dtype)
+    teleporter = Teleporter(tp, teleport_config(tp), model, loss_fn, data.train, ctx, dtype, tr.seed, holdout,
+                            executor, TeleportBudget(tp.budget, tr.epochs))
 
     start_epoch, history, seconds, tele_seconds, tele_batches = 0, [], 0.0, 0.0, 0
     if state is not None:
@@ -211,6 +202,7 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
             group.update(wanted)
         start_epoch, history, seconds = state["epoch"], state["history"], state["seconds"]
         tele_seconds, tele_batches = state["teleport_seconds"], state["teleport_batches"]
+        teleporter.restore(state.get("teleport_budget"))
     ctx.sink.emit({
         "kind": "start", "dataset": data.name, "task": data.task, "train_size": len(data.train),
         "test_size": len(data.test), "model": spec.model.kind, "params": param_count(model),
@@ -259,25 +251,16 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
     for epoch in bar:
         # -- teleport before the epoch: b batches of n random training samples, t ascent steps each
         if epoch in teleport_epochs:
+            if not history:  # the budget projects the run's length from one timed training step
+                teleporter.probe(net, tr.batch_size, steps_per_epoch(len(data.train), tr.batch_size, ctx.world_size,
+                                                                     tr.max_steps_per_epoch))
             t_tele = time.perf_counter()
-            g = torch.Generator().manual_seed(tr.seed * 1_000_003 + epoch)  # same draw on every rank
-            for i in range(tp.batches):
-                idx = torch.randperm(len(data.train), generator=g)[: tp.batch_size]
-                report: TeleportReport
-                if tp.method == "symmetry":  # single-process algorithm: every rank runs it on the whole batch
-                    x, y = to_device(sample_batch(data.train, idx), ctx.device, dtype)
-                    report = symmetry_teleport_batch(model, loss_fn, x, y, config, holdout=holdout)
-                else:  # each rank takes its shard; teleport all-reduces so every rank ends bit-identical
-                    shard = idx[ctx.rank :: ctx.world_size] if sharded else idx
-                    x, y = to_device(sample_batch(data.train, shard), ctx.device, dtype)
-                    report = teleport_batch(model, loss_fn, x, y, config, executor=executor, holdout=holdout,
-                                            comm=ctx.comm)
-                ctx.sink.emit({"kind": "teleport", "epoch": epoch, "batch": i, **report.to_dict()})
-                if not _finite(report.loss_after):
-                    raise _diverged(ctx, f"teleport batch {i}", epoch,
-                                    f"teleport batch loss is {report.loss_after}",
-                                    f"lower teleport.lr (now {tp.lr:g}) or teleport.cap (now {tp.cap:g})")
-                tele_batches += 1
+            try:
+                tele_batches += teleporter.before_epoch(epoch, tele_seconds, t_tele - t0 - tele_seconds,
+                                                        len(history))
+            except TeleportDiverged as e:
+                raise _diverged(ctx, f"teleport batch {e.batch}", epoch, f"teleport batch loss is {e.loss}",
+                                f"lower teleport.lr (now {tp.lr:g}) or teleport.cap (now {tp.cap:g})") from None
             if tp.reset_optimizer:
                 reset_optimizer_state(optimizer)
             tele_seconds += time.perf_counter() - t_tele
@@ -300,14 +283,14 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
         bar.set_postfix({short: f"{record[key]:.4g}" for short, key in shown.items() if key in record})
 
         # -- checkpoint (Ray: every rank reports, rank 0 attaches the state); no-op locally
-        summary = summarize(history, tr.target_loss, tele_batches)
+        summary = {**summarize(history, tr.target_loss, tele_batches), **teleporter.summary()}
         state = {"epoch": epoch + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "history": history, "seconds": record["seconds"], "teleport_seconds": tele_seconds,
-                 "teleport_batches": tele_batches}
+                 "teleport_batches": tele_batches, "teleport_budget": teleporter.saved()}
         ctx.save(state, summary)
     bar.close()
 
-    summary = summarize(history, tr.target_loss, tele_batches)
+    summary = {**summarize(history, tr.target_loss, tele_batches), **teleporter.summary()}
     summary["params"] = param_count(model)
     ctx.sink.emit({"kind": "summary", **summary})
     return summary

@@ -79,7 +79,7 @@ def test_run_on_ray_with_code_writes_the_same_outputs_as_local(tmp_path: Path) -
     out = tlab("run", str(example / "spec.yaml"), "--ray", "--code", str(example), "--out", str(tmp_path / "r"),
                "--set", "training.epochs=2", "training.max_steps_per_epoch=4", "dataset.args.max_chars=6000",
                "teleport.epochs=[0]", "teleport.batches=1", "teleport.steps=2", "teleport.batch_size=2",
-               "resources.workers=2", "resources.cpus_per_worker=0.5", cwd=tmp_path, env={"RAY_AUTH_MODE": "disabled"})
+               "teleport.budget=null", "resources.workers=2", "resources.cpus_per_worker=0.5", cwd=tmp_path, env={"RAY_AUTH_MODE": "disabled"})
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [r["dataset"] for r in lines if r["kind"] == "start"] == ["tiny_lm.data:python_source"]
@@ -105,7 +105,7 @@ def test_run_local_with_overrides_writes_the_outputs(tmp_path: Path) -> None:
     out_dir = tmp_path / "run"
     out = tlab("run", "digits/teleport", "--local", "--no-progress", "--out", str(out_dir), "--set",
                "training.epochs=2", "dataset.max_train=200", "dataset.max_test=100", "model.hidden=[16]",
-               "teleport.batches=2", "teleport.steps=2", "teleport.epochs=[1]")
+               "teleport.batches=2", "teleport.steps=2", "teleport.epochs=[1]", "teleport.budget=null")
     assert out.returncode == 0, out.stderr
     assert "train loss" in out.stdout and "metrics.jsonl" in out.stdout
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]

@@ -49,7 +49,8 @@ def epochs_in(events: list[Event]) -> list[int]:
 
 def test_submit_run_follow_and_resume_exactly_once(stack: Stack) -> None:
     with Client(stack.url, stack.admin_token) as c:
-        spec = tiny(training={"epochs": 4}, teleport={"enabled": True, "epochs": [1], "batches": 2, "steps": 2})
+        spec = tiny(training={"epochs": 4}, teleport={"enabled": True, "epochs": [1], "batches": 2, "steps": 2,
+                                                                  "budget": None})
         job = c.submit(spec, name="e2e")["id"]
         first: list[Event] = []
         for event in c.events(job):  # follow from the start; drop the connection after the first epoch

@@ -25,7 +25,7 @@ def test_an_own_loop_trains_on_two_ddp_workers_through_the_api(stack: Stack, tmp
             "training": {"entrypoint": "own_loop.loop:train", "entrypoint_args": {"width": 16, "samples": 256},
                          "epochs": 2, "batch_size": 64},
             "optimizer": {"name": "adam", "lr": 0.01},
-            "teleport": {"epochs": [0], "batches": 1, "batch_size": 32, "steps": 2, "cap": 50.0},
+            "teleport": {"epochs": [0], "batches": 1, "batch_size": 32, "steps": 2, "cap": 50.0, "budget": None},
             "resources": {"workers": 2},
             "code": {"package": upload(c, str(EXAMPLE))["package"]},
         }

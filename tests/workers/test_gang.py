@@ -22,7 +22,7 @@ from workers.artifacts import checkpoints
 from workers.redis_sink import read_events
 
 GANG = {"resources": {"workers": 2, "cpus_per_worker": 1}, "training": {"epochs": 3, "batch_size": 32},
-        "teleport": {"epochs": [1], "batches": 1, "steps": 2, "batch_size": 16}}
+        "teleport": {"epochs": [1], "batches": 1, "steps": 2, "batch_size": 16, "budget": None}}
 
 
 def losses(events: list[dict[str, Any]]) -> list[float]:

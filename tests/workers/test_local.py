@@ -44,7 +44,7 @@ def tiny(epochs: int = 3, teleport: dict[str, Any] | None = None, **training: An
         "optimizer": {"name": "sgd", "lr": 0.1},
         "training": {"epochs": epochs, "batch_size": 32, "seed": 0, "device": "cpu", **training},
         "teleport": {"epochs": [0, 1], "batches": 2, "steps": 2, "batch_size": 32, "lr": 0.2, "cap": 50.0,
-                     **(teleport or {})},
+                     "budget": None, **(teleport or {})},
     })
 
 

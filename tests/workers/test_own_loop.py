@@ -33,7 +33,7 @@ def example_spec(**training: Any) -> ExperimentSpec:
         "training": {"entrypoint": "own_loop.loop:train", "entrypoint_args": {"width": 16, "samples": 256},
                      "epochs": 2, "batch_size": 64, **training},
         "optimizer": {"name": "adam", "lr": 0.01},
-        "teleport": {"epochs": [0, 2], "batches": 2, "batch_size": 32, "steps": 2, "cap": 50.0},
+        "teleport": {"epochs": [0, 2], "batches": 2, "batch_size": 32, "steps": 2, "cap": 50.0, "budget": None},
     })
 
 

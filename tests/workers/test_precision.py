@@ -25,7 +25,7 @@ def spec(**training: Any) -> ExperimentSpec:
         "optimizer": {"name": "sgd", "lr": 0.1},
         "training": {"epochs": 2, "batch_size": 32, "seed": 0, **training},
         "teleport": {"epochs": [0, 1], "batches": 2, "steps": 3, "batch_size": 32, "lr": 0.2, "cap": 50.0,
-                     "loss_tol": LOSS_TOL},
+                     "loss_tol": LOSS_TOL, "budget": None},
     })
 
 

@@ -29,7 +29,7 @@ def tiny_spec(model: dict, epochs: int = 3, **teleport: object) -> object:
         "optimizer": {"name": "sgd", "lr": 0.05},
         "training": {"epochs": epochs, "batch_size": 32, "seed": 0},
         "teleport": {"epochs": [0, 1], "batches": 2, "steps": 2, "batch_size": 16, "lr": 0.1, "cap": 50.0,
-                     **teleport},
+                     "budget": None, **teleport},
         "resources": {"workers": 2, "cpus_per_worker": 0.5},
     })
 

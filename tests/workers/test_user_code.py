@@ -75,7 +75,7 @@ def test_run_local_with_code_dir_trains_the_example_lm_with_teleport(tmp_path: P
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "workers.cli", "run", str(EXAMPLE / "spec.yaml"), "--local", "--code", str(EXAMPLE),
            "--out", str(out), "--no-progress", "--set", "training.epochs=2", "teleport.epochs=[0]",
-           "dataset.args.max_chars=6000", "training.max_steps_per_epoch=4"]
+           "teleport.budget=null", "dataset.args.max_chars=6000", "training.max_steps_per_epoch=4"]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

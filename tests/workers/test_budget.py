@@ -1,0 +1,91 @@
+"""teleport.budget: a run's teleports are shortened or skipped to stay within their share of its wall clock."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from api_schemas.spec_io import build_spec
+from teleport import TeleportReport
+from workers.budget import TeleportBudget, cut_message
+from workers.context import RunContext
+from workers.local import train
+from workers.sinks import MemorySink
+
+
+def report(seconds: float, steps: int) -> TeleportReport:
+    return TeleportReport(1.0, 1.0, 1.0, 2.0, steps, 0, "steps", seconds)
+
+
+def test_allowance_keeps_teleport_within_its_share_of_the_projected_run() -> None:
+    budget = TeleportBudget(share=0.2, epochs=10)
+    # 2 epochs took 4 s outside teleport: the run's 10 take 20 s, teleport may spend 0.2/0.8 of that
+    assert budget.allowance(train_seconds=4.0, epochs_done=2) == pytest.approx(5.0)
+    assert TeleportBudget(share=None, epochs=10).allowance(4.0, 2) == math.inf
+    before = TeleportBudget(share=0.2, epochs=10, probe_epoch_s=1.0)  # no epoch yet: the probe's estimate
+    assert before.allowance(0.0, 0) == pytest.approx(2.5)
+
+
+def test_steps_are_cut_to_what_fits_and_a_batch_is_skipped_when_none_does() -> None:
+    budget = TeleportBudget(share=0.2, epochs=10)
+    budget.record(report(seconds=0.9, steps=8))  # 9 units in 0.9 s: 0.1 s per unit
+    assert budget.unit_seconds() == pytest.approx(0.1)
+    assert budget.steps_for_batch(8, spent=0.0, train_seconds=4.0, epochs_done=2) == 8  # 5 s left
+    assert budget.steps_for_batch(8, spent=4.55, train_seconds=4.0, epochs_done=2) == 3  # 0.45 s: 4 units
+    assert budget.steps_for_batch(8, spent=4.85, train_seconds=4.0, epochs_done=2) == 0  # < 2 units: skip
+    assert TeleportBudget(share=None, epochs=1).steps_for_batch(8, 1e9, 0.0, 0) == 8  # no budget: no cut
+    # ranks average their numbers first: the decision is the same on all of them
+    seen: list[list[float]] = []
+
+    def agree(values: list[float]) -> list[float]:
+        seen.append(values)
+        return [0.45, 0.1]
+
+    assert budget.steps_for_batch(8, spent=0.0, train_seconds=4.0, epochs_done=2, agree=agree) == 3
+    assert seen == [[pytest.approx(5.0), pytest.approx(0.1)]]
+
+
+def test_the_cut_is_said_in_one_line() -> None:
+    assert cut_message(3, (4, 8), (2, 8), 0.1) == "teleport at epoch 3 shortened to 2 batches: budget 10 %"
+    assert cut_message(0, (4, 8), (0, 8), 0.1) == "teleport at epoch 0 skipped: budget 10 %"
+    assert cut_message(1, (4, 8), (4, 3), 0.25) == "teleport at epoch 1 shortened to 3 steps a batch: budget 25 %"
+    assert cut_message(1, (4, 8), (2, 3), 0.1) == "teleport at epoch 1 shortened to 2 batches, some of 3 steps: " \
+                                                  "budget 10 %"
+
+
+def spec(budget: float | None) -> Any:
+    return build_spec({
+        "model": {"kind": "mlp", "hidden": [32]},
+        "dataset": {"name": "digits", "max_train": 200, "max_test": 100},
+        "optimizer": {"name": "sgd", "lr": 0.1},
+        "training": {"epochs": 3, "batch_size": 32, "seed": 0},
+        "teleport": {"epochs": [0, 1, 2], "batches": 2, "steps": 2, "batch_size": 32, "cap": 50.0, "budget": budget},
+    })
+
+
+def run(budget: float | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    sink = MemorySink()
+    summary = train(spec(budget), RunContext(sink=sink))
+    return sink.records, summary
+
+
+def test_a_budget_no_teleport_fits_skips_each_and_says_so() -> None:
+    records, summary = run(1e-9)
+    assert not [r for r in records if r["kind"] == "teleport"]
+    cuts = [r for r in records if r["kind"] == "budget"]
+    assert [c["epoch"] for c in cuts] == [0, 1, 2]
+    assert all(c["message"] == f"teleport at epoch {c['epoch']} skipped: budget 1e-07 %" for c in cuts)
+    assert summary["teleport_batches"] == 0 and summary["teleport_cuts"] == 3 and summary["teleport_budget"] == 1e-9
+    # the budget's probe is one forward + backward: training is the same as a run without teleport
+    plain = train(spec(None).model_copy(update={"teleport": spec(None).teleport.model_copy(
+        update={"enabled": False})}), RunContext(sink=MemorySink()))
+    assert summary["final_train_loss"] == plain["final_train_loss"]
+
+
+def test_a_whole_run_budget_cuts_nothing() -> None:
+    records, summary = run(1.0)
+    assert [(r["epoch"], r["batch"]) for r in records if r["kind"] == "teleport"] == \
+        [(e, b) for e in range(3) for b in range(2)]
+    assert not [r for r in records if r["kind"] == "budget"] and summary["teleport_cuts"] == 0
