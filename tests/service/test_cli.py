@@ -79,7 +79,8 @@ def test_run_on_ray_with_code_writes_the_same_outputs_as_local(tmp_path: Path) -
     out = tlab("run", str(example / "spec.yaml"), "--ray", "--code", str(example), "--out", str(tmp_path / "r"),
                "--set", "training.epochs=2", "training.max_steps_per_epoch=4", "dataset.args.max_chars=6000",
                "teleport.epochs=[0]", "teleport.batches=1", "teleport.steps=2", "teleport.batch_size=2",
-               "teleport.budget=null", "resources.workers=2", "resources.cpus_per_worker=0.5", cwd=tmp_path, env={"RAY_AUTH_MODE": "disabled"})
+               "teleport.budget=null", "resources.workers=2", "resources.cpus_per_worker=0.5", cwd=tmp_path,
+               env={"RAY_AUTH_MODE": "disabled"})
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [r["dataset"] for r in lines if r["kind"] == "start"] == ["tiny_lm.data:python_source"]
