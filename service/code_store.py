@@ -8,12 +8,19 @@ capped by the route, as it arrives (``TLAB_MAX_CODE_MB``).
 
 The scheduler hands a job's package to Ray as its runtime_env ``working_dir`` (``runtime_env_for``): Ray uploads
 the zip to its own store and unpacks it on every node; this copy stays, for a restarted cluster. No FastAPI here.
+
+A job can write the storage, so a stored package is verified at every use (``read_package``): read without
+following a link (``service.safe_files``), hashed against its sha256 name. A mismatch (or a link, a special file)
+refuses the job naming the package; ``GET /v1/code/{id}`` answers 404 so that ``tlab submit --code`` uploads it
+again, and ``store_package`` replaces it. What the scheduler hands Ray is a verified copy of its own
+(``verified_copy``, under ``$TLAB_HOME/packages``), never the file in storage.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
 import stat
 import tempfile
@@ -27,11 +34,12 @@ from api_schemas import keys
 from api_schemas.code import CodePackage, package_hex
 from api_schemas.jobs import Role, UserPublic
 from api_schemas.spec import ExperimentSpec
-from service import storage
+from service import safe_files, storage
 from service.errors import Forbidden, InvalidInput, JobNotFound, Unstartable
 from service.settings import Settings
 
 MB = 1 << 20
+log = logging.getLogger("tlab.code")
 
 
 class PackageNotFound(JobNotFound):
@@ -50,7 +58,7 @@ def _bad(message: str) -> InvalidInput:
     return InvalidInput(message, field="body")
 
 
-def check_zip(data: bytes, max_unpacked: int) -> tuple[int, int]:
+def check_zip(data: bytes, max_unpacked: int, max_files: int = 10_000) -> tuple[int, int]:
     """(files, unpacked bytes) of a zip that is safe to unpack, or InvalidInput (422) saying what is wrong."""
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
@@ -58,6 +66,9 @@ def check_zip(data: bytes, max_unpacked: int) -> tuple[int, int]:
     except (zipfile.BadZipFile, ValueError, EOFError):
         raise _bad("the body is not a zip archive: send the zip of your package's directory "
                    "(tlab submit --code DIR makes it)") from None
+    if len(infos) > max_files:
+        raise _bad(f"the zip holds {len(infos)} members, more than {max_files} (TLAB_CODE_MAX_FILES): leave data, "
+                   "environments and caches out of the package")
     total, files = 0, 0
     for info in infos:
         name = info.filename
@@ -79,23 +90,64 @@ def check_zip(data: bytes, max_unpacked: int) -> tuple[int, int]:
     return files, total
 
 
-def describe(path: Path, owner: str, package: str) -> CodePackage:
-    with zipfile.ZipFile(path) as archive:
+class TamperedPackage(InvalidInput):
+    """A stored package that no longer hashes to its name, or is a link or special file now (422)."""
+
+
+def read_package(settings: Settings, owner: str, package: str) -> bytes:
+    """The stored package's bytes, read without following a link and verified against its sha256 name;
+    ``FileNotFoundError`` if there is none, ``TamperedPackage`` (one line naming it, logged) if it changed."""
+    path = package_path(settings, owner, package)
+    rel = path.relative_to(settings.storage_path).as_posix()
+    limit = int(settings.max_code_mb * MB)
+    try:
+        data = safe_files.read_bytes(settings.storage_path, rel, limit)
+    except safe_files.UnsafeFile as err:
+        raise TamperedPackage(f"code package {package}: {err.message}; upload it again (tlab submit --code DIR)",
+                              field="package") from None
+    if hashlib.sha256(data).hexdigest() != package_hex(package):
+        log.warning("code package %s of %s does not hash to its name: written over in storage", package, owner)
+        raise TamperedPackage(f"code package {package} no longer matches its sha256 (it was changed in storage): "
+                              "upload it again (tlab submit --code DIR)", field="package")
+    return data
+
+
+def describe(data: bytes, owner: str, package: str, created_at: float) -> CodePackage:
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
         infos = [i for i in archive.infolist() if not i.is_dir()]
-    st = path.stat()
-    return CodePackage(package=package, bytes=st.st_size, owner=owner, files=len(infos),
-                       unpacked_bytes=sum(i.file_size for i in infos), created_at=st.st_mtime)
+    return CodePackage(package=package, bytes=len(data), owner=owner, files=len(infos),
+                       unpacked_bytes=sum(i.file_size for i in infos), created_at=created_at)
+
+
+def stored(settings: Settings, owner: str, package: str) -> CodePackage | None:
+    """The package as stored and verified, None if missing or tampered with (a re-upload replaces it)."""
+    path = package_path(settings, owner, package)
+    if not storage.fetch(settings, path):
+        return None
+    try:
+        data = read_package(settings, owner, package)
+    except (FileNotFoundError, NotADirectoryError, TamperedPackage):
+        return None
+    return describe(data, owner, package, path.lstat().st_mtime)
 
 
 def store_package(settings: Settings, owner: str, data: bytes) -> tuple[CodePackage, bool]:
-    """Check and keep ``data``: (the package, True if it was new). The same bytes again keep the first copy."""
+    """Check and keep ``data``: (the package, True if it was new). The same bytes again keep the first copy, once
+    verified; a copy that was changed or replaced by a link in storage is written again."""
     package = f"sha256:{hashlib.sha256(data).hexdigest()}"
     path = package_path(settings, owner, package)
-    if path.exists():
+    if (kept := stored(settings, owner, package)) is not None:
         storage.put(settings, path, missing_only=True)  # with a bucket: its copy, if the first upload failed
-        return describe(path, owner, package), False
-    check_zip(data, int(settings.max_code_unpacked_mb * MB))
+        return kept, False
+    check_zip(data, int(settings.max_code_unpacked_mb * MB), settings.code_max_files)
     path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, data)
+    storage.put(settings, path)  # with a bucket as storage: its durable copy
+    return describe(data, owner, package, path.stat().st_mtime), True
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """``path`` holds ``data`` whole or not at all; a link or file there before is replaced, never followed."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".upload-")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -104,8 +156,16 @@ def store_package(settings: Settings, owner: str, data: bytes) -> tuple[CodePack
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    storage.put(settings, path)  # with a bucket as storage: its durable copy
-    return describe(path, owner, package), True
+
+
+def verified_copy(settings: Settings, owner: str, package: str) -> Path:
+    """A copy of the stored package, verified now, where no job writes (``$TLAB_HOME/packages``): what Ray gets."""
+    data = read_package(settings, owner, package)
+    folder = Path(settings.home) / "packages"
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = folder / f"{package_hex(package)}.zip"
+    write_atomic(path, data)
+    return path
 
 
 def find_package(settings: Settings, user: UserPublic, package: str) -> CodePackage:
@@ -116,9 +176,8 @@ def find_package(settings: Settings, user: UserPublic, package: str) -> CodePack
         raise PackageNotFound(str(err), field="package") from None
     owners = [user.name] if user.role != Role.ADMIN else sorted(p.name for p in code_dir(settings).glob("*"))
     for owner in owners:
-        path = code_dir(settings) / owner / f"{hexdigest}.zip"
-        if storage.fetch(settings, path):
-            return describe(path, owner, package)
+        if (kept := stored(settings, owner, f"sha256:{hexdigest}")) is not None:
+            return kept
     raise PackageNotFound(f"no code package {package} of yours: upload it with POST /v1/code "
                           "(tlab submit --code DIR does)", field="package")
 
@@ -140,18 +199,31 @@ def check_code(settings: Settings, user: UserPublic, spec: ExperimentSpec, prefi
     if uses:
         check_may_run_code(settings, user, f"{prefix}.code", f", and {', '.join(uses)} would")
     package = spec.code.package if spec.code is not None else None
-    if package and not storage.fetch(settings, package_path(settings, user.name, package)):
-        raise InvalidInput(f"no code package {package} of yours: upload it first (POST /v1/code; "
-                           "tlab submit --code DIR does both)", field=f"{prefix}.code.package")
+    if not package:
+        return
+    field = f"{prefix}.code.package"
+    try:
+        if storage.fetch(settings, package_path(settings, user.name, package)):
+            read_package(settings, user.name, package)
+            return
+    except TamperedPackage as err:
+        raise TamperedPackage(err.message, field=field) from None
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    raise InvalidInput(f"no code package {package} of yours: upload it first (POST /v1/code; "
+                       "tlab submit --code DIR does both)", field=field)
 
 
 def runtime_env_for(settings: Settings, owner: str, spec: ExperimentSpec) -> dict[str, Any]:
-    """The Ray runtime_env part for a job's code: ``working_dir`` (the stored zip) and ``pip`` (requirements)."""
+    """The Ray runtime_env part for a job's code: ``working_dir`` (a ``verified_copy`` of the stored zip:
+    ``TamperedPackage`` if it changed, ``FileNotFoundError`` if it is gone) and ``pip`` (requirements)."""
     if spec.code is None:
         return {}
     env: dict[str, Any] = {}
     if spec.code.package:
-        env["working_dir"] = str(package_path(settings, owner, spec.code.package))
+        if not storage.fetch(settings, package_path(settings, owner, spec.code.package)):
+            raise FileNotFoundError(f"code package {spec.code.package} is not stored")
+        env["working_dir"] = str(verified_copy(settings, owner, spec.code.package))
     if spec.code.requirements:
         env["pip"] = list(spec.code.requirements)
     return env
@@ -175,8 +247,11 @@ class JobCode:
             where = ".".join(str(p) for p in first["loc"]) or "spec"
             raise Unstartable(f"its stored spec no longer validates (spec.{where}: {first['msg']}): "
                               "submit it again with a corrected spec") from None
-        env = runtime_env_for(self.settings, owner, spec)
-        if "working_dir" in env and not storage.fetch(self.settings, Path(env["working_dir"])):
-            raise Unstartable(f"its code package {spec.code.package if spec.code else ''} is no longer stored: "
-                              "upload the directory again (tlab submit --code DIR) and resubmit")
-        return env
+        try:
+            return runtime_env_for(self.settings, owner, spec)
+        except TamperedPackage as err:
+            raise Unstartable(err.message) from None
+        except (FileNotFoundError, NotADirectoryError):
+            package = spec.code.package if spec.code else ""
+            raise Unstartable(f"its code package {package} is no longer stored: upload the directory again "
+                              "(tlab submit --code DIR) and resubmit") from None

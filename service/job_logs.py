@@ -7,23 +7,31 @@ every node shares, so they are readable after Ray has forgotten the job and afte
 A follow is Server-Sent Events whose ``id`` is ``<attempt>:<byte offset>``: a reconnect with ``Last-Event-ID``
 goes on from that byte. It moves on to the next attempt's file when the job is started again (a requeue after a
 preemption or a lost cluster), and ends with an ``end`` event once the job has ended and its file is read.
+
+A job writes these files: each is opened without following a link (``service.safe_files``); a link or a special
+file where a log should be is refused with one line (404), and a follow treats it as empty.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import BinaryIO
 
+from service import safe_files
 from service.errors import InvalidInput, JobNotFound
 
 CHUNK = 64 * 1024  # bytes per SSE event at most
+MAX_READ = 64 << 20  # a whole log is its last 64 MiB at most (workers cap theirs at TLAB_MAX_LOG_MB, 20 by default)
 POLL_S = 0.5  # how often a follow looks for new bytes
 REFRESH_S = 2.0  # with a bucket as storage: how often a follow pulls what other hosts uploaded
 _ATTEMPT = re.compile(r"attempt-(\d+)")
 _CURSOR = re.compile(r"(\d+):(\d+)")
+_ALIAS = re.compile(r"(driver|preflight|trial-[0-9a-z_]{1,40})\.log")
 
 
 def root(storage: str | Path, job_id: str) -> Path:
@@ -62,18 +70,45 @@ def pick_attempt(storage: str | Path, job_id: str, attempt: int | None) -> int |
     return attempt
 
 
-def tail(path: Path, lines: int | None) -> str:
-    """The file's last ``lines`` lines (all when None); reads only as much of the end as it needs."""
-    if not path.exists():
+def open_log(storage: str | Path, path: Path) -> BinaryIO | None:
+    """The log file ``path`` under ``storage``, opened without following a link (``service.safe_files``: a link or
+    special file is ``UnsafeFile``); None if there is none. The one link followed is a 1-worker job's ``rank-0.log``
+    naming a log beside it (``workers.job_logs.also_as``), opened the same way."""
+    rel = path.relative_to(storage)
+    try:
+        return os.fdopen(safe_files.open_file(storage, rel.as_posix()), "rb")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except safe_files.UnsafeFile:
+        target = alias_of(path)
+        if target is None:
+            raise
+        return open_log(storage, path.with_name(target))
+
+
+def alias_of(path: Path) -> str | None:
+    """The sibling a rank's log links to, when it is nothing but the name of a driver's, preflight's or trial's log."""
+    try:
+        target = os.readlink(path)
+    except OSError:
+        return None
+    return target if _ALIAS.fullmatch(target) and path.name.startswith("rank-") else None
+
+
+def tail(storage: str | Path, path: Path, lines: int | None) -> str:
+    """The file's last ``lines`` lines (all when None), of its last ``MAX_READ`` bytes at most; reads only as much
+    of the end as it needs."""
+    f = open_log(storage, path)
+    if f is None:
         return ""
-    with path.open("rb") as f:
+    with f:
         size = f.seek(0, 2)
         if lines is None:
-            f.seek(0)
-            return f.read().decode(errors="replace")
+            f.seek(max(0, size - MAX_READ))
+            return f.read(MAX_READ).decode(errors="replace")
         block, data = 8192, b""
-        while data.count(b"\n") <= lines and len(data) < size:
-            block = min(block * 2, size)
+        while data.count(b"\n") <= lines and len(data) < min(size, MAX_READ):
+            block = min(block * 2, size, MAX_READ)
             f.seek(size - block)
             data = f.read(block)
     kept = data.splitlines(keepends=True)[-lines:] if lines else []
@@ -121,8 +156,12 @@ class _Follow:
         done = bool(newer) or ended  # nothing more will be written to this attempt's file
         path = self.path(done)
         data = b""
-        if path is not None:
-            with path.open("rb") as f:
+        try:
+            f = open_log(self.storage, path) if path is not None else None
+        except safe_files.UnsafeFile:  # said in the API's log; the follow sees an empty file
+            f = None
+        if f is not None:
+            with f:
                 f.seek(self.offset)
                 data = f.read(CHUNK)
         cut = data.rfind(b"\n") + 1

@@ -32,9 +32,9 @@ from api_schemas.lineage import (
     continue_spec,
     fork_spec,
 )
-from service import storage
+from service import safe_files, storage
 from service.admission import admit_experiment
-from service.artifacts import inside, run_dir
+from service.artifacts import checkpoint_dirs
 from service.deps import State, own_job
 from service.errors import DoesNotFit, InvalidInput, InvalidState, JobNotFound
 from service.events import records
@@ -42,6 +42,7 @@ from service.settings import Settings
 from service.store import Store, demand_of
 from service.submit import enqueue, known_nodes, never_fits
 
+META_BYTES = 1 << 16  # a checkpoint's meta.json is read up to this size
 MAX_ANCESTORS = 100  # parents a curve joins (a longer chain shows its latest 100 ancestors' epochs)
 CURVE_KINDS = ("epoch", "teleport")  # the records an ancestor adds to its descendant's curve
 # append a child to the parent's JSON list in one call (two children forked at once both stay)
@@ -58,15 +59,15 @@ def kept_epochs(settings: Settings, job_id: str) -> dict[int, str]:
     """{epochs trained: checkpoint directory name} of the job's kept checkpoints that hold a model (a diverged
     run's last one holds only its failure: its ``meta.json`` has no epoch); the newest directory per epoch."""
     storage.sync_checkpoints(settings, job_id)  # with a bucket: what the local copy lacks
-    root = run_dir(settings, job_id)
+    root = settings.storage_path
     found: dict[int, str] = {}
-    for path in sorted(root.glob("checkpoint_*"), key=lambda p: p.name):  # names carry the time: oldest first
+    for name in checkpoint_dirs(settings, job_id):  # oldest first; the job writes them: no link followed
         try:
-            epoch = json.loads((path / "meta.json").read_text()).get("epoch")
-        except (OSError, ValueError, AttributeError):
+            epoch = json.loads(safe_files.read_bytes(root, f"{job_id}/{name}/meta.json", META_BYTES)).get("epoch")
+        except (OSError, ValueError, AttributeError, safe_files.UnsafeFile):
             continue
-        if isinstance(epoch, int) and epoch >= 1 and (path / "checkpoint.pt").is_file() and inside(path, root):
-            found[epoch] = path.name
+        if isinstance(epoch, int) and epoch >= 1 and safe_files.exists(root, f"{job_id}/{name}/checkpoint.pt"):
+            found[epoch] = name
     return found
 
 

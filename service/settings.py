@@ -96,6 +96,8 @@ class Settings(BaseSettings):
     max_code_unpacked_mb: float = Field(200.0, gt=0, validation_alias="TLAB_MAX_CODE_UNPACKED_MB",
                                         description="largest total size of a package's files unpacked, in MiB "
                                                     "(422 above it: a zip bomb)")
+    code_max_files: int = Field(10_000, ge=1, validation_alias="TLAB_CODE_MAX_FILES",
+                                description="most members (files and directories) in one code package (422 above)")
     preflight_timeout_s: float = Field(120.0, gt=0, validation_alias="TLAB_PREFLIGHT_TIMEOUT_S",
                                        description="a preflight's time box, from its submit to Ray to its verdict "
                                                    "(runtime env and pip install included); over it the job fails")

@@ -3,11 +3,13 @@ A sweep's are its best trial's."""
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 from fastapi import APIRouter
 from fastapi import Path as PathParam
 from fastapi.responses import FileResponse
+from starlette.background import BackgroundTask
 
 from api_schemas.artifacts import ArtifactList
 from service import artifacts
@@ -35,8 +37,10 @@ Name = Annotated[str, PathParam(pattern=f"^{_SEGMENT}(?:/{_SEGMENT})*$", max_len
 
 
 def download(st: StateDep, job_id: str, name: str) -> FileResponse:
-    path = artifacts.resolve(st.settings, job_id, name)
-    return FileResponse(path, filename=name.rsplit("/", 1)[-1], media_type="application/octet-stream")
+    """Served from the descriptor ``open_artifact`` checked (no link followed), closed once the response is sent."""
+    fd = artifacts.open_artifact(st.settings, job_id, name)
+    return FileResponse(f"/proc/self/fd/{fd}", filename=name.rsplit("/", 1)[-1],
+                        media_type="application/octet-stream", background=BackgroundTask(os.close, fd))
 
 
 @router.get("/v1/experiments/{job_id}/artifacts", responses=OWNED)

@@ -37,7 +37,8 @@ def logs(job_id: str, st: StateDep, user: CurrentUser, rank: Rank = "0", attempt
     storage.sync_logs(st.settings, job_id)  # with a bucket: what the local copy lacks
     chosen = job_logs.pick_attempt(st.settings.storage_path, job_id, attempt)
     if chosen is not None:
-        return job_logs.tail(job_logs.file_of(st.settings.storage_path, job_id, rank, chosen), tail)
+        return job_logs.tail(st.settings.storage_path, job_logs.file_of(st.settings.storage_path, job_id, rank, chosen),
+                             tail)
     return log_text(ray_driver_log(st, sid), job_records(st, job_id))
 
 

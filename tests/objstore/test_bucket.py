@@ -139,7 +139,8 @@ def test_the_api_serves_artifacts_and_logs_it_no_longer_holds(s3_uri: str, tmp_p
                              "logs/attempt-1/driver.log": b"trained\n"})
     storage.bucket(s).push(tmp_path / "node", JOB)
     assert [a.name for a in artifacts.listing(s, JOB)] == ["plots/a.txt", "summary.json"]
-    assert artifacts.resolve(s, JOB, "plots/a.txt").read_bytes() == b"mine"
+    with os.fdopen(artifacts.open_artifact(s, JOB, "plots/a.txt"), "rb") as f:
+        assert f.read() == b"mine"
     storage.sync_logs(s, JOB)
     assert (tmp_path / "cache" / JOB / "logs/attempt-1/driver.log").read_bytes() == b"trained\n"
     storage.delete(s, JOB)  # a dry run's directory goes from the bucket too

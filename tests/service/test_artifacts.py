@@ -51,16 +51,21 @@ def test_names_never_leave_the_jobs_directory(storage: tuple[Settings, Path]) ->
     assert set(listed) == {"plots/a.txt", "checkpoint.pt"}  # not the hidden file, not the symlink out
     assert listed["plots/a.txt"].sha256 == hashlib.sha256(b"mine").hexdigest()
     # no checkpoint.pt exported (a driver killed before it could): the newest Ray Train checkpoint stands in
-    assert artifacts.resolve(settings, JOB, "checkpoint.pt").read_text() == "new"
-    assert artifacts.resolve(settings, JOB, "plots/a.txt") == (root / "plots" / "a.txt").resolve()
+    assert read(settings, "checkpoint.pt") == b"new"
+    assert read(settings, "plots/a.txt") == b"mine"
     for bad in ["../checkpoint_2026-01-02_00-00-00.000001/checkpoint.pt", "/etc/passwd", "plots/../../x", "",
                 "a\\..\\b", "a\x00b"]:
         with pytest.raises(InvalidInput) as err:
-            artifacts.resolve(settings, JOB, bad)
+            artifacts.open_artifact(settings, JOB, bad)
         assert err.value.field == "name"
     for missing in ["leak.txt", ".model.safetensors.tmp", "plots", "nothing.bin"]:
         with pytest.raises(JobNotFound):
-            artifacts.resolve(settings, JOB, missing)
+            artifacts.open_artifact(settings, JOB, missing)
+
+
+def read(settings: Settings, name: str) -> bytes:
+    with os.fdopen(artifacts.open_artifact(settings, JOB, name), "rb") as f:
+        return f.read()
 
 
 def pull(stack: Stack, token: str, job: str, out: Path) -> subprocess.CompletedProcess[str]:

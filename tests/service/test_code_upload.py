@@ -14,7 +14,8 @@ import pytest
 
 from api_schemas import ExperimentSpec
 from service.cli.code_zip import zip_dir
-from service.code_store import runtime_env_for
+from service.code_store import check_zip, package_path, runtime_env_for
+from service.errors import InvalidInput
 from service.settings import Settings
 from tests.service.conftest import Api, tiny
 
@@ -24,7 +25,7 @@ ZIP = {"Content-Type": "application/zip"}
 
 @pytest.fixture()
 def api_env() -> dict[str, str]:
-    return {"TLAB_MAX_CODE_MB": "0.25", "TLAB_MAX_CODE_UNPACKED_MB": "1"}
+    return {"TLAB_MAX_CODE_MB": "0.25", "TLAB_MAX_CODE_UNPACKED_MB": "1", "TLAB_CODE_MAX_FILES": "100"}
 
 
 def zip_of(members: dict[str, bytes], symlink: str | None = None) -> bytes:
@@ -73,11 +74,13 @@ def test_upload_is_content_addressed_and_visible_to_its_owner_and_admins(api_onl
         assert alice.post("/v1/experiments", json={"spec": custom_spec(expected)}).status_code == 201
         refused = bob.post("/v1/experiments", json={"spec": custom_spec(expected)})
         assert refused.status_code == 422 and refused.json()["errors"][0]["field"] == "spec.code.package"
-    # what the scheduler hands Ray for alice's job: the stored zip as working_dir, the requirements as pip
+    # what the scheduler hands Ray for alice's job: a verified copy of the stored zip, outside the storage jobs
+    # write, as working_dir, the requirements as pip
     spec = ExperimentSpec.model_validate({**custom_spec(expected), "code": {"package": expected,
                                                                            "requirements": ["einops==0.8.0"]}})
     env = runtime_env_for(Settings(TLAB_HOME=str(api_only.stack.home)), "alice", spec)
-    assert env == {"working_dir": str(stored[0]), "pip": ["einops==0.8.0"]}
+    copy = api_only.stack.home / "packages" / f"{expected.removeprefix('sha256:')}.zip"
+    assert env == {"working_dir": str(copy), "pip": ["einops==0.8.0"]} and copy.read_bytes() == data
 
 
 @pytest.mark.parametrize(("body", "status", "needle"), [
@@ -141,7 +144,14 @@ def test_tlab_submit_code_uploads_once_and_submits_with_the_package(api_only: Ap
                            timeout=60, cwd=tmp_path, env={**os.environ, "PYTHONPATH": repo}) for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[0].stderr + runs[1].stderr
     assert "KiB, uploaded)" in runs[0].stderr and "unchanged, not uploaded again" in runs[1].stderr
-    package = f"sha256:{hashlib.sha256(zip_dir(EXAMPLE, 1 << 20)).hexdigest()}"
+    data = zip_dir(EXAMPLE, 1 << 20)
+    package = f"sha256:{hashlib.sha256(data).hexdigest()}"
+    kept = package_path(Settings(TLAB_HOME=str(api_only.stack.home)), "admin", package)
+    kept.write_bytes(data + b"\0")  # a job wrote over it in storage: uploaded again
+    again = subprocess.run([*tlab, "submit", spec, "--code", str(EXAMPLE)], capture_output=True, text=True,
+                           timeout=60, cwd=tmp_path, env={**os.environ, "PYTHONPATH": repo})
+    assert again.returncode == 0 and "KiB, uploaded)" in again.stderr, again.stderr
+    assert kept.read_bytes() == data
     with api_only.client() as c:
         job = c.get(f"/v1/experiments/{runs[1].stdout.split()[0]}").json()
     assert job["spec"]["code"]["package"] == package and job["spec"]["model"]["kind"] == "custom"
@@ -165,8 +175,7 @@ def test_a_job_whose_package_is_gone_fails_at_once_and_a_refused_submit_costs_no
     settings = Settings(redis_url=api_only.stack.redis_url or "", cluster_nodes=STATIC_NODES,
                         home=api_only.stack.home)
     store = Store.from_url(settings.redis_url)
-    stored = runtime_env_for(settings, "admin", ExperimentSpec.model_validate(custom_spec(package)))["working_dir"]
-    Path(stored).unlink()
+    package_path(settings, "admin", package).unlink()
     jobs = RayJobs.__new__(RayJobs)  # every field but the Jobs API client: nothing here reaches Ray
     jobs.env, jobs.python, jobs.credentials, jobs.client = {}, "python", None, None
     jobs.code = JobCode(settings, store.r)
@@ -176,3 +185,60 @@ def test_a_job_whose_package_is_gone_fails_at_once_and_a_refused_submit_costs_no
     assert failed.failure_reason and "no longer stored" in failed.failure_reason and "\n" not in failed.failure_reason
     again = store.raw(builtin)
     assert again["state"] == JobState.QUEUED.value and again["attempts"] == "0", again
+
+
+def tamper(path: Path, how: str) -> None:
+    """What a job that can write the storage does to a stored package: rewrite it, or make it a link."""
+    if how == "rewritten":
+        path.write_bytes(zip_of({"tiny_lm/__init__.py": b"import os; os.system('id')"}))
+    else:
+        path.unlink()
+        path.symlink_to("/proc/self/environ")
+
+
+@pytest.mark.parametrize("how", ["rewritten", "linked"])
+def test_a_tampered_package_is_refused_at_submit_and_at_start_and_replaced_by_an_upload(api_only: Api,
+                                                                                          how: str) -> None:
+    """A stored package that no longer hashes to its name (or is a link now) refuses a submit naming it, makes a
+    queued job with it fail at its start (the scheduler's dispatch, on Redis; no Ray reached), answers 404 to the
+    CLI's ``GET /v1/code/{id}``; the same upload writes it again."""
+    from api_schemas.jobs import JobState
+    from service.code_store import JobCode
+    from service.ray_cluster import RayJobs, StaticCluster
+    from service.scheduler import Scheduler
+    from service.store import Store
+    from tests.service.conftest import STATIC_NODES
+
+    data = zip_of({"tiny_lm/__init__.py": b""})
+    settings = Settings(redis_url=api_only.stack.redis_url or "", cluster_nodes=STATIC_NODES,
+                        home=api_only.stack.home)
+    with api_only.client() as c:
+        package = c.post("/v1/code", content=data, headers=ZIP).json()["package"]
+        queued = c.post("/v1/experiments", json={"spec": custom_spec(package)}).json()["id"]
+        tamper(package_path(settings, "admin", package), how)
+        r = c.post("/v1/experiments", json={"spec": custom_spec(package)})
+        assert r.status_code == 422 and r.json()["errors"][0]["field"] == "spec.code.package", r.text
+        assert package in r.text and "upload it again" in r.text and "\n" not in r.json()["errors"][0]["message"]
+        assert c.get(f"/v1/code/{package}").status_code == 404  # so `tlab submit --code` uploads it again
+        store = Store.from_url(settings.redis_url)
+        jobs = RayJobs.__new__(RayJobs)  # every field but the Jobs API client: nothing here reaches Ray
+        jobs.env, jobs.python, jobs.credentials, jobs.client = {}, "python", None, None
+        jobs.code = JobCode(settings, store.r)
+        Scheduler(store, settings, StaticCluster(STATIC_NODES), jobs).dispatch(time.time())
+        failed = store.view(queued)
+        assert failed.state == JobState.FAILED and package in (failed.failure_reason or ""), failed
+        assert not (api_only.stack.home / "packages" / f"{package.removeprefix('sha256:')}.zip").exists()
+        assert c.post("/v1/code", content=data, headers=ZIP).status_code in (200, 201)
+        assert package_path(settings, "admin", package).read_bytes() == data
+        assert not package_path(settings, "admin", package).is_symlink()
+        assert c.post("/v1/experiments", json={"spec": custom_spec(package)}).status_code == 201
+
+
+def test_a_package_of_too_many_files_is_refused_at_upload(api_only: Api) -> None:
+    with api_only.client() as c:  # this module's cap: 100 members
+        r = c.post("/v1/code", content=zip_of({f"pkg/f{i}.py": b"" for i in range(101)}), headers=ZIP)
+        assert r.status_code == 422 and "101 members, more than 100 (TLAB_CODE_MAX_FILES)" in r.text, r.text
+        assert c.post("/v1/code", content=zip_of({f"pkg/f{i}.py": b"" for i in range(100)}), headers=ZIP).is_success
+    many = zip_of({f"f{i}": b"" for i in range(100_001)})  # the review's 100,001 files: ~10 MB, under the size caps
+    with pytest.raises(InvalidInput, match="100001 members, more than 10000 .TLAB_CODE_MAX_FILES."):
+        check_zip(many, 200 << 20, Settings().code_max_files)

@@ -115,9 +115,9 @@ def test_tail_and_which_file_a_rank_reads(tmp_path: Path) -> None:
     assert reader.file_of(tmp_path, "j", "0", 2).name == "driver.log"  # trained in the driver
     assert reader.file_of(tmp_path, "j", "1", 2).name == "rank-1.log"
     one = reader.file_of(tmp_path, "j", "0", 1)
-    assert reader.tail(one, 3) == "line 4997\nline 4998\nline 4999\n"
-    assert reader.tail(one, None).count("\n") == 5000 and reader.tail(one, 0) == ""
-    assert reader.tail(tmp_path / "missing.log", 5) == ""
+    assert reader.tail(tmp_path, one, 3) == "line 4997\nline 4998\nline 4999\n"
+    assert reader.tail(tmp_path, one, None).count("\n") == 5000 and reader.tail(tmp_path, one, 0) == ""
+    assert reader.tail(tmp_path, tmp_path / "missing.log", 5) == ""
 
 
 def test_a_follow_sends_whole_lines_once_across_attempts_and_resumes(tmp_path: Path) -> None:
