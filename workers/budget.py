@@ -88,7 +88,7 @@ def cut_message(epoch: int, planned: tuple[int, int], done: tuple[int, int], sha
     budget = f"budget {share * 100:g} %"
     if ran == 0:
         return f"teleport at epoch {epoch} skipped: {budget}"
-    what = f"{ran} batches" if ran < batches else f"{least_steps} steps a batch"
+    what = f"{ran} batches" if ran < batches else f"batches of as few as {least_steps} steps"
     if ran < batches and least_steps < steps:
         what += f", some of {least_steps} steps"
     return f"teleport at epoch {epoch} shortened to {what}: {budget}"

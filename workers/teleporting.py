@@ -121,7 +121,7 @@ class Teleporter:
             self.budget.record(report)
             ran, least = ran + 1, min(least, steps)
         if ran < self.tp.batches or least < self.tp.steps:
-            self._say_cut(epoch, ran, least)
+            self._say_cut(epoch, ran, least if ran else 0)
         return ran
 
     def _batch(self, idx: Tensor, steps: int) -> TeleportReport:

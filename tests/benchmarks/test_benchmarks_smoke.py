@@ -89,3 +89,20 @@ def test_run_all_skips_missing(results: Path, capsys: pytest.CaptureFixture[str]
     assert {"fig5_scaling", "step_cost", "float32_drift"} <= set(run_all.discover())
     assert run_all.main(["--quick", "--only", "no_such_benchmark"]) == 0
     assert "skipped: benchmarks/no_such_benchmark.py does not exist" in capsys.readouterr().out
+
+
+def test_lm_payoff_quick(results: Path) -> None:
+    from benchmarks import lm_payoff
+
+    lm_payoff.main(["--quick", "--threads", "1"])
+    body = _load(results / "lm_payoff.json")
+    cost, pay = body["cost"], body["payoff"]
+    assert body["device"] == "cpu" and cost["forced_steps_taken"] == 8
+    assert cost["forced_drift"] < 1e-3 * 6  # the loss on the teleport batch stays (float32, ln 256 ≈ 5.5)
+    assert cost["host_reads_per_step"] == 1.0  # a count, not a time: one host read per ascent step
+    assert cost["launches_per_step"] > 0 and cost["launches_per_teleport_setup"] > 0
+    assert set(pay) == {"sgd", "adam"}
+    for p in pay.values():
+        assert p["baseline_final_train_loss"] > 0 and 0 <= p["teleport_share"] < 1
+    assert set(body["floors"]) == {"one_teleport_default_le_floor", "host_reads_per_step_le_1",
+                                   "adam_seconds_ratio_le_1"}

@@ -95,3 +95,41 @@ def test_bf16_autocast_training_with_a_float32_teleport_between_steps() -> None:
     assert all(p.dtype == torch.float32 for p in model.parameters())
     later = [train_step() for _ in range(3)]
     assert all(torch.isfinite(torch.tensor(first + later)))
+
+
+@cuda
+def test_bases_on_cuda_are_batched_eigh_and_match_the_cpu_svd() -> None:
+    from teleport.bases import compute_bases, compute_basis, project
+
+    torch.manual_seed(7)
+    reps = [torch.randn(512, 256, dtype=torch.float32) for _ in range(3)] + [torch.randn(64, 300)]
+    on_gpu = compute_bases([r.cuda() for r in reps], 1.0)
+    for rep, b in zip(reps, on_gpu, strict=True):
+        ref = compute_basis(rep, 1.0, route="svd")
+        assert b.rank == ref.rank and b.route in ("cols", "gram")
+        g = torch.randn(8, rep.shape[0])
+        assert torch.allclose(project(g.cuda(), b).cpu(), project(g, ref), atol=1e-4)
+
+
+@cuda
+def test_an_ascent_step_on_cuda_syncs_the_host_at_most_once() -> None:
+    """CUDA's sync debug mode warns at every host sync: (syncs of 6 steps − syncs of 0 steps) / 6 ≤ 1."""
+    import warnings
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 10)).cuda()
+    x, y = torch.randn(16, 64, device="cuda"), torch.randint(0, 10, (16,), device="cuda")
+
+    def syncs(steps: int) -> int:
+        config = TeleportConfig(steps=steps, lr=1e-4, cap=1e12, loss_tol=1e9)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                report = teleport_batch(copy.deepcopy(model), F.cross_entropy, x, y, config)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert report.steps == steps
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    assert (syncs(6) - syncs(0)) / 6 <= 1.0

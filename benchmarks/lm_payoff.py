@@ -1,0 +1,219 @@
+"""Does teleport pay on a language model? Its cost in training steps, and seconds to the baseline's loss.
+
+Two parts, on the device given (``--device cpu|cuda``), side by side in one run:
+
+1. **Cost of one teleport** on a GPT-style LM (d = 512, 4 pre-norm ``nn.TransformerEncoderLayer`` blocks,
+   8 heads, FF 4d, context 128, a char vocabulary of 256, token embedding tied to the head; ``--quick``:
+   d = 64, 2 blocks, context 32): a training step (AdamW, 32 sequences) against one ``teleport_batch`` on 2
+   sequences — with 8 ascent steps forced (CAP and loss_tol off: the most a teleport of 8 steps costs) and
+   with the product's defaults (lr 0.2, CAP 5: where ‖∇L‖² already exceeds CAP no step is taken). Per
+   ascent step: profiler events (``aten::`` ops on the CPU; ``cudaLaunchKernel`` on CUDA) and the
+   teleport's host reads (``teleport.objective.HOST_READS``), each as (T(8) − T(0)) / 8.
+2. **Payoff** on ``examples/tiny_lm`` (a char LM on Python source): baseline against teleport with SGD and
+   Adam through the product's own loop (``workers.local.train``) with ``teleport.budget`` at its default:
+   seconds to the baseline's final train loss as a ratio, and teleport's share of the run. ``--quick`` and
+   the CPU default are small; ``--size gpu`` is the issue's size (d = 256, 4 layers, context 64, batch 64,
+   12 epochs, teleport before epochs 0-4, 8 batches × 8 steps).
+
+Floors (issue 27; printed, not asserted): one teleport ≤ 0.5 training steps on the CPU, ≤ 5 on CUDA; host
+reads per ascent step ≤ 1; on CUDA at the GPU size, teleport share ≤ 15 % and seconds to the baseline's loss
+≤ 1.0x with Adam.
+
+    python -m benchmarks.lm_payoff [--quick] [--device cpu|cuda] [--size cpu|gpu] [--threads K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from benchmarks.common import add_machine_args, print_table, quiet_machine, verdict, write_result
+from teleport import TeleportConfig, teleport_batch
+from teleport.objective import HOST_READS
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_lm"
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")  # the CUDA runtime's launch calls
+FORCED = {"lr": 1e-6, "cap": 1e12, "loss_tol": 1e9}  # every step accepted: the most 8 steps can cost
+
+
+class GPT(nn.Module):
+    """tokens (B, T) -> logits (B, T, V): pre-norm encoder blocks under a causal mask, tied head."""
+
+    def __init__(self, vocab: int, d: int, layers: int, ctx: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList([nn.TransformerEncoderLayer(d, 8, 4 * d, dropout=0.0, activation="gelu",
+                                                                batch_first=True, norm_first=True)
+                                     for _ in range(layers)])
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        t = tokens.shape[1]
+        h = self.wte(tokens) + self.wpe(torch.arange(t, device=tokens.device))  # (B, T, d)
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=tokens.device)
+        for block in self.blocks:
+            h = block(h, src_mask=mask, is_causal=True)
+        return F.linear(self.ln(h), self.wte.weight)  # (B, T, V)
+
+
+def lm_loss(logits: Tensor, tokens: Tensor) -> Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Any, device: torch.device, repeats: int) -> tuple[float, Any]:
+    fn()  # warm-up (kernels chosen, allocator warm)
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        out = fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def _launches(fn: Any, device: torch.device) -> tuple[int, int]:
+    """(profiler events that stand for kernel launches, teleport host reads) of one call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    reads = HOST_READS[0]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = prof.key_averages()
+    if device.type == "cuda":
+        launches = sum(e.count for e in events if e.key in LAUNCHES)
+    else:
+        launches = sum(e.count for e in events if e.key.startswith("aten::"))
+    return launches, HOST_READS[0] - reads
+
+
+def teleport_cost(device: torch.device, quick: bool, repeats: int) -> dict[str, Any]:
+    d, layers, ctx = (64, 2, 32) if quick else (512, 4, 128)
+    torch.manual_seed(0)
+    model = GPT(256, d, layers, ctx).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = torch.randint(0, 256, (32, ctx), device=device)  # (B, T)
+    tele = torch.randint(0, 256, (2, ctx), device=device)
+
+    def train_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        lm_loss(model(batch), batch).backward()
+        opt.step()
+
+    def teleport(steps: int, **kw: float) -> Any:
+        return teleport_batch(model, lm_loss, tele, tele, TeleportConfig(steps=steps, **kw))
+
+    step_s, _ = _timed(train_step, device, repeats)
+    forced_s, forced = _timed(lambda: teleport(8, **FORCED), device, repeats)
+    default_s, default = _timed(lambda: teleport(8), device, repeats)
+    (l0, r0), (l8, r8) = _launches(lambda: teleport(0, **FORCED), device), _launches(lambda: teleport(8, **FORCED),
+                                                                                       device)
+    return {
+        "model": {"d": d, "layers": layers, "context": ctx, "vocab": 256, "train_batch": 32, "teleport_batch": 2},
+        "train_step_s": step_s, "teleport_8_steps_s": forced_s, "teleport_default_s": default_s,
+        "teleport_8_steps_in_train_steps": forced_s / step_s, "teleport_default_in_train_steps": default_s / step_s,
+        "default_steps_taken": default.steps, "default_stop_reason": default.stop_reason,
+        "forced_steps_taken": forced.steps, "forced_drift": abs(forced.loss_after - forced.loss_before),
+        "launches_per_teleport_setup": l0, "launches_per_step": (l8 - l0) / 8, "host_reads_per_step": (r8 - r0) / 8,
+    }
+
+
+def lm_spec(optimizer: str, teleport: bool, size: str, quick: bool) -> Any:
+    from api_schemas.spec_io import build_spec
+
+    gpu = size == "gpu"
+    small = (16, 1, 16, 16, 3) if quick else (48, 2, 32, 32, 8)
+    d, layers, ctx, batch, epochs = (256, 4, 64, 64, 12) if gpu else small
+    chars = None if gpu else (3000 if quick else 40000)
+    return build_spec({
+        "model": {"kind": "custom", "factory": "tiny_lm.model:gpt",
+                  "args": {"d": d, "heads": 4 if d % 4 == 0 else 2, "layers": layers, "max_len": ctx}},
+        "dataset": {"name": "custom", "factory": "tiny_lm.data:python_source",
+                    "args": {"module": "json.decoder", "seq_len": ctx, "stride": ctx // 2,
+                             **({"max_chars": chars} if chars else {})}},
+        "training": {"epochs": epochs, "batch_size": batch, "loss": "tiny_lm.loss:next_token", "seed": 0},
+        "optimizer": {"name": optimizer, "lr": {"sgd": 0.3, "adam": 0.003}[optimizer]},
+        "teleport": {"enabled": teleport, "epochs": list(range(min(5, epochs))), "batches": 8 if gpu else 2,
+                     "steps": 8, "batch_size": 2},
+    })
+
+
+def payoff(device: torch.device, size: str, quick: bool) -> dict[str, Any]:
+    from workers.context import RunContext
+    from workers.local import train
+    from workers.sinks import MemorySink
+
+    sys.path.insert(0, str(EXAMPLE))
+    out: dict[str, Any] = {}
+    for opt in ("sgd", "adam"):
+        runs = {}
+        for label, tele in (("baseline", False), ("teleport", True)):
+            spec = lm_spec(opt, tele, size, quick)
+            spec = spec.model_copy(update={"training": spec.training.model_copy(update={"device": device.type})})
+            sink = MemorySink()
+            summary = train(spec, RunContext(device=device, sink=sink))
+            runs[label] = (summary, [r for r in sink.records if r["kind"] == "epoch"])
+        target = runs["baseline"][0]["final_train_loss"]
+        hit = next((e for e in runs["teleport"][1] if e["train_loss"] <= target), None)
+        out[opt] = {
+            "baseline_final_train_loss": target, "baseline_seconds": runs["baseline"][0]["seconds"],
+            "teleport_final_train_loss": runs["teleport"][0]["final_train_loss"],
+            "teleport_seconds_to_target": hit["seconds"] if hit else None,
+            "seconds_ratio": hit["seconds"] / runs["baseline"][0]["seconds"] if hit else None,
+            "teleport_share": runs["teleport"][0]["teleport_share"],
+            "teleport_cuts": runs["teleport"][0]["teleport_cuts"],
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--size", default=None, choices=["cpu", "gpu"], help="payoff size (default: the device's)")
+    parser.add_argument("--repeats", type=int, default=None)
+    add_machine_args(parser)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    size = args.size or ("gpu" if device.type == "cuda" else "cpu")
+    with quiet_machine("lm_payoff", args):
+        cost = teleport_cost(device, args.quick, args.repeats or (1 if args.quick else 2))
+        pay = payoff(device, size, args.quick)
+    floor = 5.0 if device.type == "cuda" else 0.5
+    floors = {
+        "one_teleport_default_le_floor": cost["teleport_default_in_train_steps"] <= floor,
+        "host_reads_per_step_le_1": cost["host_reads_per_step"] <= 1.0,
+        "adam_seconds_ratio_le_1": (pay["adam"]["seconds_ratio"] or float("inf")) <= 1.0,
+    }
+    print_table(["teleport on 2 sequences", "seconds", "training steps", "steps taken"], [
+        ["8 steps forced", f"{cost['teleport_8_steps_s']:.3f}", f"{cost['teleport_8_steps_in_train_steps']:.2f}", 8],
+        ["product defaults", f"{cost['teleport_default_s']:.3f}", f"{cost['teleport_default_in_train_steps']:.2f}",
+         f"{cost['default_steps_taken']} ({cost['default_stop_reason']})"],
+    ])
+    print(f"per ascent step: {cost['launches_per_step']:.0f} launches, {cost['host_reads_per_step']:.2f} host reads "
+          f"(floor <= 1: {verdict(floors['host_reads_per_step_le_1'])})")
+    print_table(["optimizer", "baseline loss", "teleport loss", "seconds to baseline's loss", "teleport share"], [
+        [opt, f"{p['baseline_final_train_loss']:.4f}", f"{p['teleport_final_train_loss']:.4f}",
+         "never" if p["seconds_ratio"] is None else f"{p['seconds_ratio']:.2f}x", f"{p['teleport_share']:.1%}"]
+        for opt, p in pay.items()])
+    print(f"one teleport (defaults) <= {floor:g} training steps: {verdict(floors['one_teleport_default_le_floor'])}; "
+          f"Adam to the baseline's loss in <= 1.0x its seconds: {verdict(floors['adam_seconds_ratio_le_1'])}")
+    result = {"quick": args.quick, "device": str(device), "size": size, "cost": cost, "payoff": pay, "floors": floors}
+    write_result("lm_payoff", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
