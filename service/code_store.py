@@ -37,6 +37,7 @@ from api_schemas.spec import ExperimentSpec
 from service import safe_files, storage
 from service.errors import Forbidden, InvalidInput, JobNotFound, Unstartable
 from service.settings import Settings
+from service.zip_modes import masked
 
 MB = 1 << 20
 log = logging.getLogger("tlab.code")
@@ -159,12 +160,13 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def verified_copy(settings: Settings, owner: str, package: str) -> Path:
-    """A copy of the stored package, verified now, where no job writes (``$TLAB_HOME/packages``): what Ray gets."""
+    """A copy of the stored package, verified now, where no job writes (``$TLAB_HOME/packages``), its members'
+    modes masked to 0644/0755 (``service.zip_modes``): what Ray gets."""
     data = read_package(settings, owner, package)
     folder = Path(settings.home) / "packages"
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = folder / f"{package_hex(package)}.zip"
-    write_atomic(path, data)
+    write_atomic(path, masked(data))
     return path
 
 

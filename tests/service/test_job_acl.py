@@ -21,6 +21,7 @@ import redis
 from api_schemas import keys
 from api_schemas.jobs import ExperimentSubmit, JobState
 from api_schemas.spec import ExperimentSpec
+from service import job_caps
 from service.cli.code_zip import upload
 from service.client import Client
 from service.job_acl import JobAcl, job_url, ticket_user, user_name
@@ -209,6 +210,31 @@ def test_a_jobs_user_goes_when_it_leaves_starting_or_running(service: tuple[Stor
     sink.emit({"kind": "epoch", "epoch": 0})
     sink.close()
     assert [e["data"]["epoch"] for e in read_events(urls[live], live) if e["kind"] == "metric"] == [0]
+
+
+def test_a_job_over_its_share_of_redis_loses_its_writes_and_says_why(redis_server: str) -> None:
+    """A job's user writing raw XADDs past TLAB_JOB_REDIS_MB: at the scheduler's next tick (``sync``) its writes are
+    refused, its stream trimmed to its last entries, with one error event saying why; a small job goes on."""
+    store = Store.from_url(redis_server)
+    acl = JobAcl(store.r, Settings(redis_url=redis_server, job_redis_mb=1))
+    big, small = started(store), started(store)
+    r = redis.Redis.from_url(job_credentials(acl, big), decode_responses=True)
+    other = redis.Redis.from_url(job_credentials(acl, small), decode_responses=True)
+    for _ in range(1500):  # ~3 MiB, no MAXLEN: what the sink's path would never write
+        r.xadd(keys.events(big), {"kind": "log", "data": "x" * 2000})
+    other.xadd(keys.events(small), {"kind": "log", "data": "{}"})
+    acl.sync()
+    refused(lambda: r.xadd(keys.events(big), {"kind": "log", "data": "{}"}))
+    refused(lambda: r.hset(keys.job_run(big), "summary", "x" * 100))
+    kept = r.xrange(keys.events(big))  # its reads stay
+    last = json.loads(kept[-1][1]["data"])
+    assert last["level"] == "error" and "TLAB_JOB_REDIS_MB" in last["message"], last
+    assert f"trimmed to the last {len(kept) - 1};" in last["message"] and 1 < len(kept) <= job_caps.KEEP + 1
+    assert store.r.memory_usage(keys.events(big), samples=0) < 2**20
+    other.xadd(keys.events(small), {"kind": "log", "data": "{}"})  # under its cap: untouched
+    acl.sync()  # clamped once: no second error event
+    assert store.r.xlen(keys.events(big)) == len(kept)
+    r.close(), other.close(), store.r.close()
 
 
 def test_user_code_is_refused_where_redis_cannot_isolate_it(redis_server: str) -> None:

@@ -85,7 +85,12 @@ def test_tlab_up_keeps_redis_ray_and_its_files_private(tmp_path: Path) -> None:
             redis.Redis(host="127.0.0.1", port=redis_port).ping()
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(host="127.0.0.1", port=redis_port, password="wrong").ping()
-        assert redis.Redis(host="127.0.0.1", port=redis_port, password=password).ping()
+        service = redis.Redis(host="127.0.0.1", port=redis_port, password=password, decode_responses=True)
+        assert service.ping()
+        # a cap on its memory that never evicts the service's keys (TLAB_REDIS_MAXMEMORY_MB, default 1024)
+        limits = service.config_get("maxmemory*")
+        assert (limits["maxmemory"], limits["maxmemory-policy"]) == (str(1024 << 20), "noeviction"), limits
+        service.close()
 
         for name in ("admin.token", "redis.password", "redis.conf", "api.url"):
             assert stat.S_IMODE((home / name).stat().st_mode) == 0o600, name
