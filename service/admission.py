@@ -21,6 +21,7 @@ from api_schemas.notify import Notify, webhook_host
 from api_schemas.spec import DatasetSpec, ExperimentSpec, MLPModel, TransformerModel
 from api_schemas.spec_io import apply_overrides
 from api_schemas.sweeps import SweepSubmit, probe_values
+from service import webhook_guard
 from service.code_store import check_code, check_may_run_code
 from service.errors import InvalidInput
 from service.limits import check_time_limit
@@ -111,11 +112,14 @@ def check_quotas(user: UserPublic, body: ExperimentSubmit | SweepSubmit) -> None
 
 
 def check_notify(settings: Settings, notify: Notify | None) -> None:
-    """The webhook's host is one an admin allows (``TLAB_WEBHOOK_ALLOW``; empty: any)."""
+    """The webhook's host is one an admin allows (``TLAB_WEBHOOK_ALLOW``; empty: any) and, unless named there,
+    no loopback, link-local or private address (``service.webhook_guard``)."""
     allow = settings.webhook_hosts
     if notify is not None and allow and (host := webhook_host(notify.webhook)) not in allow:
         raise InvalidInput(f"host {host} is not one this service sends webhooks to ({', '.join(sorted(allow))}; "
                            "TLAB_WEBHOOK_ALLOW): use one of them, or ask an admin", field="notify.webhook")
+    if notify is not None and (why := webhook_guard.refusal(settings, notify.webhook, unresolved_ok=True)):
+        raise InvalidInput(why, field="notify.webhook")
 
 
 # ---------------------------------------------------------------------------------------- sizes

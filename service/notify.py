@@ -4,7 +4,8 @@ The transition script adds an entry to the Redis outbox (``keys.notify_outbox``)
 moves a job with ``notify`` into one of its ``on`` states. A background thread reads the outbox after its
 cursor (kept in Redis), takes each entry with an HSETNX marker per job and state change (so a restarted
 scheduler never sends one twice: at most once), and hands the POST to a small thread pool: a receiver that
-hangs holds one pool thread for at most ``attempts x timeout``, never the scheduling loop.
+hangs holds one pool thread for at most ``attempts x timeout``, never the scheduling loop. Each send first checks
+where the host resolves now (``service.webhook_guard``); a failure is told to the job in generic words.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import httpx
 
 from api_schemas import keys
 from api_schemas.notify import SIGNATURE_HEADER, WebhookPayload, webhook_host
+from service import webhook_guard
 from service.settings import Settings
 from service.store import Store
 
@@ -32,15 +34,6 @@ RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})  # worth another t
 def sign(secret: str, body: bytes) -> str:
     """``sha256=<hex>``: HMAC-SHA256 of the raw body with the owner's secret (the X-Tlab-Signature value)."""
     return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
-
-
-def host_allowed(settings: Settings, url: str) -> bool:
-    """Whether ``TLAB_WEBHOOK_ALLOW`` (comma-separated host names; empty = any) lets the URL's host in."""
-    allow = settings.webhook_hosts
-    try:
-        return not allow or webhook_host(url) in allow
-    except ValueError:
-        return False
 
 
 def job_link(settings: Settings, kind: str, job_id: str) -> str:
@@ -86,8 +79,8 @@ class Sender:
         if not data.get("notify"):
             return None
         url = json.loads(data["notify"])["webhook"]
-        if not host_allowed(self.settings, url):
-            self.note(job_id, marker, f"webhook not sent: its host is not in TLAB_WEBHOOK_ALLOW ({url})")
+        if why := webhook_guard.refusal(self.settings, url, unresolved_ok=False):
+            self.note(job_id, marker, f"webhook not sent: {why}")
             return None
         kind = data.get("kind", "experiment")
         payload = WebhookPayload(
@@ -110,6 +103,9 @@ class Sender:
             if attempt:
                 if self.stopping.wait(self.backoff_s * 2 ** (attempt - 1)):
                     break
+            if why := webhook_guard.refusal(self.settings, url, unresolved_ok=False):  # its address now
+                self.note(job_id, marker, f"webhook not sent: {why}")
+                return False
             try:
                 r = httpx.post(url, content=body, headers=headers, timeout=self.settings.webhook_timeout_s)
             except httpx.HTTPError as err:
@@ -122,11 +118,14 @@ class Sender:
             error = f"HTTP {r.status_code}"
             if r.status_code not in RETRY_STATUS:
                 break
-        self.note(job_id, marker, f"webhook to {webhook_host(url)} failed after {attempt + 1} tries: {error}")
+        self.note(job_id, marker, f"webhook to {webhook_host(url)} failed after {attempt + 1} tries: no 2xx answer",
+                  detail=error)
         return False
 
-    def note(self, job_id: str, marker: str, message: str) -> None:
-        log.warning("%s: %s", job_id, message)
+    def note(self, job_id: str, marker: str, message: str, detail: str = "") -> None:
+        """A webhook not sent: ``message`` (generic: no port, status or error text that would tell what answers
+        where) on its marker and in the job's log; ``detail`` in this process's log only."""
+        log.warning("%s: %s%s", job_id, message, f" ({detail})" if detail else "")
         self.store.r.hset(keys.notified(job_id), marker, json.dumps({"failed_at": time.time(), "error": message}))
         self.store.log_event(job_id, "warning", message)
 

@@ -274,6 +274,7 @@ def test_cpus_held_by_other_ray_work_are_not_handed_out(stack: Stack, capsys: py
         outside_ray_job(stack, "stop", holder)
 
 
+@pytest.mark.parametrize("stack_env", [{"TLAB_WEBHOOK_ALLOW": "127.0.0.1"}])  # the receivers are on loopback
 def test_a_job_after_another_starts_once_it_succeeded_and_webhooks_hold_up_nothing(stack: Stack) -> None:
     """``after`` and ``notify`` on the real stack: B waits for A with A as its reason and starts only once A
     succeeded; A's webhook receiver hangs, yet B starts, ends, and its signed POST arrives meanwhile."""
