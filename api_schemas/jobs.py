@@ -161,7 +161,7 @@ class QueueView(_Strict):
 class NodeShare(_Strict):
     """What one running job holds on one node: its workers there and their CPUs and GPUs (a share of a card: < 1)."""
 
-    job: str
+    job: str | None = Field(description="the job's id; null: another user's job (an admin sees every id)")
     workers: int
     cpus: float
     gpus: float
@@ -184,7 +184,7 @@ class ClusterView(_Strict):
     cpus_free: float
     gpus_total: float
     gpus_free: float
-    running_jobs: list[str]
+    running_jobs: list[str] = Field(description="ids of the running jobs: the caller's own (an admin: all)")
     scheduler_alive: bool
     cpus_outside: float = Field(0.0, description="CPUs Ray reports in use beyond Teleport Lab's running jobs "
                                                  "(other Ray work, or a finished job's workers being released)")

@@ -42,6 +42,24 @@ def read_cluster_view(store: Store, tick_s: float) -> tuple[ClusterView | None, 
     return view, age
 
 
+def cluster_for(store: Store, view: ClusterView, user: UserPublic) -> ClusterView:
+    """The cluster as ``user`` may see it: another user's running job without its id (an admin sees all)."""
+    if user.role == Role.ADMIN:
+        return view
+    ids = sorted({s.job for n in view.nodes for s in n.jobs if s.job} | set(view.running_jobs))
+    mine = {i for i, owner in zip(ids, owners(store, ids), strict=True) if owner == user.name}
+    nodes = [n.model_copy(update={"jobs": [s if s.job in mine else s.model_copy(update={"job": None})
+                                           for s in n.jobs]}) for n in view.nodes]
+    return view.model_copy(update={"nodes": nodes, "running_jobs": [j for j in view.running_jobs if j in mine]})
+
+
+def owners(store: Store, ids: list[str]) -> list[str | None]:
+    pipe = store.r.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.hget(keys.job(job_id), "owner")
+    return list(pipe.execute())
+
+
 def empty_cluster() -> ClusterView:
     """What ``/v1/cluster`` answers before any scheduler has reported."""
     return ClusterView(nodes=[], cpus_total=0, cpus_free=0, gpus_total=0, gpus_free=0, running_jobs=[],

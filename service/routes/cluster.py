@@ -7,7 +7,7 @@ from fastapi import APIRouter
 from api_schemas.jobs import ClusterView, QueueView
 from service.deps import CurrentUser, StateDep
 from service.responses import AUTHED
-from service.views import empty_cluster, queue_view
+from service.views import cluster_for, empty_cluster, queue_view
 
 router = APIRouter(prefix="/v1", tags=["cluster"], responses=AUTHED)
 
@@ -21,6 +21,7 @@ def queue(st: StateDep, user: CurrentUser) -> QueueView:
 
 @router.get("/cluster")
 def cluster(st: StateDep, user: CurrentUser) -> ClusterView:
-    """Nodes with total and free CPUs/GPUs, and the running experiments, as the scheduler last saw them."""
+    """Nodes with total and free CPUs/GPUs, and the running experiments, as the scheduler last saw them; another
+    user's running job shows as its share of a node, without its id (admins see everything)."""
     view, _ = st.cluster_view()
-    return view if view is not None else empty_cluster()
+    return cluster_for(st.store, view, user) if view is not None else empty_cluster()

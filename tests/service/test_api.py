@@ -158,3 +158,33 @@ def test_sse_of_a_waiting_job_sends_heartbeats_through_proxies(api_only: Api) ->
         assert "event: status" in lines and lines[-1] == ": keep-alive"  # history first, then a heartbeat
         bad = c.get(f"/v1/experiments/{job}/events", headers={"Last-Event-ID": "not-an-id"})
         assert bad.status_code == 422 and "Last-Event-ID" in bad.json()["detail"]
+
+
+def test_the_cluster_shows_another_users_running_job_without_its_id(api_only: Api) -> None:
+    """The view the scheduler published (written here as it writes it) holds alice's and bob's running jobs: alice
+    sees her own id and bob's share of the node without his; an admin sees both ids."""
+    import time
+
+    import redis
+
+    from api_schemas.jobs import ClusterView, NodeShare, NodeView
+
+    api_only.add_user("alice")
+    api_only.add_user("bob")
+    ids = {}
+    for user in ("alice", "bob"):
+        with api_only.client(user) as c:
+            ids[user] = submit(c).json()["id"]
+    shares = [NodeShare(job=ids[u], workers=1, cpus=1, gpus=0) for u in ("alice", "bob")]
+    view = ClusterView(nodes=[NodeView(id="n1", alive=True, cpus_total=4, cpus_free=2, gpus_total=0, gpus_free=0,
+                                       jobs=shares)], cpus_total=4, cpus_free=2, gpus_total=0, gpus_free=0,
+                       running_jobs=[ids["alice"], ids["bob"]], scheduler_alive=True)
+    r = redis.Redis.from_url(api_only.stack.redis_url or "")
+    r.set(keys.cluster(), json.dumps({"view": view.model_dump(mode="json"), "at": time.time()}))
+    time.sleep(0.6)  # the API re-reads the published view at most every 0.5 s
+    with api_only.client("alice") as c:
+        seen = c.get("/v1/cluster").json()
+    assert seen["running_jobs"] == [ids["alice"]] and ids["bob"] not in json.dumps(seen), seen
+    assert [(s["job"], s["cpus"]) for s in seen["nodes"][0]["jobs"]] == [(ids["alice"], 1), (None, 1)]
+    with api_only.client() as c:
+        assert c.get("/v1/cluster").json()["running_jobs"] == [ids["alice"], ids["bob"]]

@@ -15,7 +15,10 @@ const summary = (c) => html`${c.nodes.length} node(s) · CPUs <b>${num(c.cpus_fr
   scheduler ${alive(c.scheduler_alive)}`;
 
 // a running job's share of the node: its workers there, their CPUs and GPUs (below 1: a share of a card)
-const share = (s) => html`<a class="chip share" href="#/job/${s.job}" title="${s.workers} worker(s) here">${s.job}
+const share = (s) => s.job === null // another user's job: its share, without its id
+  ? html`<span class="chip share muted" title="${s.workers} worker(s) here">another user's job
+  ${num(s.cpus)} CPU${s.gpus ? html` · ${num(s.gpus)} GPU` : ""}</span> `
+  : html`<a class="chip share" href="#/job/${s.job}" title="${s.workers} worker(s) here">${s.job}
   ${num(s.cpus)} CPU${s.gpus ? html` · ${num(s.gpus)} GPU` : ""}</a> `;
 
 const nodeRow = (n) => html`<tr><td class="mono">${n.id}${n.gpu_type ? html` <span class="muted">${n.gpu_type}</span>` : ""}</td>
