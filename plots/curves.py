@@ -3,7 +3,10 @@
 The x axis counts epochs trained (epoch record ``e`` sits at ``e + 1``), so a teleport scheduled
 before epoch ``e`` sits at ``x = e``, drawn as a dotted vertical line in the run's colour. With
 ``x="seconds"`` it is wall-clock time instead: an epoch record sits at its cumulative ``seconds``
-(teleport included) and a teleport before epoch ``e`` where epoch ``e - 1`` ended (0 before the first).
+(teleport included) and a teleport before epoch ``e`` where epoch ``e - 1`` ended (0 before the first),
+the time it took shaded. ``x="both"`` (the default of ``plot_curves``): train loss against epochs and
+against seconds side by side, then test loss against epochs: what teleport saves in epochs and what it
+costs in time, in one figure.
 Uses matplotlib's object API (no pyplot state): safe in threads and in workers without a display.
 """
 
@@ -22,7 +25,9 @@ from matplotlib.ticker import LogFormatter, MaxNLocator
 
 Records = list[dict[str, Any]]
 PANELS = (("train_loss", "train loss"), ("test_loss", "test loss"))
-X_AXES = {"epoch": "epochs trained", "seconds": "wall-clock seconds (teleport included)"}
+X_AXES = {"epoch": "epochs trained", "seconds": "wall-clock seconds (teleport included, shaded)"}
+BOTH = (("train_loss", "train loss", "epoch"), ("train_loss", "train loss", "seconds"),
+        ("test_loss", "test loss", "epoch"))
 
 
 def read_metrics(path: str | Path) -> Records:
@@ -31,9 +36,9 @@ def read_metrics(path: str | Path) -> Records:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _check_x(x: str) -> None:
-    if x not in X_AXES:
-        raise ValueError(f"x={x!r}: the x axis is 'epoch' or 'seconds'")
+def _check_x(x: str, both: bool = False) -> None:
+    if x not in X_AXES and not (both and x == "both"):
+        raise ValueError(f"x={x!r}: the x axis is 'epoch' or 'seconds'" + (" (or 'both')" if both else ""))
 
 
 def _number(v: Any) -> bool:
@@ -61,6 +66,20 @@ def teleport_xs(records: Records, x: str = "epoch") -> list[float]:
     ends = [(r["epoch"], float(r["seconds"])) for r in records
             if r.get("kind") == "epoch" and _number(r.get("seconds"))]
     return [max((s for ep, s in ends if ep < e), default=0.0) for e in teleport_epochs(records)]
+
+
+def teleport_spans(records: Records) -> list[tuple[float, float]]:
+    """(start, end) in wall-clock seconds of each epoch's teleport: from where the epoch before ended, for the
+    growth of the cumulative ``teleport_seconds`` that epoch's record shows."""
+    spans, prev_s, prev_t = [], 0.0, 0.0
+    for r in records:
+        if r.get("kind") != "epoch" or not _number(r.get("seconds")):
+            continue
+        tele = float(r["teleport_seconds"]) if _number(r.get("teleport_seconds")) else prev_t
+        if tele > prev_t:
+            spans.append((prev_s, prev_s + tele - prev_t))
+        prev_s, prev_t = float(r["seconds"]), tele
+    return spans
 
 
 class PlainLogFormatter(LogFormatter):
@@ -95,48 +114,57 @@ def _mark_teleports(ax: Axes, xs: Sequence[float], color: str, label: str | None
 
 
 def plot_curves(runs: dict[str, Records], path: str | Path | BinaryIO, title: str | None = None,
-                fmt: str | None = None, x: str = "epoch") -> Path | BinaryIO:
-    """Train and test loss vs epochs trained or wall-clock ``seconds`` (log y) for each run, teleports
-    marked; a third panel shows ‖∇L‖² on the teleport batches before and after each teleport when there are any."""
+                fmt: str | None = None, x: str = "both") -> Path | BinaryIO:
+    """Train and test loss vs epochs trained, wall-clock ``seconds`` or ``both`` (log y) for each run, teleports
+    marked; a last panel shows ‖∇L‖² on the teleport batches before and after each teleport when there are any."""
     fig = curves_figure(runs, title, x)
     fig.savefig(path, dpi=110, format=fmt)
     return path if hasattr(path, "write") else Path(path)
 
 
-def curves_figure(runs: dict[str, Records], title: str | None = None, x: str = "epoch") -> Figure:
+def curves_figure(runs: dict[str, Records], title: str | None = None, x: str = "both") -> Figure:
     """The figure ``plot_curves`` saves."""
-    _check_x(x)
+    _check_x(x, both=True)
     tele = {label: [r for r in recs if r.get("kind") == "teleport"] for label, recs in runs.items()}
     has_tele = any(tele.values())
-    fig = Figure(figsize=(5.0 * (3 if has_tele else 2), 4.0), layout="constrained")
-    axes = fig.subplots(1, 3 if has_tele else 2)
-    for ax, (key, name) in zip(axes, PANELS, strict=False):
-        plotted = []
-        for i, (label, recs) in enumerate(runs.items()):
-            xs, ys = epoch_series(recs, key, x)
-            ax.plot(xs, ys, color=_color(i), marker="o", markersize=3, linewidth=1.6, label=label)
-            legend = f"teleports ({label})" if key == "train_loss" else None
-            _mark_teleports(ax, teleport_xs(recs, x), _color(i), legend)
-            plotted.append(ys)
-        _finish(ax, name, plotted, x)
+    panels = BOTH if x == "both" else tuple((key, name, x) for key, name in PANELS)
+    fig = Figure(figsize=(5.0 * (len(panels) + has_tele), 4.0), layout="constrained")
+    axes = fig.subplots(1, len(panels) + has_tele)
+    for ax, (key, name, on) in zip(axes, panels, strict=False):
+        _loss_panel(ax, runs, key, name, on, legend=key == "train_loss" and on == "epoch")
     if has_tele:
-        ax = axes[2]
-        plotted = []
-        for i, (label, recs) in enumerate(tele.items()):
-            if not recs:
-                continue
-            k = np.arange(len(recs))
-            before = np.array([r["grad_norm_sq_before"] for r in recs], dtype=float)
-            after = np.array([r["grad_norm_sq_after"] for r in recs], dtype=float)
-            ax.plot(k, before, color=_color(i), linestyle="--", marker=".", alpha=0.6,
-                    label=f"{label}: before")
-            ax.plot(k, after, color=_color(i), marker="^", markersize=4, label=f"{label}: after")
-            plotted += [before[np.isfinite(before)], after[np.isfinite(after)]]
-        _finish(ax, "‖∇L‖² on the teleport batch", plotted)
-        ax.set_xlabel("teleport batch (in order)")
+        _grad_norm_panel(axes[-1], tele)
     if title:
         fig.suptitle(title)
     return fig
+
+
+def _loss_panel(ax: Axes, runs: dict[str, Records], key: str, name: str, x: str, legend: bool) -> None:
+    plotted = []
+    for i, (label, recs) in enumerate(runs.items()):
+        xs, ys = epoch_series(recs, key, x)
+        ax.plot(xs, ys, color=_color(i), marker="o", markersize=3, linewidth=1.6, label=label)
+        _mark_teleports(ax, teleport_xs(recs, x), _color(i), f"teleports ({label})" if legend else None)
+        if x == "seconds":
+            for start, end in teleport_spans(recs):
+                ax.axvspan(start, end, color=_color(i), alpha=0.15, linewidth=0)
+        plotted.append(ys)
+    _finish(ax, name, plotted, x)
+
+
+def _grad_norm_panel(ax: Axes, tele: dict[str, Records]) -> None:
+    plotted = []
+    for i, (label, recs) in enumerate(tele.items()):
+        if not recs:
+            continue
+        k = np.arange(len(recs))
+        before = np.array([r["grad_norm_sq_before"] for r in recs], dtype=float)
+        after = np.array([r["grad_norm_sq_after"] for r in recs], dtype=float)
+        ax.plot(k, before, color=_color(i), linestyle="--", marker=".", alpha=0.6, label=f"{label}: before")
+        ax.plot(k, after, color=_color(i), marker="^", markersize=4, label=f"{label}: after")
+        plotted += [before[np.isfinite(before)], after[np.isfinite(after)]]
+    _finish(ax, "‖∇L‖² on the teleport batch", plotted)
+    ax.set_xlabel("teleport batch (in order)")
 
 
 def band(runs: list[Records], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

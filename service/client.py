@@ -98,7 +98,7 @@ class Client:
     def cancel(self, job_id: str) -> dict[str, Any]:
         return self.json("DELETE", f"/v1/experiments/{job_id}")
 
-    def plot(self, job_ids: list[str], x: str = "epoch") -> bytes:
+    def plot(self, job_ids: list[str], x: str = "both") -> bytes:
         params = {"compare": ",".join(job_ids[1:])} if len(job_ids) > 1 else {}
         if x != "epoch":
             params["x"] = x

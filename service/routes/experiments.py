@@ -131,8 +131,9 @@ def get_metrics(job_id: str, st: StateDep, user: CurrentUser,
     422: error("more than TLAB_MAX_COMPARE runs, or an invalid x")})
 def plot(job_id: str, st: StateDep, user: CurrentUser,
          compare: Annotated[str | None, Query(max_length=2000, description="more ids, comma-separated")] = None,
-         x: Annotated[Literal["epoch", "seconds"], Query(description="x axis: epochs trained or wall-clock "
-                                                                      "seconds (teleport included)")] = "epoch",
+         x: Annotated[Literal["both", "epoch", "seconds"], Query(
+             description="x axis: both (train loss against epochs and against wall-clock seconds, teleport time "
+                         "shaded), epochs trained, or wall-clock seconds (teleport included)")] = "both",
          ) -> Response:
     """Train/test loss (teleports marked); ``compare=id2,id3`` overlays other experiments, ``x=seconds`` on time."""
     from plots.curves import plot_curves

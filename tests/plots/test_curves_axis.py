@@ -61,3 +61,24 @@ def test_seconds_figure_plots_each_runs_seconds_and_marks_its_teleports() -> Non
     buf = io.BytesIO()
     plot_curves(runs, buf, fmt="png", x="seconds")
     assert buf.getvalue()[:4] == b"\x89PNG"
+
+
+def test_the_default_figure_shows_epochs_and_seconds_side_by_side_with_teleport_time_shaded() -> None:
+    from plots.curves import teleport_spans
+
+    recs = run(1.0, 0.5, 0.8)
+    by_epoch = {r["epoch"]: r["seconds"] for r in epochs(recs)}
+    spans = teleport_spans(recs)
+    assert spans == [(0.0, pytest.approx(0.8)), (by_epoch[1], pytest.approx(by_epoch[1] + 0.8))]
+    assert teleport_spans([r for r in run(2.0, 0.4, 0.0) if r["kind"] == "epoch"]) == []
+    fig = curves_figure({"teleport": recs})
+    train_e, train_s, test_e, grad = fig.axes
+    assert [ax.get_xlabel() for ax in (train_e, train_s, test_e)] == [X_AXES["epoch"], X_AXES["seconds"],
+                                                                     X_AXES["epoch"]]
+    assert (train_e.get_ylabel(), train_s.get_ylabel(), test_e.get_ylabel()) == ("train loss", "train loss",
+                                                                               "test loss")
+    shaded = [p.get_x() for p in train_s.patches]  # axvspan rectangles: one per teleport, where it began
+    assert shaded == pytest.approx([a for a, _ in spans])
+    assert not train_e.patches and "‖∇L‖²" in grad.get_ylabel()
+    with pytest.raises(ValueError, match="or 'both'"):
+        curves_figure({"teleport": recs}, x="steps")

@@ -153,7 +153,7 @@ def test_the_job_page_and_a_sweeps_trials_show_seconds_beside_epochs_to_target(a
     page = tab.page
     tab.sign_in(api_only.stack.admin_token)
     tab.goto(f"#/job/{job}")
-    page.wait_for_function(f"() => document.querySelector('#job-facts').innerText.includes({json.dumps(want)})")
+    page.wait_for_function(f"() => document.querySelector('#job-summary').innerText.includes({json.dumps(want)})")
     tab.goto(f"#/sweep/{sweep}")
     page.wait_for_function("() => document.querySelectorAll('#trials-body td.to-target').length === 2")
     cells = page.locator("#trials-body td.to-target")

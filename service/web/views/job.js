@@ -2,9 +2,10 @@
 
 import { api } from "../api.js";
 import { PALETTE, TEST, throttle, TRAIN } from "../charts.js";
-import { $, ago, badge, demandText, duration, html, num, POLL_MS, put, TERMINAL, toTarget } from "../dom.js";
+import { $, ago, badge, demandText, duration, html, num, POLL_MS, put, TERMINAL } from "../dom.js";
 import { cancelButton, liveEnded, liveState, showError } from "../page.js";
 import { artifactsCard, showArtifacts } from "./artifacts.js";
+import { baselineOf, summaryTable } from "./summary.js";
 import { EPOCH_ROWS, groupByEpoch, teleportTable, toggleOnClick } from "./teleports.js";
 
 const layout = (id) => html`
@@ -13,6 +14,7 @@ const layout = (id) => html`
       <span class="grow"></span><button id="cancel" type="button" class="danger" hidden>Cancel job</button></div>
     <dl id="job-facts" class="facts"></dl>
   </section>
+  <section class="card"><h3>Summary</h3><div id="job-summary"></div></section>
   <section class="card"><div class="row"><h3>Loss</h3><span class="small muted"><span class="swatch"
     style="background:${TRAIN}"></span>train <span class="swatch" style="background:${TEST}"></span>test
     <span class="swatch mark"></span>teleport epochs</span></div>
@@ -77,10 +79,7 @@ function jobFacts(j) {
   facts.push(...preflightFacts(j.preflight));
   if (j.preemptions) facts.push(["preempted", `${j.preemptions} time(s); last: ${j.last_preemption || "–"}`]);
   facts.push(...lineageFacts(j));
-  if ((j.summary?.target_loss ?? null) !== null) facts.push(["to target loss", toTarget(j.summary)]);
   if (j.summary?.device) facts.push(["device", deviceText(j.summary)]);
-  if (j.summary) facts.push(["summary", Object.entries(j.summary).filter(([, v]) => typeof v !== "object")
-    .map(([k, v]) => `${k}=${num(v)}`).join("  ")]);
   return facts.map(([k, v]) => html`<dt>${k}</dt><dd>${v}</dd>`);
 }
 
@@ -158,16 +157,20 @@ export async function jobPage(page, [id]) {
   $("#load-logs").addEventListener("click", loadLogs);
 
   let job = null;
+  let baseline = null; // the job this one was started beside as its baseline (`tlab demo`), once it has ended
   const showJob = (j) => {
     job = j;
     $("#job-title").textContent = j.name || j.id;
     put($("#job-state"), badge(j.state));
     $("#cancel").hidden = TERMINAL.has(j.state);
     put($("#job-facts"), jobFacts(j));
+    put($("#job-summary"), summaryTable(j.summary, baseline));
     $("#spec").textContent = JSON.stringify(j.spec, null, 2);
   };
   const refreshJob = async () => {
     const j = await api("GET", `/v1/experiments/${id}`);
+    const bid = baselineOf(j);
+    if (bid && !(baseline && TERMINAL.has(baseline.state))) baseline = await api("GET", `/v1/experiments/${bid}`).catch(() => null);
     if (page.dead) return false;
     if (j.kind === "sweep") { location.hash = `#/sweep/${id}`; return false; }
     showJob(j);

@@ -8,6 +8,12 @@ export const selected = new Set(); // experiments ticked for the compare view (k
 
 const STATES = ["queued", "starting", "running", "succeeded", "failed", "cancelled"];
 
+// the last train / test loss: live from the progress of a running job, from the summary of an ended one
+function lossCell(p, summary) {
+  if (p.train_loss !== undefined && p.train_loss !== null) return `${num(p.train_loss)} / ${num(p.test_loss)}`;
+  return summary ? `${num(summary.final_train_loss)} / ${num(summary.final_test_loss)}` : "";
+}
+
 function jobRow(j) {
   const outcome = j.state === "queued" ? j.pending_reason : j.failure_reason
     || (j.summary ? `final train ${num(j.summary.final_train_loss)}` : "");
@@ -18,7 +24,7 @@ function jobRow(j) {
     <td>${jobLink(j)}</td><td class="mono small">${j.id}</td><td>${j.owner}</td><td>${badge(j.state)}</td>
     <td>${j.queue_position ?? ""}</td><td class="reason">${clip(outcome)}</td>
     <td class="progress">${progressCell(done ? { epoch: j.summary.epochs, epochs: j.spec.training?.epochs } : p, j.state)}</td>
-    <td class="mono small">${p.train_loss !== undefined && p.train_loss !== null ? `${num(p.train_loss)} / ${num(p.test_loss)}` : ""}</td>
+    <td class="mono small">${lossCell(p, done ? j.summary : null)}</td>
     <td class="small">${ago(j.created_at)}</td></tr>`;
 }
 
