@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -246,8 +247,9 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
         ctx.sink.emit({"kind": "warmup", "steps": done, "train_loss": loss_sum / steps,
                        "seconds": time.perf_counter() - t0})
 
+    show = progress and ctx.is_chief  # a bar on a terminal (tqdm's disable=None); a log or a pipe gets plain lines
     bar = tqdm(range(start_epoch, tr.epochs), desc="epochs", unit="epoch", initial=start_epoch,
-               total=tr.epochs, disable=not (progress and ctx.is_chief), dynamic_ncols=True)
+               total=tr.epochs, disable=None if show else True, dynamic_ncols=True)
     for epoch in bar:
         # -- teleport before the epoch: b batches of n random training samples, t ascent steps each
         if epoch in teleport_epochs:
@@ -281,6 +283,10 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
         history.append(record)
         shown = {"train": "train_loss", "test": "test_loss", "acc": "test_acc"}
         bar.set_postfix({short: f"{record[key]:.4g}" for short, key in shown.items() if key in record})
+        if show and bar.disable:
+            print(f"epoch {epoch + 1}/{tr.epochs}  " + "  ".join(f"{short} {record[key]:.4g}" for short, key
+                                                                in shown.items() if key in record),
+                  file=sys.stderr, flush=True)
 
         # -- checkpoint (Ray: every rank reports, rank 0 attaches the state); no-op locally
         summary = {**summarize(history, tr.target_loss, tele_batches), **teleporter.summary()}

@@ -354,3 +354,18 @@ def test_long_cells_are_cut_and_service_commands_end_quietly_on_a_closed_pipe(
     for args in (("ls",), ("ls", "--json"), ("show", job), ("users", "list")):
         out = closed_pipe(*args, env=env)
         assert (out.returncode, out.stderr) == (141, ""), (args, out.stderr[-2000:])
+
+
+@pytest.mark.slow
+def test_demo_end_to_end_in_a_pipe_says_seconds_and_epochs_without_cursor_codes(tmp_path: Path) -> None:
+    """`tlab demo` (what `make demo` runs) into a pipe, as CI or a log reads it: one plain line per epoch, no tqdm
+    cursor codes; its verdict names wall-clock seconds as well as epochs; curves.png has both axes."""
+    out = tlab("demo", "--home", str(tmp_path / "demo"), env={"RAY_AUTH_MODE": "disabled"})  # 20 epochs
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "\x1b[" not in out.stdout + out.stderr and "\r" not in out.stderr
+    progress = [line for line in out.stderr.splitlines() if " epoch " in line]
+    assert {line.split(" epoch ")[1].split()[0] for line in progress} == {f"{e}/20" for e in range(1, 21)}
+    assert sum(line.startswith("with teleport") for line in progress) == 20
+    verdict = next(line for line in out.stdout.splitlines() if line.startswith(("teleport", "neither")))
+    assert "seconds" in verdict and "epochs" in verdict and "% of its run" in verdict, out.stdout
+    assert (tmp_path / "demo" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
