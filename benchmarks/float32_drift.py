@@ -37,7 +37,7 @@ def case_spec(name: str, rule: str, seed: int, quick: bool) -> ExperimentSpec:
     """The preset in float32 with ``tau_rule`` and ``seed``, trained just past its last teleport epoch."""
     data = preset(name)
     tp, tr = data["teleport"], data["training"]
-    tp["tau_rule"] = rule
+    tp.update(tau_rule=rule, budget=None)  # every teleport of the preset's schedule: the drift of each is measured
     tr.update(seed=seed, dtype="float32", epochs=max(tp["epochs"]) + 1)
     if quick:  # one teleport epoch of 2 batches on 128 samples: seconds
         tp.update(epochs=[0], batches=2)

@@ -12,8 +12,9 @@ Two parts, on the device given (``--device cpu|cuda``), side by side in one run:
 2. **Payoff** on ``examples/tiny_lm`` (a char LM on Python source): baseline against teleport with SGD and
    Adam through the product's own loop (``workers.local.train``) with ``teleport.budget`` at its default:
    seconds to the baseline's final train loss as a ratio, and teleport's share of the run. ``--quick`` and
-   the CPU default are small; ``--size gpu`` is the issue's size (d = 256, 4 layers, context 64, batch 64,
-   12 epochs, teleport before epochs 0-4, 8 batches × 8 steps).
+   the CPU default are small (CPU: d = 128, 2 layers, context 32, 6 epochs, 2 teleport batches of 2
+   sequences, 64 token columns < d); ``--size gpu`` is the issue's size (d = 256, 4 layers, context 64,
+   batch 64, 12 epochs, teleport before epochs 0-4, 8 batches × 8 steps).
 
 Floors (issue 27; printed, not asserted): one teleport ≤ 0.5 training steps on the CPU, ≤ 5 on CUDA; host
 reads per ascent step ≤ 1; on CUDA at the GPU size, teleport share ≤ 15 % and seconds to the baseline's loss
@@ -134,9 +135,10 @@ def lm_spec(optimizer: str, teleport: bool, size: str, quick: bool) -> Any:
     from api_schemas.spec_io import build_spec
 
     gpu = size == "gpu"
-    small = (16, 1, 16, 16, 3) if quick else (48, 2, 32, 32, 8)
+    # d > the teleport batch's 2·ctx token columns, so every layer has a null space to move in
+    small = (16, 1, 8, 16, 3) if quick else (128, 2, 32, 32, 6)
     d, layers, ctx, batch, epochs = (256, 4, 64, 64, 12) if gpu else small
-    chars = None if gpu else (3000 if quick else 40000)
+    chars = None if gpu else (3000 if quick else 20000)
     return build_spec({
         "model": {"kind": "custom", "factory": "tiny_lm.model:gpt",
                   "args": {"d": d, "heads": 4 if d % 4 == 0 else 2, "layers": layers, "max_len": ctx}},

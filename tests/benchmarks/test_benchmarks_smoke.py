@@ -106,3 +106,13 @@ def test_lm_payoff_quick(results: Path) -> None:
         assert p["baseline_final_train_loss"] > 0 and 0 <= p["teleport_share"] < 1
     assert set(body["floors"]) == {"one_teleport_default_le_floor", "host_reads_per_step_le_1",
                                    "adam_seconds_ratio_le_1"}
+
+
+def test_adam_schedule_quick(results: Path) -> None:
+    from benchmarks import adam_schedule
+
+    adam_schedule.main(["--quick"])
+    body = _load(results / "adam_schedule.json")
+    assert set(body["rows"]) == {"baseline", "paper: epochs 0-4", "epoch 0 only"}
+    assert body["rows"]["baseline"]["teleport_seconds"] == 0
+    assert body["rows"]["epoch 0 only"]["teleport_seconds"] > 0 and "adam_lt_1x" in body["floors"]
