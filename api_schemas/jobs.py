@@ -72,6 +72,8 @@ class Demand(_Strict):
     cpus_per_worker: float
     gpus_per_worker: float
     gpu_type: str | None = Field(None, description="the GPU model each worker needs (resources.gpu_type); none: any")
+    memory_gb: float | None = Field(None, description="host memory each worker needs (resources.memory_gb); none: "
+                                                      "not reserved")
 
     @property
     def cpus(self) -> float:

@@ -261,6 +261,15 @@ class ResourcesSpec(_Strict):
         None, gt=0, description="running time after which the job is stopped (its last checkpoint kept) and ends "
                                 "failed; none: the cluster default TLAB_DEFAULT_TIME_LIMIT_S. At most the user's "
                                 "max_time_limit_s quota and TLAB_MAX_TIME_LIMIT_S. In a sweep: each trial's limit")
+    memory_gb: float | None = Field(
+        None, gt=0, le=65536, description="GiB of host memory each worker's process needs: Ray reserves it on the "
+                                          "node (a job whose driver the kernel's OOM killer ended is told to set "
+                                          "it); none: no reservation")
+    max_retries: int = Field(
+        2, ge=0, le=10, description="times the job starts again from its last checkpoint after a process of it died "
+                                    "(a signal, the OOM killer, a lost node, a vanished Ray job), all attempts "
+                                    "together; an error of the job's own (its code raised, the loss diverged, a "
+                                    "failed preflight) is never retried")
     preemptible: bool = Field(
         True, description="a queued job of strictly higher priority may stop this one (it checkpoints, goes back to "
                           "the queue keeping its age, and resumes from its checkpoint); false opts out, for at most "

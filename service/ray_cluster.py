@@ -123,6 +123,8 @@ def driver_options(demand: Demand | None, placement: Sequence[str] = ()) -> dict
     options: dict[str, Any] = {"entrypoint_num_cpus": demand.cpus_per_worker}
     if demand.gpus_per_worker > 0:
         options["entrypoint_num_gpus"] = demand.gpus_per_worker
+    if demand.memory_gb:  # resources.memory_gb: Ray holds it on the node (the OOM killer's victim is told to set it)
+        options["entrypoint_memory"] = int(demand.memory_gb * 2**30)
     if demand.gpu_type:  # what Ray's own accelerator_type= option asks: a sliver of the node's type resource
         options["entrypoint_resources"] = {accelerator_resource(demand.gpu_type): 0.001}
     if placement and _RAY_NODE_ID.fullmatch(placement[0]):
@@ -221,6 +223,14 @@ class RayJobs:
             return self.client.get_job_info(submission_id).message or ""
         except RuntimeError:
             return ""
+
+    def exit_code(self, submission_id: str) -> int | None:
+        """The ended Ray job's driver exit status (negative: the signal that ended it), None when not known."""
+        try:
+            code = self.client.get_job_info(submission_id).driver_exit_code
+        except RuntimeError:
+            return None
+        return None if code is None else int(code)
 
     def stop(self, submission_id: str) -> None:
         try:

@@ -32,7 +32,7 @@ from redis.exceptions import LockError
 from api_schemas import keys
 from api_schemas.jobs import Demand, JobState
 from api_schemas.reasons import FAILURE_MARK, one_line
-from service import dependencies, policy, preempting
+from service import deaths, dependencies, policy, preempting
 from service.cluster_view import cluster_view
 from service.errors import Unstartable
 from service.job_acl import JobAcl
@@ -58,6 +58,7 @@ class Launcher(Protocol):
                placement: Sequence[str] = ()) -> None: ...
     def status(self, submission_id: str) -> str | None: ...
     def message(self, submission_id: str) -> str: ...
+    def exit_code(self, submission_id: str) -> int | None: ...
     def stop(self, submission_id: str) -> None: ...
 
 
@@ -174,14 +175,9 @@ class Scheduler:
                 except Unstartable as err:  # as at the first submit (launch): it would stay starting for good
                     self.store.transition(job_id, JobState.FAILED, expect=[state], now=now, reason=str(err),
                                           failure_reason=str(err))
-            elif preempting.failed_attempts(data) < self.settings.max_attempts:
-                self.store.transition(job_id, JobState.QUEUED, expect=[state], now=now,
-                                      reason="its Ray job vanished (cluster restarted?): queued again to "
-                                             "resume from its last checkpoint")
             else:
-                self.store.transition(job_id, JobState.FAILED, expect=[state], now=now,
-                                      failure_reason=f"its Ray job vanished {data.get('attempts')} times",
-                                      reason="its Ray job vanished and the attempts are used up")
+                deaths.retry_or_fail(self.store, self.settings, data, "its Ray job vanished (cluster restarted?)",
+                                     now)
         elif (status == "PENDING" and state == JobState.STARTING
               and now - float(data.get("updated_at") or now) > self.settings.starting_timeout_s):
             self.launcher.stop(sid)
@@ -196,8 +192,12 @@ class Scheduler:
             self.store.transition(job_id, JobState.SUCCEEDED, expect=active, now=now)
         elif status == "FAILED":
             # one line: the worker's error event, else what Ray says (Ray asked only when needed)
-            reason = one_line(last_error(self.store, job_id) or reason_from_ray(self.launcher.message(sid))
-                              or "the Ray job failed")
+            said = last_error(self.store, job_id)
+            message = "" if said else self.launcher.message(sid)
+            if not said and FAILURE_MARK not in message and not cancel and deaths.died(
+                    self.store, self.settings, data, self.launcher.exit_code(sid), now):
+                return
+            reason = one_line(said or reason_from_ray(message) or "the Ray job failed")
             self.store.transition(job_id, JobState.FAILED, expect=active, reason=reason, failure_reason=reason,
                                   now=now)
         elif status == "STOPPED":

@@ -97,7 +97,7 @@ def demand_of(submit: ExperimentSubmit | SweepSubmit) -> Demand:
     else:
         r, concurrent = submit.spec.resources, 1
     return Demand(workers=r.workers * concurrent, cpus_per_worker=r.cpus_per_worker,
-                  gpus_per_worker=r.gpus_per_worker, gpu_type=r.gpu_type)
+                  gpus_per_worker=r.gpus_per_worker, gpu_type=r.gpu_type, memory_gb=r.memory_gb)
 
 
 def _job_fields(job_id: str, owner: str, body: ExperimentSubmit | SweepSubmit, payload: str, now: float,

@@ -36,7 +36,7 @@ RAY_CHAIN_B = frozenset({  # stacks on the session head, and `tlab up` stacks of
     "tests/service/test_preflight.py", "tests/service/test_ray_cluster.py", "tests/service/test_time_limits.py",
     "tests/service/test_up_security.py", "tests/service/test_storage_bucket.py", "tests/web/test_dashboard.py",
     "tests/service/test_sweeps.py", "tests/service/test_preemption.py", "tests/service/test_supervise.py",
-    "tests/service/test_lineage.py", "tests/service/test_artifacts.py",
+    "tests/service/test_lineage.py", "tests/service/test_artifacts.py", "tests/service/test_driver_death.py",
 })
 RAY_MODULES = RAY_CHAIN_A | RAY_CHAIN_B
 

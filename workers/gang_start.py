@@ -27,6 +27,8 @@ def rank_options(spec: ExperimentSpec, node: str | None) -> dict[str, Any]:
 
     r = spec.resources
     options: dict[str, Any] = {"num_cpus": r.cpus_per_worker, "num_gpus": r.gpus_per_worker, "max_retries": 0}
+    if r.memory_gb:
+        options["memory"] = int(r.memory_gb * 2**30)  # resources.memory_gb, reserved on the rank's node
     if r.gpu_type:
         options["accelerator_type"] = r.gpu_type  # a node with accelerator_type:<gpu_type> (resources.gpu_type)
     if node and _RAY_NODE_ID.fullmatch(node):

@@ -36,8 +36,13 @@ def job_field(client: Any, job_id: str, field: str) -> Any:
 
 def write_summary(client: Any, job_id: str, summary: str) -> None:
     """The job's summary (JSON), where the scheduler takes it from (or the job hash, run without one)."""
+    write_field(client, job_id, "summary", summary)
+
+
+def write_field(client: Any, job_id: str, field: str, value: str) -> None:
+    """A field the job writes of its record: in the scheduler's copy (or the job hash, run without one)."""
     run = keys.job_run(job_id)
-    client.hset(run if client.hget(run, MARK) is not None else keys.job(job_id), "summary", summary)
+    client.hset(run if client.hget(run, MARK) is not None else keys.job(job_id), field, value)
 
 
 def attempt_of(url: str, job_id: str) -> int:

@@ -40,6 +40,7 @@ from workers.job_record import attempt_of, job_field, write_summary
 from workers.job_ticket import TicketError, job_redis_url
 from workers.redis_sink import RedisSink
 from workers.startup import begin, mark, timeline
+from workers.vitals import watch as watch_vitals
 
 
 class SetupError(RuntimeError):
@@ -185,6 +186,7 @@ def guarded(job_id: str, redis_url: str, storage: str, run: Callable[[str, str, 
     sink = RedisSink(redis_url, job_id)
     sink.emit({"kind": "status", "state": "running", "pid": os.getpid()})
     signal.signal(signal.SIGTERM, raise_stopped)  # unwinds through run()'s finally: the artifacts are exported
+    vitals = watch_vitals(redis_url, job_id)  # what a SIGKILL leaves the scheduler to go by (service.deaths)
     try:
         summary = run(job_id, redis_url, storage)
     except Stopped as err:
@@ -198,6 +200,7 @@ def guarded(job_id: str, redis_url: str, storage: str, run: Callable[[str, str, 
         report_failure(sink, failure_reason(err))
         return 1
     finally:
+        vitals.set()
         sink.flush()
     sink.emit({"kind": "status", "state": "finished", "summary": summary, "startup": timeline()})
     sink.close()

@@ -21,7 +21,8 @@ def test_submit_get_list_and_queue(api_only: Api) -> None:
         assert r.status_code == 201, r.text
         job = r.json()
         assert job["state"] == "queued" and job["owner"] == "alice" and job["name"] == "first"
-        assert job["demand"] == {"workers": 1, "cpus_per_worker": 1.0, "gpus_per_worker": 0.0}
+        assert job["demand"] == {"workers": 1, "cpus_per_worker": 1.0, "gpus_per_worker": 0.0, "gpu_type": None,
+                                 "memory_gb": None}
         got = c.get(f"/v1/experiments/{job['id']}").json()
         assert got["spec"]["model"]["hidden"] == [32] and got["pending_reason"]
         ids = [submit(c, tags=["b"]).json()["id"] for _ in range(4)]

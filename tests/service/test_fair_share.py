@@ -47,6 +47,9 @@ class Jobs:
     def message(self, submission_id: str) -> str:
         return ""
 
+    def exit_code(self, submission_id: str) -> int | None:
+        return None
+
     def stop(self, submission_id: str) -> None:
         self.states[submission_id] = "STOPPED"
 
