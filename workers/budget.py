@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from teleport import TeleportReport
+from workers.context import RunContext
 
 FIRST_UNIT_PER_STEP = 3.0  # before any teleport ran: one unit ≈ 3 forward+backward passes on the teleport batch
 
@@ -37,8 +38,9 @@ class TeleportBudget:
     work_seconds: float = 0.0  # their seconds
 
     def allowance(self, train_seconds: float, epochs_done: int) -> float:
-        """B / (1 − B) · P: the teleport seconds the whole run may spend (inf without a budget)."""
-        if self.share is None:
+        """B / (1 − B) · P: the teleport seconds the whole run may spend (inf without a budget, or while nothing
+        tells the run's length: an own loop before its first reported epoch)."""
+        if self.share is None or (epochs_done == 0 and self.probe_epoch_s is None):
             return math.inf
         if epochs_done > 0:
             per_epoch = train_seconds / epochs_done
@@ -69,6 +71,19 @@ class TeleportBudget:
         """Learn the seconds per unit of work from a teleport batch that ran."""
         self.work_units += 1 + report.steps
         self.work_seconds += report.seconds
+
+
+def agree_across(ctx: RunContext) -> Callable[[list[float]], list[float]] | None:
+    """The ranks' mean of a list of numbers (every rank then takes the same decision); None in one process."""
+    if ctx.world_size == 1:
+        return None
+    return lambda values: [v / ctx.world_size for v in ctx.all_reduce_sum(values)]
+
+
+def cut_event(epoch: int, share: float, planned: tuple[int, int], done: tuple[int, int]) -> dict[str, object]:
+    """The ``budget`` record of an epoch whose teleport the budget cut: planned and done (batches, steps)."""
+    return {"kind": "budget", "epoch": epoch, "budget": share, "batches": done[0], "planned_batches": planned[0],
+            "steps": done[1], "planned_steps": planned[1], "message": cut_message(epoch, planned, done, share)}
 
 
 def probe_seconds(step: Callable[[], object], repeats: int = 2) -> float:

@@ -18,6 +18,7 @@ that returns without reporting an epoch fails with a line saying to call ``ctx.r
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import time
@@ -34,6 +35,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from api_schemas import ExperimentSpec
 from teleport import TeleportReport, teleport_batch
+from workers.budget import TeleportBudget, agree_across, cut_event
 from workers.build import basis_executor, reset_optimizer_state, select_dtype, teleport_config
 from workers.context import RunContext
 from workers.failure import OURS
@@ -101,6 +103,9 @@ class OwnLoopContext:
         self._sizes: dict[str, int] = {}
         self._started = False
         self._executor: Any = None
+        self._budget = TeleportBudget(spec.teleport.budget, spec.training.epochs)  # from the first reported epoch
+        self._budget.work_units, self._budget.work_seconds = saved.get("teleport_work", (0.0, 0.0))
+        self.teleport_cuts = int(saved.get("teleport_cuts", 0))
 
     # ------------------------------------------------------------------------------------ where it runs
 
@@ -180,20 +185,38 @@ class OwnLoopContext:
         started, reports = time.perf_counter(), []
         self._executor = self._executor or basis_executor(tp)
         held = None if holdout is None else to_device(holdout, self.device, self.dtype)
+        least = tp.steps
         for i, batch in zip(range(tp.batches), batches, strict=False):
+            steps = self._budget_steps(time.perf_counter() - started)
+            if steps == 0:
+                break
+            least = min(least, steps)
             x, y = to_device(batch, self.device, self.dtype)
-            rep = teleport_batch(bare(model), loss_fn, x, y, teleport_config(tp), executor=self._executor,
-                                 holdout=held, comm=self.run.comm)
+            config = dataclasses.replace(teleport_config(tp), steps=steps)
+            rep = teleport_batch(bare(model), loss_fn, x, y, config, executor=self._executor, holdout=held,
+                                 comm=self.run.comm)
+            self._budget.record(rep)
             self.run.sink.emit({"kind": "teleport", "epoch": epoch, "batch": i, **rep.to_dict()})
             if not math.isfinite(rep.loss_after):
                 raise _diverged(self.run, f"teleport batch {i}", epoch, f"teleport batch loss is {rep.loss_after}",
                                 f"lower teleport.lr (now {tp.lr:g}) or teleport.cap (now {tp.cap:g})")
             reports.append(rep)
         self.teleport_batches += len(reports)
+        if len(reports) < tp.batches or least < tp.steps:
+            self.teleport_cuts += 1
+            self.run.sink.emit(cut_event(epoch, tp.budget or 0.0, (tp.batches, tp.steps),
+                                         (len(reports), least if reports else 0)))
         if optimizer is not None and tp.reset_optimizer:
             reset_optimizer_state(optimizer)
         self.teleport_seconds += time.perf_counter() - started
         return reports
+
+    def _budget_steps(self, this_teleport: float) -> int:
+        """``teleport.steps``, or fewer (0: skip) when ``teleport.budget`` says so (``workers.budget``)."""
+        last = self.history[-1] if self.history else {}
+        train = float(last.get("seconds", 0.0)) - float(last.get("teleport_seconds", 0.0))
+        return self._budget.steps_for_batch(self.spec.teleport.steps, self.teleport_seconds + this_teleport,
+                                            train, len(self.history), agree_across(self.run))
 
     def _draw(self, dataset: Dataset, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
         """Our loop's teleport batches (``workers.local.train``): the same draw on every rank, each its shard."""
@@ -249,7 +272,9 @@ class OwnLoopContext:
         saved = {"epoch": self.history[-1]["epoch"] + 1 if self.history else self.start_epoch,
                  "model": weights, "own": {**state, "model": weights}, "history": self.history,
                  "seconds": self.history[-1]["seconds"] if self.history else 0.0,
-                 "teleport_seconds": self.teleport_seconds, "teleport_batches": self.teleport_batches}
+                 "teleport_seconds": self.teleport_seconds, "teleport_batches": self.teleport_batches,
+                 "teleport_work": (self._budget.work_units, self._budget.work_seconds),
+                 "teleport_cuts": self.teleport_cuts}
         self.run.save(saved, self.summary())
         self._pending = None
 
@@ -270,7 +295,8 @@ class OwnLoopContext:
     # ------------------------------------------------------------------------------------ the run's ends
 
     def summary(self) -> dict[str, Any]:
-        return summarize(self.history, self.spec.training.target_loss, self.teleport_batches)
+        return {**summarize(self.history, self.spec.training.target_loss, self.teleport_batches),
+                "teleport_budget": self.spec.teleport.budget, "teleport_cuts": self.teleport_cuts}
 
     def _start(self) -> None:
         """The ``start`` event, once, before the first teleport or epoch event."""

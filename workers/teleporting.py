@@ -21,7 +21,7 @@ from torch.utils.data import Dataset, default_collate
 
 from api_schemas.spec import TeleportSpec
 from teleport import BasisExecutor, TeleportConfig, TeleportReport, symmetry_teleport_batch, teleport_batch
-from workers.budget import FIRST_UNIT_PER_STEP, TeleportBudget, cut_message, probe_seconds
+from workers.budget import FIRST_UNIT_PER_STEP, TeleportBudget, agree_across, cut_event, probe_seconds
 from workers.context import RunContext
 
 
@@ -96,12 +96,6 @@ class Teleporter:
         self.budget.probe_epoch_s = seconds * steps_per_epoch
         self.budget.probe_unit_s = FIRST_UNIT_PER_STEP * seconds * self.tp.batch_size / max(len(idx), 1)
 
-    def agree(self, values: list[float]) -> list[float]:
-        """The ranks' mean of ``values``: the same numbers, so the same decision, on every rank."""
-        if self.ctx.world_size == 1:
-            return values
-        return [v / self.ctx.world_size for v in self.ctx.all_reduce_sum(values)]
-
     def before_epoch(self, epoch: int, spent: float, train_seconds: float, epochs_done: int) -> int:
         """Teleport on up to ``tp.batches`` batches; returns how many ran. ``spent``: teleport seconds of
         the run so far; ``train_seconds``: its seconds outside teleport over ``epochs_done`` epochs."""
@@ -110,7 +104,7 @@ class Teleporter:
         ran, least = 0, self.tp.steps
         for i in range(self.tp.batches):
             now = spent + time.perf_counter() - start
-            steps = self.budget.steps_for_batch(self.tp.steps, now, train_seconds, epochs_done, self.agree)
+            steps = self.budget.steps_for_batch(self.tp.steps, now, train_seconds, epochs_done, agree_across(self.ctx))
             if steps == 0:
                 break
             idx = torch.randperm(len(self.train), generator=g)[: self.tp.batch_size]  # type: ignore[arg-type]
@@ -150,9 +144,4 @@ class Teleporter:
 
     def _say_cut(self, epoch: int, ran: int, least: int) -> None:
         self.cuts += 1
-        share = self.budget.share or 0.0
-        self.ctx.sink.emit({
-            "kind": "budget", "epoch": epoch, "budget": share, "batches": ran, "planned_batches": self.tp.batches,
-            "steps": least, "planned_steps": self.tp.steps,
-            "message": cut_message(epoch, (self.tp.batches, self.tp.steps), (ran, least), share),
-        })
+        self.ctx.sink.emit(cut_event(epoch, self.budget.share or 0.0, (self.tp.batches, self.tp.steps), (ran, least)))

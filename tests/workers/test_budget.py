@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -90,3 +91,23 @@ def test_a_whole_run_budget_cuts_nothing() -> None:
     assert [(r["epoch"], r["batch"]) for r in records if r["kind"] == "teleport"] == \
         [(e, b) for e in range(3) for b in range(2)]
     assert not [r for r in records if r["kind"] == "budget"] and summary["teleport_cuts"] == 0
+
+
+def test_an_own_loops_teleport_keeps_the_budget_from_its_first_reported_epoch(tmp_path: Path) -> None:
+    """ctx.teleport in the user's loop: before any epoch is reported nothing tells the run's length (its teleport
+    runs whole); from then on a budget no teleport fits skips each, with a budget event."""
+    from workers.local import run_local
+    from workers.user_code import add_code_dir
+
+    add_code_dir(Path(__file__).resolve().parents[2] / "examples" / "own_loop")
+    spec = build_spec({
+        "training": {"entrypoint": "own_loop.loop:train", "entrypoint_args": {"width": 16, "samples": 256},
+                     "epochs": 3, "batch_size": 64},
+        "optimizer": {"name": "adam", "lr": 0.01},
+        "teleport": {"epochs": [0, 1, 2], "batches": 2, "batch_size": 32, "steps": 2, "cap": 50.0, "budget": 1e-9},
+    })
+    sink = MemorySink()
+    summary = run_local(spec, tmp_path / "run", progress=False, sink=sink)
+    assert [r["epoch"] for r in sink.records if r["kind"] == "teleport"] == [0, 0]
+    assert [(r["epoch"], r["batches"]) for r in sink.records if r["kind"] == "budget"] == [(1, 0), (2, 0)]
+    assert summary["teleport_cuts"] == 2 and summary["teleport_budget"] == 1e-9 and summary["teleport_batches"] == 2
