@@ -111,3 +111,17 @@ def test_an_own_loops_teleport_keeps_the_budget_from_its_first_reported_epoch(tm
     assert [r["epoch"] for r in sink.records if r["kind"] == "teleport"] == [0, 0]
     assert [(r["epoch"], r["batches"]) for r in sink.records if r["kind"] == "budget"] == [(1, 0), (2, 0)]
     assert summary["teleport_cuts"] == 2 and summary["teleport_budget"] == 1e-9 and summary["teleport_batches"] == 2
+
+
+def test_a_sweep_may_search_the_budget_and_its_bounds_are_checked() -> None:
+    from pydantic import ValidationError
+
+    from api_schemas.presets import PRESETS
+    from api_schemas.sweeps import SweepSubmit
+
+    ok = SweepSubmit.model_validate({"base": PRESETS["digits/teleport"],
+                                     "search_space": {"teleport.budget": {"grid": [0.05, 0.1, None]}}})
+    assert ok.search_space["teleport.budget"] == {"grid": [0.05, 0.1, None]}
+    with pytest.raises(ValidationError, match="teleport.budget: Input should be less than or equal to 1"):
+        SweepSubmit.model_validate({"base": PRESETS["digits/teleport"],
+                                    "search_space": {"teleport.budget": {"grid": [0.05, 2.0]}}})
