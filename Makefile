@@ -10,7 +10,7 @@ export MKL_NUM_THREADS ?= 1
 export RAY_AUTH_MODE ?= disabled
 export TMPDIR ?= /tmp
 
-.PHONY: setup browser demo test test-fast lint bench clean
+.PHONY: setup browser sandbox demo test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -28,7 +28,14 @@ browser:
 	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	  --no-install-recommends chromium; }
 
-demo: setup
+# Debian's bubblewrap: each job's training runs in a sandbox of its own (workers/sandbox.py, docs/security.md).
+# Idempotent: nothing to do when bwrap is on PATH. Without it, tlab up says so and refuses users' code.
+sandbox:
+	@command -v bwrap >/dev/null || { echo ">> installing Debian's bubblewrap for the per-job sandbox"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	  --no-install-recommends bubblewrap; }
+
+demo: setup sandbox
 	$(BIN)/tlab demo --home runs/demo
 
 # 3 xdist workers: the tests that run Ray go to two chains, a worker each, in file order, the third takes the
@@ -36,10 +43,10 @@ demo: setup
 TEST_WORKERS ?= 3
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_WORKERS)
 
-test: setup browser
+test: setup browser sandbox
 	$(PYTEST)
 
-test-fast: setup browser
+test-fast: setup browser sandbox
 	$(PYTEST) -m "not slow"
 
 lint: setup

@@ -33,13 +33,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import redis
 import torch
 
 from api_schemas import ExperimentSpec
-from api_schemas.lineage import StartFrom
-from workers.artifacts import CHECKPOINT_FILE, checkpoints, last_training_state
-from workers.bucket import pull_checkpoint, pull_dir, push_later
+from workers.artifacts import checkpoints, last_training_state
+from workers.bucket import pull_checkpoint, push_later
 from workers.context import (
     CheckpointRefused,
     RunContext,
@@ -51,9 +49,9 @@ from workers.context import (
 )
 from workers.failure import JobFailed, failure_reason
 from workers.gpu_share import claim_device, device_report, oom_named
-from workers.job_record import job_field
 from workers.redis_sink import RedisSink
 from workers.sinks import MetricSink
+from workers.start_from import start_checkpoint  # noqa: F401 (its old home: ``workers.start_from``)
 from workers.startup import mark
 
 TMP_PREFIX = ".tmp-checkpoint_"  # never matches ``checkpoint_*``: a half-written one is never read
@@ -203,23 +201,6 @@ class DriverContext(RunContext):
         if found is None and self.start_from is not None:
             return read_checkpoint(self.start_from)
         return None if found is None else found[1]
-
-
-def start_checkpoint(client: redis.Redis, job_id: str, storage: str | Path) -> Path | None:
-    """The checkpoint directory a continued or forked job starts from (its hash's ``start_from``, written by
-    ``service.lineage``), while its run has no checkpoint of its own (a requeued child goes on from its own);
-    None for a job that starts from scratch. A ValueError naming it when it is gone."""
-    raw = job_field(client, job_id, "start_from")
-    if not raw or checkpoints([Path(storage) / job_id]):
-        return None
-    start = StartFrom.model_validate_json(raw)
-    path = start.path(storage)
-    if not (path / CHECKPOINT_FILE).is_file():  # a bucket's copy, when storage is one and this node has none
-        pull_dir(storage, f"{start.job}/{start.checkpoint}")
-    if not (path / CHECKPOINT_FILE).is_file():
-        raise ValueError(f"the checkpoint to start from (experiment {start.job} after epoch {start.epoch}, {path}) "
-                         "is gone: submit the spec as a new experiment instead")
-    return path
 
 
 def retried(err: BaseException, never: tuple[type[BaseException], ...] = ()) -> bool:

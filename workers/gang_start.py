@@ -38,9 +38,9 @@ def rank_options(spec: ExperimentSpec, node: str | None) -> dict[str, Any]:
 
 def gang_rank(*args: Any) -> None:
     """A rank's task (its process is titled ``ray::gang_rank`` while it runs)."""
-    from workers.gang import run_rank  # imported in the rank's process, not in the driver
+    from workers.supervisor import supervise_rank  # its payload joins the gang, in a sandbox
 
-    run_rank(*args)
+    supervise_rank(*args)
 
 
 class Ranks:

@@ -89,23 +89,25 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
         ranks = Ranks(spec, job_id, redis_url, storage, placement(), out)
         mark("ranks")
     try:
-        from workers.driver import start_checkpoint
+        from workers.start_from import start_checkpoint
 
-        mark("torch")  # (and the loop's modules: the driver's start-up timeline, ``workers.startup``)
         pull_checkpoint(storage, job_id)  # the bucket's newest, when newer than any here (``workers.bucket``)
         start = start_checkpoint(client, job_id, storage)  # a continued or forked job's parent checkpoint
-        if in_driver():
-            from workers.driver import run_in_driver
+        if in_driver():  # its payload trains, in a sandbox (``workers.supervisor``), and exports the artifacts
+            from workers.supervisor import supervise
 
-            also_as("rank-0")  # it trains here: this process's log is rank 0's
-            summary = run_in_driver(spec, job_id, redis_url, storage, max_failures, out, stopped=(Stopped,),
-                                    start_from=start, placement=placement(), ranks=ranks)
+            also_as("rank-0")  # the payload's output comes through this process: its log is rank 0's
+            summary = supervise(spec, job_id, redis_url, storage, max_failures, out, start, placement(), ranks)
         else:
+            from workers.supervisor import refuse_unsandboxed
+
+            refuse_unsandboxed(spec)  # Ray Train's workers run the user's code outside any sandbox
             summary = fit_trainer(spec, job_id, redis_url, storage, max_failures, out, start)
     finally:  # however it ended (a stop too: SIGTERM leaves the grace period for this), from the last checkpoint
         if ranks is not None:
             ranks.stop()  # (a no-op once the first try has ended them)
-        export_artifacts(spec, [Path(storage) / job_id], out)
+        if not in_driver():
+            export_artifacts(spec, [Path(storage) / job_id], out)
         push(storage, job_id, prune=True, final=True)  # the run's last word (its checkpoint uploads may be cut off)
     if summary.get("failed"):
         raise JobFailed(str(summary.get("reason", "training failed")))

@@ -36,6 +36,14 @@ def mark(phase: str) -> None:
     _marks.setdefault(phase, time.time())
 
 
+def adopt(times: dict[str, float]) -> None:
+    """Another process's phases count as this one's where it has not passed them (a job's sandboxed payload
+    imports torch, loads the data and builds the model: ``workers.supervisor``); ``spawned`` stays this process's."""
+    for phase, at in times.items():
+        if phase != "spawned":
+            _marks.setdefault(phase, at)
+
+
 def process_start() -> float | None:
     """When the operating system started this process, as a ``time.time()`` (``None`` where Linux's ``/proc`` is
     not there). From ``/proc/self/stat``'s start time in clock ticks since boot and the boot clock, not psutil's
