@@ -235,7 +235,11 @@ def _block(uses: Uses, i: int, bias: int | None) -> Block:
 
 
 def _bias_rows(parts: list[Part], rows: int, bias: Tensor, b: int) -> Tensor | None:
-    """Which bias element each layout row adds (one element per row, one row per element)."""
+    """Which bias element each layout row adds (one element per row, one row per element); None: row i adds
+    element i (decided on the host when every use adds the whole bias to every row: no device reads)."""
+    mine = [part for part in parts if part.bias == b]
+    if all(part.rows is None and part.bias_index is None for part in mine) and bias.numel() == rows:
+        return None
     device = bias.device
     out = torch.full((rows,), -1, dtype=torch.long, device=device)
     for part in parts:
