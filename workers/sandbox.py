@@ -5,8 +5,8 @@ Ray connection and the job's ticket, and starts the payload (``python -m workers
 loss and own loop) through ``launch``, which wraps it in ``bwrap``:
 
 - a private PID namespace (no other process's ``/proc``, no pid of ours to signal), IPC and UTS namespaces;
-- an unprivileged uid: as root, ``nobody`` (65534) with no capability (``drop_root``), so even a file the sandbox can
-  see but root owns (mode 0600) stays closed; otherwise the caller's uid in a user namespace;
+- an unprivileged uid: 65534 in a user namespace of its own, with no capability on the host (bwrap drops them all);
+  on the host its files are its supervisor's (the namespace maps it), so of ``/etc`` only ``ETC`` is bound;
 - read-only: the system (``/usr``, ``/etc``, the ``/lib`` links), Python and its packages, our packages, the job's
   code (its working directory), its data and the checkpoint it starts from; read-write: only its own job directory;
   a private ``/tmp`` and ``/dev``; ``TLAB_SANDBOX_HIDE`` (the service's home) covered by an empty tmpfs;
@@ -14,8 +14,9 @@ loss and own loop) through ``launch``, which wraps it in ``bwrap``:
   (its Redis URL, the job's own ACL user, comes on a pipe: ``workers.payload``);
 - the network shared: the gang's process group and the metrics sink work as before.
 
-As root, bwrap runs without a user namespace and the payload drops to ``nobody`` inside (``drop_root``): bwrap started
-as ``nobody`` could not bind what lies under ``/root`` (0700; pyenv's Python lives there), even from a descriptor.
+Measured as root here: a payload that is ``nobody`` on the host too (``setpriv`` inside a rootful bwrap) could not read
+what ``tlab up``'s umask 077 leaves 0700 (its data roots, the code Ray unpacks under its home) nor, started as nobody,
+bind what lies under ``/root`` (pyenv's Python), even from a descriptor; docs/security.md says what that leaves.
 
 ``TLAB_SANDBOX=off`` (the admin's choice, knowingly: ``service.settings``) runs the payload as a plain child with
 the same cleared environment. Where bwrap cannot run (not installed, user namespaces off: ``unavailable``), a job
@@ -37,7 +38,11 @@ from pathlib import Path
 SETTING = "TLAB_SANDBOX"  # "off": no sandbox, knowingly; anything else: a sandbox wherever one can run
 HIDE = "TLAB_SANDBOX_HIDE"  # colon-separated directories the payload must never see (the service's home)
 NOBODY = 65534
-SYSTEM = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/sys")
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# of /etc only what Python, torch and a connection need: no /etc/shadow, no /etc/ssl/private (see ``bwrap_argv``)
+ETC = ("hosts", "resolv.conf", "nsswitch.conf", "host.conf", "gai.conf", "passwd", "group", "localtime", "timezone",
+       "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl/certs", "ca-certificates", "os-release",
+       "mime.types", "protocols", "services")
 OUR_PACKAGES = ("api_schemas", "objstore", "teleport", "workers")  # what ``workers.payload`` imports
 PASSED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "LANG", "LC_ALL",
           "TLAB_KEEP_CHECKPOINTS", "TLAB_CHECKPOINT_EVERY_S", "TLAB_GANG_TIMEOUT_S", "TLAB_MAX_LOG_MB", "TLAB_DEBUG",
@@ -97,27 +102,18 @@ def parents(paths: Sequence[Path]) -> list[str]:
     return [a for p in made for a in ("--perms", "0755", "--dir", str(p))]
 
 
-def drop_root() -> list[str]:
-    """As root, what the payload's command starts with: ``setpriv`` to ``nobody``, no capability left (bwrap runs
-    as root without a user namespace, so it can bind what lies under ``/root``; the payload's uid is then
-    unprivileged on the host too). Otherwise nothing: bwrap makes a user namespace with the caller's uid."""
-    if os.geteuid() != 0:
-        return []
-    return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
-            "--bounding-set=-all", "--"]
-
-
 def bwrap_argv(command: Sequence[str], env: Mapping[str, str], mounts: Mounts) -> list[str]:
     """The bwrap command that runs ``command`` with exactly ``env`` and ``mounts`` (see the module)."""
-    argv = ["bwrap", *([] if os.geteuid() == 0 else ["--unshare-user"]), "--unshare-pid", "--unshare-ipc",
+    argv = ["bwrap", "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY), "--unshare-pid", "--unshare-ipc",
             "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--tmpfs", "/tmp",
             "--proc", "/proc", "--dev", "/dev"]
-    for device in sorted(glob.glob("/dev/nvidia*")):  # a GPU job's cards (CUDA_VISIBLE_DEVICES says which)
-        argv += ["--dev-bind", device, device]
+    gpus = sorted(glob.glob("/dev/nvidia*"))  # a GPU job's cards (CUDA_VISIBLE_DEVICES says which); CUDA reads /sys
+    argv += [a for d in gpus for a in ("--dev-bind", d, d)] + (["--ro-bind", "/sys", "/sys"] if gpus else [])
     for name in SYSTEM:
         if os.path.islink(name):  # Debian's merged /usr: /bin -> usr/bin
             argv += ["--symlink", os.readlink(name), name]
-    readable = [*[Path(p) for p in SYSTEM if not os.path.islink(p)], *python_paths(), *mounts.readable]
+    system = [Path(p) for p in SYSTEM if not os.path.islink(p)] + [Path("/etc", name) for name in ETC]
+    readable = [*system, *python_paths(), *mounts.readable]
     outer = [p for p in _outermost(readable) if not _under(p, mounts.hidden)]
     inner = _outermost([p for p in readable if _under(Path(os.path.realpath(p)), mounts.hidden)])
     job_dir = Path(os.path.realpath(mounts.writable))
@@ -128,7 +124,7 @@ def bwrap_argv(command: Sequence[str], env: Mapping[str, str], mounts: Mounts) -
     argv += ["--bind", str(job_dir), str(job_dir), "--clearenv"]
     for name, value in env.items():
         argv += ["--setenv", name, value]
-    return [*argv, "--chdir", str(mounts.workdir or job_dir), "--", *drop_root(), *command]
+    return [*argv, "--chdir", str(mounts.workdir or job_dir), "--", *command]
 
 
 def payload_env(code_dir: str | None) -> dict[str, str]:
@@ -141,24 +137,11 @@ def payload_env(code_dir: str | None) -> dict[str, str]:
     return env
 
 
-def own_dir(job_dir: Path) -> None:
-    """As root: the job directory (and what is in it) becomes ``nobody``'s, the sandbox's only writable place."""
-    job_dir.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        return
-    for root, dirs, files in os.walk(job_dir):
-        for name in [*dirs, *files]:
-            os.lchown(os.path.join(root, name), NOBODY, NOBODY)
-    os.lchown(job_dir, NOBODY, NOBODY)
-
-
 @cache
 def unavailable() -> str:
     """'' when a sandbox can run here; else why not, in one line (probed with a real ``bwrap ... true``)."""
     if shutil.which("bwrap") is None:
         return "bubblewrap is not installed (no bwrap on PATH): `make sandbox`, or apt-get install bubblewrap"
-    if os.geteuid() == 0 and shutil.which("setpriv") is None:
-        return "setpriv (util-linux) is not installed: the sandbox cannot drop root"
     probe = Path(os.environ.get("TMPDIR", "/tmp"))
     try:
         done = subprocess.run(bwrap_argv(["true"], {}, Mounts(writable=probe)), capture_output=True, text=True,

@@ -64,7 +64,7 @@ def payload_argv(spec: ExperimentSpec, job_dir: Path, start_from: str | None) ->
     env = sandbox.payload_env(str(box.workdir) if box.workdir else None)
     if not sandbox.required(user_code(spec)):
         return command, {**env, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    sandbox.own_dir(job_dir)
+    job_dir.mkdir(parents=True, exist_ok=True)
     return sandbox.bwrap_argv(command, env, box), {}
 
 
