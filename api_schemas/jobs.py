@@ -206,6 +206,9 @@ class Quotas(_Strict):
                                                                  "ask for (admins are not bound)")
     max_unpreemptible: int = Field(1, ge=0, description="jobs with resources.preemptible=false the user may have "
                                                         "queued or running at once (admins are not bound)")
+    max_storage_gb: float | None = Field(None, gt=0, description="GB of storage the user's ended jobs may hold "
+                                                                 "(checkpoints, artifacts, logs); at or over it a "
+                                                                 "submit is refused; none: no limit")
 
 
 class UserCreate(_Strict):
@@ -223,6 +226,7 @@ class UserPublic(_Strict):
     can_submit_code: bool = Field(False, description="may submit jobs that run an uploaded code package")
     disabled: bool = Field(False, description="a disabled user's tokens are refused (401)")
     token_rotated_at: float | None = Field(None, description="when the current token was issued by a rotation")
+    storage_used_gb: float | None = Field(None, description="GET /v1/me: GB of storage your ended jobs hold")
 
 
 def _quota_change_schema(schema: dict[str, Any]) -> None:

@@ -31,6 +31,16 @@ def emitted(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:emitted"
 
 
+def job_keys(job_id: str) -> list[str]:
+    """Every key that belongs to one job but its hash (what deleting it removes, with the hash)."""
+    return [events(job_id), emitted(job_id), trials(job_id), notified(job_id), job_run(job_id), preflight(job_id)]
+
+
+def storage_usage() -> str:
+    """Hash written by the scheduler: user name -> bytes their jobs hold in storage (the max_storage_gb quota)."""
+    return f"{PREFIX}:storage:usage"
+
+
 def jobs() -> str:
     """Sorted set (all scores 0) of every job id; ids sort by creation time, so ZREVRANGEBYLEX pages newest first."""
     return f"{PREFIX}:jobs"

@@ -158,3 +158,19 @@ redis.call('LPUSH', KEYS[4], ARGV[1])
 redis.call('LTRIM', KEYS[4], 0, 0)
 return {1, cur}
 """.replace("__QUEUED_CAP__", QUEUED_CAP).replace("__MAXLEN__", str(STREAM_MAXLEN))
+
+# KEYS: job hash, all-jobs index, the owner's jobs index, the queue view, then the job's own keys (keys.job_keys)
+# ARGV: job id, comma-separated states it may be deleted in (the terminal ones)
+# Deletes an ended job's record in one step (service/deleting.py): a sweep rerun cannot move it back to the queue
+# half-way. Returns 1, or the job's state when it may not be deleted ('missing' when there is none).
+DELETE_ENDED = """
+local cur = redis.call('HGET', KEYS[1], 'state')
+if not cur then return 'missing' end
+if not string.find(',' .. ARGV[2] .. ',', ',' .. cur .. ',', 1, true) then return cur end
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[1])
+for i = 5, #KEYS do redis.call('DEL', KEYS[i]) end
+redis.call('DEL', KEYS[1])
+return 1
+"""

@@ -96,7 +96,11 @@ class Client:
         return self.json("GET", "/v1/experiments", params={k: v for k, v in params.items() if v is not None})["items"]
 
     def cancel(self, job_id: str) -> dict[str, Any]:
-        return self.json("DELETE", f"/v1/experiments/{job_id}")
+        return self.json("POST", f"/v1/experiments/{job_id}/cancel")
+
+    def delete(self, job_id: str) -> None:
+        """Delete an ended experiment or sweep with everything it left (its id answers 404 afterwards)."""
+        self.request("DELETE", f"/v1/experiments/{job_id}")
 
     def plot(self, job_ids: list[str], x: str = "both") -> bytes:
         params = {"compare": ",".join(job_ids[1:])} if len(job_ids) > 1 else {}

@@ -55,10 +55,12 @@ return #children
 """
 
 
-def kept_epochs(settings: Settings, job_id: str) -> dict[int, str]:
+def kept_epochs(settings: Settings, job_id: str, sync: bool = True) -> dict[int, str]:
     """{epochs trained: checkpoint directory name} of the job's kept checkpoints that hold a model (a diverged
-    run's last one holds only its failure: its ``meta.json`` has no epoch); the newest directory per epoch."""
-    storage.sync_checkpoints(settings, job_id)  # with a bucket: what the local copy lacks
+    run's last one holds only its failure: its ``meta.json`` has no epoch); the newest directory per epoch.
+    ``sync``: with a bucket, first pull what the local copy lacks."""
+    if sync:
+        storage.sync_checkpoints(settings, job_id)
     root = settings.storage_path
     found: dict[int, str] = {}
     for name in checkpoint_dirs(settings, job_id):  # oldest first; the job writes them: no link followed

@@ -32,7 +32,7 @@ from redis.exceptions import LockError
 from api_schemas import keys
 from api_schemas.jobs import Demand, JobState
 from api_schemas.reasons import FAILURE_MARK, one_line
-from service import deaths, dependencies, policy, preempting
+from service import deaths, dependencies, policy, preempting, storage_lifecycle
 from service.cluster_view import cluster_view
 from service.errors import Unstartable
 from service.job_acl import JobAcl
@@ -132,11 +132,13 @@ class Scheduler:
 
     # ---- 1. reconcile ------------------------------------------------------------------------
     def reconcile(self, now: float) -> None:
-        for data in self.active():
+        before = self.active()
+        for data in before:
             try:
                 self.reconcile_one(data, now)
             except Exception:  # one job's Ray trouble must not stop the others being reconciled
                 log.exception("reconciling %s", data.get("id"))
+        storage_lifecycle.settle(self.store, self.settings, before)  # those that ended: one checkpoint kept
 
     def reconcile_one(self, data: dict[str, str], now: float) -> None:
         job_id, state, sid = data["id"], JobState(data["state"]), data.get("ray_job_id", "")

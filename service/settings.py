@@ -52,6 +52,9 @@ class Settings(BaseSettings):
                                     description="the longest resources.time_limit_s anyone may ask for (422 above)")
     keep_checkpoints: int = Field(2, ge=1, validation_alias="TLAB_KEEP_CHECKPOINTS",
                                   description="checkpoints Ray Train keeps per job (the latest ones)")
+    keep_ended_checkpoints: int = Field(1, ge=1, validation_alias="TLAB_KEEP_ENDED_CHECKPOINTS",
+                                        description="checkpoints an ended experiment keeps (its newest, and any a "
+                                                    "continue or fork names); its artifacts stay too")
     checkpoint_every_s: float = Field(2.0, ge=0, allow_inf_nan=False, validation_alias="TLAB_CHECKPOINT_EVERY_S",
                                       description="a job's driver writes an epoch's checkpoint only this long after "
                                                   "its last write (0: every epoch); the last ones at its end or stop")

@@ -12,6 +12,7 @@ from service import policy
 from service.dependencies import check_after
 from service.preempting import check_unpreemptible
 from service.ray_cluster import StaticCluster
+from service.storage_lifecycle import check_quota
 from service.store import Store, demand_of
 from service.views import PENDING_REASON
 
@@ -50,6 +51,7 @@ def enqueue(store: Store, user: UserPublic, body: ExperimentSubmit | SweepSubmit
     naming ``resources.preemptible`` over the user's ``max_unpreemptible`` quota."""
     check_after(store, user, body.after)
     check_unpreemptible(store, user, body, idempotency_key)
+    check_quota(store, user)  # max_storage_gb: what the user's ended jobs hold
     owner = user.name
     cap = None if user.role == Role.ADMIN else user.quotas.max_queued_jobs
     job_id, created, qlen, now = store.submit(owner, body, idempotency_key, queued_cap=cap, extra=extra)

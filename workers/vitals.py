@@ -19,8 +19,35 @@ from workers.job_record import connect, write_field
 EVERY_S = 2.0
 
 
+def descendants(pid: int) -> list[int]:
+    """``pid``'s children, theirs, and so on (``/proc/<pid>/task/*/children``; [] where there is no /proc)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            kids = [int(k) for k in task.read_text().split()]
+        except (OSError, ValueError):
+            continue
+        for kid in kids:
+            out += [kid, *descendants(kid)]
+    return out
+
+
+def vm_hwm(pid: int) -> int:
+    """A process's own peak resident set (``VmHWM``), in bytes; 0 when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB
+    """This process's peak resident set plus its descendants' (the training may run in a sandboxed child): what
+    the OOM killer weighs, as an upper bound."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB
+    return own + sum(vm_hwm(kid) for kid in descendants(os.getpid()))
 
 
 def boot_id() -> str:
@@ -52,8 +79,8 @@ def oom_file(cgroups: str | None = None) -> str:
 
 def current(start: DriverVitals | None = None) -> DriverVitals:
     """The vitals now; the OOM counter as of ``start`` (the driver's first reading) when given."""
-    if start is not None:
-        return start.model_copy(update={"peak_rss_bytes": peak_rss_bytes()})
+    if start is not None:  # a child that ended takes its peak with it: the largest seen is kept
+        return start.model_copy(update={"peak_rss_bytes": max(start.peak_rss_bytes, peak_rss_bytes())})
     path = oom_file()
     try:
         kills = oom_kills(Path(path).read_text()) if path else None
@@ -69,9 +96,9 @@ def watch(redis_url: str, job_id: str, every_s: float = EVERY_S) -> threading.Ev
     start, done = current(), threading.Event()
 
     def loop() -> None:
-        client, written = connect(redis_url, decode_responses=True), -1
+        client, written, now = connect(redis_url, decode_responses=True), -1, start
         while not done.is_set():
-            now = current(start)
+            now = current(now)
             if now.peak_rss_bytes != written:
                 try:
                     write_field(client, job_id, VITALS_FIELD, now.model_dump_json())

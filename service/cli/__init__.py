@@ -1,7 +1,7 @@
 """``tlab``: the command line, one module per command group, assembled here.
 
 ===============  ====================================================================================
-``jobs``         ``submit``, ``ls``, ``show``, ``follow``, ``cancel``, ``plot``, ``compare``
+``jobs``         ``submit``, ``ls``, ``show``, ``follow``, ``cancel``, ``rm``, ``plot``, ``compare``
 ``lineage``      ``continue``, ``fork``
 ``artifacts``    ``pull``
 ``sweeps``       ``sweep``, ``sweeps``, ``sweep-show``, ``sweep-rerun``

@@ -1,4 +1,4 @@
-"""Experiments on the service: ``submit``, ``ls``, ``show``, ``follow``, ``cancel``, ``plot``, ``compare``."""
+"""Experiments on the service: ``submit``, ``ls``, ``show``, ``follow``, ``cancel``, ``rm``, ``plot``, ``compare``."""
 
 from __future__ import annotations
 
@@ -154,6 +154,14 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rm(args: argparse.Namespace) -> int:
+    with client(args) as c:
+        for job_id in args.ids:
+            c.delete(job_id)
+            print(f"{job_id}  deleted")
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     with client(args) as c:
         png = c.plot(args.ids, x=args.x)
@@ -194,9 +202,13 @@ def add_commands(sub: Any) -> None:
     p.add_argument("id")
     p.set_defaults(func=cmd_follow)
 
-    p = sub.add_parser("cancel", help="cancel queued or running experiments")
+    p = sub.add_parser("cancel", help="cancel queued or running experiments or sweeps (their records stay)")
     p.add_argument("ids", nargs="+")
     p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser("rm", help="delete ended experiments or sweeps: records, metrics, logs, checkpoints, artifacts")
+    p.add_argument("ids", nargs="+")
+    p.set_defaults(func=cmd_rm)
 
     p = sub.add_parser("plot", help="overlaid loss curves of experiments: `tlab plot ID... -o FILE.png [--x seconds]`")
     p.add_argument("ids", nargs="+")
@@ -206,5 +218,5 @@ def add_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_plot)
 
     add_compare(sub, add_spec_args, cmd_compare)
-    for name in ("submit", "follow", "cancel", "plot", "compare"):
+    for name in ("submit", "follow", "cancel", "rm", "plot", "compare"):
         add_remote_args(sub.choices[name])

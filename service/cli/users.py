@@ -32,6 +32,7 @@ QUOTA_OPTIONS: dict[str, tuple[type, str]] = {
     "max_cpus": (float, "CPUs its starting/running jobs may hold at once"),
     "max_time_limit_s": (float, "the longest resources.time_limit_s its jobs may ask for"),
     "max_unpreemptible": (int, "jobs with resources.preemptible=false it may have queued or running at once"),
+    "max_storage_gb": (float, "GB of storage its ended jobs may hold (at or over it, submits are refused)"),
 }
 WEAK_TOKENS = {"change-me", "changeme", "secret", "password", "admin", "token"}
 MIN_TOKEN_CHARS = 32
@@ -127,7 +128,10 @@ def cmd_me(args: argparse.Namespace) -> int:
         me = c.json("GET", "/v1/me")
     if args.json:
         return print_json(me)
-    print(f"{me['name']}  {me['role']}  {_quota_text(me['quotas'])}  at {c.url}")
+    used = me.get("storage_used_gb")
+    cap = me["quotas"].get("max_storage_gb")
+    stored = f"  storage {used or 0:.2f} GB" + (f" of {cap:g}" if cap else "")
+    print(f"{me['name']}  {me['role']}  {_quota_text(me['quotas'])}{stored}  at {c.url}")
     return 0
 
 

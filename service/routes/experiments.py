@@ -1,4 +1,4 @@
-"""Experiments: submit (or dry-run), list, get, cancel, follow (SSE), metrics, plot (logs: ``routes.logs``)."""
+"""Experiments: submit (or dry-run), list, get, cancel, delete, follow (SSE), metrics, plot (logs: ``routes.logs``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from api_schemas.jobs import DryRun, ExperimentSubmit, JobList, JobView, Metrics
 from api_schemas.lineage import ContinueRequest, ForkRequest
 from api_schemas.sweeps import SweepSubmit
 from service.admission import admit_experiment
+from service.deleting import delete_job
 from service.deps import CurrentUser, JobFilterDep, PageDep, State, StateDep, StreamToken, StreamUser, own_job
 from service.errors import DoesNotFit, InvalidInput
 from service.events import downsample, follow, records, valid_stream_id
@@ -90,16 +91,27 @@ def get_experiment(job_id: str, st: StateDep, user: CurrentUser) -> JobView:
     return st.store.view(job_id, own_job(st, user, job_id))
 
 
-@router.delete("/{job_id}", status_code=202, summary="Cancel an experiment; its record stays readable",
-               responses=OWNED | {409: error("the experiment has already ended: nothing to cancel")})
+@router.post("/{job_id}/cancel", status_code=202, summary="Cancel an experiment; its record stays readable",
+             responses=OWNED | {409: error("the experiment has already ended: nothing to cancel")})
 def cancel(job_id: str, st: StateDep, user: CurrentUser) -> JobView:
-    """Cancel, not delete: a queued experiment leaves the queue and is `cancelled` at once; a starting or running
-    one is stopped (SIGTERM, then SIGKILL after the grace) and becomes `cancelled` shortly after (the 202 shows its
-    state now). Its record, metrics, logs and artifacts stay: GET answers 200 with state `cancelled` from then on.
-    An experiment that has already ended (succeeded, failed or cancelled) answers 409."""
+    """A queued experiment leaves the queue and is `cancelled` at once; a starting or running one is stopped
+    (SIGTERM, then SIGKILL after the grace) and becomes `cancelled` shortly after (the 202 shows its state now). Its
+    record, metrics, logs and artifacts stay (DELETE removes them). An experiment that has already ended answers
+    409."""
     own_job(st, user, job_id)
     st.store.cancel(job_id)
     return st.store.view(job_id)
+
+
+@router.delete("/{job_id}", status_code=204, response_class=Response,
+               summary="Delete an ended experiment: its record, metrics, logs, checkpoints and artifacts",
+               responses=OWNED | {204: {"description": "deleted: its id answers 404 from now on"},
+                                  409: error("it has not ended (cancel it first), or an experiment continued or "
+                                             "forked from it has not ended yet")})
+def delete(job_id: str, st: StateDep, user: CurrentUser) -> Response:
+    """Everything the experiment left goes, in Redis and in storage; GET answers 404 from then on."""
+    delete_job(st.store, st.settings, own_job(st, user, job_id), "experiments")
+    return Response(status_code=204)
 
 
 @router.get("/{job_id}/events",

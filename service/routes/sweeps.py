@@ -1,4 +1,4 @@
-"""Sweeps: submit, list, get (with the trials table), cancel, rerun trials, follow (SSE), plot, the seed-study table."""
+"""Sweeps: submit, list, get (with the trials table), cancel, delete, rerun trials, follow (SSE), plot, seed studies."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from fastapi.responses import StreamingResponse
 from api_schemas.jobs import JobList, JobView, StudyView, SweepView
 from api_schemas.sweeps import SweepRerun, SweepSubmit
 from service.admission import admit_sweep
+from service.deleting import delete_job
 from service.deps import CurrentUser, JobFilterDep, PageDep, StateDep, StreamToken, StreamUser, own_sweep
 from service.errors import DoesNotFit
 from service.responses import AUTHED, LISTED, OWNED, STREAMS, SUBMIT, error
@@ -55,16 +56,26 @@ def get_sweep(sweep_id: str, st: StateDep, user: CurrentUser) -> SweepView:
                      best=best_trial(rows, sweep.mode))
 
 
-@router.delete("/{sweep_id}", status_code=202, summary="Cancel a sweep; its record stays readable",
-               responses=OWNED | {409: error("the sweep has already ended: nothing to cancel")})
+@router.post("/{sweep_id}/cancel", status_code=202, summary="Cancel a sweep; its record stays readable",
+             responses=OWNED | {409: error("the sweep has already ended: nothing to cancel")})
 def cancel_sweep(sweep_id: str, st: StateDep, user: CurrentUser) -> JobView:
-    """Cancel, not delete: a queued sweep leaves the queue and is `cancelled` at once; a running one's Ray job (the
-    Tune driver, and with it every trial) is stopped and the sweep becomes `cancelled` shortly after (the 202 shows
-    its state now). Its record, trials table, metrics and artifacts stay: GET answers 200 with state `cancelled`
-    from then on. A sweep that has already ended answers 409."""
+    """A queued sweep leaves the queue and is `cancelled` at once; a running one's Ray job (the Tune driver, and
+    with it every trial) is stopped and the sweep becomes `cancelled` shortly after (the 202 shows its state now).
+    Its record, trials table, metrics and artifacts stay (DELETE removes them). A sweep that has already ended
+    answers 409."""
     own_sweep(st, user, sweep_id)
     st.store.cancel(sweep_id)
     return st.store.view(sweep_id)
+
+
+@router.delete("/{sweep_id}", status_code=204, response_class=Response,
+               summary="Delete an ended sweep: its record, trials, metrics, logs, checkpoints and artifacts",
+               responses=OWNED | {204: {"description": "deleted: its id answers 404 from now on"},
+                                  409: error("the sweep has not ended: cancel it first")})
+def delete_sweep(sweep_id: str, st: StateDep, user: CurrentUser) -> Response:
+    """Everything the sweep and its trials left goes, in Redis and in storage; GET answers 404 from then on."""
+    delete_job(st.store, st.settings, own_sweep(st, user, sweep_id), "sweeps")
+    return Response(status_code=204)
 
 
 @router.post("/{sweep_id}/rerun", status_code=202, dependencies=[Depends(strict_json(SweepRerun))],

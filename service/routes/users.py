@@ -9,6 +9,7 @@ from api_schemas.notify import WebhookSecret
 from service.deps import AdminUser, CurrentUser, StateDep, admin_user
 from service.errors import Forbidden, InvalidInput
 from service.responses import ADMIN, AUTHED, BODY, USER, error
+from service.storage_lifecycle import GB, used_bytes
 from service.strict import strict_json
 
 router = APIRouter(prefix="/v1", tags=["users"], responses=AUTHED)
@@ -49,9 +50,9 @@ def rotate_token(name: str, st: StateDep, user: CurrentUser) -> UserCreated:
 
 
 @router.get("/me")
-def me(user: CurrentUser) -> UserPublic:
-    """Who this token belongs to."""
-    return user
+def me(st: StateDep, user: CurrentUser) -> UserPublic:
+    """Who this token belongs to, and the storage their ended jobs hold (``quotas.max_storage_gb``)."""
+    return user.model_copy(update={"storage_used_gb": round(used_bytes(st.store, user.name) / GB, 3)})
 
 
 @router.get("/me/webhook-secret")

@@ -112,14 +112,13 @@ export function liveEnded(state) {
   $("#live").classList.remove("on");
 }
 
-// The page's #cancel button: two clicks (a stray click never cancels a day of training), then DELETE `path`.
-export function cancelButton(page, path, label, after) {
-  const btn = $("#cancel", page.el);
+// A button that acts on a second click within 5 s (a stray click never cancels a day of training, nor deletes it).
+function twoClicks(page, btn, label, [armedText, busyText], send, after) {
   let armed = null;
   const disarm = () => { armed = null; btn.textContent = label; btn.classList.remove("armed"); };
   btn.addEventListener("click", async () => {
     if (!armed) {
-      btn.textContent = "Click again to cancel";
+      btn.textContent = armedText;
       btn.classList.add("armed");
       armed = setTimeout(disarm, 5000);
       return;
@@ -127,9 +126,9 @@ export function cancelButton(page, path, label, after) {
     clearTimeout(armed);
     armed = null;
     btn.disabled = true;
-    btn.textContent = "Cancelling…";
+    btn.textContent = busyText;
     try {
-      await api("DELETE", path);
+      await send();
       await after();
     } catch (err) {
       showError(err);
@@ -138,4 +137,16 @@ export function cancelButton(page, path, label, after) {
     }
   });
   page.on(() => clearTimeout(armed));
+}
+
+// The page's #cancel button: POST `path`/cancel on the second click.
+export function cancelButton(page, path, label, after) {
+  twoClicks(page, $("#cancel", page.el), label, ["Click again to cancel", "Cancelling…"],
+    () => api("POST", `${path}/cancel`), after);
+}
+
+// The page's #delete button (an ended job): DELETE `path` on the second click; everything it left goes.
+export function deleteButton(page, path, label, after) {
+  twoClicks(page, $("#delete", page.el), label, ["Click again: delete it and its files", "Deleting…"],
+    () => api("DELETE", path, { text: true }), after);
 }

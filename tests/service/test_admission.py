@@ -166,7 +166,7 @@ def test_queued_jobs_are_capped_per_user_with_retry_after(api: Api) -> None:
         r = post(c, tiny())
         assert r.status_code == 429 and int(r.headers["Retry-After"]) > 0, r.text
         assert r.json()["errors"][0]["field"] == "max_queued_jobs" and "max_queued_jobs" in r.json()["detail"]
-        assert c.delete(f"/v1/experiments/{first}").status_code == 202  # a slot frees up
+        assert c.post(f"/v1/experiments/{first}/cancel").status_code == 202  # a slot frees up
         assert post(c, tiny()).status_code == 201
         assert post(c, tiny()).status_code == 429
     with api.client() as c:

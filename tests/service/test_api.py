@@ -54,7 +54,7 @@ def test_auth_matrix(api_only: Api) -> None:
         assert anon.get("/healthz").status_code == 200
         # bob can neither see nor cancel alice's job; a missing job is 404 for everyone
         assert bob.get(f"/v1/experiments/{job}").status_code == 403
-        assert bob.delete(f"/v1/experiments/{job}").status_code == 403
+        assert bob.post(f"/v1/experiments/{job}/cancel").status_code == 403
         assert bob.get(f"/v1/experiments/{job}/events").status_code == 403
         assert bob.get("/v1/experiments", params={"owner": "alice"}).status_code == 403
         assert bob.get("/v1/experiments").json()["items"] == []
@@ -66,7 +66,7 @@ def test_auth_matrix(api_only: Api) -> None:
         assert bob.get("/v1/users").status_code == 403
         assert admin.post("/v1/users", json={"name": "alice"}).status_code == 409
         assert {u["name"] for u in admin.get("/v1/users").json()} == {"admin", "alice", "bob"}
-        assert admin.delete(f"/v1/experiments/{job}").status_code == 202
+        assert admin.post(f"/v1/experiments/{job}/cancel").status_code == 202
 
 
 def test_tokens_are_stored_hashed(api_only: Api, redis_server: str) -> None:
@@ -122,9 +122,9 @@ def test_cancel_queued_job_ends_its_stream(api_only: Api, redis_server: str) -> 
 
     with api_only.client() as c:
         job = submit(c).json()["id"]
-        r = c.delete(f"/v1/experiments/{job}")
+        r = c.post(f"/v1/experiments/{job}/cancel")
         assert r.status_code == 202 and r.json()["state"] == "cancelled"
-        assert c.delete(f"/v1/experiments/{job}").status_code == 409  # terminal states never change
+        assert c.post(f"/v1/experiments/{job}/cancel").status_code == 409  # terminal states never change
         text = c.get(f"/v1/experiments/{job}/events").text  # a finished job's stream: history, then it closes
         kinds = [line.split(": ", 1)[1] for line in text.splitlines() if line.startswith("event: ")]
         assert kinds == ["status", "status", "end"]

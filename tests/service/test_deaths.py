@@ -92,3 +92,22 @@ def test_a_killed_driver_is_queued_again_until_its_retries_are_used(redis_server
     assert store.raw(last["id"])["state"] == "failed"
     assert store.raw(last["id"])["failure_reason"].startswith("driver killed by SIGTERM before its first epoch; not")
     assert deaths.died(store, settings, running(store, spec, 1), 1, time.time()) is False  # its own exit: not ours
+
+
+def test_the_peak_rss_counts_the_drivers_children() -> None:
+    """The training may run in a sandboxed child of the driver: its memory is what the OOM killer weighs."""
+    import subprocess
+    import sys
+
+    from workers.vitals import peak_rss_bytes
+
+    alone = peak_rss_bytes()
+    child = subprocess.Popen([sys.executable, "-c", "import sys; x = bytearray(100 * 10**6); sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while peak_rss_bytes() < alone + 100 * 10**6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert peak_rss_bytes() >= alone + 100 * 10**6
+    finally:
+        child.communicate(b"")

@@ -76,7 +76,7 @@ def test_after_is_checked_at_submit(api_only: Api) -> None:
         refused(submit(alice, [child]), "cycle", f"{mine} -> {mine}")  # a job naming itself
         store.r.hdel(keys.job(mine), "after")
         gone = submit(alice).json()["id"]
-        assert alice.delete(f"/v1/experiments/{gone}").status_code == 202
+        assert alice.post(f"/v1/experiments/{gone}/cancel").status_code == 202
         refused(submit(alice, [gone]), gone, "cancelled", "never succeed")
         assert submit(alice, [mine], sweep=True).status_code == 201
 

@@ -56,3 +56,9 @@ def test_kill9_of_a_one_worker_driver_is_retried_from_its_checkpoint(stack: Stac
         assert 1 <= int(found[3]) <= int(found[1]) >= 6, line
         starts = [e.data["resumed_from_epoch"] for e in events if e.data.get("kind") == "start"]
         assert starts == [0, int(found[3])]  # the second attempt went on from the checkpoint the line named
+    # ended: the scheduler keeps its newest checkpoint only (TLAB_KEEP_ENDED_CHECKPOINTS=1), and its artifacts
+    run_dir = stack.home / "storage" / job
+    deadline = time.monotonic() + 30
+    while len(list(run_dir.glob("checkpoint_*"))) > 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(list(run_dir.glob("checkpoint_*"))) == 1 and (run_dir / "artifacts" / "model.safetensors").is_file()

@@ -24,7 +24,7 @@ def ended_parent(api: Api, c: httpx.Client, kept: list[int], epochs: int = 3) ->
     run's last one, which holds no model)."""
     job = c.post("/v1/experiments", json={"spec": tiny(training={"epochs": epochs}), "name": "base",
                                           "tags": ["lin"]}).json()["id"]
-    assert c.delete(f"/v1/experiments/{job}").json()["state"] == "cancelled"
+    assert c.post(f"/v1/experiments/{job}/cancel").json()["state"] == "cancelled"
     run = api.stack.home / "storage" / job
     for i, epoch in enumerate([*kept, None]):
         ckpt = run / f"checkpoint_2026-01-01_00-00-00.00000{i}"
@@ -49,7 +49,7 @@ def test_who_may_continue_or_fork_what(api_only: Api) -> None:
         refused(ann.post(f"/v1/experiments/{queued}/continue", json={"epochs": 2}), 409, "id", "queued",
                 "once it has ended")
         bare = ann.post("/v1/experiments", json={"spec": tiny()}).json()["id"]
-        ann.delete(f"/v1/experiments/{bare}")
+        ann.post(f"/v1/experiments/{bare}/cancel")
         refused(ann.post(f"/v1/experiments/{bare}/fork", json={"from_epoch": 1}), 409, "id", "no checkpoint")
         parent = ended_parent(api_only, ann, [2, 3])
         for route, body in [("continue", {"epochs": 2}), ("fork", {"from_epoch": 2})]:

@@ -132,8 +132,8 @@ def test_signed_posts_for_succeeded_cancelled_and_preempted_once_each(api_only: 
     quiet = submit(api_only, "alice", hook.url, on=["succeeded"])
     dropped = submit(api_only, "alice", hook.url)
     with api_only.client("alice") as c:
-        assert c.delete(f"/v1/experiments/{dropped}").status_code == 202
-        assert c.delete(f"/v1/experiments/{quiet}").status_code == 202  # cancelled is not in its `on`
+        assert c.post(f"/v1/experiments/{dropped}/cancel").status_code == 202
+        assert c.post(f"/v1/experiments/{quiet}/cancel").status_code == 202  # cancelled is not in its `on`
     for to in (JobState.STARTING, JobState.RUNNING, JobState.SUCCEEDED):
         assert store.transition(done, to, attempts="1", summary={"final_train_loss": 0.5})
     first = sender(api_only)
@@ -166,7 +166,7 @@ def test_a_hanging_or_failing_receiver_holds_up_nothing(api_only: Api, receivers
     ids = [submit(api_only, "alice", r.url) for r in (hang, broken, ok)]
     with api_only.client("alice") as c:
         for job in ids:
-            assert c.delete(f"/v1/experiments/{job}").status_code == 202
+            assert c.post(f"/v1/experiments/{job}/cancel").status_code == 202
     s = sender(api_only, backoff_s=0.01)
     futures = s.drain()  # returns at once: the POSTs run in the sender's pool
     hang.wait(1)

@@ -64,12 +64,14 @@ def test_each_route_documents_the_errors_it_can_return(openapi: dict[str, Any]) 
                     or path.endswith("/artifacts/{name}")), (method, path)
 
 
-def test_delete_is_documented_as_cancel(openapi: dict[str, Any]) -> None:
+def test_cancel_is_a_post_and_delete_removes_an_ended_job(openapi: dict[str, Any]) -> None:
     for path in ("/v1/experiments/{job_id}", "/v1/sweeps/{sweep_id}"):
-        op = openapi["paths"][path]["delete"]
-        assert op["summary"].startswith("Cancel") and "stays readable" in op["summary"]
-        assert "GET answers 200 with state `cancelled`" in op["description"]
-        assert "ended" in op["responses"]["409"]["description"]
+        cancel = openapi["paths"][f"{path}/cancel"]["post"]
+        assert cancel["summary"].startswith("Cancel") and "stays readable" in cancel["summary"]
+        assert "ended" in cancel["responses"]["409"]["description"]
+        delete = openapi["paths"][path]["delete"]
+        assert delete["summary"].startswith("Delete an ended") and "204" in delete["responses"]
+        assert "cancel it first" in delete["responses"]["409"]["description"]
 
 
 def error_of(r: httpx.Response, status: int) -> ErrorBody:
@@ -103,20 +105,40 @@ def test_the_api_answers_as_documented(api_only: Api) -> None:
         assert r.status_code == 200 and r.json()["fits_ever"], r.text
 
 
-def test_delete_cancels_and_the_record_stays_readable(api_only: Api) -> None:
+def test_cancel_keeps_the_record_and_delete_removes_it_with_its_files(api_only: Api, redis_server: str) -> None:
+    import redis
+
+    r = redis.Redis.from_url(redis_server, decode_responses=True)
     api_only.add_user("carol")
     api_only.add_user("dave")
+    storage, outside = api_only.stack.home / "storage", api_only.stack.home / "outside.txt"
+    outside.write_text("not the job's")
     sweep = {"base": tiny(), "search_space": {"teleport.lr": {"loguniform": [0.01, 1]}}, "num_samples": 2}
     with api_only.client("carol") as c, api_only.client("dave") as other:
         for route, body in (("/v1/experiments", {"spec": tiny()}), ("/v1/sweeps", sweep)):
             job = c.post(route, json=body).json()["id"]
-            assert error_of(other.delete(f"{route}/{job}"), 403).errors[0].field == "id"
-            cancelled = c.delete(f"{route}/{job}")
+            assert "cancel it first" in error_of(c.delete(f"{route}/{job}"), 409).detail  # queued: not ended
+            assert error_of(other.post(f"{route}/{job}/cancel"), 403).errors[0].field == "id"
+            cancelled = c.post(f"{route}/{job}/cancel")
             assert cancelled.status_code == 202 and cancelled.json()["state"] == "cancelled"
             got = c.get(f"{route}/{job}")
             assert got.status_code == 200, got.text
             view = got.json()["job"] if route == "/v1/sweeps" else got.json()
             assert view["state"] == "cancelled" and view["finished_at"] is not None
             assert job in [j["id"] for j in c.get(route, params={"state": "cancelled"}).json()["items"]]
-            again = error_of(c.delete(f"{route}/{job}"), 409)
+            again = error_of(c.post(f"{route}/{job}/cancel"), 409)
             assert "already ended (cancelled)" in again.detail
+            # what a run leaves: a checkpoint, an artifact, a log, and a link out of storage (never followed)
+            for rel in ("checkpoint_1/checkpoint.pt", "artifacts/model.safetensors", "logs/attempt-1/driver.log"):
+                (storage / job / rel).parent.mkdir(parents=True, exist_ok=True)
+                (storage / job / rel).write_bytes(b"x" * 100)
+            (storage / job / "artifacts" / "link").symlink_to(outside)
+            assert error_of(other.delete(f"{route}/{job}"), 403).errors[0].field == "id"
+            deleted = c.delete(f"{route}/{job}")
+            assert deleted.status_code == 204 and deleted.content == b""
+            assert error_of(c.get(f"{route}/{job}"), 404) and error_of(c.delete(f"{route}/{job}"), 404)
+            assert job not in [j["id"] for j in c.get(route).json()["items"]]
+            assert not (storage / job).exists() and outside.read_text() == "not the job's"
+            assert r.keys(f"tlab:job:{job}*") == [] and r.zscore("tlab:jobs", job) is None
+
+

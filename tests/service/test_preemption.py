@@ -37,7 +37,7 @@ def test_non_preemptible_jobs_are_a_quota(api_only: Api) -> None:
         assert c.post("/v1/experiments", json={"spec": tiny()}).status_code == 201  # preemptible: no limit
         sweep = {"base": PINNED, "search_space": {"optimizer.lr": {"choice": [0.1, 0.01]}}}
         refused(c.post("/v1/sweeps", json=sweep), "base.resources.preemptible")
-        assert c.delete(f"/v1/experiments/{first.json()['id']}").status_code in (200, 202)
+        assert c.post(f"/v1/experiments/{first.json()['id']}/cancel").status_code in (200, 202)
         assert c.post("/v1/experiments", json={"spec": PINNED}).status_code == 201  # the cancelled one is gone
     with api_only.client("bob") as c:
         refused(c.post("/v1/experiments", json={"spec": PINNED}), "spec.resources.preemptible", "quota is 0")

@@ -37,7 +37,7 @@ def ended_sweep(c: httpx.Client, r: redis.Redis, rows: dict[str, str]) -> str:
     """A sweep submitted, cancelled (queued -> cancelled at once) and given the trials table a driver would have
     left (no scheduler or Ray here)."""
     sweep = c.post("/v1/sweeps", json=SWEEP).json()["id"]
-    assert c.delete(f"/v1/sweeps/{sweep}").json()["state"] == "cancelled"
+    assert c.post(f"/v1/sweeps/{sweep}/cancel").json()["state"] == "cancelled"
     r.hset(keys.trials(sweep), mapping=rows)
     return sweep
 
@@ -94,7 +94,7 @@ def test_an_accepted_rerun_queues_the_sweep_again_with_its_rows_marked(api_only:
         assert last["state"] == "queued" and last["reason"] == "rerun of trials t_1, t_2 (asked by admin)"
         answered(c.post(f"/v1/sweeps/{sweep}/rerun", json={"trials": "failed"}), 409, "id", "is queued")
         # cancelled again before it ran: its queued rows are cut off; "failed" takes them and the failed t_3
-        assert c.delete(f"/v1/sweeps/{sweep}").json()["state"] == "cancelled"
+        assert c.post(f"/v1/sweeps/{sweep}/cancel").json()["state"] == "cancelled"
         again = c.post(f"/v1/sweeps/{sweep}/rerun", json={"trials": "failed"})
         assert again.status_code == 202, again.text
         trials = {t["trial"]: t for t in c.get(f"/v1/sweeps/{sweep}").json()["trials"]}
@@ -147,7 +147,7 @@ def test_the_cli_sends_after_and_notify_with_a_sweep_or_submit_and_reruns_one(
 
         assert main([*remote, "sweep-rerun", sweep, "--failed"]) == 1  # still queued
         assert "is queued: its trials can be rerun once it has ended" in capsys.readouterr().err
-        assert c.delete(f"/v1/sweeps/{sweep}").json()["state"] == "cancelled"
+        assert c.post(f"/v1/sweeps/{sweep}/cancel").json()["state"] == "cancelled"
         r.hset(keys.trials(sweep), mapping={"t_0": row("t_0", "failed", reason="boom"), "t_1": row("t_1", "failed")})
         assert main([*remote, "sweep-rerun", sweep, "--trial", "t_1"]) == 0
         assert capsys.readouterr().out.startswith(f"{sweep}  queued")

@@ -54,7 +54,7 @@ def test_bad_search_spaces_are_refused_naming_the_path(api_only: Api) -> None:
         assert view["job"]["state"] == "queued" and view["trials"] == [] and view["best"] is None
         assert [j["id"] for j in c.get("/v1/sweeps").json()["items"]] == [sweep]
         assert c.get("/v1/experiments").json()["items"] == []  # sweeps are listed apart
-        assert c.delete(f"/v1/sweeps/{sweep}").json()["state"] == "cancelled"
+        assert c.post(f"/v1/sweeps/{sweep}/cancel").json()["state"] == "cancelled"
 
 
 @pytest.mark.slow
@@ -191,7 +191,7 @@ def test_cancelling_a_sweep_stops_every_trial(stack: Stack) -> None:
             # head's usage report (every ~5 s) has caught up, 0.2 CPU is free by both counts
             time.sleep(6.0)
             assert c.json("GET", "/v1/cluster")["cpus_free"] == pytest.approx(0.2), ray_holders(stack)
-            assert c.json("DELETE", f"/v1/sweeps/{sweep}")["state"] in {"starting", "running"}
+            assert c.json("POST", f"/v1/sweeps/{sweep}/cancel")["state"] in {"starting", "running"}
             events = list(c.events(sweep))
             assert events[-1].data["state"] == "cancelled"
             r = redis.Redis.from_url(stack.redis_url or "")
@@ -201,7 +201,7 @@ def test_cancelling_a_sweep_stops_every_trial(stack: Stack) -> None:
             trials = c.json("GET", f"/v1/sweeps/{sweep}")["trials"]
             assert all(t["epochs"] < 100_000 and t["state"] != "succeeded" for t in trials) and len(trials) <= 4, trials
         finally:  # a failed check must not leave 100_000 epochs holding the head for the tests after this one
-            c.http.request("DELETE", f"/v1/sweeps/{sweep}")  # a no-op (409) once it has ended
+            c.http.request("POST", f"/v1/sweeps/{sweep}/cancel")  # a no-op (409) once it has ended
     wait_ray_idle(stack)  # and the cancel gave every CPU back
 
 

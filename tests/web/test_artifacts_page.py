@@ -12,7 +12,7 @@ from tests.service.conftest import Api, tiny
 def test_the_job_page_lists_and_downloads_artifacts(api_only: Api, tab_factory: Any) -> None:
     with api_only.client() as c:  # a queued job cancelled at once: it ended, with no Ray needed
         job = c.post("/v1/experiments", json={"spec": tiny(), "name": "with-files"}).json()["id"]
-        assert c.delete(f"/v1/experiments/{job}").json()["state"] == "cancelled"
+        assert c.post(f"/v1/experiments/{job}/cancel").json()["state"] == "cancelled"
     out = api_only.stack.home / "storage" / job / "artifacts"
     (out / "plots").mkdir(parents=True)
     (out / "summary.json").write_text('{"epochs": 3}\n')

@@ -73,7 +73,7 @@ def test_page_and_vendored_files_are_served_and_sse_takes_a_token_query(api_only
 
     with api_only.client() as c:  # a cancelled job: its stream is complete, so a GET returns
         job = c.post("/v1/experiments", json={"spec": tiny()}).json()["id"]
-        assert c.delete(f"/v1/experiments/{job}").status_code == 202
+        assert c.post(f"/v1/experiments/{job}/cancel").status_code == 202
     events = f"/v1/experiments/{job}/events"
     with httpx.Client(base_url=api_only.url, timeout=30) as anon:
         r = anon.get(events, params={"token": admin})  # what a browser's EventSource does

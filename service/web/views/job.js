@@ -3,7 +3,7 @@
 import { api } from "../api.js";
 import { PALETTE, TEST, throttle, TRAIN } from "../charts.js";
 import { $, ago, badge, demandText, duration, html, num, POLL_MS, put, TERMINAL } from "../dom.js";
-import { cancelButton, liveEnded, liveState, showError } from "../page.js";
+import { cancelButton, deleteButton, liveEnded, liveState, showError } from "../page.js";
 import { artifactsCard, showArtifacts } from "./artifacts.js";
 import { baselineOf, summaryTable } from "./summary.js";
 import { EPOCH_ROWS, groupByEpoch, teleportTable, toggleOnClick } from "./teleports.js";
@@ -11,7 +11,8 @@ import { EPOCH_ROWS, groupByEpoch, teleportTable, toggleOnClick } from "./telepo
 const layout = (id) => html`
   <section class="card">
     <div class="row"><h2 id="job-title">${id}</h2><span id="job-state"></span><span id="live" class="small muted"></span>
-      <span class="grow"></span><button id="cancel" type="button" class="danger" hidden>Cancel job</button></div>
+      <span class="grow"></span><button id="cancel" type="button" class="danger" hidden>Cancel job</button>
+      <button id="delete" type="button" class="danger" hidden>Delete job</button></div>
     <dl id="job-facts" class="facts"></dl>
   </section>
   <section class="card"><h3>Summary</h3><div id="job-summary"></div></section>
@@ -163,6 +164,7 @@ export async function jobPage(page, [id]) {
     $("#job-title").textContent = j.name || j.id;
     put($("#job-state"), badge(j.state));
     $("#cancel").hidden = TERMINAL.has(j.state);
+    $("#delete").hidden = !TERMINAL.has(j.state);
     put($("#job-facts"), jobFacts(j));
     put($("#job-summary"), summaryTable(j.summary, baseline));
     $("#spec").textContent = JSON.stringify(j.spec, null, 2);
@@ -177,6 +179,7 @@ export async function jobPage(page, [id]) {
     return !TERMINAL.has(j.state);
   };
   cancelButton(page, `/v1/experiments/${id}`, "Cancel job", refreshJob);
+  deleteButton(page, `/v1/experiments/${id}`, "Delete job", () => { location.hash = "#/jobs"; });
 
   await refreshJob().catch((err) => showError(err));
   if (page.dead || !job) return;

@@ -4,7 +4,7 @@
 import { api } from "../api.js";
 import { aligned, destroy, lineChart, PALETTE, throttle } from "../charts.js";
 import { $, ago, badge, clip, html, jobLink, num, POLL_MS, put, TERMINAL, toTarget } from "../dom.js";
-import { cancelButton, liveEnded, liveState, showError } from "../page.js";
+import { cancelButton, deleteButton, liveEnded, liveState, showError } from "../page.js";
 import { artifactsCard, showArtifacts } from "./artifacts.js";
 
 const sweepRow = (j) => html`<tr><td>${jobLink(j)}</td>
@@ -28,7 +28,8 @@ export async function sweepsPage(page) {
 const layout = (id) => html`
   <section class="card">
     <div class="row"><h2 id="sweep-title">${id}</h2><span id="sweep-state"></span><span id="live" class="small muted"></span>
-      <span class="grow"></span><button id="cancel" type="button" class="danger" hidden>Cancel sweep</button></div>
+      <span class="grow"></span><button id="cancel" type="button" class="danger" hidden>Cancel sweep</button>
+      <button id="delete" type="button" class="danger" hidden>Delete sweep</button></div>
     <p id="sweep-best" class="small"></p>
   </section>
   <section class="card"><h3 id="sweep-metric">Trials</h3><div id="sweep-chart" class="chart"></div>
@@ -93,6 +94,7 @@ export async function sweepPage(page, [id]) {
     $("#sweep-title").textContent = v.job.name || id;
     put($("#sweep-state"), badge(v.job.state));
     $("#cancel").hidden = TERMINAL.has(v.job.state);
+    $("#delete").hidden = !TERMINAL.has(v.job.state);
     $("#sweep-metric").textContent = `Trials: ${v.metric} (${v.mode})`;
     put($("#sweep-best"), bestLine(v));
     put($("#trials-body"), v.trials.length ? v.trials.map((t) => trialRow(v, t))
@@ -100,6 +102,7 @@ export async function sweepPage(page, [id]) {
     return !TERMINAL.has(v.job.state);
   };
   cancelButton(page, `/v1/sweeps/${id}`, "Cancel sweep", refresh);
+  deleteButton(page, `/v1/sweeps/${id}`, "Delete sweep", () => { location.hash = "#/sweeps"; });
   await refresh().catch(showError);
   if (page.dead || !sweep) return;
   if (TERMINAL.has(sweep.job.state)) showArtifacts(`/v1/sweeps/${id}`).catch(showError);

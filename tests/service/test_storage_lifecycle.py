@@ -1,0 +1,73 @@
+"""Storage lifecycle without Ray (service.storage_lifecycle): an ended experiment keeps its newest checkpoint (and
+any a child names), its size counts against its owner once, a user at their max_storage_gb is refused at submit
+with the figure, `GET /v1/me` shows the use, and a delete gives it back. The real run's prune is in
+test_driver_death."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+
+from api_schemas import keys
+from service import storage_lifecycle
+from service.settings import Settings
+from service.store import Store
+from tests.service.conftest import Api, tiny
+
+
+def checkpoint(storage: Path, job: str, name: str, epoch: int | None, size: int = 1000) -> None:
+    d = storage / job / name
+    d.mkdir(parents=True)
+    (d / "meta.json").write_text(json.dumps({"epoch": epoch}))
+    if epoch is not None:  # a diverged run's last one holds only its failure
+        (d / "checkpoint.pt").write_bytes(b"x" * size)
+
+
+def ended_job(c: httpx.Client) -> str:
+    job = c.post("/v1/experiments", json={"spec": tiny()}).json()["id"]
+    assert c.post(f"/v1/experiments/{job}/cancel").json()["state"] == "cancelled"
+    return job
+
+
+def test_an_ended_job_keeps_its_newest_checkpoint_and_its_size_counts_once(api_only: Api, redis_server: str) -> None:
+    api_only.add_user("erin")
+    storage = api_only.stack.home / "storage"
+    settings, store = Settings(TLAB_HOME=str(api_only.stack.home), REDIS_URL=redis_server), Store.from_url(redis_server)
+    with api_only.client("erin") as c:
+        job, child = ended_job(c), ended_job(c)
+        for i, epoch in enumerate((1, 2, 3)):
+            checkpoint(storage, job, f"checkpoint_2026-01-0{i + 1}", epoch)
+        checkpoint(storage, job, "checkpoint_2026-01-04", None)  # the failure marker: a few bytes, kept
+        (storage / job / "artifacts").mkdir()
+        (storage / job / "artifacts" / "model.safetensors").write_bytes(b"m" * 500)
+        # a fork names the oldest (written by service.lineage when it was submitted): it stays too
+        store.r.hset(keys.job(job), "children", json.dumps([child]))
+        store.r.hset(keys.job(child), "start_from", json.dumps(
+            {"job": job, "epoch": 1, "checkpoint": "checkpoint_2026-01-01"}))
+        size = storage_lifecycle.prune_ended(store, settings, store.raw(job))
+        kept = sorted(p.name for p in (storage / job).glob("checkpoint_*"))
+        assert kept == ["checkpoint_2026-01-01", "checkpoint_2026-01-03", "checkpoint_2026-01-04"]
+        assert size == 2 * 1000 + 500 + 2 * len(json.dumps({"epoch": 1})) + len(json.dumps({"epoch": None}))
+        assert storage_lifecycle.prune_ended(store, settings, store.raw(job)) == size  # counted once
+        assert c.get("/v1/me").json()["storage_used_gb"] == round(size / 1e9, 3)
+        assert storage_lifecycle.used_bytes(store, "erin") == size
+
+
+def test_a_user_at_their_storage_quota_is_refused_at_submit_until_they_delete(api_only: Api,
+                                                                             redis_server: str) -> None:
+    api_only.add_user("fay", max_storage_gb=0.000001)  # 1,000 bytes
+    storage = api_only.stack.home / "storage"
+    settings, store = Settings(TLAB_HOME=str(api_only.stack.home), REDIS_URL=redis_server), Store.from_url(redis_server)
+    with api_only.client("fay") as c:
+        job = ended_job(c)
+        checkpoint(storage, job, "checkpoint_2026-01-01", 1, size=1500)
+        storage_lifecycle.prune_ended(store, settings, store.raw(job))
+        refused = c.post("/v1/experiments", json={"spec": tiny()})
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["errors"][0]["field"] == "max_storage_gb"
+        assert "your jobs hold 0.00 GB of storage, your max_storage_gb quota is 1e-06" in refused.json()["detail"]
+        assert c.delete(f"/v1/experiments/{job}").status_code == 204
+        assert storage_lifecycle.used_bytes(store, "fay") == 0
+        assert c.post("/v1/experiments", json={"spec": tiny()}).status_code == 201
