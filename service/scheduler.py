@@ -236,6 +236,8 @@ class Scheduler:
         if self.preflights:  # a job running user code waits until its preflight passed; the preflights' CPUs held
             blocked = {**self.preflights.step(queued, nodes, active, now), **blocked}
             free_nodes = self.preflights.hold(nodes)
+        full = storage_lifecycle.disk_reason(self.settings)  # TLAB_MIN_FREE_GB: nothing starts on a full disk
+        blocked = {**{q.id: full for q in queued}, **blocked} if full else blocked
         decision = policy.decide(queued, active, free_nodes, usage, quotas, self.settings.start_charge_s,
                                  blocked=blocked)
         self.decisions += 1

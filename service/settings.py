@@ -55,6 +55,9 @@ class Settings(BaseSettings):
     keep_ended_checkpoints: int = Field(1, ge=1, validation_alias="TLAB_KEEP_ENDED_CHECKPOINTS",
                                         description="checkpoints an ended experiment keeps (its newest, and any a "
                                                     "continue or fork names); its artifacts stay too")
+    min_free_gb: float = Field(1.0, ge=0, allow_inf_nan=False, validation_alias="TLAB_MIN_FREE_GB",
+                               description="below this much free space on the storage volume no job starts (they "
+                                           "wait, saying why); 0: never checked")
     checkpoint_every_s: float = Field(2.0, ge=0, allow_inf_nan=False, validation_alias="TLAB_CHECKPOINT_EVERY_S",
                                       description="a job's driver writes an epoch's checkpoint only this long after "
                                                   "its last write (0: every epoch); the last ones at its end or stop")

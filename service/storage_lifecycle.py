@@ -90,6 +90,23 @@ def settle(store: Store, settings: Settings, before: list[dict[str, str]]) -> No
                 log.exception("pruning the checkpoints of %s", data["id"])
 
 
+def disk_reason(settings: Settings) -> str:
+    """Why no job may start now: the storage volume has less than ``TLAB_MIN_FREE_GB`` free ('' when it has)."""
+    if settings.min_free_gb <= 0:
+        return ""
+    path = Path(settings.storage_path)
+    while not path.exists() and path != path.parent:  # not made yet: the volume it will be made on
+        path = path.parent
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return ""
+    if free >= settings.min_free_gb * GB:
+        return ""
+    return (f"storage nearly full: {free / GB:.2f} GB free at {settings.storage_path}, TLAB_MIN_FREE_GB="
+            f"{settings.min_free_gb:g}: waiting until space is freed (`tlab rm` ended jobs)")
+
+
 def forget(store: Store, data: dict[str, str]) -> None:
     """A deleted job's bytes off its owner's total."""
     size = int(data.get("storage_bytes") or 0)

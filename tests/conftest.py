@@ -8,6 +8,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +30,7 @@ RAY_CHAIN_A = frozenset({  # bare local Ray clusters (ray_local, ray.init(), `tl
     "tests/workers/test_executors.py", "tests/workers/test_ray_train.py", "tests/workers/test_run_entrypoint.py",
     "tests/workers/test_trial.py", "tests/workers/test_gang.py", "tests/service/test_multinode.py",
     "tests/service/test_job_acl.py", "tests/service/test_e2e.py", "tests/service/test_code_packages.py",
+    "tests/service/test_sandbox.py",
 })
 RAY_CHAIN_B = frozenset({  # stacks on the session head, and `tlab up` stacks of their own
     "tests/benchmarks/test_service_bench.py", "tests/benchmarks/test_sweep_bench.py",
@@ -37,6 +39,7 @@ RAY_CHAIN_B = frozenset({  # stacks on the session head, and `tlab up` stacks of
     "tests/service/test_up_security.py", "tests/service/test_storage_bucket.py", "tests/web/test_dashboard.py",
     "tests/service/test_sweeps.py", "tests/service/test_preemption.py", "tests/service/test_supervise.py",
     "tests/service/test_lineage.py", "tests/service/test_artifacts.py", "tests/service/test_driver_death.py",
+    "tests/service/test_storage_full.py",
 })
 RAY_MODULES = RAY_CHAIN_A | RAY_CHAIN_B
 
@@ -135,6 +138,31 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.fixture()
+def small_volume(tmp_path: Path) -> Iterator[Path]:
+    """A 20 MiB filesystem of the test's own (a tmpfs; skipped where this machine refuses the mount): what a full
+    storage volume does to a job, without filling the machine's disk."""
+    mnt = tmp_path / "volume"
+    mnt.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mnt)], capture_output=True,
+                          text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip()}): run as root where mounts are allowed")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill(volume: Path, leave_bytes: int) -> Path:
+    """A file that takes ``volume``'s free space but ``leave_bytes``."""
+    free = shutil.disk_usage(volume).free
+    filler = volume / "filler"
+    with filler.open("ab") as f:
+        f.write(b"\0" * max(0, free - leave_bytes))
+    return filler
 
 
 @pytest.fixture(scope="session")

@@ -47,7 +47,7 @@ from workers.context import (
     read_checkpoint,
     write_checkpoint,
 )
-from workers.failure import JobFailed, failure_reason
+from workers.failure import JobFailed, failure_reason, out_of_space
 from workers.gpu_share import claim_device, device_report, oom_named
 from workers.redis_sink import RedisSink
 from workers.sinks import MetricSink
@@ -184,6 +184,12 @@ class DriverContext(RunContext):
                 final = self.run_dir / checkpoint_name()
             os.rename(tmp, final)  # atomic on one filesystem: readers see all of it or none
             mark("checkpoint")  # the first one: the start-up timeline (``workers.startup``)
+        except Exception as err:  # a full disk: the previous checkpoint stays, and the job ends saying so
+            full = out_of_space(err, self.run_dir, self.checkpoints())  # (before the partial one goes)
+            self.drop_partial()
+            if full is None:
+                raise
+            raise full from err
         except BaseException:  # a stop in the middle: leave nothing half-written (a kill leaves it to the next run)
             self.drop_partial()
             raise

@@ -9,7 +9,9 @@ own code when the error passed through it.
 
 from __future__ import annotations
 
+import errno
 import re
+import shutil
 import sysconfig
 import traceback
 from pathlib import Path
@@ -23,8 +25,24 @@ _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)', re.MULTILINE)
 _RAY_PACKAGE = re.compile(r"^.*/_ray_pkg_[^/]+/")  # where Ray unpacks a runtime_env working_dir
 
 
+FULL_BYTES = 1 << 20  # a volume with less left is full (for a write that failed)
+
+
 class JobFailed(RuntimeError):
     """A failure whose message is already the reason to show (the training loop said why)."""
+
+
+def out_of_space(err: Exception, run_dir: Path, kept: list[Path]) -> JobFailed | None:
+    """A checkpoint write that failed for want of space, as the job's one-line reason (never retried: the next
+    try would write into the same full volume); None for any other error. torch.save's zip writer says only
+    ``RuntimeError: ... iostream error``: a write that failed with less than ``FULL_BYTES`` left, its partial file
+    still there, counts as one."""
+    free = shutil.disk_usage(run_dir).free
+    if getattr(err, "errno", None) not in (errno.ENOSPC, errno.EDQUOT) and free >= FULL_BYTES:
+        return None
+    last = f"its last checkpoint ({kept[0].name}) is kept" if kept else "it had written no checkpoint yet"
+    return JobFailed(f"checkpoint write failed: no space left on the storage volume ({free / 1e9:.2f} GB free at "
+                     f"{run_dir}); {last}: free space, then continue it (`tlab continue`)")
 
 
 def is_internal(path: str) -> bool:
