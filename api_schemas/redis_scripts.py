@@ -56,7 +56,15 @@ end
 # queued are pruned (they read keys named from ARGV[6]: one Redis, no cluster) and the rest counted.
 # Returns {0, existing idempotency value} when the key was used before, {2, queued count} when the user already
 # has the cap queued, else {1, queue length}.
-SUBMIT = """
+# The service's own `status` (with a state) and `end` entries: each script that writes one appends its stream id to
+# the job hash's `service_events` (a key the job's Redis user cannot write), and the SSE relay passes a `status`
+# with a state or an `end` only when its id is there (service/event_vetting.py): a job cannot end its followers'
+# streams or claim a state by writing such an entry itself.
+SERVICE_EVENTS_FIELD = "service_events"
+OURS = ("local function ours(job, sid) redis.call('HSET', job, '" + SERVICE_EVENTS_FIELD + "', "
+        "(redis.call('HGET', job, '" + SERVICE_EVENTS_FIELD + "') or '') .. sid .. ',') end\n")
+
+SUBMIT = OURS + """
 if KEYS[7] ~= '' then
   local prior = redis.call('GET', KEYS[7])
   if prior then return {0, prior} end
@@ -68,12 +76,12 @@ redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('ZADD', KEYS[2], 0, ARGV[1])
 redis.call('ZADD', KEYS[3], 0, ARGV[1])
 redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
-redis.call('XADD', KEYS[5], '*', 'kind', 'status', 'data',
-           cjson.encode({kind = 'status', state = 'queued', at = tonumber(ARGV[2])}))
+__OURS__(KEYS[1], redis.call('XADD', KEYS[5], '*', 'kind', 'status', 'data',
+           cjson.encode({kind = 'status', state = 'queued', at = tonumber(ARGV[2])})))
 redis.call('LPUSH', KEYS[6], ARGV[1])
 redis.call('LTRIM', KEYS[6], 0, 0)
 return {1, redis.call('ZCARD', KEYS[4])}
-""".replace("__QUEUED_CAP__", QUEUED_CAP)
+""".replace("__QUEUED_CAP__", QUEUED_CAP).replace("__OURS__", "ours")
 
 # KEYS: job hash, queue zset, active set, events stream, notify outbox stream
 # ARGV: to-state, now, comma-separated states the caller expects the job in ('' = any), reason, field/value pairs.
@@ -81,7 +89,7 @@ return {1, redis.call('ZCARD', KEYS[4])}
 # `status` event (and `end` when the state is terminal); when the job's `notify_on` (comma-separated) names the
 # new state (`preempted` for running -> queued), adds a webhook entry to the outbox in the same step.
 # Returns {1, from} or {0, current state}.
-TRANSITION = """
+TRANSITION = OURS + """
 local T = __TABLE__
 local cur = redis.call('HGET', KEYS[1], 'state')
 if not cur then return {0, 'missing'} end
@@ -104,11 +112,12 @@ end
 if to == 'starting' or to == 'running' then redis.call('SADD', KEYS[3], id) else redis.call('SREM', KEYS[3], id) end
 local event = {kind = 'status', state = to, at = now}
 if ARGV[4] ~= '' then event['reason'] = ARGV[4] end
-redis.call('XADD', KEYS[4], '*', 'kind', 'status', 'data', cjson.encode(event))
+__OURS__(KEYS[1], redis.call('XADD', KEYS[4], '*', 'kind', 'status', 'data', cjson.encode(event)))
 if T[to] and next(T[to]) == nil then
   redis.call('HSET', KEYS[1], 'finished_at', ARGV[2])
   redis.call('HDEL', KEYS[1], 'cancel_requested')
-  redis.call('XADD', KEYS[4], '*', 'kind', 'end', 'data', cjson.encode({kind = 'end', state = to, at = now}))
+  __OURS__(KEYS[1], redis.call('XADD', KEYS[4], '*', 'kind', 'end', 'data',
+                               cjson.encode({kind = 'end', state = to, at = now})))
 end
 local on = redis.call('HGET', KEYS[1], 'notify_on')
 if on and KEYS[5] then
@@ -120,7 +129,8 @@ if on and KEYS[5] then
   end
 end
 return {1, cur}
-""".replace("__TABLE__", _lua_transition_table()).replace("__OUTBOX_MAXLEN__", str(OUTBOX_MAXLEN))
+""".replace("__TABLE__", _lua_transition_table()).replace("__OUTBOX_MAXLEN__", str(OUTBOX_MAXLEN)).replace(
+    "__OURS__", "ours")
 
 # KEYS: job hash, queue zset, events stream, wake list, trials hash, the job's run hash (service/job_acl.py), '',
 #       the owner's queued zset (the max_queued_jobs count)
@@ -130,7 +140,7 @@ return {1, cur}
 # the fields of the ended run cleared (its summary also in the run hash), the rows written, and the stream's `end`
 # events among its last 1000 entries deleted (a follower reading the history then goes on into the rerun), before
 # the `queued` status event. Returns {1, from}, {0, current state} or {2, queued count} (the cap).
-RERUN = """
+RERUN = OURS + """
 local cur = redis.call('HGET', KEYS[1], 'state')
 if not cur then return {0, 'missing'} end
 local ok = false
@@ -152,12 +162,12 @@ for _, entry in ipairs(redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1000)
     if f[i] == 'kind' and f[i + 1] == 'end' then redis.call('XDEL', KEYS[3], entry[1]) end
   end
 end
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', __MAXLEN__, '*', 'kind', 'status', 'data',
-           cjson.encode({kind = 'status', state = 'queued', at = tonumber(ARGV[2]), reason = ARGV[4]}))
+__OURS__(KEYS[1], redis.call('XADD', KEYS[3], 'MAXLEN', '~', __MAXLEN__, '*', 'kind', 'status', 'data',
+           cjson.encode({kind = 'status', state = 'queued', at = tonumber(ARGV[2]), reason = ARGV[4]})))
 redis.call('LPUSH', KEYS[4], ARGV[1])
 redis.call('LTRIM', KEYS[4], 0, 0)
 return {1, cur}
-""".replace("__QUEUED_CAP__", QUEUED_CAP).replace("__MAXLEN__", str(STREAM_MAXLEN))
+""".replace("__QUEUED_CAP__", QUEUED_CAP).replace("__MAXLEN__", str(STREAM_MAXLEN)).replace("__OURS__", "ours")
 
 # KEYS: job hash, all-jobs index, the owner's jobs index, the queue view, then the job's own keys (keys.job_keys)
 # ARGV: job id, comma-separated states it may be deleted in (the terminal ones)

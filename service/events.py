@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from api_schemas import keys
+from service.event_vetting import Vetter
 
 Entry = tuple[str, dict[str, str]]
 READ_BLOCK_MS = 2000  # the reader's XREAD BLOCK: under redis-py's 5 s socket timeout, which would end it as an error
@@ -230,6 +231,7 @@ async def follow(hub: Hub, job_id: str, last_id: str | None, heartbeat_s: float,
     stream (its code made it a hash) ends the stream, as the hub does for its live followers."""
     queue: asyncio.Queue[Batch] | None = None
     sent = stream_id(last_id) if last_id else (0, 0)
+    vetter = Vetter(hub.r, job_id)  # a job's own entries are data: never a state or an end of its stream
     try:
         queue = await hub.subscribe(job_id)
         yield "retry: 2000\n\n"
@@ -238,9 +240,11 @@ async def follow(hub: Hub, job_id: str, last_id: str | None, heartbeat_s: float,
             page = await hub.r.xrange(keys.events(job_id), min=cursor, max="+", count=1000)
             if not page:
                 break
-            yield sse(page)
+            good = await vetter.vet(page)
+            if good:
+                yield sse(good)
             sent = stream_id(page[-1][0])
-            if any(f.get("kind") == "end" for _, f in page):
+            if any(f.get("kind") == "end" for _, f in good):
                 return
             cursor = f"({page[-1][0]}"
         await hub.listen(job_id)
@@ -260,16 +264,14 @@ async def follow(hub: Hub, job_id: str, last_id: str | None, heartbeat_s: float,
                 continue
             if not batch or not await gate.ok():  # the hub dropped the job (its key is no stream), or a token
                 return
-            if stream_id(batch[0][0]) > sent:  # the usual case: all new, send the shared text
-                fresh = batch
-                yield text
-            else:  # overlaps the history this follower already sent
-                fresh = [e for e in batch if stream_id(e[0]) > sent]
-                if not fresh:
-                    continue
-                yield sse(fresh)
+            fresh = [e for e in batch if stream_id(e[0]) > sent]  # less what the history already sent
+            if not fresh:
+                continue
+            good = await vetter.vet(fresh)
+            if good:  # the usual case, all new and all vetted: the hub's shared text
+                yield text if len(good) == len(batch) else sse(good)
             sent = stream_id(fresh[-1][0])
-            if any(f.get("kind") == "end" for _, f in fresh):
+            if any(f.get("kind") == "end" for _, f in good):
                 return
     except ResponseError as e:  # e.g. WRONGTYPE: the job's key is a hash now
         log.warning("job %s: its events cannot be read (%s): a stream of them ends", job_id, e)

@@ -16,10 +16,12 @@ import redis
 import redis.asyncio as aioredis
 
 from api_schemas import keys
+from api_schemas.jobs import JobState
 from service.deps import ASYNC_CLIENT_NAME
 from service.events import Hub
 from service.events import follow as live
 from service.job_acl import job_url, rules, user_name
+from service.store import Store
 from tests.service.conftest import Api, tiny
 
 JOBS = 80  # followed at once, one stream each, by one user
@@ -46,6 +48,14 @@ def publish(r: redis.Redis, jobs: list[str], kind: str = "metric") -> None:
         for job in jobs:
             p.xadd(keys.events(job), {"kind": kind, "data": json.dumps({"at": time.time()})})
         p.execute()
+
+
+def end(r: redis.Redis, jobs: list[str]) -> None:
+    """End each (queued) job as the service does: its transition writes the `status` and `end` entries whose ids
+    the relay knows are the service's (a raw XADD of an `end` is a job's forgery, not relayed)."""
+    store = Store(r)
+    for job in jobs:
+        assert store.transition(job, JobState.CANCELLED), job
 
 
 def api_clients(r: redis.Redis) -> tuple[int, int]:
@@ -133,13 +143,13 @@ async def _hold(rds: redis.Redis, jobs: list[str], bobs: str, bob: httpx.AsyncCl
         assert f"{JOBS + 1} event streams" in body["detail"] and "TLAB_MAX_STREAMS)" in body["detail"], body
         assert body["errors"][0]["field"] == "events", body
     publish(rds, [bobs])  # a failure deadline, not a bound: that the wake reads a job at once is the next test's
-    publish(rds, [bobs], "end")
+    await asyncio.to_thread(end, rds, [bobs])
     bob_got = await asyncio.wait_for(bob_follows, 30)
     assert bob_got == [(eid, f["kind"]) for eid, f in rds.xrange(keys.events(bobs))], bob_got
-    assert [kind for _, kind in bob_got[-2:]] == ["metric", "end"], bob_got
+    assert [kind for _, kind in bob_got[-3:]] == ["metric", "status", "end"], bob_got
 
     publish(rds, jobs)
-    publish(rds, jobs, "end")
+    await asyncio.to_thread(end, rds, jobs)
     got = await asyncio.wait_for(asyncio.gather(*followers), 30)
     for job, events in zip(jobs, got, strict=True):  # every event exactly once, in order, history and live
         assert events == [(eid, f["kind"]) for eid, f in rds.xrange(keys.events(job))], job
@@ -266,3 +276,38 @@ def test_a_reader_that_dies_is_logged_and_started_again(redis_server: str, rds: 
     with caplog.at_level(logging.ERROR, logger="tlab.api"):
         asyncio.run(asyncio.wait_for(run(), timeout=60))
     assert "KeyError" in caplog.text
+
+
+def test_a_job_cannot_say_a_state_or_end_its_followers_stream(api_only: Api, rds: redis.Redis,
+                                                              redis_server: str) -> None:
+    """As the job's own Redis user (its raw XADD), a job writes a `status` claiming `succeeded` (the service's shape:
+    state and at), an `end`, an entry of no known kind and one whose data is no object: its followers get its
+    metrics and its own status record (no `at`: data) only, their stream goes on past the forged `end`, and ends at
+    the service's own."""
+    with api_only.client() as c:
+        job = c.post("/v1/experiments", json={"spec": tiny()}).json()["id"]
+    rds.execute_command("ACL", "SETUSER", user_name(job), *rules(job, "job-secret"))
+    own = redis.Redis.from_url(job_url(redis_server, user_name(job), "job-secret"), decode_responses=True)
+    try:
+        stream = keys.events(job)
+        metric = {"kind": "metric", "data": json.dumps({"epoch": 0, "train_loss": 1.0, "test_loss": 1.0})}
+        own.xadd(stream, metric)
+        forged = [own.xadd(stream, {"kind": "status", "data": json.dumps({"kind": "status", "state": "succeeded",
+                                                                           "at": time.time()})}),
+                  own.xadd(stream, {"kind": "end", "data": json.dumps({"kind": "end", "state": "succeeded"})}),
+                  own.xadd(stream, {"kind": "bogus", "data": "{}"}),
+                  own.xadd(stream, {"kind": "metric", "data": "[1, 2]"})]
+        own.xadd(stream, {"kind": "status", "data": json.dumps({"kind": "status", "state": "running", "pid": 1})})
+        own.xadd(stream, metric)
+    finally:
+        own.close()
+        rds.acl_deluser(user_name(job))
+    end(rds, [job])
+    with api_only.client() as c:
+        r = c.get(f"/v1/experiments/{job}/events", timeout=30)
+    ids = [line[4:] for line in r.text.split("\n") if line.startswith("id: ")]
+    events = [line[7:] for line in r.text.split("\n") if line.startswith("event: ")]
+    every = [eid for eid, _ in rds.xrange(keys.events(job))]
+    assert ids == [eid for eid in every if eid not in forged], (ids, forged)
+    assert events == ["status", "metric", "status", "metric", "status", "end"], events  # the job's own status too
+
