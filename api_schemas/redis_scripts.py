@@ -56,9 +56,9 @@ end
 # queued are pruned (they read keys named from ARGV[6]: one Redis, no cluster) and the rest counted.
 # Returns {0, existing idempotency value} when the key was used before, {2, queued count} when the user already
 # has the cap queued, else {1, queue length}.
-# The service's own `status` (with a state) and `end` entries: each script that writes one appends its stream id to
-# the job hash's `service_events` (a key the job's Redis user cannot write), and the SSE relay passes a `status`
-# with a state or an `end` only when its id is there (service/event_vetting.py): a job cannot end its followers'
+# The service's own `status` (with a state and an `at`) and `end` entries: each script that writes one appends its
+# stream id to the job hash's `service_events` (a key the job's Redis user cannot write), and the SSE relay passes
+# a `status` with a state and an `at`, or an `end`, only when its id is there (service/event_vetting.py): a job cannot end its followers'
 # streams or claim a state by writing such an entry itself.
 SERVICE_EVENTS_FIELD = "service_events"
 OURS = ("local function ours(job, sid) redis.call('HSET', job, '" + SERVICE_EVENTS_FIELD + "', "
