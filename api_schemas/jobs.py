@@ -191,6 +191,9 @@ class ClusterView(_Strict):
     cpus_outside: float = Field(0.0, description="CPUs Ray reports in use beyond Teleport Lab's running jobs "
                                                  "(other Ray work, or a finished job's workers being released)")
     gpus_outside: float = Field(0.0, description="GPUs Ray reports in use beyond Teleport Lab's running jobs")
+    sandbox: str = Field("", description="where a job's code runs (docs/security.md): 'on' (each job in a sandbox of "
+                                         "its own), 'off' (TLAB_SANDBOX=off: beside the control plane), or "
+                                         "'unavailable: <why>' (users' code is refused at submit)")
 
 
 class Quotas(_Strict):

@@ -36,6 +36,7 @@ from api_schemas.jobs import Role, UserPublic
 from api_schemas.spec import ExperimentSpec
 from service import safe_files, storage
 from service.errors import Forbidden, InvalidInput, JobNotFound, Unstartable
+from service.sandbox_state import sandbox_state
 from service.settings import Settings
 from service.zip_modes import masked
 
@@ -193,6 +194,10 @@ def check_may_run_code(settings: Settings, user: UserPublic, field: str, why: st
     if user.role != Role.ADMIN and not user.can_submit_code:
         raise Forbidden(f"your user may not run its own code{why}: ask an admin to allow it "
                         f"(tlab users set {user.name} --can-submit-code yes)", field=field)
+    state = sandbox_state(settings)  # issue 26: users' code runs in a sandbox, or not at all unless turned off
+    if state.startswith("unavailable"):
+        raise Forbidden(f"no sandbox can hold users' code on this service{why} ({state.split(': ', 1)[1]}): ask an "
+                        "admin (make sandbox; or TLAB_SANDBOX=off, knowingly)", field=field)
 
 
 def check_code(settings: Settings, user: UserPublic, spec: ExperimentSpec, prefix: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -94,6 +95,11 @@ class Settings(BaseSettings):
     # users' code packages (service/code_store.py, docs/operations.md "User code")
     user_code: bool = Field(True, validation_alias="TLAB_USER_CODE",
                             description="on: jobs may run the user's code (packages, factories, loss functions)")
+    sandbox: Literal["auto", "on", "off"] = Field(
+        "auto", validation_alias="TLAB_SANDBOX",
+        description="a job's training runs in a bubblewrap sandbox (docs/security.md): auto probes this machine and "
+                    "refuses users' code where none can run; on: the Ray nodes have one (not probed here); off: none, "
+                    "knowingly (service/sandbox_state.py)")
     job_redis_acl: bool = Field(True, validation_alias="TLAB_JOB_REDIS_ACL",
                                 description="on: each job reaches Redis as its own ACL user, allowed only its "
                                             "own keys (service/job_acl.py); off: with the service's REDIS_URL")

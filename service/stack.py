@@ -376,6 +376,7 @@ class Stack:
 
 def up(home: Path, port: int | None, num_cpus: int | None, num_gpus: int | None = None) -> int:
     """Start the stack and keep it up (``service.supervise``) until Ctrl-C or SIGTERM; 1 after a crash loop."""
+    from service.sandbox_state import said_at_start
     from service.settings import Settings
     from service.storage import check_or_exit
     from service.supervise import Supervisor, supervise_policy
@@ -393,6 +394,7 @@ def up(home: Path, port: int | None, num_cpus: int | None, num_gpus: int | None 
     os.umask(0o077)  # what the stack writes under TLAB_HOME (Redis's AOF, checkpoints, logs) is the owner's only
     stopping = stack.stopping = stop_on_signals()
     print(f"starting Teleport Lab in {home} (logs: {stack.logs}) ...", file=sys.stderr, flush=True)
+    print(said_at_start(Settings(TLAB_HOME=home)), file=sys.stderr, flush=True)  # (service.sandbox_state)
     crash_loop = None
     try:
         stack.start()

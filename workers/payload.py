@@ -40,6 +40,7 @@ class Orders:
     host: str = ""
     port: int = 0
     listen_fd: int | None = None  # rank 0 of a gang: the socket its TCP store serves on
+    kind: str = "train"  # or "preflight": ``workers.preflight.run_preflight``, which writes its own verdict
 
 
 @dataclass
@@ -130,6 +131,10 @@ def outcome(orders: Orders) -> Outcome:
     from workers.failure import failure_reason
 
     try:
+        if orders.kind == "preflight":
+            from workers.preflight import run_preflight
+
+            return Outcome(summary={"preflight": run_preflight(orders.job_id, orders.redis_url, orders.storage).state})
         try:
             summary = train(orders)
         finally:
@@ -146,6 +151,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, stop_once)
     begin()
     orders = Orders(**json.loads(sys.stdin.read()))
+    os.environ["REDIS_URL"] = orders.redis_url  # the job's own user (``job_redis_url``), seen by this sandbox only
     result = outcome(orders)
     result.startup = timeline()
     with os.fdopen(orders.result_fd, "w") as out:

@@ -22,8 +22,6 @@ import time
 import traceback
 from typing import Any
 
-import torch
-
 from api_schemas import ExperimentSpec, keys
 from api_schemas.preflight import PreflightResult, preflighted_spec
 from workers.sinks import MetricSink
@@ -41,6 +39,8 @@ def _user_line(err: BaseException) -> str:
 
 def _step(spec: ExperimentSpec, sink: MetricSink, out: dict[str, Any]) -> None:
     """Build model and data, one forward and backward, one teleport step; what it measured goes into ``out``."""
+    import torch
+
     from workers.build import build_parts, seed_everything, select_dtype, teleport_config
     from workers.local import param_count, sample_batch, to_device
 
@@ -100,6 +100,8 @@ def preflight(spec: ExperimentSpec, sink: MetricSink) -> PreflightResult:
 
 def run_preflight(job_id: str, redis_url: str, storage: str) -> PreflightResult:
     """Read the job's spec (its ``run`` copy), try it, write the verdict where the scheduler reads it."""
+    import torch
+
     from workers.job_logs import capture
     from workers.job_record import connect, job_field
     from workers.redis_sink import RedisSink
@@ -141,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: TLAB_JOB_TICKET (or REDIS_URL) and TLAB_STORAGE must be set (the scheduler passes them in the "
               "runtime_env)", file=sys.stderr)
         return 2
-    run_preflight(args.job, redis_url, storage)
-    return 0
+    from workers.supervisor import supervise_preflight
+
+    return supervise_preflight(args.job, redis_url, storage)  # ``run_preflight`` in the job's sandbox
 
 
 if __name__ == "__main__":

@@ -104,9 +104,9 @@ def parents(paths: Sequence[Path]) -> list[str]:
 
 def bwrap_argv(command: Sequence[str], env: Mapping[str, str], mounts: Mounts) -> list[str]:
     """The bwrap command that runs ``command`` with exactly ``env`` and ``mounts`` (see the module)."""
-    argv = ["bwrap", "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY), "--unshare-pid", "--unshare-ipc",
-            "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--tmpfs", "/tmp",
-            "--proc", "/proc", "--dev", "/dev"]
+    argv = [shutil.which("bwrap") or "bwrap", "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),
+            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent",
+            "--new-session", "--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev"]
     gpus = sorted(glob.glob("/dev/nvidia*"))  # a GPU job's cards (CUDA_VISIBLE_DEVICES says which); CUDA reads /sys
     argv += [a for d in gpus for a in ("--dev-bind", d, d)] + (["--ro-bind", "/sys", "/sys"] if gpus else [])
     for name in SYSTEM:
@@ -121,7 +121,7 @@ def bwrap_argv(command: Sequence[str], env: Mapping[str, str], mounts: Mounts) -
     argv += [a for p in outer for a in ("--ro-bind", str(p), str(p))]
     argv += [a for p in mounts.hidden if _under(p, outer) for a in ("--tmpfs", str(p))]  # the service's home
     argv += [a for p in inner for a in ("--ro-bind", str(p), str(p))]  # what the job needs from under it
-    argv += ["--bind", str(job_dir), str(job_dir), "--clearenv"]
+    argv += ["--bind", str(job_dir), str(job_dir), "--remount-ro", "/", "--clearenv"]  # (/: what bwrap made)
     for name, value in env.items():
         argv += ["--setenv", name, value]
     return [*argv, "--chdir", str(mounts.workdir or job_dir), "--", *command]

@@ -65,7 +65,7 @@ def payload_argv(spec: ExperimentSpec, job_dir: Path, start_from: str | None) ->
     if not sandbox.required(user_code(spec)):
         return command, {**env, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     job_dir.mkdir(parents=True, exist_ok=True)
-    return sandbox.bwrap_argv(command, env, box), {}
+    return sandbox.bwrap_argv(command, env, box), {}  # bwrap's own, none: the sandbox reads its /proc/1/environ
 
 
 def no_sigterm() -> None:
@@ -77,7 +77,7 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
     read_fd, write_fd = os.pipe()
     orders.result_fd = write_fd
     fds = [write_fd, *([orders.listen_fd] if orders.listen_fd is not None else [])]
-    proc = subprocess.Popen(argv, env=env or None, stdin=subprocess.PIPE, pass_fds=fds, preexec_fn=no_sigterm)
+    proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, pass_fds=fds, preexec_fn=no_sigterm)
     os.close(write_fd)
     try:
         assert proc.stdin is not None
@@ -216,3 +216,19 @@ def supervise_rank(spec_json: str, job_id: str, redis_url: str, storage: str, ra
         done = run_payload(orders, argv, env)
         if done.summary is None:
             raise RuntimeError(done.error)
+
+
+def supervise_preflight(job_id: str, redis_url: str, storage: str) -> int:
+    """A preflight's Ray job: ``workers.preflight.run_preflight`` (the user's code: import, build, one step) as a
+    payload in the job's sandbox; 0 when it wrote a verdict, as before."""
+    import redis
+
+    from workers.run import load_job_spec
+
+    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+        spec = load_job_spec(client, job_id)
+    argv, env = payload_argv(spec, Path(storage) / job_id, None)
+    done = run_payload(Orders(spec.model_dump_json(), job_id, redis_url, storage, -1, kind="preflight"), argv, env)
+    if done.summary is None:
+        print(f"preflight: {done.error}", file=sys.stderr, flush=True)
+    return 0 if done.summary is not None else 1

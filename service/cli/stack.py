@@ -61,6 +61,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     print(f"CPUs {view['cpus_free']:g} free of {view['cpus_total']:g}   "
           f"GPUs {view['gpus_free']:g} free of {view['gpus_total']:g}   "
           f"running {len(view['running_jobs'])}")
+    print(f"sandbox {view.get('sandbox') or '-'}")  # where a job's code runs (docs/security.md)
     if view.get("cpus_outside") or view.get("gpus_outside"):
         print(f"Ray reports {view['cpus_outside']:g} CPUs, {view['gpus_outside']:g} GPUs in use beyond Teleport "
               "Lab's running jobs (other Ray work, or a finished job's workers being released)")

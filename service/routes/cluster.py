@@ -7,6 +7,7 @@ from fastapi import APIRouter
 from api_schemas.jobs import ClusterView, QueueView
 from service.deps import CurrentUser, StateDep
 from service.responses import AUTHED
+from service.sandbox_state import sandbox_state
 from service.views import cluster_for, empty_cluster, queue_view
 
 router = APIRouter(prefix="/v1", tags=["cluster"], responses=AUTHED)
@@ -22,6 +23,8 @@ def queue(st: StateDep, user: CurrentUser) -> QueueView:
 @router.get("/cluster")
 def cluster(st: StateDep, user: CurrentUser) -> ClusterView:
     """Nodes with total and free CPUs/GPUs, and the running experiments, as the scheduler last saw them; another
-    user's running job shows as its share of a node, without its id (admins see everything)."""
+    user's running job shows as its share of a node, without its id (admins see everything); whether jobs' code
+    runs in a sandbox."""
     view, _ = st.cluster_view()
-    return cluster_for(st.store, view, user) if view is not None else empty_cluster()
+    shown = cluster_for(st.store, view, user) if view is not None else empty_cluster()
+    return shown.model_copy(update={"sandbox": sandbox_state(st.settings)})
