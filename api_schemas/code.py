@@ -50,10 +50,13 @@ def check_requirement(value: str) -> str:
     return value.strip()
 
 
-FactoryRef = Annotated[str, Field(max_length=300, description="package.module:function"),
-                       AfterValidator(check_factory)]
-LossRef = Annotated[str, Field(max_length=300, description="cross_entropy, mse, or package.module:function"),
-                    AfterValidator(check_loss)]
+LOSS_PATTERN = rf"^({'|'.join(BUILTIN_LOSSES)}|{FACTORY_PATTERN[1:-1]})$"
+# the patterns go into the JSON Schema as they are checked (by ``check_factory``/``check_loss``, whose one-line errors
+# say how to write one): a generated client or a fuzzer sends no reference the server refuses
+FactoryRef = Annotated[str, Field(max_length=300, description="package.module:function",
+                                  json_schema_extra={"pattern": FACTORY_PATTERN}), AfterValidator(check_factory)]
+LossRef = Annotated[str, Field(max_length=300, description="cross_entropy, mse, or package.module:function",
+                               json_schema_extra={"pattern": LOSS_PATTERN}), AfterValidator(check_loss)]
 Requirement = Annotated[str, AfterValidator(check_requirement)]
 
 

@@ -13,8 +13,9 @@ from service.responses import AUTHED, error
 
 router = APIRouter(prefix="/v1/code", tags=["code"], responses=AUTHED)
 BINARY = {"schema": {"type": "string", "format": "binary"}}
-ZIP_BODY = {"requestBody": {"required": True, "content": {"application/zip": BINARY,
-                                                          "application/octet-stream": BINARY}}}
+# what the schema can say of the body: a zip (the server also takes it sent as application/octet-stream or
+# application/x-zip-compressed, and checks that it is a safe zip: 422 otherwise)
+ZIP_BODY = {"requestBody": {"required": True, "content": {"application/zip": BINARY}}}
 
 
 async def read_capped(request: Request, limit: int) -> bytes:

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Header, Query, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
+from pydantic import WithJsonSchema
 
 from api_schemas.jobs import DryRun, ExperimentSubmit, JobList, JobView, MetricsView, UserPublic
 from api_schemas.lineage import ContinueRequest, ForkRequest
@@ -16,7 +17,7 @@ from service.admission import admit_experiment
 from service.deleting import delete_job
 from service.deps import CurrentUser, JobFilterDep, PageDep, State, StateDep, StreamToken, StreamUser, own_job
 from service.errors import DoesNotFit, InvalidInput
-from service.events import downsample, follow, records, valid_stream_id
+from service.events import STREAM_ID_PATTERN, downsample, follow, records, valid_stream_id
 from service.lineage import continue_job, curve_records, fork_job
 from service.preflight_dry import dry_run_answer
 from service.responses import AUTHED, LISTED, OWNED, STREAMS, SUBMIT, error
@@ -27,7 +28,10 @@ from service.views import list_jobs, metrics_csv
 
 router = APIRouter(prefix="/v1/experiments", tags=["experiments"], responses=AUTHED)
 IdempotencyKey = Annotated[str | None, Header(max_length=200)]
-LastEventId = Annotated[str | None, Header(max_length=64)]
+# the pattern in the schema is what ``event_stream`` checks (its 422 names Last-Event-ID and shows one)
+StreamId = Annotated[str, WithJsonSchema({"type": "string", "maxLength": 64, "pattern": STREAM_ID_PATTERN})]
+LastEventId = Annotated[StreamId | None, Header(max_length=64, description="resume after this stream id "
+                                                                          "(1712345678901-0)")]
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}  # proxies: no buffer
 
 

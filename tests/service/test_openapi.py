@@ -142,3 +142,17 @@ def test_cancel_keeps_the_record_and_delete_removes_it_with_its_files(api_only: 
             assert r.keys(f"tlab:job:{job}*") == [] and r.zscore("tlab:jobs", job) is None
 
 
+
+
+def test_the_schema_carries_the_patterns_and_content_types_the_server_checks(openapi: dict[str, Any]) -> None:
+    from api_schemas.code import FACTORY_PATTERN, LOSS_PATTERN
+    from service.events import STREAM_ID_PATTERN
+
+    for path in ("/v1/experiments/{job_id}/events", "/v1/sweeps/{sweep_id}/events"):
+        header = next(p for p in openapi["paths"][path]["get"]["parameters"] if p["name"] == "last-event-id")
+        assert header["schema"]["anyOf"][0]["pattern"] == STREAM_ID_PATTERN, header
+    schemas = openapi["components"]["schemas"]
+    assert schemas["CustomModel"]["properties"]["factory"]["pattern"] == FACTORY_PATTERN
+    training = json.dumps(schemas["TrainingSpec"]["properties"])
+    assert json.dumps(LOSS_PATTERN) in training and json.dumps(FACTORY_PATTERN) in training  # loss, entrypoint
+    assert list(openapi["paths"]["/v1/code"]["post"]["requestBody"]["content"]) == ["application/zip"]
