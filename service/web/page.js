@@ -36,7 +36,9 @@ export function clearError(owner = undefined) {
 export async function whoami() {
   window.tlab.me = await api("GET", "/v1/me");
   const me = window.tlab.me;
-  $("#who").textContent = `${me.name} (${me.role})`;
+  const cap = me.quotas.max_storage_gb;
+  const stored = ` · ${(me.storage_used_gb ?? 0).toFixed(2)} GB stored${cap ? ` of ${cap} GB` : ""}`;
+  $("#who").textContent = `${me.name} (${me.role})${stored}`;
   $("#signout").hidden = false;
   return me;
 }

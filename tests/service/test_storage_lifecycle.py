@@ -71,3 +71,19 @@ def test_a_user_at_their_storage_quota_is_refused_at_submit_until_they_delete(ap
         assert c.delete(f"/v1/experiments/{job}").status_code == 204
         assert storage_lifecycle.used_bytes(store, "fay") == 0
         assert c.post("/v1/experiments", json={"spec": tiny()}).status_code == 201
+
+
+def test_tlab_cancel_then_rm_and_tlab_me_shows_the_storage(api_only: Api, tmp_path: Path) -> None:
+    from tests.service.test_cli import tlab
+
+    token = api_only.add_user("gus", max_storage_gb=5)
+    env = {"TLAB_URL": api_only.url, "TLAB_TOKEN": token, "TLAB_HOME": str(tmp_path)}
+    with api_only.client("gus") as c:
+        job = c.post("/v1/experiments", json={"spec": tiny()}).json()["id"]
+        refused = tlab("rm", job, env=env)
+        assert refused.returncode != 0 and "cancel it first" in refused.stderr, refused.stderr
+        assert tlab("cancel", job, env=env).stdout.strip() == f"{job}  cancelled"
+        assert tlab("rm", job, env=env).stdout.strip() == f"{job}  deleted"
+        assert c.get(f"/v1/experiments/{job}").status_code == 404
+    me = tlab("me", env=env)
+    assert me.returncode == 0 and "  storage 0.00 GB of 5  at " in me.stdout, me.stdout

@@ -104,7 +104,7 @@ def test_sign_in_tables_errors_and_cancel_without_ray(api_only: Api, tab_factory
     page.wait_for_selector("#error:not([hidden])")
     assert "401" in page.inner_text("#error") and page.evaluate("localStorage.getItem('tlab.token')") is None
     tab.sign_in(api_only.stack.admin_token)
-    assert page.inner_text("#who") == "admin (admin)"
+    assert page.inner_text("#who").startswith("admin (admin) · ") and " GB stored" in page.inner_text("#who")
 
     with api_only.client() as c:  # submitted elsewhere while the page is open: the tables pick it up
         job = c.post("/v1/experiments", json={"spec": tiny(), "name": "from-rest"}).json()["id"]
@@ -138,6 +138,14 @@ def test_sign_in_tables_errors_and_cancel_without_ray(api_only: Api, tab_factory
     page.wait_for_selector("#job-state .state-cancelled")
     with api_only.client() as c:
         assert c.get(f"/v1/experiments/{job}").json()["state"] == "cancelled"
+    # ended: its delete button (two clicks too) removes it with its files, and the page goes back to the list
+    page.wait_for_selector("#delete:not([hidden])")
+    page.click("#delete")
+    assert page.inner_text("#delete") == "Click again: delete it and its files"
+    page.click("#delete")
+    page.wait_for_function("() => location.hash === '#/jobs'")
+    with api_only.client() as c:
+        assert c.get(f"/v1/experiments/{job}").status_code == 404
 
     # a sweep's page: queued, with why, and cancellable
     with api_only.client() as c:
