@@ -46,6 +46,7 @@ from workers.build import (
     teleport_config,
 )
 from workers.context import RunContext
+from workers.gpu_share import device_report
 from workers.sinks import JsonlSink, MemorySink, MetricSink, TeeSink
 from workers.teleporting import TeleportDiverged, Teleporter, sample_batch, steps_per_epoch, to_device
 
@@ -289,14 +290,16 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
                   file=sys.stderr, flush=True)
 
         # -- checkpoint (Ray: every rank reports, rank 0 attaches the state); no-op locally
-        summary = {**summarize(history, tr.target_loss, tele_batches), **teleporter.summary()}
+        summary = {**summarize(history, tr.target_loss, tele_batches), **teleporter.summary(),
+                   **device_report(ctx.device)}
         state = {"epoch": epoch + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "history": history, "seconds": record["seconds"], "teleport_seconds": tele_seconds,
                  "teleport_batches": tele_batches, "teleport_budget": teleporter.saved()}
         ctx.save(state, summary)
     bar.close()
 
-    summary = {**summarize(history, tr.target_loss, tele_batches), **teleporter.summary()}
+    summary = {**summarize(history, tr.target_loss, tele_batches), **teleporter.summary(),
+               **device_report(ctx.device)}  # every runner's summary: its device, the GPUs it saw, peak memory
     summary["params"] = param_count(model)
     ctx.sink.emit({"kind": "summary", **summary})
     return summary

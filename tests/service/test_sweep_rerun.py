@@ -114,6 +114,7 @@ def test_a_rerun_counts_against_max_queued_jobs(api_only: Api) -> None:
         assert json.loads(r.hget(keys.trials(sweep), "t_1"))["state"] == "failed"  # nothing marked
 
 
+@pytest.mark.parametrize("api_env", [{"TLAB_WEBHOOK_ALLOW": "127.0.0.1"}])  # its webhook URL is on loopback
 def test_the_cli_sends_after_and_notify_with_a_sweep_or_submit_and_reruns_one(
         api_only: Api, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from api_schemas.notify import NOTIFY_STATES
