@@ -48,6 +48,14 @@ if cap >= 0 then
 end
 """
 
+# The service's own `status` (with a state and an `at`) and `end` entries: each script that writes one appends its
+# stream id to the job hash's `service_events` (a key the job's Redis user cannot write), and the SSE relay passes
+# a `status` with a state and an `at`, or an `end`, only when its id is there (service/event_vetting.py): a job
+# cannot end its followers' streams or claim a state by writing such an entry itself.
+SERVICE_EVENTS_FIELD = "service_events"
+OURS = ("local function ours(job, sid) redis.call('HSET', job, '" + SERVICE_EVENTS_FIELD + "', "
+        "(redis.call('HGET', job, '" + SERVICE_EVENTS_FIELD + "') or '') .. sid .. ',') end\n")
+
 # KEYS: job hash, jobs zset, user's jobs zset, queue zset, events stream, wake list, idempotency key ('' = none),
 #       the user's queued zset (the max_queued_jobs count)
 # ARGV: job id, created_at, idempotency value ("id|body-sha"), idempotency ttl s, queued cap (-1 = none),
@@ -56,14 +64,6 @@ end
 # queued are pruned (they read keys named from ARGV[6]: one Redis, no cluster) and the rest counted.
 # Returns {0, existing idempotency value} when the key was used before, {2, queued count} when the user already
 # has the cap queued, else {1, queue length}.
-# The service's own `status` (with a state and an `at`) and `end` entries: each script that writes one appends its
-# stream id to the job hash's `service_events` (a key the job's Redis user cannot write), and the SSE relay passes
-# a `status` with a state and an `at`, or an `end`, only when its id is there (service/event_vetting.py): a job cannot end its followers'
-# streams or claim a state by writing such an entry itself.
-SERVICE_EVENTS_FIELD = "service_events"
-OURS = ("local function ours(job, sid) redis.call('HSET', job, '" + SERVICE_EVENTS_FIELD + "', "
-        "(redis.call('HGET', job, '" + SERVICE_EVENTS_FIELD + "') or '') .. sid .. ',') end\n")
-
 SUBMIT = OURS + """
 if KEYS[7] ~= '' then
   local prior = redis.call('GET', KEYS[7])
