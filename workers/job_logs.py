@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import stat
 import sys
 import threading
 from collections.abc import Iterator
@@ -49,11 +50,32 @@ def cap_line(cap: int) -> bytes:
             "output after this line is not kept\n").encode()
 
 
+def open_log(path: Path, job_dir: Path) -> int:
+    """``path`` (under ``job_dir``) opened to append, never through a link or to anything but a regular file: a job's
+    sandboxed code writes in its directory, and this process (root, maybe) must not append to where it points."""
+    fd = os.open(job_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for part in path.relative_to(job_dir).parts[:-1]:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, dir_fd=fd)
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        out = os.open(path.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644,
+                      dir_fd=fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(os.fstat(out).st_mode):
+        os.close(out)
+        raise OSError(f"{path} is not a regular file: its log is not kept")
+    return out
+
+
 class _Tee:
     """The pump: reads the pipe, writes each chunk to the original stdout and, within the cap, to the file."""
 
     def __init__(self, path: Path, root: Path, cap: int, out_fd: int) -> None:
-        self.file = open(path, "ab", buffering=0)  # noqa: SIM115 - closed by close()
+        self.file = os.fdopen(open_log(path, root.parent), "ab", buffering=0)  # closed by close()
         self.root, self.cap, self.out_fd = root, cap, out_fd
         self.since_check = RECHECK_BYTES  # check at the first write
         self.full = False
@@ -99,7 +121,7 @@ def capture(storage: str | Path, job_id: str, name: str, attempt: int) -> Iterat
     """Keep this process's stdout and stderr in the job's log file ``name`` of ``attempt`` (see the module)."""
     root = logs_root(storage, job_id)
     path = root / f"attempt-{attempt}" / f"{name}.log"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    root.parent.mkdir(parents=True, exist_ok=True)  # the job's directory (``open_log`` makes the rest, no link)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     saved = {fd: os.dup(fd) for fd in (1, 2)}

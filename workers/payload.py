@@ -40,7 +40,11 @@ class Orders:
     host: str = ""
     port: int = 0
     listen_fd: int | None = None  # rank 0 of a gang: the socket its TCP store serves on
-    kind: str = "train"  # or "preflight": ``workers.preflight.run_preflight``, which writes its own verdict
+    kind: str = "train"  # "preflight": ``workers.preflight.run_preflight`` (it writes its own verdict); "trial":
+    trial: str | None = None  # a sweep's trial (``workers.trial_bridge``): its id, its scratch directory, and
+    scratch: str = ""  # the pipes its reports to Tune go out on and are answered on
+    report_fd: int | None = None
+    answer_fd: int | None = None
 
 
 @dataclass
@@ -131,6 +135,10 @@ def outcome(orders: Orders) -> Outcome:
     from workers.failure import failure_reason
 
     try:
+        if orders.kind == "trial":
+            from workers.trial_bridge import train_bridged
+
+            return Outcome(summary=train_bridged(orders, orders.report_fd or -1, orders.answer_fd or -1))
         if orders.kind == "preflight":
             from workers.preflight import run_preflight
 

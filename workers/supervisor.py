@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -50,21 +51,31 @@ def refuse_unsandboxed(spec: ExperimentSpec) -> None:
 
 
 def mounts(spec: ExperimentSpec, job_dir: Path, start_from: str | None) -> sandbox.Mounts:
-    """The job directory (read-write); its code (the Ray job's working directory), data and start checkpoint."""
-    code = Path.cwd() if spec.code is not None and spec.code.package else None
+    """The job directory (read-write); its code, data and start checkpoint."""
+    code = code_dirs(spec)
     data = [Path(p) for p in (spec.dataset.root, spec.dataset.path) if p and Path(p).is_absolute()]
-    readable = [*([code] if code else []), *data, *([Path(start_from)] if start_from else [])]
-    return sandbox.Mounts(writable=job_dir, readable=readable, hidden=sandbox.hidden_dirs(), workdir=code)
+    readable = [*code, *data, *([Path(start_from)] if start_from else [])]
+    return sandbox.Mounts(writable=job_dir, readable=readable, hidden=sandbox.hidden_dirs(),
+                          workdir=code[0] if code else None)
+
+
+def code_dirs(spec: ExperimentSpec) -> list[Path]:
+    """Where the job's package is: what Ray put on ``PYTHONPATH`` (its ``working_dir``, first; a Tune trial runs in
+    its trial's directory, not there), else this directory."""
+    if spec.code is None or not spec.code.package:
+        return []
+    on_path = [Path(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.isdir(p)]
+    return on_path or [Path.cwd()]
 
 
 def payload_argv(spec: ExperimentSpec, job_dir: Path, start_from: str | None) -> tuple[list[str], dict[str, str]]:
     """The payload's command line (in bwrap when ``sandbox.required``) and the environment to start it with."""
     command = [sys.executable, "-m", "workers.payload"]
     box = mounts(spec, job_dir, start_from)
-    env = sandbox.payload_env(str(box.workdir) if box.workdir else None)
+    env = sandbox.payload_env(os.pathsep.join(str(p) for p in code_dirs(spec)))
+    job_dir.mkdir(parents=True, exist_ok=True)
     if not sandbox.required(user_code(spec)):
         return command, {**env, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    job_dir.mkdir(parents=True, exist_ok=True)
     return sandbox.bwrap_argv(command, env, box), {}  # bwrap's own, none: the sandbox reads its /proc/1/environ
 
 
@@ -72,17 +83,25 @@ def no_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # bwrap dies of one and takes the payload with it: Ray's stop
 
 
-def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ranks | None = None) -> Outcome:
-    """Start the payload, hand it its orders, wait (watching ``ranks``), and read how it ended."""
-    read_fd, write_fd = os.pipe()
-    orders.result_fd = write_fd
-    fds = [write_fd, *([orders.listen_fd] if orders.listen_fd is not None else [])]
-    proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, pass_fds=fds, preexec_fn=no_sigterm)
-    os.close(write_fd)
+def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ranks | None = None,
+                relay: Callable[[bytes], None] | None = None) -> Outcome:
+    """Start the payload, hand it its orders, wait (watching ``ranks``; ``relay``: each line it reports, answered
+    once handled: ``workers.trial_bridge``), and read how it ended."""
+    read_fd, orders.result_fd = os.pipe()
+    lines = answers = None
+    if relay is not None:
+        (lines, orders.report_fd), (orders.answer_fd, answers) = os.pipe(), os.pipe()
+    theirs = [fd for fd in (orders.result_fd, orders.report_fd, orders.answer_fd) if fd is not None]
+    shared = [orders.listen_fd] if orders.listen_fd is not None else []  # (the gang's socket stays its Ranks')
+    proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, pass_fds=theirs + shared, preexec_fn=no_sigterm)
+    for fd in theirs:
+        os.close(fd)
     try:
         assert proc.stdin is not None
         proc.stdin.write(json.dumps(asdict(orders)).encode())
         proc.stdin.close()
+        if relay is not None and lines is not None and answers is not None:
+            relayed(relay, lines, answers)
         rank_error = wait(proc, ranks, orders)
     except BaseException:  # a stop (SIGTERM raised here): the payload saves and exports, then ends
         stop(proc)
@@ -91,6 +110,15 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
         with os.fdopen(read_fd) as result:
             raw = result.read()
     return outcome(raw, proc.returncode, rank_error)
+
+
+def relayed(relay: Callable[[bytes], None], lines: int, answers: int) -> None:
+    """Each line the payload reports, handled and answered, until it closes its end."""
+    with os.fdopen(lines, "rb") as reports, os.fdopen(answers, "wb") as out:
+        for line in reports:
+            relay(line)
+            out.write(b"ok\n")
+            out.flush()
 
 
 def wait(proc: subprocess.Popen, ranks: Ranks | None, orders: Orders) -> str:

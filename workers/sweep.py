@@ -42,8 +42,10 @@ from workers.job_ticket import redeemed
 from workers.pbt import pbt_scheduler, pbt_trainable
 from workers.redis_sink import RedisSink
 from workers.run import SetupError, export_artifacts, job_main
+from workers.supervisor import refuse_unsandboxed
 from workers.sweep_rerun import marked_trials, resume_only, state_gone
-from workers.trial import in_trial, train_in_trial, trial_dirs, trial_resources
+from workers.trial import in_trial, trial_dirs, trial_resources
+from workers.trial_bridge import supervise_trial
 
 
 def param_space(sweep: SweepSubmit) -> dict[str, Any]:
@@ -270,7 +272,7 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
         # its output is kept with the sweep's logs (`tlab logs SWEEP --rank trial-<id>`)
         with capture(storage, job_id, f"trial-{trial_id}", attempt_of(redis_url, job_id)):
             try:
-                train_in_trial(trial_spec(base, config), RedisSink(redis_url, job_id, trial=trial_id))
+                supervise_trial(trial_spec(base, config), job_id, trial_id, redis_url, storage)  # in the sandbox
             except Exception as err:
                 traceback.print_exc()  # the whole story, for the trial's log
                 raise TrialFailed(failure_reason(err)) from None
@@ -280,6 +282,8 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
     search_alg = searcher(sweep)
     space = param_space(sweep)
     own = in_trial(sweep)
+    if not own:
+        refuse_unsandboxed(sweep.base)  # a TorchTrainer per trial: Ray Train's workers, outside any sandbox
     # a trial training in itself reports a checkpoint every epoch: Tune keeps the last few, as Ray Train did
     checkpoints = tune.CheckpointConfig(num_to_keep=keep_checkpoints()) if own else None
     if sweep.scheduler == "asha":

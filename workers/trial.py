@@ -75,13 +75,14 @@ class TrialContext(RunContext):
             return read_checkpoint(Path(path))
 
 
-def train_in_trial(spec: ExperimentSpec, sink: MetricSink) -> None:
+def train_in_trial(spec: ExperimentSpec, sink: MetricSink, ctx: RunContext | None = None) -> None:
     """Train ``spec`` in this Tune trial; a diverged run reports its failure as ``train_worker`` does (its row
-    shows no metric), and any other error propagates (the caller turns it into the trial's one line)."""
+    shows no metric), and any other error propagates (the caller turns it into the trial's one line). ``ctx``: a
+    context of the caller's (a trial's sandboxed payload: ``workers.trial_bridge``)."""
     from workers.gpu_share import claim_device
     from workers.local import TrainingDiverged, train
 
-    ctx = TrialContext(device=claim_device(spec), sink=sink)  # its share of the card fenced first
+    ctx = ctx or TrialContext(device=claim_device(spec), sink=sink)  # its share of the card fenced first
     try:
         train(spec, ctx)
     except TrainingDiverged as err:

@@ -167,3 +167,21 @@ def test_a_follow_of_a_growing_file_sees_each_line(tmp_path: Path) -> None:
             event, _ = follow.read(ended=False)
         got += [line.removeprefix("data: ") for line in (event or "").splitlines() if line.startswith("data: ")]
     assert got == [str(i) for i in range(20)]
+
+
+@pytest.mark.parametrize("planted", ["logs", "logs/attempt-1", "logs/attempt-1/driver.log"])
+def test_a_link_a_job_planted_in_its_directory_is_never_followed_to_write_a_log(tmp_path: Path, planted: str) -> None:
+    """A job's sandboxed code writes in its own directory; the process that keeps its log (root, maybe) must not
+    append through a link it planted there (issue 26): the capture refuses, and the target is untouched."""
+    from workers.job_logs import capture
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "driver.log").write_text("precious\n")
+    link = tmp_path / "storage" / "job" / planted
+    link.parent.mkdir(parents=True)
+    link.symlink_to(outside / "driver.log" if planted.endswith(".log") else outside)
+    with pytest.raises(OSError), capture(tmp_path / "storage", "job", "driver", 1):
+        print("a line for the log")
+    assert sorted(p.name for p in outside.iterdir()) == ["driver.log"]
+    assert (outside / "driver.log").read_text() == "precious\n"
