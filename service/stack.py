@@ -394,7 +394,7 @@ def up(home: Path, port: int | None, num_cpus: int | None, num_gpus: int | None 
     os.umask(0o077)  # what the stack writes under TLAB_HOME (Redis's AOF, checkpoints, logs) is the owner's only
     stopping = stack.stopping = stop_on_signals()
     print(f"starting Teleport Lab in {home} (logs: {stack.logs}) ...", file=sys.stderr, flush=True)
-    print(said_at_start(Settings(TLAB_HOME=home)), file=sys.stderr, flush=True)  # (service.sandbox_state)
+    print(said_at_start(Settings(TLAB_HOME=home)), flush=True)  # (service.sandbox_state)
     crash_loop = None
     try:
         stack.start()

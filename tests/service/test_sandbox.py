@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import textwrap
 from pathlib import Path
 
@@ -157,3 +158,21 @@ def test_a_jobs_code_finds_nothing_of_other_jobs_or_the_control_plane(stack: Sta
     planted = [p for p in [*storage.rglob("pwned"), *stack.home.rglob("pwned"), *ray_head.home.rglob("pwned"),
                            Path(__file__).parents[2] / "workers" / "pwned"] if p.exists()]
     assert planted == []
+
+
+@pytest.fixture()
+def api_env() -> dict[str, str]:
+    """The API alone, on a PATH without bubblewrap: no sandbox can run (``service.sandbox_state``)."""
+    return {"PATH": str(Path(sys.executable).parent)}
+
+
+def test_without_a_sandbox_users_code_is_refused_at_submit_and_the_cluster_says_why(api_only: Api) -> None:
+    spec = {**tiny(), "model": {"kind": "custom", "factory": "attacker.model:build"},
+            "code": {"package": "sha256:" + "0" * 64}}
+    with api_only.client() as c:
+        sandbox = c.get("/v1/cluster").json()["sandbox"]
+        assert sandbox.startswith("unavailable: bubblewrap is not installed"), sandbox
+        r = c.post("/v1/experiments", json={"spec": spec})
+        assert r.status_code == 403 and "no sandbox can hold users' code" in r.text, r.text
+        assert "TLAB_SANDBOX=off" in r.text
+        assert c.post("/v1/experiments", json={"spec": tiny()}).status_code == 201  # built-in jobs need none
