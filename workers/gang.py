@@ -8,6 +8,10 @@ What Ray Train did for the gang, done here: DDP and sharded loaders (``RunContex
 checkpoints written by rank 0 only (``DriverContext.save``, in Ray Train's layout), every rank resuming from
 the newest one, a failed rank failing the whole try (its process group closes, the others' collectives raise)
 and the try retried from the last checkpoint (``run_in_driver``). ``TLAB_IN_DRIVER=0`` keeps the TorchTrainer.
+
+A job of the service trains each rank in its sandbox (issue 26): rank 0's payload and each other rank's (started by
+the rank's Ray task, ``workers.supervisor``) use ``join`` and ``GangContext`` from here; ``lead`` stays the
+in-process path (``run_in_driver``: tests, benchmarks), whose other ranks are sandboxed the same way.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from api_schemas import ExperimentSpec
 from teleport.distributed import Collective, TorchDistributed
 from workers.driver import DriverContext, attempt
 from workers.gang_start import Ranks
-from workers.gpu_share import claim_device, process_group_backend
-from workers.sinks import MetricSink, NullSink
+from workers.gpu_share import process_group_backend
+from workers.sinks import MetricSink
 from workers.startup import mark
 
 
@@ -96,30 +100,6 @@ def await_ranks(store: Any, ranks: Ranks) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the gang's other ranks did not start within TLAB_GANG_TIMEOUT_S="
                                f"{timeout().total_seconds():g} s (are their nodes' resources free?)")
-
-
-def run_rank(spec_json: str, job_id: str, redis_url: str, storage: str, rank: int, world: int, host: str,
-             port: int, artifacts: str | None) -> None:
-    """What a Ray task of the gang runs: join, then the same loop as rank 0, its log kept as ``rank-<k>``; the
-    checkpoint a continued or forked job starts from is found as the driver finds it (``start_checkpoint``)."""
-    import redis
-
-    from workers.driver import start_checkpoint
-    from workers.job_logs import capture
-    from workers.job_record import attempt_of
-
-    with capture(storage, job_id, f"rank-{rank}", attempt_of(redis_url, job_id)):
-        spec = ExperimentSpec.model_validate_json(spec_json)
-        device = claim_device(spec)  # (its share of the card fenced before the model is built)
-        with redis.Redis.from_url(redis_url, decode_responses=True) as client:
-            start_from = start_checkpoint(client, job_id, storage)
-        join(host, port, rank, spec, device)
-        try:
-            ctx = GangContext(NullSink(), Path(storage) / job_id, rank=rank, world_size=world, device=device,
-                              artifacts_dir=artifacts, start_from=start_from)
-            attempt(spec, ctx)
-        finally:
-            dist.destroy_process_group()
 
 
 def lead(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str | Path, sink: MetricSink,
