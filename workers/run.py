@@ -102,6 +102,7 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
             from workers.supervisor import refuse_unsandboxed
 
             refuse_unsandboxed(spec)  # Ray Train's workers run the user's code outside any sandbox
+            mark("torch")  # (the trainer's modules come next: the start-up timeline's phase, ``workers.startup``)
             summary = fit_trainer(spec, job_id, redis_url, storage, max_failures, out, start)
     finally:  # however it ended (a stop too: SIGTERM leaves the grace period for this), from the last checkpoint
         if ranks is not None:

@@ -16,9 +16,11 @@ import httpx
 import redis
 
 from api_schemas import keys
+from api_schemas.jobs import JobState
 from benchmarks.common import print_table, verdict
 from benchmarks.service.common import FLOORS, TINY, CpuMeter, Sizes, ms, pct
 from service.stack import Stack
+from service.store import Store
 
 
 def _parse_sse(block: bytes) -> tuple[str | None, str | None, str | None]:
@@ -142,7 +144,8 @@ def _sse_once(stack: Stack, sizes: Sizes, batch: int) -> dict[str, Any]:
             r_client.xadd(key, {"kind": "metric",
                                 "data": json.dumps({"kind": "epoch", "epoch": i, "sent_at": time.time()})})
         publish_s = time.perf_counter() - start
-        r_client.xadd(key, {"kind": "end", "data": json.dumps({"kind": "end", "state": "succeeded"})})
+        # the service ends the stream (a raw XADD of an `end` is what a job might forge: the relay drops it)
+        Store(redis.Redis.from_url(stack.redis_url or "", decode_responses=True)).transition(job_id, JobState.CANCELLED)
         res = out.get(timeout=seconds + 120)
         cpu = meter.stop()
     finally:

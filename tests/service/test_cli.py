@@ -185,7 +185,10 @@ def test_tlab_up_prints_its_url_and_ctrl_c_stops_everything(tmp_path: Path) -> N
         while time.monotonic() < deadline and httpx.get(f"{url}/readyz", timeout=10).status_code != 200:
             time.sleep(0.3)
         assert httpx.get(f"{url}/readyz", timeout=10).status_code == 200
-        cluster = tlab("cluster", env={"TLAB_URL": url, "TLAB_TOKEN": token, "TLAB_HOME": str(home)})
+        deadline = time.monotonic() + 30  # ready may come a tick before the scheduler's first view of the nodes
+        while "GPUs 2 free of 2" not in (cluster := tlab("cluster", env={
+                "TLAB_URL": url, "TLAB_TOKEN": token, "TLAB_HOME": str(home)})).stdout and time.monotonic() < deadline:
+            time.sleep(0.5)
         assert "GPUs 2 free of 2" in cluster.stdout and "GPU MODEL" in cluster.stdout, cluster.stdout
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)

@@ -289,9 +289,13 @@ EVIL = '''
 
 
     def runtime_envs(dashboard):
-        """Every Ray job's env_vars, as any job's code lists them (Jobs API; the cluster's token is in its env)."""
-        return {j.submission_id: (j.runtime_env or {}).get("env_vars") or {}
-                for j in JobSubmissionClient(dashboard).list_jobs()}
+        """Every Ray job's env_vars, as a job's code would list them (Jobs API, with a Ray token from its env), and
+        whether Ray let it: in its sandbox the job has no token."""
+        try:
+            return {j.submission_id: (j.runtime_env or {}).get("env_vars") or {}
+                    for j in JobSubmissionClient(dashboard).list_jobs()}, "allowed"
+        except Exception as err:  # noqa: BLE001 - whatever Ray answers, it is what the test reads
+            return {}, f"{type(err).__name__}: {err}"[:200]
 
 
     def spend(ticket):
@@ -303,7 +307,7 @@ EVIL = '''
     def build(victim, dashboard):
         url = job_redis_url()  # this job's own credentials, as its first process redeemed them
         r = redis.Redis.from_url(url, decode_responses=True)
-        envs = runtime_envs(dashboard)
+        envs, listing = runtime_envs(dashboard)
         tickets = {sid: env["TLAB_JOB_TICKET"] for sid, env in envs.items() if "TLAB_JOB_TICKET" in env}
         theirs = tickets.get(f"tlab-{victim}-1", "")
         tried = {"other_job": attempt(lambda: r.hgetall(f"tlab:job:{victim}")), "flushall": attempt(r.flushall),
@@ -311,9 +315,9 @@ EVIL = '''
                  "jobs": sorted(envs), "secrets": sorted(k for env in envs.values() for k, v in env.items()
                                                          if k == "REDIS_URL" or k.startswith("AWS_") or "tlab-job-" in v
                                                          or "tlab-preflight-" in v),
-                 "tickets": {sid: spend(t) for sid, t in tickets.items()},  # the victim's and its own among them
+                 "ray_jobs": listing, "tickets": {sid: spend(t) for sid, t in tickets.items()},
                  "victim_events": attempt(lambda: redis.Redis.from_url(theirs, retry=None).xadd(
-                     f"tlab:job:{victim}:events", {"kind": "log", "data": "{}"}))}
+                     f"tlab:job:{victim}:events", {"kind": "log", "data": "{}"})) if theirs else "no ticket found"}
         print("ISOLATION " + json.dumps(tried), flush=True)
         return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
 '''
@@ -361,15 +365,11 @@ def test_a_jobs_code_is_refused_other_jobs_data_and_tickets_and_still_trains(
         tried = json.loads(line.removeprefix("ISOLATION "))
         assert all(tried[k].startswith("NoPermissionError") for k in ("other_job", "flushall", "users")), tried
         assert tried["anonymous"].startswith("-NOAUTH"), tried
-        # it listed every Ray job: no Redis password in any runtime_env, and no ticket it found opens anything
-        assert {f"tlab-{victim}-1", f"tlab-{job}-preflight"} <= set(tried["jobs"]) and tried["secrets"] == [], tried
-        # (a redeemed ticket's user goes at the scheduler's next tick: until then it may GETDEL its emptied key)
-        assert {f"tlab-{victim}-1", f"tlab-{job}-1"} <= set(tried["tickets"]), tried["tickets"]
-        ours = {sid: t for sid, t in tried["tickets"].items() if sid.startswith((f"tlab-{victim}-", f"tlab-{job}-"))}
-        assert all(t == "allowed: None" or t.startswith("AuthenticationError") for t in ours.values()), ours
-        # the session's Ray head also lists earlier tests' jobs, whose Redis is gone: no ticket yields a credential
-        assert not [t for t in tried["tickets"].values() if t.startswith("allowed: ") and t != "allowed: None"]
-        assert tried["victim_events"].startswith(("NoPermissionError", "AuthenticationError")), tried
+        # in its sandbox the job holds no Ray token: it cannot even list Ray's jobs, so it finds no other job's
+        # runtime_env or ticket (before the sandbox it listed them all, and no ticket it found opened anything)
+        assert tried["ray_jobs"].startswith("AuthenticationError"), tried
+        assert (tried["jobs"], tried["secrets"], tried["tickets"]) == ([], [], {}), tried
+        assert tried["victim_events"] == "no ticket found", tried
         c.cancel(victim)
         wait_for_state(c, victim, ("cancelled",))
         # the service's data is intact, the victim's stream its own, and the job's metrics came through its user

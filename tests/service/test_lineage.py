@@ -16,7 +16,8 @@ from tests.service.test_failure_reasons import wait_ended
 
 
 @pytest.mark.slow
-def test_continue_and_fork_go_on_from_the_parents_checkpoint(stack: Stack) -> None:
+@pytest.mark.parametrize("stack_env", [{"TLAB_KEEP_ENDED_CHECKPOINTS": "3"}])  # the fork names epoch 2 of 3: the
+def test_continue_and_fork_go_on_from_the_parents_checkpoint(stack: Stack) -> None:  # default keeps the newest only
     api = Api(stack)
     api.add_user("ann")
     api.add_user("bob")

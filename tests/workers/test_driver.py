@@ -22,6 +22,26 @@ from workers.redis_sink import read_events
 from workers.sinks import MemorySink
 
 
+def in_process(job: str, redis_url: str, storage: str, max_failures: int) -> dict[str, Any]:
+    """The driver's retry loop in this process (``run_in_driver``), with the artifacts and the summary as a job's
+    run exports them: a job's payload runs this loop in its sandbox, a process the monkeypatched ``save`` of these
+    tests cannot reach (the supervisor's own retries of a killed payload: ``test_run_entrypoint``)."""
+    from workers.artifacts import artifacts_dir
+    from workers.driver import run_in_driver
+    from workers.job_record import write_summary
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    spec, out = run.load_job_spec(client, job), artifacts_dir(storage, job)
+    try:
+        summary = run_in_driver(spec, job, redis_url, storage, max_failures, out)
+    finally:
+        run.export_artifacts(spec, [Path(storage) / job], out)
+    if summary.get("failed"):
+        raise JobFailed(str(summary.get("reason", "training failed")))
+    write_summary(client, job, json.dumps(summary))
+    return summary
+
+
 def epochs_of(events: list[dict[str, Any]]) -> list[int]:
     return [e["data"]["epoch"] for e in events if e["kind"] == "metric"]
 
@@ -161,7 +181,7 @@ def test_a_failure_retries_from_the_last_checkpoint_and_reports_every_epoch_once
             raise ConnectionError("lost the node's disk for a moment")
 
     monkeypatch.setattr(DriverContext, "save", save_then_crash_once)
-    summary = run.run_job("flaky", redis_server, str(tmp_path), max_failures=1)
+    summary = in_process("flaky", redis_server, str(tmp_path), max_failures=1)
     events = read_events(redis_server, "flaky")
     assert epochs_of(events) == [0, 1, 2, 3, 4]  # the retry redid nothing it had reported
     assert starts_of(events) == [0, 3]  # it went on from its last checkpoint
@@ -175,7 +195,7 @@ def test_a_failure_retries_from_the_last_checkpoint_and_reports_every_epoch_once
     assert (artifacts / "metrics.csv").read_text().count("\n") == 6
     # run again (the cluster went down after the last epoch, before the scheduler saw the job end): nothing left
     # to train, the same summary
-    assert run.run_job("flaky", redis_server, str(tmp_path), max_failures=1) == summary
+    assert in_process("flaky", redis_server, str(tmp_path), max_failures=1) == summary
     assert starts_of(read_events(redis_server, "flaky")) == [0, 3, 5]
 
 
@@ -190,7 +210,7 @@ def test_retries_stop_at_max_failures_and_a_deterministic_error_is_not_retried(
 
     monkeypatch.setattr(DriverContext, "save", fail)
     with pytest.raises(type(error)):
-        run.run_job("bad", redis_server, str(tmp_path), max_failures=2)
+        in_process("bad", redis_server, str(tmp_path), max_failures=2)
     tries = 1 if isinstance(error, ValueError) else 3
     assert starts_of(read_events(redis_server, "bad")) == [0] * tries
 
@@ -198,6 +218,6 @@ def test_retries_stop_at_max_failures_and_a_deterministic_error_is_not_retried(
 def test_a_diverging_job_fails_once_with_its_reason_and_no_summary(redis_server: str, tmp_path: Path) -> None:
     put_job(redis_server, "nan", optimizer={"name": "sgd", "lr": 1e30}, teleport={"enabled": False})
     with pytest.raises(JobFailed, match="diverged at epoch 0"):
-        run.run_job("nan", redis_server, str(tmp_path), max_failures=3)
+        in_process("nan", redis_server, str(tmp_path), max_failures=3)
     assert starts_of(read_events(redis_server, "nan")) == [0]
     assert redis.Redis.from_url(redis_server).hget(keys.job("nan"), "summary") is None
