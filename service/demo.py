@@ -75,9 +75,10 @@ def verdict(tele: dict[str, Any], base: dict[str, Any]) -> str:
     et, eb = tele.get("epochs_to_target"), base.get("epochs_to_target")
     if st is None or sb is None or not et or not eb:
         if st is None and sb is None:
-            return (f"neither run reached the target; after {tele.get('epochs')} epochs train loss "
-                    f"{tele.get('final_train_loss', 0):.4f} with teleport vs {base.get('final_train_loss', 0):.4f}, "
-                    f"in {tele.get('seconds', 0):.1f} vs {base.get('seconds', 0):.1f} seconds ({share})")
+            loss_t, loss_b = (s.get("final_train_loss") or float("nan") for s in (tele, base))
+            return (f"neither run reached the target; after {tele.get('epochs')} epochs train loss {loss_t:.4f} with "
+                    f"teleport vs {loss_b:.4f}, in {tele.get('seconds') or 0:.1f} vs {base.get('seconds') or 0:.1f} "
+                    f"seconds ({share})")
         if st is None:
             return f"teleport did not reach the target; without teleport: {eb} epochs, {sb:.1f} s ({share})"
         return f"teleport reached the target in {et} epochs, {st:.1f} s; without teleport it did not ({share})"
