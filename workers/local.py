@@ -248,6 +248,10 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
         ctx.sink.emit({"kind": "warmup", "steps": done, "train_loss": loss_sum / steps,
                        "seconds": time.perf_counter() - t0})
 
+    def run_summary() -> dict[str, Any]:
+        """Losses, time and targets, the budget's cuts, and the device (the GPUs it saw, its peak memory)."""
+        return {**summarize(history, tr.target_loss, tele_batches), **teleporter.summary(), **device_report(ctx.device)}
+
     show = progress and ctx.is_chief  # a bar on a terminal (tqdm's disable=None); a log or a pipe gets plain lines
     bar = tqdm(range(start_epoch, tr.epochs), desc="epochs", unit="epoch", initial=start_epoch,
                total=tr.epochs, disable=None if show else True, dynamic_ncols=True)
@@ -290,17 +294,14 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
                   file=sys.stderr, flush=True)
 
         # -- checkpoint (Ray: every rank reports, rank 0 attaches the state); no-op locally
-        summary = {**summarize(history, tr.target_loss, tele_batches), **teleporter.summary(),
-                   **device_report(ctx.device)}
+        summary = run_summary()
         state = {"epoch": epoch + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "history": history, "seconds": record["seconds"], "teleport_seconds": tele_seconds,
                  "teleport_batches": tele_batches, "teleport_budget": teleporter.saved()}
         ctx.save(state, summary)
     bar.close()
 
-    summary = {**summarize(history, tr.target_loss, tele_batches), **teleporter.summary(),
-               **device_report(ctx.device)}  # every runner's summary: its device, the GPUs it saw, peak memory
-    summary["params"] = param_count(model)
+    summary = {**run_summary(), "params": param_count(model)}
     ctx.sink.emit({"kind": "summary", **summary})
     return summary
 
