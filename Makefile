@@ -28,7 +28,7 @@ browser:
 	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	  --no-install-recommends chromium; }
 
-# Debian's bubblewrap: each job's training runs in a sandbox of its own (workers/sandbox.py, docs/security.md).
+# Debian's bubblewrap: each job's training runs in a sandbox of its own (workers/job/sandbox.py, docs/security.md).
 # Idempotent: nothing to do when bwrap is on PATH. Without it, tlab up says so and refuses users' code.
 sandbox:
 	@command -v bwrap >/dev/null || { echo ">> installing Debian's bubblewrap for the per-job sandbox"; \

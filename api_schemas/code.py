@@ -3,7 +3,7 @@
 
 A factory reference names a function in an importable module: the user's uploaded package (``code.package``,
 unpacked as the Ray job's working directory) or an installed one. Only its form is checked here, at submit;
-whether it imports is the workers' business (``workers.user_code``). Pure pydantic.
+whether it imports is the workers' business (``workers.train.user_code``). Pure pydantic.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What each built-in dataset is without reading it: its task, one sample's shape, the files it needs.
 
-Shared by the workers' loaders (``workers/datasets.py`` finds its files here) and the service's checks at
-submit (``service/admission.py``), so the two never disagree on a file name. Pure stdlib: existence checks
+Shared by the workers' loaders (``workers/train/datasets.py`` finds its files here) and the service's checks at
+submit (``service/api/admission.py``), so the two never disagree on a file name. Pure stdlib: existence checks
 only, nothing is opened.
 """
 

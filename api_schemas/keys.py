@@ -106,7 +106,8 @@ def auth_generation() -> str:
     return f"{PREFIX}:auth:generation"
 
 
-JOB_ID_PATTERN = r"^[0-9a-f]{11,16}-[0-9a-f]{6}$"  # what service.store.new_job_id makes; checked before any key use
+# what service.core.store.new_job_id makes; checked before any key use
+JOB_ID_PATTERN = r"^[0-9a-f]{11,16}-[0-9a-f]{6}$"
 
 
 def user_queued(user: str) -> str:
@@ -143,7 +144,7 @@ def acl_secret() -> str:
 def job_run(job_id: str) -> str:
     """Hash: the job's record as its own processes see it (spec, sweep, start_from, attempts: the scheduler's copy
     before each submit; summary: written by the job, copied into the job hash when it ends). A job's Redis user
-    may touch ``job(id) + ':*'`` only, never the job hash (service/job_acl.py, workers/job_record.py)."""
+    may touch ``job(id) + ':*'`` only, never the job hash (service/launch/job_acl.py, workers/job/record.py)."""
     return f"{PREFIX}:job:{job_id}:run"
 
 
@@ -153,7 +154,7 @@ JOB_RUN_MARK = "job"  # job_run's field naming its job: there once the scheduler
 def ticket(user: str) -> str:
     """String: a job's own ``REDIS_URL``, read once and deleted (``GETDEL``) by its first process as the ticket's
     Redis user ``user`` (``tlab-ticket-job-<id>``); outside ``job(id) + ':*'``, so no job's user can read it
-    (service/job_acl.py, workers/job_ticket.py)."""
+    (service/launch/job_acl.py, workers/job/ticket.py)."""
     return f"{PREFIX}:ticket:{user}"
 
 

@@ -50,7 +50,7 @@ end
 
 # The service's own `status` (with a state and an `at`) and `end` entries: each script that writes one appends its
 # stream id to the job hash's `service_events` (a key the job's Redis user cannot write), and the SSE relay passes
-# a `status` with a state and an `at`, or an `end`, only when its id is there (service/event_vetting.py): a job
+# a `status` with a state and an `at`, or an `end`, only when its id is there (service/api/event_vetting.py): a job
 # cannot end its followers' streams or claim a state by writing such an entry itself.
 SERVICE_EVENTS_FIELD = "service_events"
 OURS = ("local function ours(job, sid) redis.call('HSET', job, '" + SERVICE_EVENTS_FIELD + "', "
@@ -132,11 +132,11 @@ return {1, cur}
 """.replace("__TABLE__", _lua_transition_table()).replace("__OUTBOX_MAXLEN__", str(OUTBOX_MAXLEN)).replace(
     "__OURS__", "ours")
 
-# KEYS: job hash, queue zset, events stream, wake list, trials hash, the job's run hash (service/job_acl.py), '',
+# KEYS: job hash, queue zset, events stream, wake list, trials hash, the job's run hash (service/launch/job_acl.py), '',
 #       the owner's queued zset (the max_queued_jobs count)
 # ARGV: job id, now, comma-separated states the sweep must be in, reason, queued cap (-1 = none), job hash key prefix,
 #       the number N of job hash fields to clear, those N names, then trial id / row JSON pairs.
-# An ended sweep back to the queue for a rerun (service/sweep_rerun.py), in one step: the cap checked as at submit,
+# An ended sweep back to the queue for a rerun (service/api/sweep_rerun.py), in one step: the cap checked as at submit,
 # the fields of the ended run cleared (its summary also in the run hash), the rows written, and the stream's `end`
 # events among its last 1000 entries deleted (a follower reading the history then goes on into the rerun), before
 # the `queued` status event. Returns {1, from}, {0, current state} or {2, queued count} (the cap).
@@ -171,7 +171,7 @@ return {1, cur}
 
 # KEYS: job hash, all-jobs index, the owner's jobs index, the queue view, then the job's own keys (keys.job_keys)
 # ARGV: job id, comma-separated states it may be deleted in (the terminal ones)
-# Deletes an ended job's record in one step (service/deleting.py): a sweep rerun cannot move it back to the queue
+# Deletes an ended job's record in one step (service/api/deleting.py): a sweep rerun cannot move it back to the queue
 # half-way. Returns 1, or the job's state when it may not be deleted ('missing' when there is none).
 DELETE_ENDED = """
 local cur = redis.call('HGET', KEYS[1], 'state')

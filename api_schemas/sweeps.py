@@ -15,7 +15,7 @@ from api_schemas.spec import ExperimentSpec
 from api_schemas.spec_io import apply_overrides, format_validation_error
 
 DISTRIBUTIONS = ("loguniform", "uniform", "randint", "choice", "grid")
-# the sweep metric -> the key Ray Train reports each epoch (workers/local.py: summarize)
+# the sweep metric -> the key Ray Train reports each epoch (workers/train/loop.py: summarize)
 MAX_VALUES = 1000  # values one choice/grid axis may list (refused before any is looked at)
 MAX_TRIALS = 100_000  # grid points x num_samples; a service sets its own lower limit (TLAB_MAX_TRIALS)
 METRICS = {"train_loss": "final_train_loss", "test_loss": "final_test_loss", "test_acc": "final_test_acc"}

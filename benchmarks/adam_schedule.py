@@ -25,8 +25,8 @@ SCHEDULES = {"baseline": None, "paper: epochs 0-4": [0, 1, 2, 3, 4], "epoch 0 on
 
 
 def one(seed: int, epochs: list[int] | None, n_epochs: int, quick: bool) -> dict[str, Any]:
-    from workers.context import RunContext
-    from workers.local import train
+    from workers.train.context import RunContext
+    from workers.train.loop import train
 
     case = mlp_case("adam", 1, n_epochs, [32] if quick else [1024, 1024], 4, 200 if quick else None)
     data = case.spec(seed, epochs is not None)

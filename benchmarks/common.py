@@ -27,7 +27,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 def leaky_mlp(dims: list[int]) -> torch.nn.Module:
     """The project's MLP, LeakyReLU(0.1), dims = [in, *hidden, out]: what both teleport methods accept."""
-    from workers.models import MLP
+    from workers.train.models import MLP
 
     return MLP(dims[0], dims[1:-1], dims[-1], activation="leaky_relu", negative_slope=0.1)
 

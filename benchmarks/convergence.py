@@ -87,8 +87,8 @@ def preset_case(name: str, epochs: int) -> Case:
 
 
 def one_run(case: Case, seed: int, teleport: bool) -> dict[str, Any]:
-    from workers.context import RunContext
-    from workers.local import train
+    from workers.train.context import RunContext
+    from workers.train.loop import train
 
     return train(build_spec(case.spec(seed, teleport)), RunContext())
 

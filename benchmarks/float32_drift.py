@@ -48,10 +48,10 @@ def case_spec(name: str, rule: str, seed: int, quick: bool) -> ExperimentSpec:
 
 def teleports(spec: ExperimentSpec, threads: int) -> tuple[list[dict[str, Any]], str, float]:
     """The run's teleport records, the device it ran on and its seconds."""
-    from workers.build import select_device
-    from workers.context import RunContext
-    from workers.local import train
-    from workers.sinks import MemorySink
+    from workers.train.build import select_device
+    from workers.train.context import RunContext
+    from workers.train.loop import train
+    from workers.train.sinks import MemorySink
 
     sink, device = MemorySink(), select_device(spec.training)
     start = time.perf_counter()

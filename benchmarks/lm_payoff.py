@@ -10,7 +10,7 @@ Two parts, on the device given (``--device cpu|cuda``), side by side in one run:
    ascent step: profiler events (``aten::`` ops on the CPU; ``cudaLaunchKernel`` on CUDA) and the
    teleport's host reads (``teleport.objective.HOST_READS``), each as (T(8) − T(0)) / 8.
 2. **Payoff** on ``examples/tiny_lm`` (a char LM on Python source): baseline against teleport with SGD and
-   Adam through the product's own loop (``workers.local.train``) with ``teleport.budget`` at its default:
+   Adam through the product's own loop (``workers.train.loop.train``) with ``teleport.budget`` at its default:
    seconds to the baseline's final train loss as a ratio, and teleport's share of the run. ``--quick`` and
    the CPU default are small (CPU: d = 128, 2 layers, context 32, 6 epochs, 2 teleport batches of 2
    sequences, 64 token columns < d); ``--size gpu`` is the issue's size (d = 256, 4 layers, context 64,
@@ -153,9 +153,9 @@ def lm_spec(optimizer: str, teleport: bool, size: str, quick: bool) -> Any:
 
 
 def payoff(device: torch.device, size: str, quick: bool) -> dict[str, Any]:
-    from workers.context import RunContext
-    from workers.local import train
-    from workers.sinks import MemorySink
+    from workers.train.context import RunContext
+    from workers.train.loop import train
+    from workers.train.sinks import MemorySink
 
     sys.path.insert(0, str(EXAMPLE))
     out: dict[str, Any] = {}

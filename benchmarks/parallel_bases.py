@@ -27,7 +27,7 @@ COLUMNS = 256
 def run(widths: list[int], layer_counts: list[int], repeats: int) -> dict[str, object]:
     import ray
 
-    from workers.executors import RayTaskExecutor, make_executor
+    from workers.train.executors import RayTaskExecutor, make_executor
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,

@@ -8,7 +8,7 @@ runs alternate (three rounds, medians over all) before Ray starts: the processes
 leaves behind for a few seconds took a core from whatever ran right after it (the driver run measured
 1.55x when it came after Ray, 1.04-1.11x before it). Floor from
 issue 3: Ray per-epoch time ≤ 1.15x the in-process one. A third runner is the loop a 1-worker service job
-runs (its Ray job's driver, ``workers.driver``: a checkpoint and Redis events per epoch); floor from issue 15:
+runs (its Ray job's driver, ``workers.on_ray.driver``: a checkpoint and Redis events per epoch); floor from issue 15:
 ≤ 1.05x the in-process one.
 
     python -m benchmarks.ray_overhead [--quick]
@@ -44,8 +44,8 @@ def run(epochs: int, hidden: list[int], max_train: int | None, cpus: int = 2, ro
     import ray
 
     from plots.curves import read_metrics
-    from workers.local import run_local
-    from workers.ray_train import run_on_ray
+    from workers.on_ray.ray_train import run_on_ray
+    from workers.train.loop import run_local
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
@@ -53,7 +53,7 @@ def run(epochs: int, hidden: list[int], max_train: int | None, cpus: int = 2, ro
         "model": {"kind": "mlp", "hidden": hidden}, "dataset": {"name": "digits", "max_train": max_train},
         "optimizer": {"name": "sgd", "lr": 0.05}, "training": {"epochs": epochs, "batch_size": 32},
         "teleport": {"epochs": [0], "batches": 4, "steps": 4},
-        "resources": {"workers": 1, "cpus_per_worker": cpus},  # the threads of every runner (workers.local.train)
+        "resources": {"workers": 1, "cpus_per_worker": cpus},  # the threads of every runner (workers.train.loop.train)
     })
     out = Path(tempfile.mkdtemp(prefix="tl-rayovh"))
     results: dict[str, Any] = {}
@@ -97,19 +97,19 @@ def run(epochs: int, hidden: list[int], max_train: int | None, cpus: int = 2, ro
 
 
 def run_driver(spec: Any, out: Path) -> list[dict[str, Any]]:
-    """The loop a 1-worker service job runs (``workers.driver.run_in_driver``: a checkpoint and Redis events per
+    """The loop a 1-worker service job runs (``workers.on_ray.driver.run_in_driver``: a checkpoint and Redis events per
     epoch) on a throwaway Redis; its epoch records as ``read_metrics`` gives them."""
     import subprocess
 
     import redis
 
     from api_schemas import keys
-    from service.stack import free_port, redis_binary
-    from workers.driver import run_in_driver
-    from workers.redis_sink import read_events
+    from service.stack.embedded import free_port, redis_binary
+    from workers.job.redis_sink import read_events
+    from workers.on_ray.driver import run_in_driver
 
     port = free_port()
-    # durable as the stack's Redis is (service.stack): every event fsynced before it is acknowledged
+    # durable as the stack's Redis is (service.stack.embedded): every event fsynced before it is acknowledged
     server = subprocess.Popen([redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                "--appendonly", "yes", "--appendfsync", "always", "--dir", str(out.parent),
                                "--appendfilename", f"{out.name}.aof"], stdout=subprocess.DEVNULL)

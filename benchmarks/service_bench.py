@@ -13,7 +13,7 @@
    event stream, timed by its Redis stream ids (the server's clock when each event was written),
    split into queue (submit -> starting), Ray job start (starting -> the worker's driver process
    reports running) and worker start (driver running -> first metric event), and the driver's start-up
-   timeline (process spawn, imports, torch, process group, data, model, first checkpoint: workers/startup.py).
+   timeline (process spawn, imports, torch, process group, data, model, first checkpoint: workers/train/startup.py).
 
 The load generators run on the same machine (and cores) as the API and Redis: on a 2-core box the
 numbers are for the whole system, client included. CPU seconds per process are reported per part.

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import print_table, results_dir, wait_for_quiet, write_result
-from service.client import Client
-from service.stack import Stack
+from service.cli.client import Client
+from service.stack.embedded import Stack
 
 PARTS = ("overhead", "search")
 TERMINAL = {"succeeded", "failed", "cancelled"}

@@ -1,4 +1,4 @@
-"""Tables of grouped runs: mean ± std over seeds of each run summary (``workers.local.summarize``).
+"""Tables of grouped runs: mean ± std over seeds of each run summary (``workers.train.loop.summarize``).
 
 Used by ``tlab compare`` (in-process and through the service) and by the sweeps API's study view.
 Pure Python: no torch, no Ray, no service.

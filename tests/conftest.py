@@ -49,7 +49,7 @@ def pytest_configure(config: pytest.Config) -> None:
     a part on the ports it had (tests/service/test_supervise.py, the sweep restarts), and while it was down a
     stack of the other chain must not have drawn one of them (a head that came back on a port another chain's
     cluster held died: 'Runtime Env Agent network error: on_read bad version')."""
-    from service.stack import port_range
+    from service.stack.embedded import port_range
 
     ports = port_range()
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -171,7 +171,7 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     (here, not in tests/service, so the service and the browser tests share one head). It advertises 2 GPUs of
     model H100 (`tlab up --num-gpus 2`; none is there): placement, CUDA_VISIBLE_DEVICES, the process group's
     backend and the GPU refusals run on real Ray, the jobs that ask for a share training on the CPU."""
-    from service.stack import Stack
+    from service.stack.embedded import Stack
 
     head = Stack(tmp_path_factory.mktemp("rayhead"), num_cpus=2, num_gpus=2, resources={"accelerator_type:H100": 1},
                  extra_env={"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"})

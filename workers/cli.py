@@ -76,7 +76,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     code = None
     if args.code:
-        from workers.user_code import add_code_dir
+        from workers.train.user_code import add_code_dir
 
         code = add_code_dir(args.code)  # the factories' modules import from DIR, as from the package on the cluster
     spec = load_spec(args.spec, args.overrides)
@@ -84,11 +84,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"run {args.spec} -> {out}" + (f" on Ray ({spec.resources.workers} workers)" if args.ray else ""),
           file=sys.stderr)
     if args.ray:
-        from workers.ray_train import run_on_ray
+        from workers.on_ray.ray_train import run_on_ray
 
         summary = run_on_ray(spec, out, code=code)  # DIR goes to every worker as Ray's working_dir
     else:
-        from workers.local import run_local
+        from workers.train.loop import run_local
 
         summary = run_local(spec, out, progress=not args.no_progress, threads=args.threads)
     print(_describe(summary))
@@ -105,8 +105,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     variants = {on: load_spec(args.spec, [*args.overrides, f"teleport.enabled={str(on).lower()}"])
                 for on in (True, False)}
     from plots.curves import plot_bands
-    from workers.local import TrainingDiverged, run_label, run_local
-    from workers.sinks import MemorySink
+    from workers.train.loop import TrainingDiverged, run_label, run_local
+    from workers.train.sinks import MemorySink
 
     out = Path(args.out) if args.out else _default_out(args.spec, "-compare")
     labels = {enabled: run_label(spec) for enabled, spec in variants.items()}
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err} (TLAB_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
     except RuntimeError as err:
-        from workers.local import TrainingDiverged
+        from workers.train.loop import TrainingDiverged
 
         if debug or not isinstance(err, TrainingDiverged):
             raise

@@ -1,8 +1,9 @@
-"""``python -m workers.payload``: one try of a job's training, in its sandbox (``workers.sandbox``).
+"""``python -m workers.payload``: one try of a job's training, in its sandbox (``workers.job.sandbox``).
 
-Its supervisor (``workers.supervisor``: the Ray job's driver, or a gang rank's Ray task) starts it and hands it
+Its supervisor (``workers.on_ray.supervisor``: the Ray job's driver, or a gang rank's Ray task) starts it and hands it
 ``Orders`` on stdin (never in an environment variable: its Redis URL is the job's own ACL user's); it trains one
-try as ``workers.driver`` / ``workers.gang`` do in-process, exports the run's artifacts (rank 0), and writes its
+try as ``workers.on_ray.driver`` / ``workers.on_ray.gang`` do in-process, exports the run's artifacts (rank 0),
+and writes its
 ``Outcome`` (JSON) to the descriptor the orders name. It holds no Ray connection and no ticket; rank 0 of a gang
 opens the gang's TCP store on the socket its supervisor opened (``listen_fd``, inherited), and waits for the other
 ranks there (its supervisor watches their Ray tasks and ends this process if one fails first).
@@ -22,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workers.startup import begin, mark, timeline
+from workers.train.startup import begin, mark, timeline
 
 
 @dataclass
@@ -41,7 +42,7 @@ class Orders:
     port: int = 0
     listen_fd: int | None = None  # rank 0 of a gang: the socket its TCP store serves on
     kind: str = "train"  # "preflight": ``workers.preflight.run_preflight`` (it writes its own verdict); "trial":
-    trial: str | None = None  # a sweep's trial (``workers.trial_bridge``): its id, its scratch directory, and
+    trial: str | None = None  # a sweep's trial (``workers.on_ray.trial_bridge``): its id, its scratch directory, and
     scratch: str = ""  # the pipes its reports to Tune go out on and are answered on
     report_fd: int | None = None
     answer_fd: int | None = None
@@ -70,7 +71,7 @@ def stop_once(signum: int, frame: object) -> None:
 
 def wait_for_ranks(store: Any, world: int) -> None:
     """Rank 0 waits until every other rank reached the store (their Ray tasks are its supervisor's to watch)."""
-    from workers.gang import timeout
+    from workers.on_ray.gang import timeout
 
     names = [f"joined/{k}" for k in range(1, world)]
     deadline = time.monotonic() + timeout().total_seconds()
@@ -82,15 +83,15 @@ def wait_for_ranks(store: Any, world: int) -> None:
 
 
 def train(orders: Orders) -> dict[str, Any]:
-    """One try: a single rank, rank 0 leading a gang, or another rank of it (``workers.gang``)."""
+    """One try: a single rank, rank 0 leading a gang, or another rank of it (``workers.on_ray.gang``)."""
     import torch.distributed as dist
 
     from api_schemas import ExperimentSpec
-    from workers.driver import DriverContext, attempt
-    from workers.gang import GangContext, join, said, timeout
-    from workers.gpu_share import claim_device
-    from workers.redis_sink import RedisSink
-    from workers.sinks import NullSink
+    from workers.job.redis_sink import RedisSink
+    from workers.on_ray.driver import DriverContext, attempt
+    from workers.on_ray.gang import GangContext, join, said, timeout
+    from workers.train.gpu_share import claim_device
+    from workers.train.sinks import NullSink
 
     mark("torch")
     spec = ExperimentSpec.model_validate_json(orders.spec)
@@ -131,12 +132,12 @@ def export(orders: Orders) -> None:
 
 
 def outcome(orders: Orders) -> Outcome:
-    from workers.driver import retried
-    from workers.failure import failure_reason
+    from workers.on_ray.driver import retried
+    from workers.train.failure import failure_reason
 
     try:
         if orders.kind == "trial":
-            from workers.trial_bridge import train_bridged
+            from workers.on_ray.trial_bridge import train_bridged
 
             return Outcome(summary=train_bridged(orders, orders.report_fd or -1, orders.answer_fd or -1))
         if orders.kind == "preflight":

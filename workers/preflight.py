@@ -2,7 +2,7 @@
 
 The scheduler submits it as a small Ray job (1 CPU, no GPU, in the job's runtime_env: its package as
 ``working_dir``, its requirements as ``pip``; as the job's own Redis user) for every job that runs the user's
-code, and the API for ``POST /v1/experiments?dry_run=true`` (``service.preflight``). It imports the factories
+code, and the API for ``POST /v1/experiments?dry_run=true`` (``service.scheduler.preflight``). It imports the factories
 (an own loop: the entrypoint, whose signature alone is checked), builds model and data, runs one forward and
 backward on a small batch and one teleport step on a teleport batch, and writes its verdict
 (``api_schemas.preflight.PreflightResult``) to ``keys.preflight(job)``: parameter count, dataset sizes and sample
@@ -24,15 +24,15 @@ from typing import Any
 
 from api_schemas import ExperimentSpec, keys
 from api_schemas.preflight import PreflightResult, preflighted_spec
-from workers.sinks import MetricSink
+from workers.train.sinks import MetricSink
 
 SMALL_BATCH = 8  # samples in the forward/backward pass
 
 
 def _user_line(err: BaseException) -> str:
     """The one line of an error: the user's file:line when it passed through their code."""
-    from workers.failure import failure_reason
-    from workers.user_code import UserCodeError
+    from workers.train.failure import failure_reason
+    from workers.train.user_code import UserCodeError
 
     return str(err) if isinstance(err, UserCodeError) else failure_reason(err)
 
@@ -41,8 +41,8 @@ def _step(spec: ExperimentSpec, sink: MetricSink, out: dict[str, Any]) -> None:
     """Build model and data, one forward and backward, one teleport step; what it measured goes into ``out``."""
     import torch
 
-    from workers.build import build_parts, seed_everything, select_dtype, teleport_config
-    from workers.local import param_count, sample_batch, to_device
+    from workers.train.build import build_parts, seed_everything, select_dtype, teleport_config
+    from workers.train.loop import param_count, sample_batch, to_device
 
     seed_everything(spec.training.seed)
     data, model, loss_fn = build_parts(spec, sink, spec.training.seed)
@@ -77,13 +77,13 @@ def _step(spec: ExperimentSpec, sink: MetricSink, out: dict[str, Any]) -> None:
 
 def preflight(spec: ExperimentSpec, sink: MetricSink) -> PreflightResult:
     """The verdict on ``spec`` in this process (one CPU, no Ray, no Redis: ``sink`` gets a traceback's log event)."""
-    from workers.user_code import UserCodeError, report
+    from workers.train.user_code import UserCodeError, report
 
     started = time.perf_counter()
     out: dict[str, Any] = {}
     try:
         if spec.training.entrypoint:
-            from workers.own_loop import entrypoint
+            from workers.train.own_loop import entrypoint
 
             entrypoint(spec)  # imported and taking one argument: the loop itself needs the gang
             out["entrypoint"] = spec.training.entrypoint
@@ -102,9 +102,9 @@ def run_preflight(job_id: str, redis_url: str, storage: str) -> PreflightResult:
     """Read the job's spec (its ``run`` copy), try it, write the verdict where the scheduler reads it."""
     import torch
 
-    from workers.job_logs import capture
-    from workers.job_record import connect, job_field
-    from workers.redis_sink import RedisSink
+    from workers.job.logs import capture
+    from workers.job.record import connect, job_field
+    from workers.job.redis_sink import RedisSink
     from workers.run import load_job_spec
 
     client = connect(redis_url, decode_responses=True)
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job", required=True, help="the job id (its spec is in Redis)")
     args = parser.parse_args(argv)
     from api_schemas.reasons import FAILURE_MARK
-    from workers.job_ticket import TicketError, job_redis_url
+    from workers.job.ticket import TicketError, job_redis_url
 
     try:
         redis_url, storage = job_redis_url(), os.environ.get("TLAB_STORAGE")  # the ticket redeemed, if one
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: TLAB_JOB_TICKET (or REDIS_URL) and TLAB_STORAGE must be set (the scheduler passes them in the "
               "runtime_env)", file=sys.stderr)
         return 2
-    from workers.supervisor import supervise_preflight
+    from workers.on_ray.supervisor import supervise_preflight
 
     return supervise_preflight(args.job, redis_url, storage)  # ``run_preflight`` in the job's sandbox
 

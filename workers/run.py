@@ -1,17 +1,17 @@
 """``python -m workers.run --job ID``: what the scheduler submits as a Ray job for one experiment.
 
 Reads the job's spec from Redis, runs it as a Ray Train TorchTrainer on the cluster this Ray job
-lives in (a 1-worker job trains right here in the driver instead: ``workers.driver``), streams events
+lives in (a 1-worker job trains right here in the driver instead: ``workers.on_ray.driver``), streams events
 to the job's Redis stream (rank 0), and on success stores the summary in the job hash.
 Exit status: 0 succeeded, 1 failed, 2 bad setup (missing environment, unknown job).
-A failure's reason is one line (``workers.failure``): the last error ``log`` event, and a line of
+A failure's reason is one line (``workers.train.failure``): the last error ``log`` event, and a line of
 the job's log after ``TLAB-FAILURE:``; the traceback goes to the job's log above it.
 
 However it ends (a SIGTERM from a cancel or a time limit too), the driver writes the job's artifacts to
-``$TLAB_STORAGE/<job>/artifacts/`` from its last checkpoint (``workers.artifacts``).
+``$TLAB_STORAGE/<job>/artifacts/`` from its last checkpoint (``workers.job.artifacts``).
 
 Environment: ``TLAB_JOB_TICKET`` (the scheduler's one-time ticket to the job's own Redis user:
-``workers.job_ticket``) or ``REDIS_URL`` (run by hand), ``TLAB_STORAGE`` (Ray Train storage path for
+``workers.job.ticket``) or ``REDIS_URL`` (run by hand), ``TLAB_STORAGE`` (Ray Train storage path for
 checkpoints, shared by all nodes), ``TLAB_MAX_FAILURES`` (worker restarts, default 3),
 ``TLAB_KEEP_CHECKPOINTS`` (checkpoints kept per run, default 2), ``TLAB_IN_DRIVER`` (``0``: a 1-worker job
 runs as a TorchTrainer too; the scheduler sets it with the resources it asks Ray for: ``RayJobs.submit``).
@@ -32,15 +32,15 @@ import redis
 
 from api_schemas import ExperimentSpec, keys
 from api_schemas.reasons import FAILURE_MARK, one_line
-from workers.artifacts import artifacts_dir
-from workers.bucket import pull_checkpoint, push
-from workers.failure import JobFailed, failure_reason
-from workers.job_logs import also_as, capture
-from workers.job_record import attempt_of, job_field, write_summary
-from workers.job_ticket import TicketError, job_redis_url
-from workers.redis_sink import RedisSink
-from workers.startup import begin, mark, timeline
-from workers.vitals import watch as watch_vitals
+from workers.job.artifacts import artifacts_dir
+from workers.job.bucket import pull_checkpoint, push
+from workers.job.logs import also_as, capture
+from workers.job.record import attempt_of, job_field, write_summary
+from workers.job.redis_sink import RedisSink
+from workers.job.ticket import TicketError, job_redis_url
+from workers.job.vitals import watch as watch_vitals
+from workers.train.failure import JobFailed, failure_reason
+from workers.train.startup import begin, mark, timeline
 
 
 class SetupError(RuntimeError):
@@ -63,8 +63,8 @@ def load_job_spec(client: redis.Redis, job_id: str) -> ExperimentSpec:
 
 
 def in_driver() -> bool:
-    """The job trains in this driver (``workers.driver``; several workers: as rank 0 of a gang it leads,
-    ``workers.gang``), unless ``TLAB_IN_DRIVER=0`` (the scheduler sets it per Ray job, with the resources it
+    """The job trains in this driver (``workers.on_ray.driver``; several workers: as rank 0 of a gang it leads,
+    ``workers.on_ray.gang``), unless ``TLAB_IN_DRIVER=0`` (the scheduler sets it per Ray job, with the resources it
     asks Ray for): then as a Ray Train TorchTrainer."""
     return os.environ.get("TLAB_IN_DRIVER", "1") != "0"
 
@@ -84,25 +84,25 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
     out = artifacts_dir(storage, job_id)
     ranks = None
     if in_driver() and spec.resources.workers > 1:  # the gang's other ranks start while this driver imports
-        from workers.gang_start import Ranks
+        from workers.on_ray.gang_start import Ranks
 
         ranks = Ranks(spec, job_id, redis_url, storage, placement(), out)
         mark("ranks")
     try:
-        from workers.start_from import start_checkpoint
+        from workers.job.start_from import start_checkpoint
 
-        pull_checkpoint(storage, job_id)  # the bucket's newest, when newer than any here (``workers.bucket``)
+        pull_checkpoint(storage, job_id)  # the bucket's newest, when newer than any here (``workers.job.bucket``)
         start = start_checkpoint(client, job_id, storage)  # a continued or forked job's parent checkpoint
-        if in_driver():  # its payload trains, in a sandbox (``workers.supervisor``), and exports the artifacts
-            from workers.supervisor import supervise
+        if in_driver():  # its payload trains, in a sandbox (``workers.on_ray.supervisor``), and exports the artifacts
+            from workers.on_ray.supervisor import supervise
 
             also_as("rank-0")  # the payload's output comes through this process: its log is rank 0's
             summary = supervise(spec, job_id, redis_url, storage, max_failures, out, start, placement(), ranks)
         else:
-            from workers.supervisor import refuse_unsandboxed
+            from workers.on_ray.supervisor import refuse_unsandboxed
 
             refuse_unsandboxed(spec)  # Ray Train's workers run the user's code outside any sandbox
-            mark("torch")  # (the trainer's modules come next: the start-up timeline's phase, ``workers.startup``)
+            mark("torch")  # (the trainer's modules come next: the start-up timeline's phase, ``workers.train.startup``)
             summary = fit_trainer(spec, job_id, redis_url, storage, max_failures, out, start)
     finally:  # however it ended (a stop too: SIGTERM leaves the grace period for this), from the last checkpoint
         if ranks is not None:
@@ -124,8 +124,8 @@ def fit_trainer(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str,
     import ray
     from ray.train import Checkpoint
 
-    from workers.artifacts import checkpoints
-    from workers.ray_train import build_trainer
+    from workers.job.artifacts import checkpoints
+    from workers.on_ray.ray_train import build_trainer
 
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
@@ -138,8 +138,8 @@ def fit_trainer(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str,
 
 
 def export_artifacts(spec: ExperimentSpec, run_dirs: list[Path], out: Path, extra: dict | None = None) -> None:
-    """``workers.artifacts.export``; a failure to export is logged, never the job's own failure."""
-    from workers.artifacts import export
+    """``workers.job.artifacts.export``; a failure to export is logged, never the job's own failure."""
+    from workers.job.artifacts import export
 
     try:
         names = export(spec, run_dirs, out, extra)
@@ -168,7 +168,7 @@ def report_failure(sink: RedisSink, reason: str) -> None:
 def job_main(prog: str, description: str, run: Callable[[str, str, str], dict], argv: list[str] | None) -> int:
     """What a Ray job's entrypoint does around ``run(job_id, redis_url, storage)``: status events, and
     every failure turned into one line the user can read (``report_failure``)."""
-    begin()  # the start-up timeline (``workers.startup``), sent with ``finished``
+    begin()  # the start-up timeline (``workers.train.startup``), sent with ``finished``
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--job", required=True, help="the job id (its spec is in Redis)")
     args = parser.parse_args(argv)
@@ -189,7 +189,7 @@ def guarded(job_id: str, redis_url: str, storage: str, run: Callable[[str, str, 
     sink = RedisSink(redis_url, job_id)
     sink.emit({"kind": "status", "state": "running", "pid": os.getpid()})
     signal.signal(signal.SIGTERM, raise_stopped)  # unwinds through run()'s finally: the artifacts are exported
-    vitals = watch_vitals(redis_url, job_id)  # what a SIGKILL leaves the scheduler to go by (service.deaths)
+    vitals = watch_vitals(redis_url, job_id)  # what a SIGKILL leaves the scheduler to go by (service.scheduler.deaths)
     try:
         summary = run(job_id, redis_url, storage)
     except Stopped as err:

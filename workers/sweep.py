@@ -1,6 +1,6 @@
 """``python -m workers.sweep --job ID``: a sweep's Ray job — Ray Tune over a search space of specs.
 
-A 1-worker trial trains in the trial itself (``workers.trial``: the trial holds the worker's CPUs and reports
+A 1-worker trial trains in the trial itself (``workers.on_ray.trial``: the trial holds the worker's CPUs and reports
 each epoch's summary and checkpoint to Tune), under every scheduler; PBT pauses it at a round and starts it
 again from the checkpoint it hands over, with no worker group to start. ``TLAB_IN_DRIVER=0`` or more workers:
 each trial is a driver function (no CPU: only its workers hold CPUs, so a sweep's Ray usage is exactly the
@@ -33,19 +33,19 @@ import redis
 from api_schemas import keys
 from api_schemas.reasons import one_line
 from api_schemas.sweeps import SweepSubmit, trial_spec
-from workers.artifacts import artifacts_dir
-from workers.context import keep_checkpoints
-from workers.failure import JobFailed, failure_reason
-from workers.job_logs import capture
-from workers.job_record import attempt_of, connect, job_field, write_summary
-from workers.job_ticket import redeemed
-from workers.pbt import pbt_scheduler, pbt_trainable
-from workers.redis_sink import RedisSink
+from workers.job.artifacts import artifacts_dir
+from workers.job.logs import capture
+from workers.job.record import attempt_of, connect, job_field, write_summary
+from workers.job.redis_sink import RedisSink
+from workers.job.ticket import redeemed
+from workers.on_ray.pbt import pbt_scheduler, pbt_trainable
+from workers.on_ray.supervisor import refuse_unsandboxed
+from workers.on_ray.sweep_rerun import marked_trials, resume_only, state_gone
+from workers.on_ray.trial import in_trial, trial_dirs, trial_resources
+from workers.on_ray.trial_bridge import supervise_trial
 from workers.run import SetupError, export_artifacts, job_main
-from workers.supervisor import refuse_unsandboxed
-from workers.sweep_rerun import marked_trials, resume_only, state_gone
-from workers.trial import in_trial, trial_dirs, trial_resources
-from workers.trial_bridge import supervise_trial
+from workers.train.context import keep_checkpoints
+from workers.train.failure import JobFailed, failure_reason
 
 
 def param_space(sweep: SweepSubmit) -> dict[str, Any]:
@@ -78,7 +78,7 @@ TRIAL_FAILED = "TrialFailed: "  # marks the reason line in Tune's text of a tria
 
 
 class TrialFailed(RuntimeError):
-    """A trial's failure, its message already the one line to show (``workers.failure.failure_reason``)."""
+    """A trial's failure, its message already the one line to show (``workers.train.failure.failure_reason``)."""
 
 
 def trial_reason(trial: Any) -> str:
@@ -109,7 +109,7 @@ def _finite(x: Any) -> float | None:
     return float(x) if isinstance(x, int | float) and math.isfinite(x) else None
 
 
-# what a trial's row keeps of its latest result: the run summary so far (``workers.local.summarize``)
+# what a trial's row keeps of its latest result: the run summary so far (``workers.train.loop.summarize``)
 SUMMARY_KEYS = ("epochs", "final_train_loss", "final_test_loss", "final_test_acc", "best_test_loss",
                 "best_test_acc", "final_test_ppl", "seconds", "teleport_seconds", "teleport_share",
                 "teleport_batches", "target_loss", "epochs_to_target", "seconds_to_target")
@@ -242,7 +242,7 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
     from ray.tune.integration.ray_train import TuneReportCallback
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
-    from workers.ray_train import build_trainer
+    from workers.on_ray.ray_train import build_trainer
 
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     raw = job_field(client, job_id, "sweep")
@@ -317,7 +317,8 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
     if restore:
         # an earlier attempt's driver died (the cluster restarted): Tune's saved state says which trials
         # ended; unfinished ones run again under their own ids, and each one's TorchTrainer resumes from
-        # its last checkpoint (same name and storage path). A rerun (workers.sweep_rerun): of the errored trials, the
+        # its last checkpoint (same name and storage path). A rerun (workers.on_ray.sweep_rerun): of the
+        # errored trials, the
         # marked ones only
         resumed = resume_only(path, rerun) if rerun else None
         what = f"rerunning trials {', '.join(resumed)}" if resumed else "resuming the sweep"

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from service.stack import Stack
+from service.stack.embedded import Stack
 
 # the simulated cluster the API-only stack checks submissions against (tests/service/conftest.py's)
 STATIC_NODES = json.dumps([{"id": "n1", "cpus": 4, "gpus": 1}, {"id": "n2", "cpus": 4, "gpus": 1}])

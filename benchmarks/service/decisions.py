@@ -14,12 +14,12 @@ from typing import Any
 from api_schemas.jobs import Demand, ExperimentSubmit, JobState, Quotas, UserCreate
 from benchmarks.common import print_table, verdict
 from benchmarks.service.common import FLOORS, TINY, Sizes, ms, pct
-from service import policy
-from service.ray_cluster import StaticCluster
-from service.scheduler import Scheduler
-from service.settings import Settings
-from service.stack import Stack
-from service.store import Store
+from service.core.settings import Settings
+from service.core.store import Store
+from service.launch.ray_cluster import StaticCluster
+from service.rules import policy
+from service.scheduler.tick import Scheduler
+from service.stack.embedded import Stack
 
 DECIDE_NODES = [{"id": f"n{i}", "cpus": 8, "gpus": 2} for i in range(1, 5)]  # 4 nodes x 8 CPUs x 2 GPUs
 

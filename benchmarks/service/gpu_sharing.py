@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import print_table, results_dir, write_result
-from service.client import Client, Event
+from service.cli.client import Client, Event
 
 DIGITS = {"dataset": {"name": "digits"}, "model": {"kind": "mlp", "hidden": [256, 256]},
           "teleport": {"enabled": True, "epochs": [0, 1], "batches": 2, "steps": 4}}

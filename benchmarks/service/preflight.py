@@ -24,9 +24,9 @@ from typing import Any
 from benchmarks.common import print_table, write_result
 from benchmarks.service.common import ms
 from benchmarks.service.startup import E2E_SPEC, _wait_ready, follow_job
+from service.cli.client import Client
 from service.cli.code_zip import upload
-from service.client import Client
-from service.stack import Stack
+from service.stack.embedded import Stack
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_lm"
 CODE_SPEC = {

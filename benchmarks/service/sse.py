@@ -19,8 +19,8 @@ from api_schemas import keys
 from api_schemas.jobs import JobState
 from benchmarks.common import print_table, verdict
 from benchmarks.service.common import FLOORS, TINY, CpuMeter, Sizes, ms, pct
-from service.stack import Stack
-from service.store import Store
+from service.core.store import Store
+from service.stack.embedded import Stack
 
 
 def _parse_sse(block: bytes) -> tuple[str | None, str | None, str | None]:

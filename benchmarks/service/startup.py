@@ -3,12 +3,12 @@ event stream, timed by its Redis stream ids (the server's clock when each event 
 queue (submit -> starting), Ray job start (starting -> the worker's driver process reports running) and
 worker start (driver running -> first metric); and the driver's start-up timeline (``TIMELINE``): the times it
 passed each phase (process spawned, light imports, a gang's ranks asked of Ray, torch imported, process group
-formed, dataset loaded, model built, first checkpoint written: ``workers.startup``, sent with the ``finished``
+formed, dataset loaded, model built, first checkpoint written: ``workers.train.startup``, sent with the ``finished``
 event), between the stream's ``starting``, loop ``start`` and first ``metric`` events. One host: one clock.
 
 Side by side in one run (``MODES``): a stack whose scheduler sets ``TLAB_IN_DRIVER=0`` (every job a
 TorchTrainer, the path before issue 15) with 1-worker jobs, and a default stack (a 1-worker job trains in its
-Ray job's driver, ``workers.driver``) with 1- and 2-worker jobs; each against the issue's floors."""
+Ray job's driver, ``workers.on_ray.driver``) with 1- and 2-worker jobs; each against the issue's floors."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import httpx
 
 from benchmarks.common import print_table, verdict
 from benchmarks.service.common import Sizes, ms
-from service.stack import Stack
+from service.stack.embedded import Stack
 
 
 def _stream_time(eid: str) -> float:
@@ -67,7 +67,7 @@ def follow_job(client: httpx.Client, job_id: str, timeout_s: float = 180.0) -> d
                 elif event == "status" and d.get("state") in ("failed", "cancelled", "succeeded"):
                     final = d.get("state")
                 if event == "status" and d.get("state") == "finished":
-                    startup = d.get("startup") or {}  # the driver's phases (workers.startup)
+                    startup = d.get("startup") or {}  # the driver's phases (workers.train.startup)
                 timeline.append([_stream_time(eid), event, {k: v for k, v in d.items() if k in TIMELINE_FIELDS}])
                 if name and name not in marks:
                     marks[name] = _stream_time(eid)
@@ -91,7 +91,7 @@ SEGMENTS = [  # name, from, to
     ("rest: first epoch -> end", "first_metric", "end"),
 ]
 # the start-up timeline, one step per mark: (row, mark, from the latest of these present); stream marks and the
-# driver's phases (workers.startup.PHASES) together. A path that skips a phase shows "-" and its time goes to the
+# driver's phases (workers.train.startup.PHASES) together. A path that skips a phase shows "-" and its time goes to the
 # next row (a TorchTrainer's controller, worker group, data and model: "loop set up")
 TIMELINE = [
     ("scheduler: submit -> starting", "starting", ("submit_sent",)),
@@ -239,7 +239,7 @@ def _print_e2e(modes: list[dict[str, Any]], floors: dict[str, dict[str, Any]], s
               + (f"; ERROR: {m['error'][:300]}" if m["error"] else ""))
     print_table(["segment"] + [f"{m['label']}, {w} worker(s) ms" for m, w in columns],
                 [[name] + [ms(m["by_workers"][w]["median_s"][name]) for m, w in columns] for name, _a, _b in SEGMENTS])
-    print("   start-up timeline (the driver's phases, workers.startup; each row from the one before it present)")
+    print("   start-up timeline (the driver's phases, workers.train.startup; each row from the one before it present)")
     print_table(["step"] + [f"{m['label']}, {w} worker(s) ms" for m, w in columns],
                 [[name] + [ms(m["by_workers"][w]["median_s"].get(name)) for m, w in columns]
                  for name, _m, _f in TIMELINE])

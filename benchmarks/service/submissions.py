@@ -14,7 +14,7 @@ import httpx
 
 from benchmarks.common import print_table, verdict
 from benchmarks.service.common import FLOORS, LOADGEN_NOTE, TINY, CpuMeter, Sizes, ms, pct
-from service.stack import Stack
+from service.stack.embedded import Stack
 
 
 async def _one_client(client: httpx.AsyncClient, body: bytes, stop_at: float, lat: list[float],

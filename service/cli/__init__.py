@@ -49,7 +49,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:
-        from service.client import ApiError  # imported by every command that can raise it
+        from service.cli.client import ApiError  # imported by every command that can raise it
 
         if not isinstance(err, ApiError):
             raise

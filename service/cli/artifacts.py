@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from service.cli.common import add_remote_args, client, fail
 
 if TYPE_CHECKING:
-    from service.client import Client
+    from service.cli.client import Client
 
 CHUNK = 1 << 20
 
@@ -36,7 +36,7 @@ def target(out: Path, name: str) -> Path:
 
 def fetch(c: Client, job_id: str, item: dict[str, Any], dest: Path, bar: Any) -> None:
     """One artifact into ``dest`` (through ``dest.part``, continued if one is there), its sha256 checked."""
-    from service.client import ApiError
+    from service.cli.client import ApiError
 
     part = dest.with_name(dest.name + ".part")
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from service.client import Client
+    from service.cli.client import Client
 
 MB = 1 << 20
 ALWAYS_IGNORED = [".git/", "__pycache__/", "*.pyc"]
@@ -172,7 +172,7 @@ def max_code_bytes() -> int:
 
 def upload(c: Client, directory: str) -> dict[str, Any]:
     """Zip DIR and upload it unless the service already has these bytes: ``{package, bytes, uploaded}``."""
-    from service.client import ApiError
+    from service.cli.client import ApiError
 
     data = zip_dir(Path(directory), max_code_bytes())
     package = f"sha256:{hashlib.sha256(data).hexdigest()}"

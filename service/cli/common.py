@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
-    from service.client import Client
+    from service.cli.client import Client
 
 CELL_MAX = 60  # a table cell longer than this ends in "…"; `show ID` or `--json` has the whole text
 ELLIPSIS = "…"
@@ -24,7 +24,7 @@ def fail(message: str) -> NoReturn:
 
 
 def client(args: argparse.Namespace) -> Client:
-    from service.client import Client
+    from service.cli.client import Client
 
     return Client(args.url, args.token)
 

@@ -22,10 +22,10 @@ from service.cli.common import (
     progress,
     spec_from,
 )
-from service.compare import add_parser as add_compare  # stdlib only at import: `tlab --help` stays fast
+from service.cli.compare import add_parser as add_compare  # stdlib only at import: `tlab --help` stays fast
 
 if TYPE_CHECKING:
-    from service.client import Client
+    from service.cli.client import Client
 
 DRY_RUN_WAIT_S = 600.0  # above any preflight time box a service sets (its default: 120 s)
 
@@ -174,7 +174,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """The study as a sweep on the service; ``--local`` never gets here (``tlab`` hands it to workers.cli)."""
-    from service.compare import cmd_compare as compare
+    from service.cli.compare import cmd_compare as compare
 
     return compare(args, spec_from(args), client(args))
 

@@ -47,7 +47,7 @@ def hand_over(argv: list[str]) -> int | None:
 def hand_over_parsed(args: argparse.Namespace) -> None:
     """After parsing: ``compare --local`` is the in-process study, without the service's options."""
     if getattr(args, "command", None) == "compare" and args.local:
-        from service.compare import local_argv
+        from service.cli.compare import local_argv
 
         exec_worker_cli(local_argv(args))
 

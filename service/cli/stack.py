@@ -11,14 +11,14 @@ from service.cli.common import add_read_command, cut, gang, get_json, print_json
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from service.client import home
-    from service.stack import up
+    from service.cli.client import home
+    from service.stack.embedded import up
 
     return up(Path(args.home).expanduser() if args.home else home(), args.port, args.num_cpus, args.num_gpus)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from service.demo import main as demo
+    from service.cli.demo import main as demo
 
     return demo(Path(args.home) if args.home else Path("runs/demo"), args.epochs)
 

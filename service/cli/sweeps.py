@@ -24,7 +24,7 @@ from service.cli.common import (
 from service.cli.jobs import follow_one
 
 if TYPE_CHECKING:
-    from service.client import Client
+    from service.cli.client import Client
 
 LIVE = ("succeeded", "queued", "starting", "running")  # sweep states `sweep-show` exits 0 on
 

@@ -139,7 +139,7 @@ def cmd_admin_bootstrap(args: argparse.Namespace) -> int:
     """Create the admin user, or point its token at ``TLAB_ADMIN_TOKEN``, straight in Redis (safe to repeat)."""
     import redis
 
-    from service.store import Store
+    from service.core.store import Store
 
     token = os.environ.get("TLAB_ADMIN_TOKEN", "").strip()
     if not token:

@@ -15,8 +15,8 @@ from api_schemas.compat import check_model_data
 from api_schemas.datasets import FILELESS, DatasetNotFound, required_files, sample_shape
 from api_schemas.spec import DatasetSpec, ExperimentSpec
 from api_schemas.sweeps import MAX_TRIALS, MAX_VALUES, SweepSubmit, probe_values
-from workers.datasets import load_dataset
-from workers.models import build_model
+from workers.train.datasets import load_dataset
+from workers.train.models import build_model
 
 BUILT_IN = ["digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "cifar100", "tiny_imagenet", "smnist",
             "electricity", "traffic", "ptb"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from service.settings import Settings
+from service.core.settings import Settings
 from tests.deploy.manifests import (
     COMPOSE,
     DEPLOY_ONLY_VARS,

@@ -1,4 +1,5 @@
-"""Storage on a bucket (``objstore``, ``workers.bucket``, ``service.storage``) against a real S3 endpoint: moto's
+"""Storage on a bucket (``objstore``, ``workers.job.bucket``, ``service.core.storage``) against a real S3
+endpoint: moto's
 server over HTTP (tests/s3.py, via conftest.py), spoken to by pyarrow's AWS client (MinIO or S3 on a cluster)."""
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from objstore import Bucket, StorageError
-from service import artifacts, storage
-from service.settings import Settings
+from service.api import artifacts
+from service.core import storage
+from service.core.settings import Settings
 
 JOB = "18f3a2b4c5d-9e1f2a"
 
@@ -83,7 +85,7 @@ def test_a_plain_path_is_todays_storage(tmp_path: Path) -> None:
 
 def test_workers_push_prunes_old_checkpoints_and_a_new_node_pulls_the_newest(s3_uri: str, tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from workers import bucket
+    from workers.job import bucket
 
     monkeypatch.setenv(bucket.ENV, s3_uri)
     node_a, node_b = tmp_path / "a", tmp_path / "b"
@@ -161,7 +163,7 @@ def test_bad_storage_stops_the_start_with_one_line(argv: list[str], tmp_path: Pa
 def test_after_a_failed_push_checkpoints_skip_the_bucket_for_a_while(s3_endpoint: str, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    from workers import bucket
+    from workers.job import bucket
 
     monkeypatch.setenv(bucket.ENV, f"s3://nosuch/lab?endpoint_override={s3_endpoint}&scheme=http&region=us-east-1")
     monkeypatch.setattr(bucket, "_failed_at", [-bucket.RETRY_S])

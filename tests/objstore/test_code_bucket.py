@@ -11,9 +11,9 @@ import redis
 from api_schemas import keys
 from api_schemas.jobs import Quotas, Role, UserPublic
 from api_schemas.spec import ExperimentSpec
-from service.code_store import JobCode, check_code, find_package, store_package
-from service.settings import Settings
-from service.zip_modes import masked
+from service.core.code_store import JobCode, check_code, find_package, store_package
+from service.core.settings import Settings
+from service.core.zip_modes import masked
 from tests.service.test_code_upload import custom_spec, zip_of
 
 JOB = "18f3a2b4c5d-0000c0"
@@ -40,7 +40,7 @@ def test_a_package_stored_on_one_host_is_found_and_started_on_another(redis_serv
 def test_a_package_in_neither_place_is_not_found(s3_uri: str, tmp_path: Path) -> None:
     import pytest
 
-    from service.code_store import PackageNotFound
+    from service.core.code_store import PackageNotFound
 
     s = Settings(TLAB_STORAGE=s3_uri, TLAB_STORAGE_CACHE=str(tmp_path / "api"))
     ann = UserPublic(name="ann", role=Role.USER, can_submit_code=True, quotas=Quotas(), created_at=0.0)

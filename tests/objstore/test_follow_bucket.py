@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from service import job_logs, storage
-from service.settings import Settings
+from service.api import job_logs
+from service.core import storage
+from service.core.settings import Settings
 
 JOB = "18f3a2b4c5d-0000d0"
 

@@ -12,13 +12,13 @@ import redis
 
 from api_schemas import keys
 from api_schemas.lineage import StartFrom
-from service import lineage
-from service.settings import Settings
+from service.api import lineage
+from service.core.settings import Settings
 from tests.workers.test_driver import epochs_of, starts_of
 from tests.workers.test_run_entrypoint import put_job
 from workers import run
-from workers.bucket import ENV
-from workers.redis_sink import read_events
+from workers.job.bucket import ENV
+from workers.job.redis_sink import read_events
 
 PARENT, CHILD = "18f3a2b4c5d-0000b0", "18f3a2b4c5d-0000b1"
 PLAIN = {"enabled": False}

@@ -14,7 +14,7 @@ TELEPORTS = (0, 2)  # teleport before epochs 0 and 2
 
 
 def run(scale: float, seconds_per_epoch: float, teleport_cost: float) -> list[dict[str, Any]]:
-    """Epoch records as workers/local.py writes them: cumulative seconds include the teleports' time."""
+    """Epoch records as workers/train/loop.py writes them: cumulative seconds include the teleports' time."""
     out: list[dict[str, Any]] = []
     t = 0.0
     for e in range(5):

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.stack import Stack
+from service.stack.embedded import Stack
 
 # a fixed simulated cluster for the API-only tests: 2 nodes x (4 CPUs, 1 GPU)
 STATIC_NODES = json.dumps([{"id": "n1", "cpus": 4, "gpus": 1}, {"id": "n2", "cpus": 4, "gpus": 1}])

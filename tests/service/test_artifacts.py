@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file
 
 from api_schemas import ExperimentSpec
-from service import artifacts
+from service.api import artifacts
 from service.cli.artifacts import file_sha256
-from service.errors import InvalidInput, JobNotFound
-from service.settings import Settings
-from service.stack import Stack
+from service.core.errors import InvalidInput, JobNotFound
+from service.core.settings import Settings
+from service.stack.embedded import Stack
 from tests.service.conftest import Api, tiny
 from tests.service.test_cli import TLAB
 from tests.service.test_failure_reasons import wait_ended
@@ -81,7 +81,7 @@ def test_a_finished_job_keeps_its_artifacts(stack: Stack, tmp_path: Path) -> Non
     spec = tiny(training={"epochs": 3, "batch_size": 64})
     with api.client("ann") as c:
         job = c.post("/v1/experiments", json={"spec": spec}).json()["id"]
-    from service.client import Client
+    from service.cli.client import Client
 
     with Client(stack.url, api.tokens["ann"]) as c:
         assert wait_ended(c, job, timeout=600)["state"] == "succeeded"
@@ -108,8 +108,8 @@ def test_a_finished_job_keeps_its_artifacts(stack: Stack, tmp_path: Path) -> Non
     # the weights are safetensors that load into the model the spec builds
     (tmp_path / "m.safetensors").write_bytes(files["model.safetensors"])
     weights = load_file(tmp_path / "m.safetensors")
-    from workers.datasets import load_dataset
-    from workers.models import build_model_for
+    from workers.train.datasets import load_dataset
+    from workers.train.models import build_model_for
 
     parsed = ExperimentSpec.model_validate(spec)
     model = build_model_for(parsed.model, load_dataset(parsed.dataset))
@@ -141,7 +141,7 @@ def test_a_sweep_offers_its_best_trials_weights(stack: Stack, tmp_path: Path) ->
     """The best trial's artifacts are the sweep's (listed, served, `tlab pull SWEEP`); and each trial stops at its
     own time limit (Tune's stop criterion) as a trial stopped early, not a failure, while the sweep's own limit
     (``time_limit_s``, the scheduler's) is another, longer one."""
-    from service.client import Client
+    from service.cli.client import Client
     from tests.service.conftest import wait_ray_idle
 
     base = tiny(training={"epochs": 1000, "max_steps_per_epoch": 1},

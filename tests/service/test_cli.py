@@ -342,7 +342,7 @@ def test_a_closed_pipe_ends_quietly() -> None:
 def test_long_cells_are_cut_and_service_commands_end_quietly_on_a_closed_pipe(
         api_only, tmp_path: Path) -> None:  # noqa: ANN001
     from api_schemas.jobs import JobState
-    from service.store import Store
+    from service.core.store import Store
 
     env = {"TLAB_URL": api_only.url, "TLAB_TOKEN": api_only.stack.admin_token, "TLAB_HOME": str(tmp_path)}
     name = "an-experiment-whose-name-goes-on-and-on"

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from service.cli.client import Client
 from service.cli.code_zip import upload
-from service.client import Client
-from service.stack import Stack
+from service.stack.embedded import Stack
 
 pytestmark = pytest.mark.slow
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_lm"

@@ -14,9 +14,9 @@ import pytest
 
 from api_schemas import ExperimentSpec
 from service.cli.code_zip import zip_dir
-from service.code_store import check_zip, package_path, runtime_env_for
-from service.errors import InvalidInput
-from service.settings import Settings
+from service.core.code_store import check_zip, package_path, runtime_env_for
+from service.core.errors import InvalidInput
+from service.core.settings import Settings
 from tests.service.conftest import Api, tiny
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_lm"
@@ -162,10 +162,10 @@ def test_a_job_whose_package_is_gone_fails_at_once_and_a_refused_submit_costs_no
     package was deleted fails with one line (it was retried every tick before); the other, which Ray "refused",
     goes back to the queue with its attempt not counted."""
     from api_schemas.jobs import JobState
-    from service.code_store import JobCode
-    from service.ray_cluster import RayJobs, StaticCluster
-    from service.scheduler import Scheduler
-    from service.store import Store
+    from service.core.code_store import JobCode
+    from service.core.store import Store
+    from service.launch.ray_cluster import RayJobs, StaticCluster
+    from service.scheduler.tick import Scheduler
     from tests.service.conftest import STATIC_NODES
 
     with api_only.client() as c:
@@ -203,10 +203,10 @@ def test_a_tampered_package_is_refused_at_submit_and_at_start_and_replaced_by_an
     queued job with it fail at its start (the scheduler's dispatch, on Redis; no Ray reached), answers 404 to the
     CLI's ``GET /v1/code/{id}``; the same upload writes it again."""
     from api_schemas.jobs import JobState
-    from service.code_store import JobCode
-    from service.ray_cluster import RayJobs, StaticCluster
-    from service.scheduler import Scheduler
-    from service.store import Store
+    from service.core.code_store import JobCode
+    from service.core.store import Store
+    from service.launch.ray_cluster import RayJobs, StaticCluster
+    from service.scheduler.tick import Scheduler
     from tests.service.conftest import STATIC_NODES
 
     data = zip_of({"tiny_lm/__init__.py": b""})

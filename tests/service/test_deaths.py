@@ -1,4 +1,5 @@
-"""A driver that died without a word (service.deaths): its signal, the one line, the OOM evidence, and the retry
+"""A driver that died without a word (service.scheduler.deaths): its signal, the one line, the OOM evidence,
+and the retry
 budget over attempts, on a real Redis. The real kill -9 of a running driver is in test_e2e."""
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import pytest
 from api_schemas import ExperimentSpec, keys
 from api_schemas.jobs import ExperimentSubmit, JobState
 from api_schemas.vitals import DriverVitals
-from service import deaths
-from service.settings import Settings
-from service.store import Store
-from workers.vitals import current, oom_file
+from service.core.settings import Settings
+from service.core.store import Store
+from service.scheduler import deaths
+from workers.job.vitals import current, oom_file
 
 GB = 10**9
 
@@ -99,7 +100,7 @@ def test_the_peak_rss_counts_the_drivers_children() -> None:
     import subprocess
     import sys
 
-    from workers.vitals import peak_rss_bytes
+    from workers.job.vitals import peak_rss_bytes
 
     alone = peak_rss_bytes()
     child = subprocess.Popen([sys.executable, "-c", "import sys; x = bytearray(100 * 10**6); sys.stdin.read()"],

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.demo import verdict
+from service.cli.demo import verdict
 
 TELE = {"epochs_to_target": 8, "seconds_to_target": 1.1, "teleport_share": 0.59}
 BASE = {"epochs_to_target": 16, "seconds_to_target": 0.5, "teleport_share": 0.0}

@@ -16,13 +16,13 @@ import httpx
 from api_schemas import keys
 from api_schemas.jobs import Demand, JobState
 from api_schemas.notify import MAX_AFTER
-from service import policy
-from service.policy import Node, QueuedJob
-from service.ray_cluster import StaticCluster
-from service.scheduler import Scheduler
-from service.settings import Settings
-from service.store import Store
-from service.views import queue_view
+from service.api.views import queue_view
+from service.core.settings import Settings
+from service.core.store import Store
+from service.launch.ray_cluster import StaticCluster
+from service.rules import policy
+from service.rules.policy import Node, QueuedJob
+from service.scheduler.tick import Scheduler
 from tests.service.conftest import STATIC_NODES, Api, tiny
 
 UNKNOWN = "0000000000a-abcdef"

@@ -1,6 +1,6 @@
 """kill -9 of a 1-worker job's driver (the process that trains: what the kernel's OOM killer picks) on a real Ray
 head with the real API and scheduler: the job goes back to the queue, resumes from its last checkpoint, and ends
-succeeded with every epoch once; the retry says what happened in one line (service.deaths)."""
+succeeded with every epoch once; the retry says what happened in one line (service.scheduler.deaths)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import time
 import psutil
 import pytest
 
-from service.client import Client
-from service.stack import Stack
+from service.cli.client import Client
+from service.stack.embedded import Stack
 from tests.service.conftest import tiny
 from tests.service.test_e2e import epochs_in, wait_state
 

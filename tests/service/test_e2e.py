@@ -14,9 +14,9 @@ import redis
 
 from api_schemas import keys
 from api_schemas.jobs import JobState
-from service.client import Client, Event
-from service.stack import Stack
-from service.store import Store
+from service.cli.client import Client, Event
+from service.core.store import Store
+from service.stack.embedded import Stack
 from tests.service.conftest import ray_holders, ray_jobs, ray_rest, tiny
 
 pytestmark = pytest.mark.slow

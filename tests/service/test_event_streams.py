@@ -1,4 +1,4 @@
-"""Live events for many followed jobs through one Redis reader per API process (``service.events.Hub``), and the
+"""Live events for many followed jobs through one Redis reader per API process (``service.api.events.Hub``), and the
 process's cap on open SSE streams (``TLAB_MAX_STREAMS``): a real Redis, the real API process, real HTTP."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import redis.asyncio as aioredis
 
 from api_schemas import keys
 from api_schemas.jobs import JobState
-from service.deps import ASYNC_CLIENT_NAME
-from service.events import Hub
-from service.events import follow as live
-from service.job_acl import job_url, rules, user_name
-from service.store import Store
+from service.api.deps import ASYNC_CLIENT_NAME
+from service.api.events import Hub
+from service.api.events import follow as live
+from service.core.store import Store
+from service.launch.job_acl import job_url, rules, user_name
 from tests.service.conftest import Api, tiny
 
 JOBS = 80  # followed at once, one stream each, by one user
@@ -194,7 +194,7 @@ def test_a_newly_followed_job_is_read_at_once_and_a_left_one_is_dropped(redis_se
 
 def test_a_job_that_makes_its_stream_a_hash_ends_its_own_followers_only(redis_server: str, rds: redis.Redis,
                                                                         caplog: pytest.LogCaptureFixture) -> None:
-    """A followed job's code, as the job's own Redis user (service/job_acl.py's rules), deletes its events stream
+    """A followed job's code, as the job's own Redis user (service/launch/job_acl.py's rules), deletes its events stream
     and makes the key a hash: the shared XREAD fails with WRONGTYPE. The hub drops that job (its follower's stream
     ends, a log line says why; a new follower's ends at once) and the other job's follower goes on getting its
     events."""
@@ -242,7 +242,7 @@ async def _poisoned(redis_server: str, rds: redis.Redis, job: redis.Redis, good:
 
 
 async def sse_ids(stream: AsyncIterator[str | bytes], ids: list[str]) -> None:
-    """The ``id`` of every event a job's SSE text (``service.events.follow``) sends, into ``ids``, until it ends."""
+    """The ``id`` of every event a job's SSE text (``service.api.events.follow``) sends, into ``ids``, until it ends."""
     async with contextlib.aclosing(stream):
         async for chunk in stream:
             text = chunk.decode() if isinstance(chunk, bytes) else chunk

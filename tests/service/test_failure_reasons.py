@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from api_schemas.reasons import MAX_REASON, one_line
-from service.client import Client
-from service.scheduler import reason_from_ray
-from service.stack import Stack
+from service.cli.client import Client
+from service.scheduler.tick import reason_from_ray
+from service.stack.embedded import Stack
 from tests.service.conftest import tiny
 
 RAY_MESSAGE = """Job entrypoint command failed with exit code 1, last available logs (truncated to 20,000 chars):

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 import pytest
 
 from api_schemas.jobs import Demand, ExperimentSubmit, JobState
-from service.policy import CPU_WEIGHT
-from service.ray_cluster import RayJobs, StaticCluster
-from service.scheduler import Scheduler
-from service.settings import Settings
-from service.store import Store
+from service.core.settings import Settings
+from service.core.store import Store
+from service.launch.ray_cluster import RayJobs, StaticCluster
+from service.rules.policy import CPU_WEIGHT
+from service.scheduler.tick import Scheduler
 from tests.service.conftest import tiny
 
 NODES = json.dumps([{"id": "n", "cpus": 2, "gpus": 0}])

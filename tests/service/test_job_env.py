@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from service.scheduler import job_env
-from service.settings import Settings
-from workers.context import checkpoint_every_s, keep_checkpoints
+from service.core.settings import Settings
+from service.scheduler.tick import job_env
+from workers.train.context import checkpoint_every_s, keep_checkpoints
 
 
 def test_a_jobs_checkpoint_settings_come_from_the_service_and_parse_in_the_job(

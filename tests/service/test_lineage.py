@@ -9,8 +9,8 @@ import signal
 
 import pytest
 
-from service.client import Client
-from service.stack import Stack
+from service.cli.client import Client
+from service.stack.embedded import Stack
 from tests.service.conftest import Api, tiny
 from tests.service.test_failure_reasons import wait_ended
 

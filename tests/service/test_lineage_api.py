@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from api_schemas import keys
-from service.store import Store
+from service.core.store import Store
 from tests.service.conftest import Api, tiny
 from tests.service.test_cli import TLAB
 

@@ -18,8 +18,8 @@ import pytest
 import redis
 
 from api_schemas import keys
-from service.client import Client
-from service.stack import Stack, free_port, loopback_ray_env
+from service.cli.client import Client
+from service.stack.embedded import Stack, free_port, loopback_ray_env
 from tests.service.conftest import tiny
 from tests.service.test_failure_reasons import wait_ended
 from tests.service.test_preemption import events, wait_reason

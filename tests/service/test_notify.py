@@ -16,9 +16,9 @@ import pytest
 
 from api_schemas import keys
 from api_schemas.jobs import JobState
-from service.notify import Sender
-from service.settings import Settings
-from service.store import Store
+from service.core.settings import Settings
+from service.core.store import Store
+from service.scheduler.notify import Sender
 from tests.service.conftest import Api, tiny
 
 ALLOWED = "127.0.0.1,hooks.example.org"

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from api_schemas.errors import ErrorBody
-from service.api import create_app
-from service.settings import Settings
+from service.api.app import create_app
+from service.core.settings import Settings
 from tests.service.conftest import Api, tiny
 
 ERROR_REF = {"$ref": "#/components/schemas/ErrorBody"}
@@ -146,7 +146,7 @@ def test_cancel_keeps_the_record_and_delete_removes_it_with_its_files(api_only: 
 
 def test_the_schema_carries_the_patterns_and_content_types_the_server_checks(openapi: dict[str, Any]) -> None:
     from api_schemas.code import FACTORY_PATTERN, LOSS_PATTERN
-    from service.events import STREAM_ID_PATTERN
+    from service.api.events import STREAM_ID_PATTERN
 
     for path in ("/v1/experiments/{job_id}/events", "/v1/sweeps/{sweep_id}/events"):
         header = next(p for p in openapi["paths"][path]["get"]["parameters"] if p["name"] == "last-event-id")

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from service.cli.client import Client
 from service.cli.code_zip import upload
-from service.client import Client
-from service.stack import Stack
+from service.stack.embedded import Stack
 from tests.service.test_artifacts import pull
 from tests.service.test_code_packages import wait_end
 

@@ -11,10 +11,11 @@ import pytest
 
 from api_schemas import keys
 from api_schemas.jobs import TERMINAL, TRANSITIONS, Demand, ExperimentSubmit, JobState, Quotas, UserCreate
-from service import policy, preemption
-from service.policy import ActiveJob, Node, QueuedJob
-from service.preemption import Candidate
-from service.store import Store
+from service.core.store import Store
+from service.rules import policy
+from service.rules import victims as preemption
+from service.rules.policy import ActiveJob, Node, QueuedJob
+from service.rules.victims import Candidate
 from tests.service.conftest import tiny
 
 CPU1 = Demand(workers=1, cpus_per_worker=1, gpus_per_worker=0)
@@ -69,7 +70,7 @@ def test_a_gpu_model_is_placed_only_on_nodes_of_that_model_and_never_fits_withou
 
 
 def test_the_cluster_view_shows_each_running_jobs_share_of_each_node() -> None:
-    from service.cluster_view import cluster_view
+    from service.scheduler.cluster_view import cluster_view
 
     nodes = [Node("n1", cpus=4, gpus=2, gpu_type="H100"), Node("n2", cpus=4, gpus=1)]
     gang = ActiveJob("g", "alice", Demand(workers=2, cpus_per_worker=1, gpus_per_worker=0.5), ("n1", "n1"))
@@ -176,7 +177,7 @@ def test_the_schedulers_wait_outlasts_redis_pys_socket_timeout(redis_server: str
 
 
 def test_queue_survives_a_redis_restart(tmp_path) -> None:  # noqa: ANN001
-    from service.stack import free_port
+    from service.stack.embedded import free_port
     from tests.conftest import start_redis
 
     port = free_port()
@@ -237,7 +238,7 @@ def test_what_ray_reports_in_use_beyond_the_ledger_is_not_handed_out() -> None:
     assert policy.free_resources([Node("n", cpus=4, gpus=0)], [mine]) == {"n": [3.0, 0.0]}
 
 
-# ---- preemption (service.preemption): which running jobs make room for a waiting one; pure, no Ray
+# ---- preemption (service.rules.victims): which running jobs make room for a waiting one; pure, no Ray
 
 
 def cpus(n: float, workers: int = 1) -> Demand:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from service import stack
+from service.stack import embedded as stack
 
 
 @pytest.fixture()

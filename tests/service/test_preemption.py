@@ -12,12 +12,12 @@ import redis
 
 from api_schemas import keys
 from api_schemas.jobs import ExperimentSubmit, JobState
-from service import preempting
-from service.client import Client
-from service.policy import CPU_WEIGHT
-from service.settings import Settings
-from service.stack import Stack
-from service.store import Store
+from service.cli.client import Client
+from service.core.settings import Settings
+from service.core.store import Store
+from service.rules.policy import CPU_WEIGHT
+from service.scheduler import preempt as preempting
+from service.stack.embedded import Stack
 from tests.service.conftest import Api, tiny, wait_ray_idle
 from tests.service.test_admission import refused
 from tests.service.test_failure_reasons import wait_ended

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from service.cli.client import ApiError, Client
 from service.cli.code_zip import upload
-from service.client import ApiError, Client
-from service.stack import Stack, release_scheduler_lock
+from service.stack.embedded import Stack, release_scheduler_lock
 from tests.service.conftest import ray_holders
 from tests.service.test_code_packages import wait_end
 

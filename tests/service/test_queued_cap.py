@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from api_schemas.jobs import Demand, Quotas
-from service import policy
-from service.policy import ActiveJob, Node, QueuedJob
+from service.rules import policy
+from service.rules.policy import ActiveJob, Node, QueuedJob
 from tests.service.conftest import Api, tiny
 
 CAP, SUBMITS = 3, 16

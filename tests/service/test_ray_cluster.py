@@ -1,4 +1,4 @@
-"""What a Ray job's driver asks Ray for (``service.ray_cluster``): a 1-worker experiment trains in its driver, so
+"""What a Ray job's driver asks Ray for (``service.launch.ray_cluster``): a 1-worker experiment trains in its driver, so
 the driver holds the worker's CPUs and GPUs on the planned node; everything else holds nothing itself."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import time
 import pytest
 
 from api_schemas.jobs import Demand
-from service.client import Client
-from service.ray_cluster import RayNodes, driver_options, gpu_env, gpu_type_of, trains_in_driver
-from service.stack import Stack
-from service.store import Store
+from service.cli.client import Client
+from service.core.store import Store
+from service.launch.ray_cluster import RayNodes, driver_options, gpu_env, gpu_type_of, trains_in_driver
+from service.stack.embedded import Stack
 from tests.service.conftest import ray_rest, ray_state, tiny
 
 NODE = "ab" * 28  # a Ray node id: 56 hex digits
@@ -22,7 +22,7 @@ def test_an_experiment_trains_in_its_driver_which_holds_rank_0s_resources() -> N
     one, two = Demand(workers=1, cpus_per_worker=2, gpus_per_worker=0.5), Demand(workers=2, cpus_per_worker=1,
                                                                                  gpus_per_worker=0)
     assert trains_in_driver("workers.run", one, {})
-    assert trains_in_driver("workers.run", two, {})  # rank 0 of the gang it leads (workers.gang)
+    assert trains_in_driver("workers.run", two, {})  # rank 0 of the gang it leads (workers.on_ray.gang)
     assert not trains_in_driver("workers.run", one, {"TLAB_IN_DRIVER": "0"})  # the escape hatch: TorchTrainer
     assert not trains_in_driver("workers.sweep", one, {})
     assert driver_options(one, [NODE]) == {"entrypoint_num_cpus": 2, "entrypoint_num_gpus": 0.5,

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from service.cli.client import Client
 from service.cli.code_zip import upload
-from service.client import Client
-from service.settings import Settings
-from service.stack import Stack
+from service.core.settings import Settings
+from service.stack.embedded import Stack
 from tests.service.conftest import Api, tiny
 from tests.service.test_code_packages import wait_end
 
@@ -162,7 +162,7 @@ def test_a_jobs_code_finds_nothing_of_other_jobs_or_the_control_plane(stack: Sta
 
 @pytest.fixture()
 def api_env() -> dict[str, str]:
-    """The API alone, on a PATH without bubblewrap: no sandbox can run (``service.sandbox_state``)."""
+    """The API alone, on a PATH without bubblewrap: no sandbox can run (``service.core.sandbox_state``)."""
     return {"PATH": str(Path(sys.executable).parent)}
 
 

@@ -14,8 +14,8 @@ import pytest
 import redis
 
 from objstore import Bucket
-from service.client import Client
-from service.stack import Stack
+from service.cli.client import Client
+from service.stack.embedded import Stack
 from tests.s3 import s3_endpoint, s3_uri  # noqa: F401 - fixtures
 from tests.service.conftest import tiny, wait_ray_idle
 from tests.service.test_failure_reasons import wait_ended

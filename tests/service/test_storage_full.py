@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from service.client import Client
-from service.stack import Stack
+from service.cli.client import Client
+from service.stack.embedded import Stack
 from tests.conftest import fill
 from tests.service.conftest import tiny
 from tests.service.test_e2e import wait_state

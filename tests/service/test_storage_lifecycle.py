@@ -1,4 +1,4 @@
-"""Storage lifecycle without Ray (service.storage_lifecycle): an ended experiment keeps its newest checkpoint (and
+"""Storage lifecycle without Ray (service.core.storage_lifecycle): an ended experiment keeps its newest checkpoint (and
 any a child names), its size counts against its owner once, a user at their max_storage_gb is refused at submit
 with the figure, `GET /v1/me` shows the use, and a delete gives it back. The real run's prune is in
 test_driver_death."""
@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 
 from api_schemas import keys
-from service import storage_lifecycle
-from service.settings import Settings
-from service.store import Store
+from service.core import storage_lifecycle
+from service.core.settings import Settings
+from service.core.store import Store
 from tests.service.conftest import Api, tiny
 
 
@@ -42,7 +42,7 @@ def test_an_ended_job_keeps_its_newest_checkpoint_and_its_size_counts_once(api_o
         checkpoint(storage, job, "checkpoint_2026-01-04", None)  # the failure marker: a few bytes, kept
         (storage / job / "artifacts").mkdir()
         (storage / job / "artifacts" / "model.safetensors").write_bytes(b"m" * 500)
-        # a fork names the oldest (written by service.lineage when it was submitted): it stays too
+        # a fork names the oldest (written by service.api.lineage when it was submitted): it stays too
         store.r.hset(keys.job(job), "children", json.dumps([child]))
         store.r.hset(keys.job(child), "start_from", json.dumps(
             {"job": job, "epoch": 1, "checkpoint": "checkpoint_2026-01-01"}))

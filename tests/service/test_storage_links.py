@@ -1,4 +1,4 @@
-"""Files a job writes in its storage are data, never paths to follow (service/safe_files.py): links planted where
+"""Files a job writes in its storage are data, never paths to follow (service/core/safe_files.py): links planted where
 its logs, artifacts and checkpoints lie, as a job's code could plant them, on the real API (real Redis, no Ray).
 A link or a special file is refused with one line; none of the service's secrets is served."""
 
@@ -34,7 +34,7 @@ def test_log_links_and_special_files_are_refused_and_a_ranks_alias_is_read(api_o
             assert "in storage" in r.json()["errors"][0]["message"] and "refused" in r.text, r.text
         (logs / "driver.log").unlink()
         (logs / "driver.log").write_text("trained\n")
-        (logs / "rank-0.log").symlink_to("driver.log")  # a 1-worker job's alias (workers.job_logs.also_as)
+        (logs / "rank-0.log").symlink_to("driver.log")  # a 1-worker job's alias (workers.job.logs.also_as)
         assert c.get(f"/v1/experiments/{job}/logs", params={"rank": "0"}).text == "trained\n"
         (logs / "rank-3.log").symlink_to("../../../../admin.token")  # not a sibling's name: refused
         assert c.get(f"/v1/experiments/{job}/logs", params={"rank": "3"}).status_code == 404

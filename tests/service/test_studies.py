@@ -9,8 +9,8 @@ import pytest
 from api_schemas import keys
 from api_schemas.jobs import TrialRow
 from api_schemas.sweeps import SweepSubmit
-from service.store import Store
-from service.studies import best_trial, seed_groups, study_view, sweep_png, trial_rows
+from service.api.studies import best_trial, seed_groups, study_view, sweep_png, trial_rows
+from service.core.store import Store
 from tests.service.conftest import tiny
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

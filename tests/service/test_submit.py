@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from api_schemas.jobs import ClusterView, Demand, NodeView
-from service.submit import dry_run_view, known_nodes, never_fits
+from service.api.enqueue import dry_run_view, known_nodes, never_fits
 
 NODES = json.dumps([{"id": "n1", "cpus": 4, "gpus": 1}, {"id": "n2", "cpus": 4, "gpus": 1}])
 

@@ -17,8 +17,8 @@ import pytest
 import redis
 
 from api_schemas import keys
-from service.client import Client
-from service.supervise import RestartPolicy, Restarts, Supervisor, crash_loop_line, exit_line
+from service.cli.client import Client
+from service.stack.supervise import RestartPolicy, Restarts, Supervisor, crash_loop_line, exit_line
 from tests.service.conftest import Api, tiny, tlab_up
 
 POLICY = RestartPolicy(backoff_s=0.5, backoff_max_s=10.0, max_restarts=5, window_s=60.0)
@@ -220,7 +220,7 @@ def test_a_tick_failing_the_same_way_logs_its_traceback_once(caplog: pytest.LogC
     """While Ray's head is down every tick fails alike: one traceback, then a line a minute, not one per tick."""
     import logging
 
-    from service.repeated import RepeatedErrors
+    from service.scheduler.repeated import RepeatedErrors
 
     quiet = RepeatedErrors(logging.getLogger("tlab.test"), every_s=3600)
     with caplog.at_level(logging.WARNING, logger="tlab.test"):

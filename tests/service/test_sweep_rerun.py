@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from api_schemas import keys
-from service import preempting
+from service.scheduler import preempt as preempting
 from tests.service.conftest import Api, tiny
 
 SWEEP = {"base": tiny(), "search_space": {"training.seed": {"grid": [0, 1, 2, 3]}}}

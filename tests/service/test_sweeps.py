@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from service.client import Client
-from service.job_acl import JobAcl
-from service.settings import Settings
-from service.stack import Stack
+from service.cli.client import Client
+from service.core.settings import Settings
+from service.launch.job_acl import JobAcl
+from service.stack.embedded import Stack
 from tests.service.conftest import Api, ray_holders, tiny, wait_ray_idle
 
 
@@ -210,7 +210,7 @@ def test_a_sweep_cut_off_by_a_stack_restart_resumes_its_trials(tmp_path: Path) -
     """Stop the whole stack (Redis, Ray, API, scheduler) while two trials train, start it again with the
     same home: the sweep is queued again, Tune restores its saved state, the same trials carry on from
     their checkpoints, and every trial's epochs are in the stream exactly once."""
-    from service.client import Event
+    from service.cli.client import Event
 
     home = tmp_path / "tlab"
     env = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}
@@ -242,7 +242,7 @@ def test_a_sweep_cut_off_by_a_stack_restart_resumes_its_trials(tmp_path: Path) -
         logs = [e.data.get("message", "") for e in events if e.kind == "log"]
         assert any("resuming the sweep from Tune's state" in m for m in logs), logs
         # Tune's saved state (tuner.pkl: the trials table's callback) is on the storage every job's code reads: no
-        # attempt's Redis password in it or in any file there (service/job_acl.py, workers/job_ticket.py)
+        # attempt's Redis password in it or in any file there (service/launch/job_acl.py, workers/job/ticket.py)
         acl = JobAcl(redis.Redis.from_url(s2.redis_url or ""), Settings(redis_url=s2.redis_url or ""))
         assert (home / "storage" / f"sweep-{job['id']}" / "tuner.pkl").exists()
         words = [acl.password(f"tlab-{job['id']}-{n}").encode() for n in (1, 2)]

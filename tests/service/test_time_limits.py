@@ -11,10 +11,10 @@ import pytest
 import redis
 
 from api_schemas import keys
-from service.client import Client
-from service.limits import time_limit
-from service.settings import Settings
-from service.stack import Stack
+from service.cli.client import Client
+from service.core.settings import Settings
+from service.rules.limits import time_limit
+from service.stack.embedded import Stack
 from tests.service.conftest import Api, tiny
 from tests.service.test_admission import refused
 from tests.service.test_failure_reasons import wait_ended
@@ -93,10 +93,10 @@ def test_a_sweeps_own_limit_stops_it_and_each_trials_limit_goes_to_tune(redis_se
     ``test_artifacts.py``, a sweep whose trials stop at 3 s)."""
     from api_schemas.jobs import JobState
     from api_schemas.sweeps import SweepSubmit
-    from service import preempting
-    from service.ray_cluster import RayJobs, StaticCluster
-    from service.scheduler import Scheduler
-    from service.store import Store
+    from service.core.store import Store
+    from service.launch.ray_cluster import RayJobs, StaticCluster
+    from service.scheduler import preempt as preempting
+    from service.scheduler.tick import Scheduler
     from tests.service.test_fair_share import NODES, Jobs, tick
     from workers.sweep import trial_stop
 

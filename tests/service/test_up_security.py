@@ -16,8 +16,8 @@ import psutil
 import pytest
 import redis
 
+from service.cli.client import Client
 from service.cli.code_zip import upload
-from service.client import Client
 from tests.service.conftest import tiny, tlab_up
 
 # a user's model factory that reports what its process inherited, and who it is in Redis with each URL it finds
@@ -25,7 +25,7 @@ PROBE = '''
 import json, os
 import redis
 from torch import nn
-from workers.job_ticket import job_redis_url
+from workers.job.ticket import job_redis_url
 
 
 def whoami(url):

@@ -14,8 +14,8 @@ import redis
 
 from api_schemas import keys
 from api_schemas.jobs import Quotas
-from service.stack import Stack
-from service.store import hash_token
+from service.core.store import hash_token
+from service.stack.embedded import Stack
 from tests.service.conftest import STATIC_NODES, Api, tiny
 
 

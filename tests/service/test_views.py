@@ -9,8 +9,8 @@ import time
 
 from api_schemas import keys
 from api_schemas.jobs import NodeView
-from service.store import Store
-from service.views import empty_cluster, log_text, metrics_csv, read_cluster_view
+from service.api.views import empty_cluster, log_text, metrics_csv, read_cluster_view
+from service.core.store import Store
 
 
 def publish(store: Store, at: float) -> None:

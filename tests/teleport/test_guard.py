@@ -170,7 +170,7 @@ def test_energy_rule_frees_the_negligible_tail_that_the_numerical_rank_keeps() -
 
 def test_the_spec_reaches_the_tau_rule() -> None:
     from api_schemas.spec import TeleportSpec
-    from workers.build import teleport_config
+    from workers.train.build import teleport_config
 
     assert teleport_config(TeleportSpec(tau_rule="energy")).tau_rule == "energy"
     assert teleport_config(TeleportSpec()).tau_rule == "numerical_rank"

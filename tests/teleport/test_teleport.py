@@ -21,7 +21,7 @@ from teleport import (
 )
 from teleport.bases import compute_bases, project_split
 from teleport.nullspace import layer_bases, objective, teleport_gradient
-from workers import models
+from workers.train import models
 
 pytestmark = pytest.mark.usefixtures("float64")
 

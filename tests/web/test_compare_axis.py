@@ -14,14 +14,14 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from api_schemas import keys
 from tests.service.conftest import Api, tiny
-from workers.local import summarize
-from workers.redis_sink import RedisSink
+from workers.job.redis_sink import RedisSink
+from workers.train.loop import summarize
 
 TARGET = 0.3
 
 
 def events(scale: float, per_epoch: float, teleports: dict[int, float], epochs: range) -> list[dict[str, Any]]:
-    """A run's records as workers/local.py writes them: seconds are cumulative, each teleport's time included."""
+    """A run's records as workers/train/loop.py writes them: seconds are cumulative, each teleport's time included."""
     out: list[dict[str, Any]] = []
     t = tele = 0.0
     for e in range(epochs.stop):

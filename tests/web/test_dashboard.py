@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service.stack import Stack
+from service.stack.embedded import Stack
 from tests.service.conftest import Api, tiny, wait_ray_idle
 
 TRAIN_RGB = (0x1F, 0x77, 0xB4)  # charts.js TRAIN (blue)

@@ -7,8 +7,8 @@ from typing import Any
 
 from api_schemas import keys
 from api_schemas.jobs import JobState
-from service import preempting
-from service.store import Store
+from service.core.store import Store
+from service.scheduler import preempt as preempting
 from tests.service.conftest import Api, tiny
 
 

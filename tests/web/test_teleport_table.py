@@ -15,7 +15,7 @@ import redis
 
 from api_schemas import keys
 from tests.service.conftest import Api, tiny
-from workers.redis_sink import RedisSink
+from workers.job.redis_sink import RedisSink
 
 BATCHES = {0: 4, 2: 3, 5: 5}  # teleport epoch -> batches (even and odd counts: both kinds of median)
 LONG_REASON = ("waits: needs 2 × (1 CPU) but node n1 has 0.5 CPUs free and node n2 is held by job "
@@ -23,7 +23,7 @@ LONG_REASON = ("waits: needs 2 × (1 CPU) but node n1 has 0.5 CPUs free and node
 
 
 def teleport_event(epoch: int, batch: int) -> dict[str, Any]:
-    """One teleport batch's record, as workers/local.py emits it (values differ per batch and epoch)."""
+    """One teleport batch's record, as workers/train/loop.py emits it (values differ per batch and epoch)."""
     before = 1.0 + 0.5 * batch + epoch
     return {"kind": "teleport", "epoch": epoch, "batch": batch, "method": "nullspace",
             "loss_before": 2.0 + 0.1 * batch, "loss_after": (2.0 + 0.1 * batch) * (1 + 1e-4 * (batch - 1)),

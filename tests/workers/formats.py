@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from api_schemas import build_spec
-from workers.datasets import DataBundle, load_dataset
+from workers.train.datasets import DataBundle, load_dataset
 
 
 def load(seed: int = 0, **dataset: Any) -> DataBundle:

@@ -10,10 +10,10 @@ import pytest
 
 from api_schemas.spec_io import build_spec
 from teleport import TeleportReport
-from workers.budget import TeleportBudget, cut_message
-from workers.context import RunContext
-from workers.local import train
-from workers.sinks import MemorySink
+from workers.train.budget import TeleportBudget, cut_message
+from workers.train.context import RunContext
+from workers.train.loop import train
+from workers.train.sinks import MemorySink
 
 
 def report(seconds: float, steps: int) -> TeleportReport:
@@ -96,8 +96,8 @@ def test_a_whole_run_budget_cuts_nothing() -> None:
 def test_an_own_loops_teleport_keeps_the_budget_from_its_first_reported_epoch(tmp_path: Path) -> None:
     """ctx.teleport in the user's loop: before any epoch is reported nothing tells the run's length (its teleport
     runs whole); from then on a budget no teleport fits skips each, with a budget event."""
-    from workers.local import run_local
-    from workers.user_code import add_code_dir
+    from workers.train.loop import run_local
+    from workers.train.user_code import add_code_dir
 
     add_code_dir(Path(__file__).resolve().parents[2] / "examples" / "own_loop")
     spec = build_spec({

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.workers.formats import load, tensors
-from workers.datasets import DatasetNotFound, load_dataset
+from workers.train.datasets import DatasetNotFound, load_dataset
 
 # ------------------------------------------------------------------------ electricity / traffic
 
@@ -231,7 +231,7 @@ def test_digits_are_scikit_learns_digits_read_without_importing_it() -> None:
     from sklearn.datasets import load_digits as sk_digits
 
     from api_schemas.spec import DatasetSpec
-    from workers.datasets import digits_file
+    from workers.train.datasets import digits_file
 
     table = np.loadtxt(digits_file(), delimiter=",")
     x, y = sk_digits(return_X_y=True)

@@ -1,4 +1,4 @@
-"""A 1-worker job trained in its Ray job's driver (``workers.driver``): checkpoints, retries, exactly-once
+"""A 1-worker job trained in its Ray job's driver (``workers.on_ray.driver``): checkpoints, retries, exactly-once
 epochs and artifacts, on a real Redis (the driver path needs no Ray)."""
 
 from __future__ import annotations
@@ -15,20 +15,20 @@ import torch
 from api_schemas import keys
 from tests.workers.test_run_entrypoint import put_job
 from workers import run
-from workers.artifacts import checkpoints
-from workers.driver import TMP_PREFIX, DriverContext
-from workers.failure import JobFailed
-from workers.redis_sink import read_events
-from workers.sinks import MemorySink
+from workers.job.artifacts import checkpoints
+from workers.job.redis_sink import read_events
+from workers.on_ray.driver import TMP_PREFIX, DriverContext
+from workers.train.failure import JobFailed
+from workers.train.sinks import MemorySink
 
 
 def in_process(job: str, redis_url: str, storage: str, max_failures: int) -> dict[str, Any]:
     """The driver's retry loop in this process (``run_in_driver``), with the artifacts and the summary as a job's
     run exports them: a job's payload runs this loop in its sandbox, a process the monkeypatched ``save`` of these
     tests cannot reach (the supervisor's own retries of a killed payload: ``test_run_entrypoint``)."""
-    from workers.artifacts import artifacts_dir
-    from workers.driver import run_in_driver
-    from workers.job_record import write_summary
+    from workers.job.artifacts import artifacts_dir
+    from workers.job.record import write_summary
+    from workers.on_ray.driver import run_in_driver
 
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     spec, out = run.load_job_spec(client, job), artifacts_dir(storage, job)
@@ -64,7 +64,7 @@ def test_checkpoints_are_whole_newest_first_and_only_the_last_n_kept(
     for epoch in range(1, 5):
         ctx.save({"epoch": epoch, "w": torch.full((2,), float(epoch))}, {"epochs": epoch})
     ctx.flush()  # saves are written in the background: flush is when they are all on disk
-    kept = checkpoints([run_dir])  # what workers.artifacts exports from
+    kept = checkpoints([run_dir])  # what workers.job.artifacts exports from
     assert len(kept) == 2 == len(list(run_dir.iterdir()))
     assert [json.loads((p / "meta.json").read_text())["epoch"] for p in kept] == [4, 3]
     ctx.save({"epoch": 5, "model": {"w": torch.full((2,), 5.0)}}, {"epochs": 5})
@@ -143,7 +143,7 @@ def test_a_stop_while_waiting_for_a_write_leaves_it_to_the_next_flush() -> None:
     import signal
     import threading
 
-    from workers.driver import CheckpointWriter
+    from workers.on_ray.driver import CheckpointWriter
 
     class Stopped(Exception):
         pass

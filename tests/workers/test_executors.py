@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from teleport import SerialExecutor, TeleportConfig, ThreadExecutor, compute_basis, teleport_batch
-from workers.executors import PARALLEL_MIN_WORK, AutoExecutor, RayTaskExecutor, basis_work, make_executor
+from workers.train.executors import PARALLEL_MIN_WORK, AutoExecutor, RayTaskExecutor, basis_work, make_executor
 
 
 def reps() -> list[torch.Tensor]:

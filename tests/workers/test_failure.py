@@ -15,8 +15,8 @@ import torch
 from ray.train import WorkerGroupError
 
 from api_schemas.reasons import MAX_REASON
-from workers.data_files import DataFormatError
-from workers.failure import failure_reason
+from workers.train.data_files import DataFormatError
+from workers.train.failure import failure_reason
 
 MODELS = """\
 import torch

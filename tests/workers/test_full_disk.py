@@ -14,11 +14,11 @@ import torch
 from api_schemas import ExperimentSpec
 from tests.conftest import fill
 from tests.service.conftest import tiny
-from workers.artifacts import checkpoints
-from workers.context import read_checkpoint
-from workers.driver import TMP_PREFIX, DriverContext, attempt, retried
-from workers.failure import JobFailed, failure_reason
-from workers.sinks import MemorySink
+from workers.job.artifacts import checkpoints
+from workers.on_ray.driver import TMP_PREFIX, DriverContext, attempt, retried
+from workers.train.context import read_checkpoint
+from workers.train.failure import JobFailed, failure_reason
+from workers.train.sinks import MemorySink
 
 
 def test_a_write_into_a_full_volume_keeps_the_previous_checkpoint(small_volume: Path,

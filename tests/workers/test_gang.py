@@ -1,4 +1,4 @@
-"""A multi-worker job as a gang its driver leads (``workers.gang``) on a real local Ray and a real Redis: it
+"""A multi-worker job as a gang its driver leads (``workers.on_ray.gang``) on a real local Ray and a real Redis: it
 trains exactly as Ray Train's worker group did (same shards, same DDP, same teleport: the same losses), every
 epoch once, rank 0 the only writer of checkpoints, each rank's log kept."""
 
@@ -17,9 +17,10 @@ import pytest
 import redis
 
 from tests.workers.test_run_entrypoint import put_job
-from workers import run, startup
-from workers.artifacts import checkpoints
-from workers.redis_sink import read_events
+from workers import run
+from workers.job.artifacts import checkpoints
+from workers.job.redis_sink import read_events
+from workers.train import startup
 
 GANG = {"resources": {"workers": 2, "cpus_per_worker": 1}, "training": {"epochs": 3, "batch_size": 32},
         "teleport": {"epochs": [1], "batches": 1, "steps": 2, "batch_size": 16, "budget": None}}
@@ -109,7 +110,7 @@ def test_a_killed_rank_fails_the_try_and_the_gang_resumes_every_epoch_once(
 
 GET_THEN_END = """
 import ray
-from workers.gang_start import end_tasks
+from workers.on_ray.gang_start import end_tasks
 
 ray.init(log_to_driver=False)  # RAY_ADDRESS: the session's cluster
 
@@ -143,7 +144,7 @@ def test_a_rank_that_cannot_start_fails_the_try_at_once_not_after_the_gang_timeo
     import ray
 
     from api_schemas import ExperimentSpec, keys
-    from workers.driver import run_in_driver
+    from workers.on_ray.driver import run_in_driver
 
     monkeypatch.setenv("TLAB_GANG_TIMEOUT_S", "600")
     put_job(redis_server, "gone", **GANG)

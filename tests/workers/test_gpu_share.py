@@ -1,4 +1,4 @@
-"""A process's share of a GPU (``workers.gpu_share``): the memory fence's fraction, the process group's backend,
+"""A process's share of a GPU (``workers.train.gpu_share``): the memory fence's fraction, the process group's backend,
 the device a job trains on, and what its summary says of it. On the CPU: the fence's call is guarded, its
 computation is tested here; on a CUDA machine the fence is also applied and read back."""
 
@@ -9,8 +9,8 @@ import torch
 
 from api_schemas import ExperimentSpec
 from api_schemas.spec import ResourcesSpec
-from workers.failure import JobFailed
-from workers.gpu_share import (
+from workers.train.failure import JobFailed
+from workers.train.gpu_share import (
     GIB,
     device_report,
     fence_memory,

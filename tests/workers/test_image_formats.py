@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.workers.formats import load, tensors
-from workers.datasets import DatasetNotFound
+from workers.train.datasets import DatasetNotFound
 
 # ------------------------------------------------------------------------------------ MNIST IDX
 

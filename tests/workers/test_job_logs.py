@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from service import job_logs as reader
-from service.errors import InvalidInput, JobNotFound
+from service.api import job_logs as reader
+from service.core.errors import InvalidInput, JobNotFound
 
 ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import os, signal, subprocess, sys, time
-from workers.job_logs import also_as, capture
+from workers.job.logs import also_as, capture
 
 class Stopped(Exception):
     pass
@@ -86,7 +86,7 @@ def test_the_job_logs_are_capped_together_and_the_log_says_so(tmp_path: Path) ->
 
 
 def test_a_log_that_cannot_be_written_stops_the_log_not_the_job(tmp_path: Path) -> None:
-    from workers.job_logs import _Tee
+    from workers.job.logs import _Tee
 
     read_fd, write_fd = os.pipe()
     tee = _Tee(tmp_path / "x.log", tmp_path, 2**20, write_fd)
@@ -173,7 +173,7 @@ def test_a_follow_of_a_growing_file_sees_each_line(tmp_path: Path) -> None:
 def test_a_link_a_job_planted_in_its_directory_is_never_followed_to_write_a_log(tmp_path: Path, planted: str) -> None:
     """A job's sandboxed code writes in its own directory; the process that keeps its log (root, maybe) must not
     append through a link it planted there (issue 26): the capture refuses, and the target is untouched."""
-    from workers.job_logs import capture
+    from workers.job.logs import capture
 
     outside = tmp_path / "outside"
     outside.mkdir()

@@ -16,15 +16,15 @@ from api_schemas.lineage import StartFrom
 from tests.workers.test_driver import epochs_of, starts_of
 from tests.workers.test_run_entrypoint import put_job
 from workers import run
-from workers.artifacts import checkpoints
-from workers.redis_sink import read_events
+from workers.job.artifacts import checkpoints
+from workers.job.redis_sink import read_events
 
 PARENT, CONT, FORK, ORPHAN = (f"18f3a2b4c5d-00000{i}" for i in range(4))
 PLAIN = {"enabled": False}  # no teleport: a fork that changes only tau must redo the parent's epochs exactly
 
 
 def start_from(url: str, job: str, parent: str, storage: Path, epoch: int) -> None:
-    """What ``service.lineage`` writes: the parent's kept checkpoint after ``epoch``."""
+    """What ``service.api.lineage`` writes: the parent's kept checkpoint after ``epoch``."""
     kept = {json.loads((p / "meta.json").read_text())["epoch"]: p.name for p in checkpoints([storage / parent])}
     start = StartFrom(job=parent, epoch=epoch, checkpoint=kept[epoch])
     redis.Redis.from_url(url).hset(keys.job(job), "start_from", start.model_dump_json())

@@ -19,17 +19,17 @@ from api_schemas.spec import OptimizerSpec, TeleportSpec, TrainingSpec
 from plots.curves import plot_bands, plot_curves, read_metrics
 from teleport import TeleportConfig
 from workers import cli
-from workers.build import (
+from workers.train.build import (
     OPTIMIZER_NAMES,
     build_optimizer,
     reset_optimizer_state,
     select_device,
     teleport_config,
 )
-from workers.context import RunContext
-from workers.local import TrainingDiverged, evaluate, run_local, train
-from workers.models import build_model, loss_fn_for
-from workers.sinks import JsonlSink, MemorySink
+from workers.train.context import RunContext
+from workers.train.loop import TrainingDiverged, evaluate, run_local, train
+from workers.train.models import build_model, loss_fn_for
+from workers.train.sinks import JsonlSink, MemorySink
 
 EPOCH_KEYS = {"kind", "epoch", "train_loss", "test_loss", "test_acc", "seconds", "teleport_seconds"}
 TELEPORT_KEYS = {"epoch", "batch", "loss_before", "loss_after", "grad_norm_sq_before", "grad_norm_sq_after",

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from api_schemas.spec import CNNModel, MLPModel, ResNetModel, TransformerModel
-from workers.models import MLP, build_model, build_model_for, loss_fn_for
+from workers.train.models import MLP, build_model, build_model_for, loss_fn_for
 
 ALLOWED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.Embedding)
 TELEPORTABLE = (nn.Linear, nn.Conv1d, nn.Conv2d)

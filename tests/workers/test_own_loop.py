@@ -16,13 +16,13 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from api_schemas import ExperimentSpec, build_spec
-from workers.artifacts import export
-from workers.context import RunContext
-from workers.driver import DriverContext
-from workers.local import TrainingDiverged, run_local, train
-from workers.own_loop import NoEpochReported
-from workers.sinks import MemorySink
-from workers.user_code import UserCodeError, add_code_dir
+from workers.job.artifacts import export
+from workers.on_ray.driver import DriverContext
+from workers.train.context import RunContext
+from workers.train.loop import TrainingDiverged, run_local, train
+from workers.train.own_loop import NoEpochReported
+from workers.train.sinks import MemorySink
+from workers.train.user_code import UserCodeError, add_code_dir
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "own_loop"
 _names = itertools.count()

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from api_schemas import ExperimentSpec, build_spec
-from workers.build import select_device
-from workers.context import RunContext
-from workers.local import train
+from workers.train.build import select_device
+from workers.train.context import RunContext
+from workers.train.loop import train
 
 LOSS_TOL = 1e-3
 
@@ -65,7 +65,7 @@ def test_bf16_trains_and_teleports_in_float32_outside_autocast() -> None:
 
 
 def test_fp32_is_the_default_and_never_enters_autocast() -> None:
-    from workers.build import autocast
+    from workers.train.build import autocast
 
     assert spec().training.precision == "fp32"
     device = select_device(spec().training)

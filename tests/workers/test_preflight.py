@@ -11,8 +11,8 @@ from pathlib import Path
 from api_schemas import build_spec
 from api_schemas.preflight import preflighted_spec
 from workers.preflight import preflight
-from workers.sinks import MemorySink
-from workers.user_code import add_code_dir
+from workers.train.sinks import MemorySink
+from workers.train.user_code import add_code_dir
 
 _names = itertools.count()
 MODELS = '''

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from api_schemas import build_spec
-from workers.ray_train import build_trainer
-from workers.redis_sink import read_events
+from workers.job.redis_sink import read_events
+from workers.on_ray.ray_train import build_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +87,7 @@ def _report_then_flush(config: dict) -> None:
     import ray.train
     from ray.train.v2._internal.execution.context import get_train_context
 
-    from workers.ray_train import flush_reports
+    from workers.on_ray.ray_train import flush_reports
 
     rank = ray.train.get_context().get_world_rank()
     for i in range(config["reports"]):  # rank 0 attaches a checkpoint: Ray Train's result is the latest one's
@@ -162,8 +162,8 @@ def test_killed_worker_resumes_from_checkpoint_with_every_epoch_once(
 
 def test_a_gang_of_card_shares_asks_ray_train_for_gloo_and_the_gpu_model() -> None:
     from api_schemas import ExperimentSpec
-    from workers.gang_start import rank_options
-    from workers.ray_train import scaling_config, torch_config
+    from workers.on_ray.gang_start import rank_options
+    from workers.on_ray.ray_train import scaling_config, torch_config
 
     shares = ExperimentSpec.model_validate({"resources": {"workers": 2, "gpus_per_worker": 0.5, "gpu_type": "H100"}})
     whole = ExperimentSpec.model_validate({"resources": {"workers": 2, "gpus_per_worker": 1}})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workers.redis_sink import RedisSink, read_events
+from workers.job.redis_sink import RedisSink, read_events
 
 
 def test_events_arrive_in_order_and_reemitted_epochs_are_not_duplicated(redis_server: str) -> None:
@@ -44,7 +44,7 @@ def test_buffer_flushes_by_size(redis_server: str) -> None:
 def test_jsonl_sink_writes_each_epoch_once_across_a_resume(tmp_path: Path) -> None:
     import json
 
-    from workers.sinks import JsonlSink
+    from workers.train.sinks import JsonlSink
 
     path = tmp_path / "metrics.jsonl"
     first = JsonlSink(path)

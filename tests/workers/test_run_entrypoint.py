@@ -15,7 +15,7 @@ import redis
 
 from api_schemas import build_spec, keys
 from workers import run
-from workers.redis_sink import read_events
+from workers.job.redis_sink import read_events
 
 
 def put_job(url: str, job: str, **overrides: object) -> None:
@@ -94,8 +94,8 @@ def test_in_driver_and_torchtrainer_give_the_same_epochs_and_summary_keys(
     """One rank, the same seeds: the driver path is the TorchTrainer path without the worker group, bit for bit.
     The TorchTrainer job runs as the scheduler starts it: its own Redis user, reached through a one-time ticket
     (no ``REDIS_URL`` in its environment; its workers get the URL in ``train_loop_config``)."""
-    from service.job_acl import JobAcl
-    from service.settings import Settings
+    from service.core.settings import Settings
+    from service.launch.job_acl import JobAcl
 
     overrides = {"training": {"epochs": 3, "batch_size": 32}}
     put_job(redis_server, "driver", **overrides)
@@ -118,7 +118,7 @@ def test_in_driver_and_torchtrainer_give_the_same_epochs_and_summary_keys(
 
 
 def startup_phases(url: str, job: str) -> dict[str, float]:
-    """The ``finished`` event's start-up timeline (``workers.startup``), checked against the stream's own times:
+    """The ``finished`` event's start-up timeline (``workers.train.startup``), checked against the stream's own times:
     in order, the driver's start before its ``running`` event, the first checkpoint after the first epoch's."""
     events = read_events(url, job)
     phases = events[-1]["data"]["startup"]

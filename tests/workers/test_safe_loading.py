@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from api_schemas import build_spec
-from workers.context import CheckpointRefused, read_checkpoint, write_checkpoint
-from workers.data_files import DataFormatError
-from workers.datasets import DataBundle, load_dataset
+from workers.train.context import CheckpointRefused, read_checkpoint, write_checkpoint
+from workers.train.data_files import DataFormatError
+from workers.train.datasets import DataBundle, load_dataset
 
 SECRET = "root:x:0:0:hunter2-secret:/root:/bin/bash"
 

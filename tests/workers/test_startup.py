@@ -1,4 +1,4 @@
-"""The driver's start-up timeline (``workers.startup``): phases in order, the first time counts, a new job forgets
+"""The driver's start-up timeline (``workers.train.startup``): phases in order, the first time counts, a new job forgets
 the last one's."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import time
 
 import psutil
 
-from workers import startup
+from workers.train import startup
 
 
 def test_phases_come_in_order_first_time_counts_and_begin_forgets() -> None:

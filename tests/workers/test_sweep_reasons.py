@@ -46,8 +46,8 @@ class Trial:
 
 
 def test_the_rows_the_driver_writes_are_rows_the_api_reads(redis_server: str) -> None:
-    from service.store import Store
-    from service.studies import trial_rows
+    from service.api.studies import trial_rows
+    from service.core.store import Store
     from workers.sweep import TrialTable
 
     table = TrialTable(redis_server, "s9", "train_loss", "min", epochs=5)
@@ -63,8 +63,8 @@ def test_the_rows_the_driver_writes_are_rows_the_api_reads(redis_server: str) ->
 
 
 def test_a_trial_stopped_at_its_time_limit_says_so(redis_server: str) -> None:
-    from service.store import Store
-    from service.studies import trial_rows
+    from service.api.studies import trial_rows
+    from service.core.store import Store
     from workers.sweep import TrialTable
 
     table = TrialTable(redis_server, "s10", "train_loss", "min", epochs=1000, time_limit_s=3)

@@ -1,5 +1,5 @@
 """A rerun's driver resumes the marked errored trials only: Tune's experiment state rewritten before ``Tuner.restore``
-(``workers.sweep_rerun``), read back as Tune reads it. The whole rerun on Ray: tests/service/test_sweeps.py."""
+(``workers.on_ray.sweep_rerun``), read back as Tune reads it. The whole rerun on Ray: tests/service/test_sweeps.py."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from workers.on_ray.sweep_rerun import resume_only
 from workers.run import SetupError
-from workers.sweep_rerun import resume_only
 
 
 def write_state(path: Path, statuses: dict[str, str]) -> Path:
@@ -45,7 +45,7 @@ def test_the_marks_are_read_from_the_trials_table(redis_server: str) -> None:
     import redis
 
     from api_schemas import keys
-    from workers.sweep_rerun import marked_trials
+    from workers.on_ray.sweep_rerun import marked_trials
 
     r = redis.Redis.from_url(redis_server, decode_responses=True)
     rows = {"a": {"state": "queued", "rerun": True}, "b": {"state": "failed"}, "c": {"state": "cancelled"},

@@ -1,4 +1,4 @@
-"""A 1-worker sweep trial trains in the Tune trial itself (``workers.trial``): what it holds in Ray, where its
+"""A 1-worker sweep trial trains in the Tune trial itself (``workers.on_ray.trial``): what it holds in Ray, where its
 checkpoints live, and a real Tune run whose trial fails mid-way and goes on from its last reported checkpoint."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 
 from api_schemas import build_spec
 from api_schemas.sweeps import SweepSubmit
-from workers.artifacts import last_training_state
-from workers.local import summarize
-from workers.sinks import JsonlSink
-from workers.trial import in_trial, train_in_trial, trial_dirs, trial_resources
+from workers.job.artifacts import last_training_state
+from workers.on_ray.trial import in_trial, train_in_trial, trial_dirs, trial_resources
+from workers.train.loop import summarize
+from workers.train.sinks import JsonlSink
 
 TINY = {"dataset": {"name": "digits"}, "model": {"kind": "mlp", "hidden": [16]},
         "training": {"epochs": 3, "batch_size": 128, "max_steps_per_epoch": 3}, "teleport": {"enabled": False},

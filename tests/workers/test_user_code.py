@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from api_schemas import build_spec
-from workers.build import build_parts
-from workers.sinks import MemorySink
-from workers.user_code import UserCodeError, add_code_dir
+from workers.train.build import build_parts
+from workers.train.sinks import MemorySink
+from workers.train.user_code import UserCodeError, add_code_dir
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny_lm"

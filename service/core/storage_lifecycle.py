@@ -1,0 +1,129 @@
+"""What an ended job keeps in storage, and what each user's jobs hold there (the ``max_storage_gb`` quota).
+
+An ended experiment keeps its newest ``TLAB_KEEP_ENDED_CHECKPOINTS`` (1) checkpoints that hold a model, any a
+continued or forked child names, the ones that hold no model (a diverged run's failure marker, a few bytes), and
+its artifacts (``prune_ended``: the scheduler, once the job has left the active set). Running, a job keeps
+``TLAB_KEEP_CHECKPOINTS`` (2). Its size is then counted once: the job hash's ``storage_bytes`` and its owner's
+total in ``keys.storage_usage`` (a delete takes it off again: ``forget``); a submit is refused while the owner's
+total is at or over their quota, naming both figures (``check_quota``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from api_schemas import keys
+from api_schemas.jobs import TERMINAL, UserPublic
+from api_schemas.lineage import StartFrom
+from service.api.artifacts import checkpoint_dirs
+from service.core import storage
+from service.core.errors import InvalidInput
+from service.core.settings import Settings
+from service.core.store import Store
+
+log = logging.getLogger("tlab.scheduler")
+GB = 1e9
+ENDED = {s.value for s in TERMINAL}
+
+
+def named_by_children(store: Store, data: dict[str, str]) -> set[str]:
+    """The checkpoint directories of this job that its continued or forked children start from."""
+    named = set()
+    for child in json.loads(data.get("children") or "[]"):
+        raw = store.r.hget(keys.job(child), "start_from")
+        try:
+            start = StartFrom.model_validate_json(raw) if raw else None
+        except ValueError:
+            continue
+        if start is not None and start.job == data["id"]:
+            named.add(start.checkpoint)
+    return named
+
+
+def surplus(settings: Settings, job_id: str, keep: set[str]) -> list[str]:
+    """The checkpoint directories an ended job need not keep (``keep``: named ones that stay whatever)."""
+    from service.api.lineage import kept_epochs
+
+    with_model = sorted(kept_epochs(settings, job_id, sync=False).items())  # (epochs, name), oldest first
+    newest = {name for _epoch, name in with_model[-settings.keep_ended_checkpoints:]}
+    models = {name for _epoch, name in with_model}
+    return [d for d in checkpoint_dirs(settings, job_id) if d in models and d not in newest | keep]
+
+
+def size_of(path: Path) -> int:
+    """Bytes of the regular files under ``path`` (links neither followed nor counted)."""
+    total = 0
+    for top, _dirs, files in os.walk(path):
+        for name in files:
+            st = os.lstat(os.path.join(top, name))
+            total += st.st_size if not os.path.islink(os.path.join(top, name)) else 0
+    return total
+
+
+def prune_ended(store: Store, settings: Settings, data: dict[str, str]) -> int:
+    """Drop an ended experiment's surplus checkpoints (here and in the bucket), then count what it keeps against
+    its owner (once); its size in bytes."""
+    job_id = data["id"]
+    root = Path(settings.storage_path)
+    if data.get("kind", "experiment") == "experiment":
+        for name in surplus(settings, job_id, named_by_children(store, data)):
+            shutil.rmtree(root / job_id / name, ignore_errors=True)
+            storage.delete(settings, f"{job_id}/{name}")
+    size = size_of(root / job_id) + size_of(root / f"sweep-{job_id}")
+    if store.r.hsetnx(keys.job(job_id), "storage_bytes", str(size)):
+        store.r.hincrby(keys.storage_usage(), data["owner"], size)
+    return size
+
+
+def settle(store: Store, settings: Settings, before: list[dict[str, str]]) -> None:
+    """The jobs of ``before`` (the active set a tick began with) that have ended since: pruned and counted."""
+    gone = {d["id"] for d in before} - set(store.r.smembers(keys.active()))
+    for data in store.raws(sorted(gone)):
+        if data.get("state") in ENDED:
+            try:
+                prune_ended(store, settings, data)
+            except OSError:
+                log.exception("pruning the checkpoints of %s", data["id"])
+
+
+def disk_reason(settings: Settings) -> str:
+    """Why no job may start now: the storage volume has less than ``TLAB_MIN_FREE_GB`` free ('' when it has)."""
+    if settings.min_free_gb <= 0:
+        return ""
+    path = Path(settings.storage_path)
+    while not path.exists() and path != path.parent:  # not made yet: the volume it will be made on
+        path = path.parent
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return ""
+    if free >= settings.min_free_gb * GB:
+        return ""
+    return (f"storage nearly full: {free / GB:.2f} GB free at {settings.storage_path}, TLAB_MIN_FREE_GB="
+            f"{settings.min_free_gb:g}: waiting until space is freed (`tlab rm` ended jobs)")
+
+
+def forget(store: Store, data: dict[str, str]) -> None:
+    """A deleted job's bytes off its owner's total."""
+    size = int(data.get("storage_bytes") or 0)
+    if size:
+        store.r.hincrby(keys.storage_usage(), data["owner"], -size)
+
+
+def used_bytes(store: Store, user: str) -> int:
+    return max(0, int(store.r.hget(keys.storage_usage(), user) or 0))
+
+
+def check_quota(store: Store, user: UserPublic) -> None:
+    """422 naming ``max_storage_gb`` when the user's ended jobs already hold their quota (admins are not bound)."""
+    cap = user.quotas.max_storage_gb
+    if cap is None or user.role.value == "admin":
+        return
+    used = used_bytes(store, user.name)
+    if used >= cap * GB:
+        raise InvalidInput(f"your jobs hold {used / GB:.2f} GB of storage, your max_storage_gb quota is {cap:g}: "
+                           "delete ended ones (`tlab rm ID`) or ask an admin to raise it", field="max_storage_gb")

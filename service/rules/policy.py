@@ -1,0 +1,234 @@
+"""Who starts next: a pure function of the queue, the running jobs, the cluster and each user's usage.
+
+Order: priority (higher first), then fair share (the user with less decayed recent usage first;
+starting a job charges its owner at once, so equal users alternate), then age. A job starts only
+when its whole gang of workers fits on the free resources of the cluster's nodes now (what the
+running jobs leave, and never more than Ray itself reports free), and within its owner's quotas
+(max_running_jobs, and max_gpus/max_cpus counted over all their starting/running jobs plus this one).
+A job over quota is skipped (it does not hold up other users). The first job that finds no room
+reserves what it is short of: later jobs that need that resource wait behind it, so big gangs are
+not starved by streams of small ones; jobs needing only other resources still start.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from api_schemas.jobs import Demand, Quotas
+
+CPU_WEIGHT = 0.125  # a CPU counts as 1/8 of a GPU in fair-share usage
+EPS = 1e-9
+
+
+def weight(demand: Demand) -> float:
+    """Fair-share cost of a gang per second: GPUs + CPUs/8."""
+    return demand.gpus + CPU_WEIGHT * demand.cpus
+
+
+@dataclass(frozen=True)
+class Node:
+    id: str
+    cpus: float
+    gpus: float
+    # what Ray itself reports in use on the node now (None: not known): on a shared cluster other Ray work,
+    # or a finished job's actors still being released, can hold more than Teleport Lab's own ledger says
+    cpus_used: float | None = None
+    gpus_used: float | None = None
+    gpu_type: str | None = None  # the node's GPU model (Ray's accelerator_type:<name> resource); None: not known
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    id: str
+    owner: str
+    priority: int
+    created_at: float
+    demand: Demand
+    after: tuple[str, ...] = ()  # jobs that must succeed first (service.rules.after)
+
+
+@dataclass(frozen=True)
+class ActiveJob:
+    id: str
+    owner: str
+    demand: Demand
+    placement: tuple[str, ...]  # node id per worker
+
+
+@dataclass
+class Decision:
+    starts: list[tuple[QueuedJob, list[str]]] = field(default_factory=list)  # (job, node per worker)
+    order: list[tuple[str, str]] = field(default_factory=list)  # still queued, in order: (id, why it waits)
+    # the first job that found no room: the one that may preempt (service.rules.victims)
+    reserved: QueuedJob | None = None
+
+
+def _ledger_free(nodes: list[Node], active: list[ActiveJob]) -> dict[str, list[float]]:
+    free = {n.id: [n.cpus, n.gpus] for n in nodes}
+    for job in active:
+        for node_id in job.placement:
+            if node_id in free:
+                free[node_id][0] -= job.demand.cpus_per_worker
+                free[node_id][1] -= job.demand.gpus_per_worker
+    return free
+
+
+def free_resources(nodes: list[Node], active: list[ActiveJob]) -> dict[str, list[float]]:
+    """node id -> [free CPUs, free GPUs]: what the active jobs' gangs leave, and never more than Ray itself
+    reports free (a gang that Ray cannot place would wait inside Ray with no reason shown)."""
+    free = _ledger_free(nodes, active)
+    for n in nodes:
+        if n.cpus_used is not None:
+            free[n.id][0] = min(free[n.id][0], n.cpus - n.cpus_used)
+        if n.gpus_used is not None:
+            free[n.id][1] = min(free[n.id][1], n.gpus - n.gpus_used)
+    return free
+
+
+def held_outside(nodes: list[Node], active: list[ActiveJob]) -> tuple[float, float]:
+    """CPUs and GPUs that Ray reports in use beyond what Teleport Lab's active jobs hold."""
+    ledger, free = _ledger_free(nodes, active), free_resources(nodes, active)
+    return (sum(max(0.0, ledger[k][0] - free[k][0]) for k in free),
+            sum(max(0.0, ledger[k][1] - free[k][1]) for k in free))
+
+
+def place(demand: Demand, free: dict[str, list[float]]) -> list[str] | None:
+    """A node per worker (packing the fullest-fitting nodes first), or None if the gang does not fit."""
+    left = {k: list(v) for k, v in free.items()}
+    out: list[str] = []
+    for _ in range(demand.workers):
+        fitting = [k for k, (c, g) in left.items()
+                   if c + EPS >= demand.cpus_per_worker and g + EPS >= demand.gpus_per_worker]
+        if not fitting:
+            return None
+        # prefer the node already used by this gang (locality), then the one with the least room left
+        node = min(fitting, key=lambda k: (k not in out, left[k][1], left[k][0]))
+        left[node][0] -= demand.cpus_per_worker
+        left[node][1] -= demand.gpus_per_worker
+        out.append(node)
+    return out
+
+
+def of_type(free: dict[str, list[float]], nodes: list[Node], demand: Demand) -> dict[str, list[float]]:
+    """``free`` on the nodes with the GPU model the gang asks for (``resources.gpu_type``; any node without one)."""
+    if not demand.gpu_type:
+        return free
+    typed = {n.id for n in nodes if n.gpu_type == demand.gpu_type}
+    return {k: v for k, v in free.items() if k in typed}
+
+
+def never_fits(demand: Demand, nodes: list[Node]) -> str | None:
+    """Why the gang cannot fit even an empty cluster (None if it can)."""
+    if place(demand, of_type({n.id: [n.cpus, n.gpus] for n in nodes}, nodes, demand)) is not None:
+        return None
+    if demand.gpu_type and not any(n.gpu_type == demand.gpu_type for n in nodes):
+        models = sorted({n.gpu_type for n in nodes if n.gpu_type}) or ["none known"]
+        return (f"resources.gpu_type={demand.gpu_type} but no node has that GPU model (the cluster has: "
+                f"{', '.join(models)}): name one of those, or drop gpu_type")
+    most_cpu = max((n.cpus for n in nodes), default=0)
+    most_gpu = max((n.gpus for n in nodes), default=0)
+    total_gpu = sum(n.gpus for n in nodes)
+    total_cpu = sum(n.cpus for n in nodes)
+    if demand.gpus_per_worker > most_gpu + EPS:
+        return (f"resources.gpus_per_worker={demand.gpus_per_worker:g} but the largest node has {most_gpu:g} GPUs: "
+                "lower gpus_per_worker (and raise workers)")
+    if demand.cpus_per_worker > most_cpu + EPS:
+        return (f"resources.cpus_per_worker={demand.cpus_per_worker:g} but the largest node has {most_cpu:g} CPUs: "
+                "lower cpus_per_worker")
+    return (f"resources: {demand.workers} workers x ({demand.cpus_per_worker:g} CPU, {demand.gpus_per_worker:g} GPU) "
+            f"= {demand.cpus:g} CPUs, {demand.gpus:g} GPUs; the whole cluster has {total_cpu:g} CPUs, "
+            f"{total_gpu:g} GPUs: lower resources.workers")
+
+
+def _describe_free(free: dict[str, list[float]]) -> str:
+    cpus = sum(max(0.0, c) for c, _ in free.values())
+    gpus = sum(max(0.0, g) for _, g in free.values())
+    return f"{cpus:g} CPUs, {gpus:g} GPUs free on {len(free)} node(s)"
+
+
+@dataclass
+class Held:
+    """What a user's starting/running jobs hold: the quotas' measure."""
+
+    jobs: int = 0
+    gpus: float = 0.0
+    cpus: float = 0.0
+
+    def add(self, demand: Demand) -> None:
+        self.jobs, self.gpus, self.cpus = self.jobs + 1, self.gpus + demand.gpus, self.cpus + demand.cpus
+
+
+def _quota_block(job: QueuedJob, quotas: Quotas, held: Held) -> str | None:
+    """Why starting ``job`` now would take its owner over a quota (None: within them all)."""
+    if held.jobs >= quotas.max_running_jobs:
+        return f"quota: {job.owner} has {held.jobs} of max_running_jobs={quotas.max_running_jobs} jobs running"
+    if held.gpus + job.demand.gpus > quotas.max_gpus + EPS:
+        return f"quota: needs {job.demand.gpus:g} GPUs; {job.owner} holds {held.gpus:g} of max_gpus={quotas.max_gpus:g}"
+    if held.cpus + job.demand.cpus > quotas.max_cpus + EPS:
+        return f"quota: needs {job.demand.cpus:g} CPUs; {job.owner} holds {held.cpus:g} of max_cpus={quotas.max_cpus:g}"
+    return None
+
+
+def decide(queued: list[QueuedJob], active: list[ActiveJob], nodes: list[Node], usage: dict[str, float],
+           quotas: dict[str, Quotas], start_charge_s: float = 60.0, blocked: dict[str, str] | None = None
+           ) -> Decision:
+    """Which queued jobs start now (and where), and the order and reason of those that wait. ``blocked`` (job id
+    -> why: waiting for a dependency) keeps a job in its place in the order without starting or reserving."""
+    free = free_resources(nodes, active)
+    outside_cpus, outside_gpus = held_outside(nodes, active)
+    outside = "" if outside_cpus <= EPS and outside_gpus <= EPS else (
+        f" (Ray reports {outside_cpus:g} CPUs, {outside_gpus:g} GPUs in use beyond Teleport Lab's running jobs: "
+        "other Ray work on the cluster, or a finished job's workers still being released)")
+    usage = dict(usage)
+    held: dict[str, Held] = {}
+    for job in active:
+        held.setdefault(job.owner, Held()).add(job.demand)
+
+    # each user's jobs in (priority, age) order; the users' heads compete on (priority, usage, age)
+    per_user: dict[str, list[tuple[int, float, str, QueuedJob]]] = {}
+    for job in queued:
+        heapq.heappush(per_user.setdefault(job.owner, []), (-job.priority, job.created_at, job.id, job))
+
+    def head_key(user: str) -> tuple[int, float, float, str]:
+        neg_prio, created, job_id, _ = per_user[user][0]
+        return (neg_prio, usage.get(user, 0.0), created, job_id)
+
+    decision = Decision()
+    reserved: QueuedJob | None = None
+    short_cpu = short_gpu = False
+    while per_user:
+        user = min(per_user, key=head_key)
+        job = heapq.heappop(per_user[user])[3]
+        if not per_user[user]:
+            del per_user[user]
+        why = (blocked or {}).get(job.id) or _quota_block(job, quotas.get(job.owner, Quotas()),
+                                                           held.get(job.owner, Held()))
+        if why is None and reserved is not None and ((short_cpu and job.demand.cpus > 0)
+                                                     or (short_gpu and job.demand.gpus > 0)):
+            why = f"behind {reserved.id}, which is next and waiting for room"
+        placement = place(job.demand, of_type(free, nodes, job.demand)) if why is None else None
+        if why is None and placement is None and (never := never_fits(job.demand, nodes)):
+            why = f"cannot fit the cluster as it is now (nodes missing?): {never}"  # waits without reserving
+        elif why is None and placement is None:
+            why = (f"no room: needs {job.demand.workers} x ({job.demand.cpus_per_worker:g} CPU, "
+                   f"{job.demand.gpus_per_worker:g} GPU) at once; {_describe_free(free)}{outside}")
+            if reserved is None:
+                reserved = decision.reserved = job
+                totals_c = sum(max(0.0, c) for c, _ in free.values())
+                totals_g = sum(max(0.0, g) for _, g in free.values())
+                biggest = max(free.values(), key=lambda cg: (cg[1], cg[0]), default=[0.0, 0.0])
+                short_cpu = job.demand.cpus > totals_c + EPS or job.demand.cpus_per_worker > biggest[0] + EPS
+                short_gpu = job.demand.gpus > totals_g + EPS or job.demand.gpus_per_worker > biggest[1] + EPS
+                if not (short_cpu or short_gpu):  # room in total but fragmented across nodes: hold both
+                    short_cpu, short_gpu = job.demand.cpus > 0, job.demand.gpus > 0
+        if why is not None or placement is None:
+            decision.order.append((job.id, why or "no room"))
+            continue
+        for node_id in placement:
+            free[node_id][0] -= job.demand.cpus_per_worker
+            free[node_id][1] -= job.demand.gpus_per_worker
+        held.setdefault(job.owner, Held()).add(job.demand)
+        usage[job.owner] = usage.get(job.owner, 0.0) + weight(job.demand) * start_charge_s
+        decision.starts.append((job, placement))
+    return decision

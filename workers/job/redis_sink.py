@@ -1,0 +1,68 @@
+"""Rank 0's metric sink into the job's Redis stream: batched, capped, exactly-once per epoch."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis
+
+from api_schemas import keys
+from api_schemas.redis_scripts import XADD_ONCE
+from workers.job.record import connect
+from workers.train.sinks import identity
+
+# runner record kind -> stream/SSE event kind
+EVENT_KIND = {"epoch": "metric", "teleport": "teleport", "log": "log"}
+
+
+class RedisSink:
+    """``emit`` buffers records; they are written with one script call per batch of ``batch_size``
+    records or every ``flush_seconds``, whichever comes first (and on ``close``)."""
+
+    def __init__(self, url: str, job_id: str, batch_size: int = 32, flush_seconds: float = 0.5,
+                 maxlen: int = keys.STREAM_MAXLEN, trial: str | None = None) -> None:
+        self.client = connect(url)  # retries through a Redis restart (workers.job.record)
+        self.script = self.client.register_script(XADD_ONCE)
+        self.job_id = job_id
+        self.trial = trial  # a sweep's trial: its events carry "trial" and are deduplicated per trial
+        self.batch_size, self.flush_seconds, self.maxlen = batch_size, flush_seconds, maxlen
+        self.buffer: list[dict[str, Any]] = []
+        self.last_flush = time.monotonic()
+
+    def emit(self, record: dict[str, Any]) -> None:
+        if self.trial:
+            record = {**record, "trial": self.trial}
+        self.buffer.append(record)
+        urgent = record.get("kind") in {"epoch", "status", "error", "summary", "start"}  # start: its time is read
+        if urgent or len(self.buffer) >= self.batch_size or time.monotonic() - self.last_flush > self.flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        args: list[Any] = [self.maxlen]
+        for record in self.buffer:
+            ident = identity(record)
+            if ident and self.trial:
+                ident = f"{self.trial}/{ident}"
+            args += [ident, EVENT_KIND.get(str(record.get("kind")), "status"),
+                     json.dumps(record, default=float)]
+        self.script(keys=[keys.events(self.job_id), keys.emitted(self.job_id)], args=args)
+        self.buffer.clear()
+        self.last_flush = time.monotonic()
+
+    def close(self) -> None:
+        self.flush()
+        self.client.close()
+
+
+def read_events(url: str, job_id: str) -> list[dict[str, Any]]:
+    """Every event of a job's stream, oldest first, as {"id", "kind", "data"} (for tests and tools)."""
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        entries = client.xrange(keys.events(job_id))
+    finally:
+        client.close()
+    return [{"id": eid, "kind": f["kind"], "data": json.loads(f["data"])} for eid, f in entries]

@@ -1,0 +1,167 @@
+"""The sandbox a job's own code runs in (issue 26; docs/security.md): bubblewrap, one per process that trains.
+
+Our code (a Ray job's driver, a gang rank's Ray task, a preflight's entrypoint) is the trusted supervisor: it holds the
+Ray connection and the job's ticket, and starts the payload (``python -m workers.payload``: the user's factories,
+loss and own loop) through ``launch``, which wraps it in ``bwrap``:
+
+- a private PID namespace (no other process's ``/proc``, no pid of ours to signal), IPC and UTS namespaces;
+- an unprivileged uid: 65534 in a user namespace of its own, with no capability on the host (bwrap drops them all);
+  on the host its files are its supervisor's (the namespace maps it), so of ``/etc`` only ``ETC`` is bound;
+- read-only: the system (``/usr``, ``/etc``, the ``/lib`` links), Python and its packages, our packages, the job's
+  code (its working directory), its data and the checkpoint it starts from; read-write: only its own job directory;
+  a private ``/tmp`` and ``/dev``; ``TLAB_SANDBOX_HIDE`` (the service's home) covered by an empty tmpfs;
+- an environment cleared, then only what the payload needs (``PASSED``): no Ray token, no Redis URL, no bucket key
+  (its Redis URL, the job's own ACL user, comes on a pipe: ``workers.payload``);
+- the network shared: the gang's process group and the metrics sink work as before.
+
+Measured as root here: a payload that is ``nobody`` on the host too (``setpriv`` inside a rootful bwrap) could not read
+what ``tlab up``'s umask 077 leaves 0700 (its data roots, the code Ray unpacks under its home) nor, started as nobody,
+bind what lies under ``/root`` (pyenv's Python), even from a descriptor; docs/security.md says what that leaves.
+
+``TLAB_SANDBOX=off`` (the admin's choice, knowingly: ``service.core.settings``) runs the payload as a plain child with
+the same cleared environment. Where bwrap cannot run (not installed, user namespaces off: ``unavailable``), a job
+without the user's code runs that way too, and one with it fails with one line (the API refuses it at submit).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+SETTING = "TLAB_SANDBOX"  # "off": no sandbox, knowingly; anything else: a sandbox wherever one can run
+HIDE = "TLAB_SANDBOX_HIDE"  # colon-separated directories the payload must never see (the service's home)
+NOBODY = 65534
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# of /etc only what Python, torch and a connection need: no /etc/shadow, no /etc/ssl/private (see ``bwrap_argv``)
+ETC = ("hosts", "resolv.conf", "nsswitch.conf", "host.conf", "gai.conf", "passwd", "group", "localtime", "timezone",
+       "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl/certs", "ca-certificates", "os-release",
+       "mime.types", "protocols", "services")
+OUR_PACKAGES = ("api_schemas", "objstore", "teleport", "workers")  # what ``workers.payload`` imports
+PASSED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "LANG", "LC_ALL",
+          "TLAB_KEEP_CHECKPOINTS", "TLAB_CHECKPOINT_EVERY_S", "TLAB_GANG_TIMEOUT_S", "TLAB_MAX_LOG_MB", "TLAB_DEBUG",
+          "TLAB_DATA", "TLAB_SANDBOX")
+
+
+class SandboxRefused(RuntimeError):
+    """The job runs the user's code, and no sandbox can run here (and the admin did not turn it off)."""
+
+
+def turned_off(environ: Mapping[str, str] = os.environ) -> bool:
+    return environ.get(SETTING, "").strip().lower() == "off"
+
+
+@dataclass
+class Mounts:
+    """What the payload sees of the file system besides the system and Python."""
+
+    writable: Path  # its own job directory
+    readable: list[Path] = field(default_factory=list)  # its code, data, the checkpoint it starts from
+    hidden: list[Path] = field(default_factory=list)  # never visible, even under a directory that is
+    workdir: Path | None = None  # where it starts (its code's directory; else its job directory)
+
+
+def hidden_dirs(environ: Mapping[str, str] = os.environ) -> list[Path]:
+    return [Path(p) for p in environ.get(HIDE, "").split(":") if p.strip()]
+
+
+def python_paths() -> list[Path]:
+    """Python's own directories and those on ``sys.path``, and our packages (an editable install's are elsewhere)."""
+    import importlib.util
+
+    found = [Path(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path) if p]
+    for name in OUR_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        found += [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    return found
+
+
+def _under(path: Path, roots: Sequence[Path]) -> bool:
+    return any(path == r or r in path.parents for r in roots)
+
+
+def _outermost(paths: Sequence[Path]) -> list[Path]:
+    """Existing directories and files, resolved, less those inside another of them; parents first."""
+    real = sorted({Path(os.path.realpath(p)) for p in paths if os.path.exists(p)}, key=lambda p: len(p.parts))
+    return [p for i, p in enumerate(real) if not _under(p, real[:i])]
+
+
+def parents(paths: Sequence[Path]) -> list[str]:
+    """``--dir`` (mode 0755) for each directory above ``paths``: bwrap run as root makes the missing ones 0700,
+    which ``nobody`` could not pass."""
+    made: dict[Path, None] = {}
+    for path in paths:
+        for parent in reversed(path.parents[:-1]):  # (not "/")
+            made.setdefault(parent)
+    return [a for p in made for a in ("--perms", "0755", "--dir", str(p))]
+
+
+def bwrap_argv(command: Sequence[str], env: Mapping[str, str], mounts: Mounts) -> list[str]:
+    """The bwrap command that runs ``command`` with exactly ``env`` and ``mounts`` (see the module)."""
+    argv = [shutil.which("bwrap") or "bwrap", "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),
+            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent",
+            "--new-session", "--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev"]
+    gpus = sorted(glob.glob("/dev/nvidia*"))  # a GPU job's cards (CUDA_VISIBLE_DEVICES says which); CUDA reads /sys
+    argv += [a for d in gpus for a in ("--dev-bind", d, d)] + (["--ro-bind", "/sys", "/sys"] if gpus else [])
+    for name in SYSTEM:
+        if os.path.islink(name):  # Debian's merged /usr: /bin -> usr/bin
+            argv += ["--symlink", os.readlink(name), name]
+    system = [Path(p) for p in SYSTEM if not os.path.islink(p)] + [Path("/etc", name) for name in ETC]
+    readable = [*system, *python_paths(), *mounts.readable]
+    outer = [p for p in _outermost(readable) if not _under(p, mounts.hidden)]
+    inner = _outermost([p for p in readable if _under(Path(os.path.realpath(p)), mounts.hidden)])
+    job_dir = Path(os.path.realpath(mounts.writable))
+    argv += parents([*outer, *inner, job_dir])
+    argv += [a for p in outer for a in ("--ro-bind", str(p), str(p))]
+    argv += [a for p in mounts.hidden if _under(p, outer) for a in ("--tmpfs", str(p))]  # the service's home
+    argv += [a for p in inner for a in ("--ro-bind", str(p), str(p))]  # what the job needs from under it
+    argv += ["--bind", str(job_dir), str(job_dir), "--remount-ro", "/", "--clearenv"]  # (/: what bwrap made)
+    for name, value in env.items():
+        argv += ["--setenv", name, value]
+    return [*argv, "--chdir", str(mounts.workdir or job_dir), "--", *command]
+
+
+def payload_env(code_dir: str | None) -> dict[str, str]:
+    """The payload's whole environment: ``PASSED`` (those set), a PATH to Python, HOME in its private /tmp."""
+    env = {k: os.environ[k] for k in PASSED if k in os.environ}
+    env.update(PATH=f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", HOME="/tmp",
+               PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
+    if code_dir:
+        env["PYTHONPATH"] = code_dir  # the job's package first on its path, as Ray's working_dir is
+    return env
+
+
+@cache
+def unavailable() -> str:
+    """'' when a sandbox can run here; else why not, in one line (probed with a real ``bwrap ... true``)."""
+    if shutil.which("bwrap") is None:
+        return "bubblewrap is not installed (no bwrap on PATH): `make sandbox`, or apt-get install bubblewrap"
+    probe = Path(os.environ.get("TMPDIR", "/tmp"))
+    try:
+        done = subprocess.run(bwrap_argv(["true"], {}, Mounts(writable=probe)), capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"bwrap did not start a sandbox: {err}"
+    if done.returncode != 0:
+        said = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        return (f"bwrap cannot start a sandbox here ({said}): are user namespaces allowed "
+                "(sysctl user.max_user_namespaces, kernel.unprivileged_userns_clone)?")
+    return ""
+
+
+def required(user_code: bool) -> bool:
+    """Whether this job's payload runs in a sandbox: wherever one can run, unless turned off; where none can, a job
+    with the user's code is refused (``SandboxRefused``), one without runs as a plain child."""
+    if turned_off():
+        return False
+    why = unavailable()
+    if why and user_code:
+        raise SandboxRefused(f"this job runs your code, and no sandbox can run on this node: {why} "
+                             f"(or the admin sets {SETTING}=off, knowingly)")
+    return not why

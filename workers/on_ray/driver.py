@@ -1,0 +1,281 @@
+"""A job trains in its Ray job's driver: the same loop, no Ray Train controller or worker group (several
+workers: the driver is rank 0 of a gang it leads, ``workers.on_ray.gang``).
+
+A single rank needs no process group, so ``run_in_driver`` runs ``workers.train.loop.train`` right in the
+driver process (Ray gives the entrypoint the job's CPUs and GPUs: ``service.launch.ray_cluster.RayJobs.submit``)
+and does by hand the three things Ray Train did for it:
+
+- checkpoints: ``DriverContext.save`` writes ``<storage>/<job>/checkpoint_<time>/`` in Ray Train's own layout
+  and naming (``checkpoint.pt`` + ``meta.json``; written to a hidden directory, then renamed, so a kill never
+  leaves half a checkpoint) and keeps the last ``TLAB_KEEP_CHECKPOINTS``; ``restore`` reads the newest, so
+  ``workers.job.artifacts`` exports them and a job that changes path on a retry goes on from where it was;
+- retries: a failure other than a deterministic one goes on from the last checkpoint, at most
+  ``max_failures`` times (Ray Train's ``FailureConfig``); a diverged run ends as failed, as ``train_worker``;
+- the summary: the loop's own, which is what its last checkpoint reported (Ray Train's ``result.metrics``).
+
+Each epoch and teleport batch still reaches the job's stream once: the ``RedisSink`` deduplicates them
+(``workers.train.sinks.identity``), so a retry that redoes an epoch does not report it twice.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from api_schemas import ExperimentSpec
+from workers.job.artifacts import checkpoints, last_training_state
+from workers.job.bucket import pull_checkpoint, push_later
+from workers.job.redis_sink import RedisSink
+from workers.job.start_from import start_checkpoint  # noqa: F401 (its old home: ``workers.job.start_from``)
+from workers.train.context import (
+    CheckpointRefused,
+    RunContext,
+    checkpoint_every_s,
+    detached_copy,
+    keep_checkpoints,
+    read_checkpoint,
+    write_checkpoint,
+)
+from workers.train.failure import JobFailed, failure_reason, out_of_space
+from workers.train.gpu_share import claim_device, device_report, oom_named
+from workers.train.sinks import MetricSink
+from workers.train.startup import mark
+
+TMP_PREFIX = ".tmp-checkpoint_"  # never matches ``checkpoint_*``: a half-written one is never read
+# errors that a retry from the checkpoint would only repeat: a bad spec, the user's code not importing, a refused
+# checkpoint, a failure already explained; anything else (a lost connection, a full disk, a CUDA error) is retried
+NOT_RETRIED: tuple[type[BaseException], ...] = (
+    ValueError, TypeError, LookupError, AttributeError, NameError, ImportError, SyntaxError, NotImplementedError,
+    CheckpointRefused, JobFailed,
+)
+
+
+def checkpoint_name() -> str:
+    """Ray Train's own name for a checkpoint (``checkpoint_<date>_<time>.<µs>``): the two kinds sort together."""
+    return f"checkpoint_{datetime.today().strftime('%Y-%m-%d_%H-%M-%S.%f')}"
+
+
+class CheckpointWriter:
+    """One background thread that writes checkpoints in the order they were saved, one at a time.
+
+    Measured (benchmarks/ray_overhead.py, digits MLP [512, 512], 51-ms epochs): writing each epoch's checkpoint
+    in the loop cost ~3 ms an epoch (6 %), and an upload to a bucket 60-200 ms. Here the loop pays a copy of the
+    state (``detached_copy``) and waits only when the previous write has not finished. A write's error is raised
+    by the next ``submit`` or by ``flush``; a stop (SIGTERM raises in the main thread, maybe while it waits) does
+    not interrupt a write, which stays pending until a ``flush`` has seen it end, so the flush before the process
+    ends leaves the last one on disk. Bucket uploads run on a thread of their own (``workers.job.bucket.push_later``).
+    A kill leaves at most a hidden half-written directory, dropped by the next run (``DriverContext.drop_partial``)."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tlab-checkpoint")
+        self._pending: Future[None] | None = None
+
+    def submit(self, write: Callable[[Any], None], item: Any) -> None:
+        self.flush()
+        self._pending = self._pool.submit(write, item)
+
+    def flush(self) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        try:
+            pending.result()
+        finally:  # a stop raised while waiting leaves the write pending: the next flush waits for it again
+            if pending.done():
+                self._pending = None
+
+
+@dataclass
+class HeldCheckpoint:
+    """A saved epoch's state (a copy), named by its save time, and whether it went to the writer yet."""
+
+    name: str
+    state: dict[str, Any]
+    submitted: bool = False
+
+
+class DriverContext(RunContext):
+    """One rank in the driver process: checkpoints under ``run_dir``, kept ``keep`` at a time."""
+
+    def __init__(self, sink: MetricSink, run_dir: str | Path, *, device: torch.device | None = None,
+                 artifacts_dir: str | Path | None = None, keep: int | None = None,
+                 start_from: Path | None = None, rank: int = 0, world_size: int = 1) -> None:
+        """``start_from``: another run's checkpoint directory to start from while this run has none of its own
+        (a continued or forked job: ``start_checkpoint``). ``rank``/``world_size``: a rank of a driver-led gang
+        (``workers.on_ray.gang``); rank 0 is the run directory's only writer."""
+        super().__init__(device=device or torch.device("cpu"), sink=sink, rank=rank, world_size=world_size)
+        self.run_dir = Path(run_dir)
+        self.start_from = start_from
+        self.keep = keep_checkpoints() if keep is None else keep
+        self.every_s = checkpoint_every_s()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._writer: CheckpointWriter | None = None
+        self._recent: deque[HeldCheckpoint] = deque(maxlen=self.keep)  # the last saves (``save``)
+        self._last_write = -float("inf")
+        if self.is_chief:
+            self.drop_partial()  # what a kill left mid-write
+        if artifacts_dir is not None:
+            self.artifacts_dir = Path(artifacts_dir)
+            self.artifacts_dir.mkdir(parents=True, exist_ok=True)
+
+    def checkpoints(self) -> list[Path]:
+        """This run's complete checkpoints, newest first (``workers.job.artifacts.checkpoints``)."""
+        return checkpoints([self.run_dir])
+
+    def drop_partial(self) -> None:
+        """Remove half-written checkpoints (this process is the run directory's only writer)."""
+        for partial in self.run_dir.glob(f"{TMP_PREFIX}*"):
+            shutil.rmtree(partial, ignore_errors=True)
+
+    def save(self, state: dict[str, Any], metrics: dict[str, Any]) -> None:
+        """Write the checkpoint in the background (``CheckpointWriter``): the loop goes on with the next epoch
+        while a copy of ``state`` is written, rotated and (with a bucket) uploaded; one write at a time, in order.
+
+        Within ``every_s`` of the last write (``TLAB_CHECKPOINT_EVERY_S``) the copy is only held: the last ``keep``
+        copies are, each named by its save time, and ``flush`` (the run's end, a stop, a failure) writes those not
+        written yet, so an ended run keeps its last ``keep`` epochs as before (what continue and fork name); only a
+        kill loses the interval. Measured (digits MLP [512, 512], 1 CPU, 60-ms epochs): writing its 1.2-MB state
+        costs ~1.5-2 ms of CPU (torch.save, the file, the rotation), the copy 0.13 ms. A failure's marker
+        (``{"failed": ...}``) is written at once, after the copies held before it."""
+        entry = HeldCheckpoint(checkpoint_name(), detached_copy(state))
+        self._recent.append(entry)
+        if "failed" in state:
+            self._write_held()
+        elif time.monotonic() - self._last_write >= self.every_s:
+            self._submit(entry)  # the copies held before it are written only if a flush still holds them
+
+    def flush(self) -> None:
+        """Write the held copies, if any, and wait until every checkpoint saved so far is on disk."""
+        self._write_held()
+        if self._writer is not None:
+            self._writer.flush()
+
+    def _write_held(self) -> None:
+        for entry in self._recent:  # oldest first (their names sort the same way whenever they are written)
+            if not entry.submitted:
+                self._submit(entry)
+
+    def _submit(self, entry: HeldCheckpoint) -> None:
+        if self._writer is None:
+            self._writer = CheckpointWriter()
+        self._last_write = time.monotonic()
+        self._writer.submit(self._write, entry)
+        entry.submitted = True  # marked once submitted: a stop raised in ``submit`` leaves it to the next flush
+
+    def _write(self, entry: HeldCheckpoint) -> None:
+        try:  # the temporary directory is made inside: a stop may land between its mkdir and mkdtemp's return
+            tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=self.run_dir))
+            write_checkpoint(entry.state, tmp)
+            final = self.run_dir / entry.name  # the save's time: a copy held, then written, sorts in epoch order
+            while final.exists():  # two saves within one microsecond
+                final = self.run_dir / checkpoint_name()
+            os.rename(tmp, final)  # atomic on one filesystem: readers see all of it or none
+            mark("checkpoint")  # the first one: the start-up timeline (``workers.train.startup``)
+        except Exception as err:  # a full disk: the previous checkpoint stays, and the job ends saying so
+            full = out_of_space(err, self.run_dir, self.checkpoints())  # (before the partial one goes)
+            self.drop_partial()
+            if full is None:
+                raise
+            raise full from err
+        except BaseException:  # a stop in the middle: leave nothing half-written (a kill leaves it to the next run)
+            self.drop_partial()
+            raise
+        for old in self.checkpoints()[self.keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+        if self.is_chief:  # with a bucket: uploaded on a thread no flush waits for (``workers.job.bucket``)
+            push_later(self.run_dir.parent, self.run_dir.name)
+
+    def restore(self) -> dict[str, Any] | None:
+        """The newest checkpoint of this run that holds a model (a diverged run's last one holds only its
+        failure; with none here, the bucket's newest when storage is one); with none, the one it was told to start
+        from (if any)."""
+        pull_checkpoint(self.run_dir.parent, self.run_dir.name)  # the bucket's, when newer than any here
+        found = last_training_state([self.run_dir])
+        if found is None and self.start_from is not None:
+            return read_checkpoint(self.start_from)
+        return None if found is None else found[1]
+
+
+def retried(err: BaseException, never: tuple[type[BaseException], ...] = ()) -> bool:
+    """Whether a failure is worth another try from the last checkpoint (``never``: more types that are not)."""
+    return isinstance(err, Exception) and not isinstance(err, (*NOT_RETRIED, *never))
+
+
+def attempt(spec: ExperimentSpec, ctx: DriverContext) -> dict[str, Any]:
+    """One try of the loop: its summary, which is what its last checkpoint reported (even when a retry had no
+    epoch left to do); a diverged run's is ``{"failed": True, "reason": ...}``, as ``train_worker`` reports it."""
+    from workers.train.loop import TrainingDiverged, train
+
+    try:
+        with oom_named(spec.resources):
+            summary = train(spec, ctx)
+    except TrainingDiverged as err:
+        # it would diverge again from its last checkpoint: end the run as failed instead of a retry
+        failed = {"failed": True, "reason": str(err)}
+        ctx.save({"failed": str(err)}, failed)
+        ctx.flush()
+        return failed
+    summary.pop("params")
+    return {**summary, **device_report(ctx.device)}  # the device, the GPUs it saw, its peak GPU memory
+
+
+def close_quietly(sink: RedisSink, record: dict[str, Any] | None = None) -> None:
+    """Emit ``record`` and close the sink while another exception is on its way: a stop that arrived in the
+    middle of a write can leave the connection unusable, and that must not hide why the run ended."""
+    try:
+        if record is not None:
+            sink.emit(record)
+        sink.close()
+    except Exception:
+        traceback.print_exc()
+
+
+def run_in_driver(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str | Path, max_failures: int,
+                  artifacts: str | Path | None = None, stopped: tuple[type[BaseException], ...] = (),
+                  start_from: Path | None = None, placement: Sequence[str] = (), ranks: Any = None) -> dict[str, Any]:
+    """Train ``spec`` in this process, reporting to the job's Redis stream; retry from the last checkpoint up
+    to ``max_failures`` times. Returns the summary (``attempt``). ``stopped``: what a stop raises
+    (``workers.run.Stopped``, the class of the running ``__main__``): never retried. ``start_from``: the
+    checkpoint to start from while the run has none of its own (``start_checkpoint``). With several workers
+    this process is rank 0 of a gang it leads (``workers.on_ray.gang``; ``placement``: the scheduler's node per rank;
+    ``ranks``: the first try's other ranks, if started already: ``workers.on_ray.gang_start.Ranks``)."""
+    device = claim_device(spec)  # (its share of the card fenced before any model is built)
+    failures = 0
+    while True:
+        sink = RedisSink(redis_url, job_id)
+        try:
+            if spec.resources.workers > 1:
+                from workers.on_ray.gang import lead
+
+                first, ranks = ranks, None  # a retry starts its own
+                summary = lead(spec, job_id, redis_url, storage, sink, device, artifacts, start_from, placement,
+                               first)
+            else:
+                summary = attempt(spec, DriverContext(sink, Path(storage) / job_id, device=device,
+                                                      artifacts_dir=artifacts, start_from=start_from))
+        except BaseException as err:
+            failures += 1
+            if not retried(err, stopped) or failures > max_failures:
+                close_quietly(sink)
+                raise
+            traceback.print_exc()  # the whole story, for the job's log
+            note = (f"retry {failures} of TLAB_MAX_FAILURES={max_failures} from the last checkpoint after: "
+                    f"{failure_reason(err)}")
+            print(note, file=sys.stderr, flush=True)
+            close_quietly(sink, {"kind": "log", "level": "warning", "message": note})
+            continue
+        sink.close()
+        return summary

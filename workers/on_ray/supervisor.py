@@ -1,0 +1,262 @@
+"""The trusted side of a job's process (issue 26): it starts the job's training as a payload in a sandbox
+(``workers.payload`` under ``workers.job.sandbox``) and keeps what the payload must not have: the Ray connection, the
+job's ticket, every other job's files.
+
+- ``supervise``: what a Ray job's driver does for an experiment (``workers.run``): each try is one payload (rank 0,
+  which leads a gang as ``workers.on_ray.gang`` does); a gang's other ranks are Ray tasks started here
+  (``workers.on_ray.gang_start.Ranks``), watched while the payload runs: one that fails ends the try. A failure worth a
+  retry goes on from the last checkpoint, at most ``max_failures`` times, as ``workers.on_ray.driver.run_in_driver``.
+- ``supervise_rank``: what a gang rank's Ray task does: one payload that joins the gang.
+
+No torch here: the payload is started before anything imports it (start-up stays as it was: one import of torch,
+in the payload). A SIGTERM (Ray's stop) reaches the payload from Ray too; the supervisor forwards it (a payload takes
+one stop) and waits for the payload to save and export, within Ray's grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from api_schemas import ExperimentSpec
+from workers.job import sandbox
+from workers.job.redis_sink import RedisSink
+from workers.on_ray.gang_start import Ranks
+from workers.payload import Orders, Outcome
+from workers.train.failure import JobFailed
+from workers.train.startup import adopt
+
+WATCH_S = 0.2  # how often the supervisor looks at the gang's other ranks while its payload runs
+PUSH_EVERY_S = 10.0  # with a bucket: the job directory is uploaded this often while the payload runs
+
+
+def user_code(spec: ExperimentSpec) -> bool:
+    return bool(spec.user_code_fields())
+
+
+def refuse_unsandboxed(spec: ExperimentSpec) -> None:
+    """A job whose code would run outside a sandbox (Ray Train's workers: ``TLAB_IN_DRIVER=0``) fails at start,
+    with one line, unless the admin turned the sandbox off."""
+    if user_code(spec) and not sandbox.turned_off():
+        raise sandbox.SandboxRefused("TLAB_IN_DRIVER=0 trains in Ray Train's workers, where no sandbox holds your "
+                                     f"code: unset it, or the admin sets {sandbox.SETTING}=off, knowingly")
+
+
+def mounts(spec: ExperimentSpec, job_dir: Path, start_from: str | None) -> sandbox.Mounts:
+    """The job directory (read-write); its code, data and start checkpoint."""
+    code = code_dirs(spec)
+    data = [Path(p) for p in (spec.dataset.root, spec.dataset.path) if p and Path(p).is_absolute()]
+    readable = [*code, *data, *([Path(start_from)] if start_from else [])]
+    return sandbox.Mounts(writable=job_dir, readable=readable, hidden=sandbox.hidden_dirs(),
+                          workdir=code[0] if code else None)
+
+
+def code_dirs(spec: ExperimentSpec) -> list[Path]:
+    """Where the job's package is: what Ray put on ``PYTHONPATH`` (its ``working_dir``, first; a Tune trial runs in
+    its trial's directory, not there), else this directory."""
+    if spec.code is None or not spec.code.package:
+        return []
+    on_path = [Path(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.isdir(p)]
+    return on_path or [Path.cwd()]
+
+
+def payload_argv(spec: ExperimentSpec, job_dir: Path, start_from: str | None) -> tuple[list[str], dict[str, str]]:
+    """The payload's command line (in bwrap when ``sandbox.required``) and the environment to start it with."""
+    command = [sys.executable, "-m", "workers.payload"]
+    box = mounts(spec, job_dir, start_from)
+    env = sandbox.payload_env(os.pathsep.join(str(p) for p in code_dirs(spec)))
+    job_dir.mkdir(parents=True, exist_ok=True)
+    if not sandbox.required(user_code(spec)):
+        return command, {**env, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return sandbox.bwrap_argv(command, env, box), {}  # bwrap's own, none: the sandbox reads its /proc/1/environ
+
+
+def no_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # bwrap dies of one and takes the payload with it: Ray's stop
+
+
+def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ranks | None = None,
+                relay: Callable[[bytes], None] | None = None) -> Outcome:
+    """Start the payload, hand it its orders, wait (watching ``ranks``; ``relay``: each line it reports, answered
+    once handled: ``workers.on_ray.trial_bridge``), and read how it ended."""
+    read_fd, orders.result_fd = os.pipe()
+    lines = answers = None
+    if relay is not None:
+        (lines, orders.report_fd), (orders.answer_fd, answers) = os.pipe(), os.pipe()
+    theirs = [fd for fd in (orders.result_fd, orders.report_fd, orders.answer_fd) if fd is not None]
+    shared = [orders.listen_fd] if orders.listen_fd is not None else []  # (the gang's socket stays its Ranks')
+    proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, pass_fds=theirs + shared, preexec_fn=no_sigterm)
+    for fd in theirs:
+        os.close(fd)
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(asdict(orders)).encode())
+        proc.stdin.close()
+        if relay is not None and lines is not None and answers is not None:
+            relayed(relay, lines, answers)
+        rank_error = wait(proc, ranks, orders)
+    except BaseException:  # a stop (SIGTERM raised here): the payload saves and exports, then ends
+        stop(proc)
+        raise
+    finally:
+        with os.fdopen(read_fd) as result:
+            raw = result.read()
+    return outcome(raw, proc.returncode, rank_error)
+
+
+def relayed(relay: Callable[[bytes], None], lines: int, answers: int) -> None:
+    """Each line the payload reports, handled and answered, until it closes its end."""
+    with os.fdopen(lines, "rb") as reports, os.fdopen(answers, "wb") as out:
+        for line in reports:
+            relay(line)
+            out.write(b"ok\n")
+            out.flush()
+
+
+def wait(proc: subprocess.Popen, ranks: Ranks | None, orders: Orders) -> str:
+    """Until the payload ends; a rank of its gang that fails first ends it, and its error is returned."""
+    from workers.job.bucket import push
+
+    pushed = time.monotonic()
+    while proc.poll() is None:
+        if ranks is not None and ranks.refs:
+            error = rank_failure(ranks)
+            if error:
+                stop(proc)
+                return error
+        try:
+            proc.wait(timeout=WATCH_S)
+        except subprocess.TimeoutExpired:
+            pass
+        if time.monotonic() - pushed > PUSH_EVERY_S:  # (nothing without a bucket)
+            push(orders.storage, orders.job_id)
+            pushed = time.monotonic()
+    return ""
+
+
+def rank_failure(ranks: Ranks) -> str:
+    """The error of a rank that ended with one ('' while none did)."""
+    import ray
+
+    done, ranks.refs = ray.wait(ranks.refs, num_returns=len(ranks.refs), timeout=0)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except Exception as err:
+            from workers.train.failure import failure_reason
+
+            return f"a rank of the gang failed: {failure_reason(err)}"
+    return ""
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM to the payload (bwrap's child), then SIGKILL after ``grace_s`` (Ray's own stop comes first)."""
+    import psutil
+
+    try:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.send_signal(signal.SIGTERM)
+    except psutil.Error:
+        pass
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def outcome(raw: str, code: int | None, rank_error: str) -> Outcome:
+    """The payload's own account; without one, its exit status in words (killed: its memory, likely)."""
+    if raw:
+        done = Outcome(**json.loads(raw))
+        adopt(done.startup)  # the start-up timeline: the payload's phases are the job's
+        if rank_error and done.summary is None:
+            return Outcome(error=rank_error, retried=True)
+        return done
+    if rank_error:
+        return Outcome(error=rank_error, retried=True)
+    how = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+    return Outcome(error=f"the training process ended with {how} and said nothing (killed: out of memory?)",
+                   retried=True)
+
+
+def supervise(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str, max_failures: int,
+              artifacts: Path | None, start_from: Path | None, placement: list[str],
+              ranks: Ranks | None = None) -> dict[str, Any]:
+    """Train ``spec``: a payload per try, retried from the last checkpoint; the summary (see the module)."""
+    argv, env = payload_argv(spec, Path(storage) / job_id, str(start_from) if start_from else None)
+    failures = 0
+    while True:
+        if spec.resources.workers > 1 and ranks is None:  # a retry starts its own
+            ranks = Ranks(spec, job_id, redis_url, storage, placement, artifacts)
+        orders = Orders(spec.model_dump_json(), job_id, redis_url, storage, -1, str(artifacts) if artifacts else None,
+                        str(start_from) if start_from else None)
+        if ranks is not None:
+            orders.host, orders.port, orders.listen_fd = ranks.host, ranks.port, ranks.sock.fileno()
+        try:
+            done = run_payload(orders, argv, env, ranks)
+        finally:
+            if ranks is not None:
+                ranks.stop()
+            ranks = None
+        if done.summary is not None:
+            return done.summary
+        failures += 1
+        if done.stopped:
+            raise KeyboardInterrupt(done.error)  # (not reached: the supervisor's own SIGTERM raised first)
+        if not done.retried or failures > max_failures:
+            raise JobFailed(done.error)
+        retry_note(redis_url, job_id, failures, max_failures, done.error)
+
+
+def retry_note(redis_url: str, job_id: str, failures: int, max_failures: int, error: str) -> None:
+    note = f"retry {failures} of TLAB_MAX_FAILURES={max_failures} from the last checkpoint after: {error}"
+    print(note, file=sys.stderr, flush=True)
+    sink = RedisSink(redis_url, job_id)
+    sink.emit({"kind": "log", "level": "warning", "message": note})
+    sink.close()
+
+
+def supervise_rank(spec_json: str, job_id: str, redis_url: str, storage: str, rank: int, world: int, host: str,
+                   port: int, artifacts: str | None) -> None:
+    """A gang rank's Ray task: its payload joins the gang (``workers.on_ray.gang``); its log kept as ``rank-<k>``."""
+    import redis
+
+    from workers.job.logs import capture
+    from workers.job.record import attempt_of
+    from workers.job.start_from import start_checkpoint
+
+    with capture(storage, job_id, f"rank-{rank}", attempt_of(redis_url, job_id)):
+        spec = ExperimentSpec.model_validate_json(spec_json)
+        with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+            start = start_checkpoint(client, job_id, storage)
+        argv, env = payload_argv(spec, Path(storage) / job_id, str(start) if start else None)
+        orders = Orders(spec_json, job_id, redis_url, storage, -1, artifacts, str(start) if start else None,
+                        rank=rank, host=host, port=port)
+        done = run_payload(orders, argv, env)
+        if done.summary is None:
+            raise RuntimeError(done.error)
+
+
+def supervise_preflight(job_id: str, redis_url: str, storage: str) -> int:
+    """A preflight's Ray job: ``workers.preflight.run_preflight`` (the user's code: import, build, one step) as a
+    payload in the job's sandbox; 0 when it wrote a verdict, as before."""
+    import redis
+
+    from workers.run import load_job_spec
+
+    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+        spec = load_job_spec(client, job_id)
+    argv, env = payload_argv(spec, Path(storage) / job_id, None)
+    done = run_payload(Orders(spec.model_dump_json(), job_id, redis_url, storage, -1, kind="preflight"), argv, env)
+    if done.summary is None:
+        print(f"preflight: {done.error}", file=sys.stderr, flush=True)
+    return 0 if done.summary is not None else 1

@@ -1,0 +1,61 @@
+"""A sweep's rerun in its driver: the trials the service marked (``service/api/sweep_rerun.py``) run again.
+
+``Tuner.restore`` decides per trial *status* what to do (resume unfinished trials, resume or skip errored ones),
+not per trial. So before restoring, ``resume_only`` rewrites the statuses in Tune's newest experiment state file
+(``experiment_state-*.json``: ``trial_data`` is a list of ``[trial JSON, run metadata JSON]``, the trial JSON a
+plain object with ``trial_id`` and ``status``): a marked trial that errored becomes ``PENDING``, i.e. unfinished,
+which ``resume_unfinished`` resumes under its id from its last checkpoint, as Tune does after a crash (from
+scratch when it kept none); errored trials not marked stay ``ERROR`` (``resume_errored=False`` skips them).
+Unfinished trials (cut off when the sweep ended: the service marks them all, see there) resume as after a crash.
+A restart of the rerun's driver (its Ray job vanished) does the same again: the marks stay in the rows until the
+next rerun.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any
+
+from api_schemas import keys
+from workers.run import SetupError
+
+
+def marked_trials(client: Any, job_id: str) -> set[str]:
+    """The trials the latest rerun named, read from the trials table."""
+    return {row["trial"] for row in map(json.loads, client.hvals(keys.trials(job_id))) if row.get("rerun")}
+
+
+def state_gone(path: str) -> SetupError:
+    return SetupError(f"rerun: no Tune experiment state in {path}: the sweep's storage was cleaned, so its trials "
+                      "cannot resume; submit the sweep again")
+
+
+def newest_state(path: str) -> str:
+    found = sorted(glob.glob(os.path.join(glob.escape(path), "experiment_state-*.json")))
+    if not found:
+        raise state_gone(path)
+    return found[-1]  # Tune's own choice (_find_newest_experiment_checkpoint): the greatest name
+
+
+def resume_only(path: str, rerun: set[str]) -> list[str]:
+    """Rewrite the newest experiment state so a restore resumes the errored trials of ``rerun`` (module doc); the
+    ids of ``rerun`` Tune will run (a marked trial that already finished in this rerun will not)."""
+    state_file = newest_state(path)
+    with open(state_file) as f:
+        state = json.load(f)
+    resumed = []
+    for entry in state["trial_data"]:
+        trial = json.loads(entry[0])
+        if trial.get("trial_id") not in rerun or trial.get("status") == "TERMINATED":
+            continue
+        resumed.append(trial["trial_id"])
+        if trial.get("status") == "ERROR":
+            trial["status"] = "PENDING"
+            entry[0] = json.dumps(trial, indent=2)
+    tmp = f"{state_file}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(state, f)
+    os.replace(tmp, state_file)
+    return resumed

@@ -1,0 +1,349 @@
+"""The training loop, written once: ``tlab run --local`` runs it in this process, Ray Train on every rank.
+
+``train(spec, ctx)`` reads top to bottom: seed, data, model, optimizer; optional warm-up steps;
+then per epoch (paper, Algorithm 1) teleport on ``teleport.batches`` random batches if the epoch
+is scheduled, one epoch of the primary optimizer, and an evaluation. Every record goes to
+``ctx.sink``:
+
+- ``{"kind": "start", ...}`` once: dataset, model, parameter count, the spec;
+- ``{"kind": "teleport", "epoch", "batch", **TeleportReport.to_dict()}`` per teleport batch, and
+  ``{"kind": "budget", ...}`` when ``teleport.budget`` cut an epoch's teleport short (``workers.train.teleporting``);
+- ``{"kind": "epoch", "epoch", "train_loss", "test_loss", "test_acc" (classification),
+  "test_ppl" (lm), "seconds", "teleport_seconds"}`` per epoch (times are cumulative);
+- ``{"kind": "error", ...}`` before ``TrainingDiverged`` is raised; ``{"kind": "summary", ...}`` last.
+
+``run_local(spec, out_dir)`` wraps it for one process: ``DIR/metrics.jsonl``, ``DIR/summary.json``
+and ``DIR/curves.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from api_schemas import ExperimentSpec
+from workers.train.budget import TeleportBudget
+from workers.train.build import (
+    autocast,
+    basis_executor,
+    build_optimizer,
+    build_parts,
+    num_threads,
+    reset_optimizer_state,
+    seed_everything,
+    select_device,
+    select_dtype,
+    teleport_config,
+)
+from workers.train.context import RunContext
+from workers.train.gpu_share import device_report
+from workers.train.sinks import JsonlSink, MemorySink, MetricSink, TeeSink
+from workers.train.teleporting import TeleportDiverged, Teleporter, sample_batch, steps_per_epoch, to_device
+
+__all__ = ["TrainingDiverged", "evaluate", "param_count", "run_local", "sample_batch", "summarize", "to_device",
+           "train"]
+
+WARMUP_EPOCH = 1_000_000  # loader seed offset for warm-up passes, apart from the epochs' own
+
+
+class TrainingDiverged(RuntimeError):
+    """A loss became NaN or infinite; the message names the epoch and what to lower."""
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def param_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _finite(value: float) -> bool:
+    return math.isfinite(value)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: Any, loss_fn: Any, task: str, ctx: RunContext,
+             dtype: torch.dtype) -> dict[str, float]:
+    """Sample-weighted mean test loss (all ranks' shards), accuracy for classification, perplexity for lm."""
+    was_training = model.training
+    model.eval()
+    total, count, correct = 0.0, 0.0, 0.0
+    for batch in loader:
+        x, y = to_device(batch, ctx.device, dtype)
+        out = model(x)  # (B, C), (B, D) or (B, T, V)
+        total += float(loss_fn(out, y)) * y.shape[0]
+        count += y.shape[0]
+        if task == "classification":
+            correct += float((out.argmax(dim=-1) == y).sum())
+    model.train(was_training)
+    total, count, correct = ctx.all_reduce_sum([total, count, correct])
+    if count == 0:
+        raise ValueError("the test set is empty: raise dataset.max_test or dataset.test_fraction")
+    metrics = {"test_loss": total / count}
+    if task == "classification":
+        metrics["test_acc"] = correct / count
+    if task == "lm":
+        metrics["test_ppl"] = math.exp(min(metrics["test_loss"], 700.0))
+    return metrics
+
+
+def summarize(history: list[dict[str, Any]], target_loss: float | None,
+              teleport_batches: int) -> dict[str, Any]:
+    """Final and best losses, time, teleport's share of it, and epochs/seconds to ``target_loss``."""
+    last = history[-1] if history else {}
+    seconds = float(last.get("seconds", 0.0))
+    tele = float(last.get("teleport_seconds", 0.0))
+    out: dict[str, Any] = {
+        "epochs": len(history),
+        "final_train_loss": last.get("train_loss"),
+        "final_test_loss": last.get("test_loss"),
+        "best_test_loss": min((h["test_loss"] for h in history), default=None),
+        "seconds": seconds,
+        "teleport_seconds": tele,
+        "teleport_share": tele / seconds if seconds > 0 else 0.0,
+        "teleport_batches": teleport_batches,
+        "target_loss": target_loss,
+        "epochs_to_target": None,
+        "seconds_to_target": None,
+    }
+    if "test_acc" in last:
+        out["final_test_acc"] = last["test_acc"]
+        out["best_test_acc"] = max(h["test_acc"] for h in history)
+    if "test_ppl" in last:
+        out["final_test_ppl"] = last["test_ppl"]
+        out["best_test_ppl"] = min(h["test_ppl"] for h in history)
+    if target_loss is not None:
+        hit = next((h for h in history if h["train_loss"] < target_loss), None)
+        if hit is not None:
+            out["epochs_to_target"] = hit["epoch"] + 1
+            out["seconds_to_target"] = hit["seconds"]
+    return out
+
+
+def _diverged(ctx: RunContext, where: str, epoch: int, what: str, hint: str) -> TrainingDiverged:
+    message = f"training diverged at epoch {epoch} ({where}): {what}; {hint}"
+    ctx.sink.emit({"kind": "error", "epoch": epoch, "where": where, "message": message})
+    return TrainingDiverged(message)
+
+
+# ------------------------------------------------------------------------ the loop
+
+
+def train(spec: ExperimentSpec, ctx: RunContext | None = None, *, progress: bool = False,
+          threads: int | None = None) -> dict[str, Any]:
+    """Train ``spec`` under ``ctx`` (this process by default); returns the summary (see ``summarize``).
+    ``threads``: torch threads while it trains (default ``resources.cpus_per_worker``, see ``num_threads``;
+    0 keeps the process's own): every runner (in-process, a job's driver, a gang's rank, a Ray Train
+    worker, a Tune trial) trains with the threads its CPUs pay for, whatever ``OMP_NUM_THREADS`` it inherited."""
+    threads = num_threads(spec.resources) if threads is None else threads
+    before = torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(threads)
+    ctx = ctx or RunContext(device=select_device(spec.training))
+    try:
+        summary = _train(spec, ctx, progress)
+    except BaseException:
+        try:  # what was saved before the failure is on disk; the failure is what the caller hears of
+            ctx.flush()
+        except Exception:  # noqa: BLE001 - a second error (the disk is full) must not hide the first
+            traceback.print_exc()
+        raise
+    else:
+        ctx.flush()  # every checkpoint written before the summary goes back
+        return summary
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, Any]:
+    if spec.training.entrypoint:  # the user's own loop replaces this one (same context, same events)
+        from workers.train.own_loop import run_own_loop
+
+        return run_own_loop(spec, ctx)
+    tr, tp = spec.training, spec.teleport
+    dtype = select_dtype(tr)
+
+    # -- setup: everything seeded, so a seed fixes the init, the batches and the teleport batches
+    seed_everything(tr.seed)
+    data, model, loss_fn = build_parts(spec, ctx.sink, tr.seed)  # built-in or the user's factories
+    model = model.to(dtype=dtype)  # the bare module: teleport moves it
+    state = ctx.restore()  # a Ray worker restarted after a failure resumes from its last epoch
+    if state is not None:
+        model.load_state_dict(state["model"])
+    net = ctx.prepare_model(model)  # what the optimizer steps through (DDP-wrapped on Ray)
+    optimizer = build_optimizer(spec.optimizer, net.parameters())
+    executor = basis_executor(tp) if tp.enabled and tp.method == "nullspace" else None
+    teleport_epochs = set(tp.epochs) if tp.enabled else set()
+    sharded = ctx.comm is not None and tp.method == "nullspace"
+    if teleport_epochs and sharded and tp.batch_size < ctx.world_size:
+        raise ValueError(f"teleport.batch_size={tp.batch_size} is below resources.workers={ctx.world_size}: "
+                         "every rank needs a share of the teleport batch")
+    # held-out samples: teleport keeps the loss on its own batch only, this shows the drift elsewhere
+    g = torch.Generator().manual_seed(tr.seed)
+    holdout_idx = torch.randperm(len(data.test), generator=g)[: min(tp.batch_size, len(data.test))]
+    holdout = to_device(sample_batch(data.test, holdout_idx), ctx.device, dtype)
+    teleporter = Teleporter(tp, teleport_config(tp), model, loss_fn, data.train, ctx, dtype, tr.seed, holdout,
+                            executor, TeleportBudget(tp.budget, tr.epochs))
+
+    start_epoch, history, seconds, tele_seconds, tele_batches = 0, [], 0.0, 0.0, 0
+    if state is not None:
+        spec_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        optimizer.load_state_dict(state["optimizer"])
+        # the spec's hyperparameters win over the checkpoint's (a PBT trial goes on with mutated ones)
+        for group, wanted in zip(optimizer.param_groups, spec_groups, strict=True):
+            group.update(wanted)
+        start_epoch, history, seconds = state["epoch"], state["history"], state["seconds"]
+        tele_seconds, tele_batches = state["teleport_seconds"], state["teleport_batches"]
+        teleporter.restore(state.get("teleport_budget"))
+    ctx.sink.emit({
+        "kind": "start", "dataset": data.name, "task": data.task, "train_size": len(data.train),
+        "test_size": len(data.test), "model": spec.model.kind, "params": param_count(model),
+        "optimizer": spec.optimizer.name, "teleport": tp.method if tp.enabled else None,
+        "device": str(ctx.device), "world_size": ctx.world_size, "resumed_from_epoch": start_epoch,
+        "spec": spec.model_dump(mode="json"),
+    })
+
+    def train_steps(epoch_seed: int, limit: int | None) -> tuple[float, int]:
+        """Primary optimizer steps over one shuffled pass (at most ``limit``): (summed loss, steps)."""
+        net.train()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        steps = 0
+        for batch in ctx.loader(data.train, tr.batch_size, shuffle=True, seed=tr.seed, epoch=epoch_seed):
+            if limit is not None and steps >= limit:
+                break
+            x, y = to_device(batch, ctx.device, dtype)
+            with autocast(tr, ctx.device):  # training.precision=bf16: forward and loss in bfloat16
+                loss = loss_fn(net(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP all-reduces the gradients here
+            optimizer.step()
+            loss_sum += loss.detach()  # summed on the device: no host sync per step
+            steps += 1
+        return float(loss_sum), steps
+
+    t0 = time.perf_counter() - seconds  # cumulative across a resume
+
+    # -- warm-up: primary steps before the first teleport (paper: 40 for the CNNs); baselines get them too
+    if start_epoch == 0 and tr.warmup_steps:
+        done, total, passes = 0, 0.0, 0
+        while done < tr.warmup_steps:
+            loss_sum, steps = train_steps(WARMUP_EPOCH + passes, tr.warmup_steps - done)
+            if steps == 0:
+                raise ValueError("training.warmup_steps: the training set gives no batches")
+            total, done, passes = total + loss_sum, done + steps, passes + 1
+        loss_sum, steps = ctx.all_reduce_sum([total, float(done)])
+        if not _finite(loss_sum):
+            raise _diverged(ctx, "warm-up", 0, f"warm-up loss is {loss_sum / steps}",
+                            f"lower optimizer.lr (now {spec.optimizer.lr:g})")
+        ctx.sink.emit({"kind": "warmup", "steps": done, "train_loss": loss_sum / steps,
+                       "seconds": time.perf_counter() - t0})
+
+    def run_summary() -> dict[str, Any]:
+        """Losses, time and targets, the budget's cuts, and the device (the GPUs it saw, its peak memory)."""
+        return {**summarize(history, tr.target_loss, tele_batches), **teleporter.summary(), **device_report(ctx.device)}
+
+    show = progress and ctx.is_chief  # a bar on a terminal (tqdm's disable=None); a log or a pipe gets plain lines
+    bar = tqdm(range(start_epoch, tr.epochs), desc="epochs", unit="epoch", initial=start_epoch,
+               total=tr.epochs, disable=None if show else True, dynamic_ncols=True)
+    for epoch in bar:
+        # -- teleport before the epoch: b batches of n random training samples, t ascent steps each
+        if epoch in teleport_epochs:
+            if not history:  # the budget projects the run's length from one timed training step
+                teleporter.probe(net, tr.batch_size, steps_per_epoch(len(data.train), tr.batch_size, ctx.world_size,
+                                                                     tr.max_steps_per_epoch))
+            t_tele = time.perf_counter()
+            try:
+                tele_batches += teleporter.before_epoch(epoch, tele_seconds, t_tele - t0 - tele_seconds,
+                                                        len(history))
+            except TeleportDiverged as e:
+                raise _diverged(ctx, f"teleport batch {e.batch}", epoch, f"teleport batch loss is {e.loss}",
+                                f"lower teleport.lr (now {tp.lr:g}) or teleport.cap (now {tp.cap:g})") from None
+            if tp.reset_optimizer:
+                reset_optimizer_state(optimizer)
+            tele_seconds += time.perf_counter() - t_tele
+
+        # -- one epoch of the primary optimizer, then evaluation on the test set
+        loss_sum, steps = train_steps(epoch, tr.max_steps_per_epoch)
+        loss_sum, steps = ctx.all_reduce_sum([loss_sum, float(steps)])
+        train_loss = loss_sum / max(steps, 1.0)
+        test_loader = ctx.loader(data.test, tr.eval_batch_size, shuffle=False, seed=tr.seed, epoch=epoch)
+        metrics = evaluate(model, test_loader, loss_fn, data.task, ctx, dtype)
+        for name, value in [("train loss", train_loss), ("test loss", metrics["test_loss"])]:
+            if not _finite(value):
+                raise _diverged(ctx, "training", epoch, f"{name} is {value}",
+                                f"lower optimizer.lr (now {spec.optimizer.lr:g}) or teleport.lr / cap")
+        record = {"kind": "epoch", "epoch": epoch, "train_loss": train_loss, **metrics,
+                  "seconds": time.perf_counter() - t0, "teleport_seconds": tele_seconds}
+        ctx.sink.emit(record)
+        history.append(record)
+        shown = {"train": "train_loss", "test": "test_loss", "acc": "test_acc"}
+        bar.set_postfix({short: f"{record[key]:.4g}" for short, key in shown.items() if key in record})
+        if show and bar.disable:
+            print(f"epoch {epoch + 1}/{tr.epochs}  " + "  ".join(f"{short} {record[key]:.4g}" for short, key
+                                                                in shown.items() if key in record),
+                  file=sys.stderr, flush=True)
+
+        # -- checkpoint (Ray: every rank reports, rank 0 attaches the state); no-op locally
+        summary = run_summary()
+        state = {"epoch": epoch + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "history": history, "seconds": record["seconds"], "teleport_seconds": tele_seconds,
+                 "teleport_batches": tele_batches, "teleport_budget": teleporter.saved()}
+        ctx.save(state, summary)
+    bar.close()
+
+    summary = {**run_summary(), "params": param_count(model)}
+    ctx.sink.emit({"kind": "summary", **summary})
+    return summary
+
+
+# ---------------------------------------------------------------------- local runs
+
+
+def run_label(spec: ExperimentSpec) -> str:
+    """How a run is named in plots: its teleport method, or 'no teleport'."""
+    return f"{spec.teleport.method} teleport" if spec.teleport.enabled else "no teleport"
+
+
+def run_local(spec: ExperimentSpec, out_dir: str | Path, *, progress: bool = True,
+              sink: MetricSink | None = None, threads: int | None = None) -> dict[str, Any]:
+    """Train in this process; write DIR/metrics.jsonl (line by line), DIR/summary.json, DIR/curves.png.
+
+    ``sink`` also receives every record (the caller closes it). ``threads``: torch threads for
+    the run (default ``resources.cpus_per_worker``, see ``num_threads``; 0 keeps torch's own).
+    A diverged run still gets its curves (up to the failing epoch) and raises ``TrainingDiverged``.
+    """
+    from plots.curves import plot_curves
+
+    out = Path(out_dir)
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("metrics.jsonl", "summary.json", "curves.png"):  # a fresh run, not an append to an old one
+        (out / name).unlink(missing_ok=True)
+    memory, jsonl = MemorySink(), JsonlSink(out / "metrics.jsonl")
+    sinks: list[MetricSink] = [jsonl, memory] + ([sink] if sink is not None else [])
+    ctx = RunContext(device=select_device(spec.training), sink=TeeSink(*sinks))
+    try:
+        summary = train(spec, ctx, progress=progress, threads=threads)
+    except BaseException:
+        if created and not memory.records:  # failed before it started (no data, bad model): leave no dir
+            jsonl.close()
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    finally:
+        jsonl.close()
+        if any(r.get("kind") == "epoch" for r in memory.records):
+            plot_curves({run_label(spec): memory.records}, out / "curves.png",
+                        title=f"{spec.dataset.name} · {spec.model.kind} · {spec.optimizer.name}")
+    summary = {**summary, "out_dir": str(out), "spec": spec.model_dump(mode="json")}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
+    return summary

@@ -1,0 +1,147 @@
+"""One scheduled epoch's teleport (paper, Algorithm 1): b random batches of n training samples, t ascent
+steps each, within the run's wall-clock budget (``workers.train.budget``). The loop in ``workers.train.loop`` calls
+``Teleporter.before_epoch`` before each scheduled epoch; every record goes to the run's sink:
+
+- ``{"kind": "teleport", "epoch", "batch", **TeleportReport.to_dict()}`` per teleport batch;
+- ``{"kind": "budget", "epoch", "message", ...}`` when the budget shortened or skipped the epoch's teleport.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import Dataset, default_collate
+
+from api_schemas.spec import TeleportSpec
+from teleport import BasisExecutor, TeleportConfig, TeleportReport, symmetry_teleport_batch, teleport_batch
+from workers.train.budget import FIRST_UNIT_PER_STEP, TeleportBudget, agree_across, cut_event, probe_seconds
+from workers.train.context import RunContext
+
+
+def to_device(batch: Any, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(x, y) on ``device``; floating inputs/targets in the run's dtype, token ids and labels untouched."""
+    x, y = batch
+    x = x.to(device, dtype) if x.is_floating_point() else x.to(device)
+    y = y.to(device, dtype) if y.is_floating_point() else y.to(device)
+    return x, y
+
+
+def sample_batch(dataset: Dataset, indices: Tensor) -> tuple[Tensor, Tensor]:
+    """The samples at ``indices``, stacked like a DataLoader batch."""
+    x, y = default_collate([dataset[int(i)] for i in indices])
+    return x, y
+
+
+def steps_per_epoch(samples: int, batch_size: int, world_size: int, limit: int | None) -> int:
+    """Optimizer steps of one epoch on each rank (the last batch may be short), at most ``limit``."""
+    steps = max(1, math.ceil(samples / (batch_size * world_size)))
+    return steps if limit is None else min(steps, limit)
+
+
+class TeleportDiverged(RuntimeError):
+    """A teleport batch ended with a non-finite loss (the loop turns it into TrainingDiverged)."""
+
+    def __init__(self, batch: int, loss: float) -> None:
+        super().__init__(f"teleport batch {batch}")
+        self.batch, self.loss = batch, loss
+
+
+@dataclass
+class Teleporter:
+    """Everything a scheduled epoch's teleport needs, fixed for the run; ``budget`` learns as it goes."""
+
+    tp: TeleportSpec
+    config: TeleportConfig
+    model: nn.Module  # the bare module (never a DDP wrapper): teleport moves it
+    loss_fn: Callable[[Tensor, Tensor], Tensor]
+    train: Dataset
+    ctx: RunContext
+    dtype: torch.dtype
+    seed: int
+    holdout: tuple[Tensor, Tensor]
+    executor: BasisExecutor | None
+    budget: TeleportBudget
+    cuts: int = 0
+
+    @property
+    def sharded(self) -> bool:
+        return self.ctx.comm is not None and self.tp.method == "nullspace"
+
+    def probe(self, net: nn.Module, batch_size: int, steps_per_epoch: int) -> None:
+        """Before any epoch ran: time one forward + backward on a training batch (eval mode: no running
+        statistic moves), to project the run's length and a teleport unit's cost."""
+        if self.budget.share is None or self.budget.probe_epoch_s is not None:
+            return
+        idx = torch.arange(min(batch_size, len(self.train)))  # type: ignore[arg-type]
+        x, y = to_device(sample_batch(self.train, idx), self.ctx.device, self.dtype)
+        was = net.training
+        net.eval()
+
+        def step() -> None:
+            self.loss_fn(net(x), y).backward()
+            for p in net.parameters():
+                p.grad = None
+
+        try:
+            seconds = probe_seconds(step)
+        finally:
+            net.train(was)
+        self.budget.probe_epoch_s = seconds * steps_per_epoch
+        self.budget.probe_unit_s = FIRST_UNIT_PER_STEP * seconds * self.tp.batch_size / max(len(idx), 1)
+
+    def before_epoch(self, epoch: int, spent: float, train_seconds: float, epochs_done: int) -> int:
+        """Teleport on up to ``tp.batches`` batches; returns how many ran. ``spent``: teleport seconds of
+        the run so far; ``train_seconds``: its seconds outside teleport over ``epochs_done`` epochs."""
+        start = time.perf_counter()
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)  # same draw on every rank
+        ran, least = 0, self.tp.steps
+        for i in range(self.tp.batches):
+            now = spent + time.perf_counter() - start
+            steps = self.budget.steps_for_batch(self.tp.steps, now, train_seconds, epochs_done, agree_across(self.ctx))
+            if steps == 0:
+                break
+            idx = torch.randperm(len(self.train), generator=g)[: self.tp.batch_size]  # type: ignore[arg-type]
+            report = self._batch(idx, steps)
+            self.ctx.sink.emit({"kind": "teleport", "epoch": epoch, "batch": i, **report.to_dict()})
+            if not math.isfinite(report.loss_after):
+                raise TeleportDiverged(i, report.loss_after)
+            self.budget.record(report)
+            ran, least = ran + 1, min(least, steps)
+        if ran < self.tp.batches or least < self.tp.steps:
+            self._say_cut(epoch, ran, least if ran else 0)
+        return ran
+
+    def _batch(self, idx: Tensor, steps: int) -> TeleportReport:
+        config = self.config if steps == self.config.steps else dataclasses.replace(self.config, steps=steps)
+        if self.tp.method == "symmetry":  # single-process algorithm: every rank runs it on the whole batch
+            x, y = to_device(sample_batch(self.train, idx), self.ctx.device, self.dtype)
+            return symmetry_teleport_batch(self.model, self.loss_fn, x, y, config, holdout=self.holdout)
+        # each rank takes its shard; teleport all-reduces so every rank ends bit-identical
+        shard = idx[self.ctx.rank :: self.ctx.world_size] if self.sharded else idx
+        x, y = to_device(sample_batch(self.train, shard), self.ctx.device, self.dtype)
+        return teleport_batch(self.model, self.loss_fn, x, y, config, executor=self.executor,
+                              holdout=self.holdout, comm=self.ctx.comm)
+
+    def saved(self) -> dict[str, float]:
+        """What a resumed run needs to go on with the same budget (kept in the checkpoint)."""
+        return {"work_units": self.budget.work_units, "work_seconds": self.budget.work_seconds, "cuts": self.cuts}
+
+    def restore(self, saved: dict[str, float] | None) -> None:
+        if saved:
+            self.budget.work_units, self.budget.work_seconds = saved["work_units"], saved["work_seconds"]
+            self.cuts = int(saved["cuts"])
+
+    def summary(self) -> dict[str, Any]:
+        """The budget's fields of the run's summary: the share allowed and how many epochs it cut short."""
+        return {"teleport_budget": self.budget.share, "teleport_cuts": self.cuts}
+
+    def _say_cut(self, epoch: int, ran: int, least: int) -> None:
+        self.cuts += 1
+        self.ctx.sink.emit(cut_event(epoch, self.budget.share or 0.0, (self.tp.batches, self.tp.steps), (ran, least)))
