@@ -97,7 +97,7 @@ def run(epochs: int, hidden: list[int], max_train: int | None, cpus: int = 2, ro
 
 
 def run_driver(spec: Any, out: Path) -> list[dict[str, Any]]:
-    """The loop a 1-worker service job runs (``workers.on_ray.driver.run_in_driver``: a checkpoint and Redis events per
+    """The loop a 1-worker service job runs (``workers.on_ray.tries.run_in_driver``: a checkpoint and Redis events per
     epoch) on a throwaway Redis; its epoch records as ``read_metrics`` gives them."""
     import subprocess
 
@@ -106,7 +106,7 @@ def run_driver(spec: Any, out: Path) -> list[dict[str, Any]]:
     from api_schemas import keys
     from service.stack.embedded import free_port, redis_binary
     from workers.job.redis_sink import read_events
-    from workers.on_ray.driver import run_in_driver
+    from workers.on_ray.tries import run_in_driver
 
     port = free_port()
     # durable as the stack's Redis is (service.stack.embedded): every event fsynced before it is acknowledged

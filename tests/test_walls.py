@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import import_graph
+
 # package -> top-level modules it must never pull in (directly or through what it imports)
 FORBIDDEN = {
     "teleport": ["ray", "redis", "fastapi", "pydantic", "api_schemas", "workers", "service", "matplotlib"],
@@ -39,12 +41,69 @@ def test_package_imports_stay_inside_their_walls(package: str) -> None:
 
 ROOT = Path(__file__).resolve().parents[1]
 # every router file is checked on its own, found by name (a new service/api/routes/*.py is covered without a list)
-ROUTE_MODULES = [f"service.api.routes.{m.name}" for m in pkgutil.iter_modules([str(ROOT / "service" / "routes")])]
+ROUTE_MODULES = [f"service.api.routes.{m.name}"
+                 for m in pkgutil.iter_modules([str(ROOT / "service" / "api" / "routes")])]
 
 
-@pytest.mark.parametrize("module", ["service.cli", "service.api.app", "service.scheduler.tick",
-"service.stack.embedded",
+@pytest.mark.parametrize("module", ["service.cli", "service.api.app", "service.scheduler.tick", "service.stack.up",
                                     "service.cli.demo", *ROUTE_MODULES])
 def test_service_modules_stay_inside_their_wall(module: str) -> None:
+    assert ROUTE_MODULES
     loaded = loaded_top_level(module)
     assert not {"torch", "teleport", "workers"} & loaded
+
+
+# ---- inside service/ and workers/: packages named after where their code runs (README.md, Package map)
+
+# service/: the four processes' packages never import one another; below them each imports only what is below it
+SERVICE_TOP = ("cli", "stack", "api", "scheduler")
+SERVICE_BELOW = ("launch", "rules", "core")  # in this order: launch may import rules and core, rules only core
+SERVICE_EXCEPTIONS = {
+    ("cli", "stack"): "`tlab up` and `tlab demo` run the embedded stack in the CLI's own process",
+}
+# workers/: entry points (python -m targets, at the top) -> on_ray -> job -> train
+WORKERS_ORDER = ("", "on_ray", "job", "train")
+# train/ never imports Ray or Redis, but for these (module: why)
+TRAIN_REACHES_RAY = {
+    "workers.train.executors": "teleport.parallel ray/auto sends the per-layer bases to Ray tasks (imported in the "
+                               "executor, only when a Ray cluster is up)",
+}
+
+
+def _package(module: str) -> str:
+    """``service.api.routes.users`` -> ``api``; a module at the top of its package (``workers.run``) -> ``""``."""
+    parts = module.split(".")
+    subpackages = (ROOT / parts[0] / parts[1]).is_dir() if len(parts) > 1 else False
+    return parts[1] if subpackages else ""
+
+
+def test_no_module_imports_in_a_circle() -> None:
+    found = [group for pkg in ("service", "workers") for group in import_graph.circles(import_graph.graph(pkg))]
+    assert not found, f"import circles: {found}"
+
+
+def test_service_packages_import_only_downwards() -> None:
+    bad = []
+    for module, targets in import_graph.graph("service").items():
+        here = _package(module)
+        for target in targets:
+            there = _package(target)
+            if there in ("", here) or (here, there) in SERVICE_EXCEPTIONS:
+                continue
+            below = here in SERVICE_BELOW and SERVICE_BELOW.index(there) < SERVICE_BELOW.index(here)
+            if there in SERVICE_TOP or below:
+                bad.append(f"{module} -> {target}")
+    assert not bad, f"service/ imports against its layers (name an exception with its reason): {bad}"
+
+
+def test_workers_packages_import_only_downwards() -> None:
+    bad = [f"{module} -> {target}" for module, targets in import_graph.graph("workers").items() for target in targets
+           if module != "workers" and (WORKERS_ORDER.index(_package(target)) < WORKERS_ORDER.index(_package(module))
+                                       or _package(target) == "" and target != "workers")]
+    assert not bad, f"workers/ imports against entry points -> on_ray -> job -> train: {bad}"
+
+
+def test_train_never_imports_ray_or_redis() -> None:
+    bad = {module: sorted(reached) for module, path in import_graph.modules("workers.train").items()
+           if (reached := import_graph.top_level_imports(path) & {"ray", "redis"}) and module not in TRAIN_REACHES_RAY}
+    assert not bad, f"workers/train/ must run without Ray or Redis: {bad}"

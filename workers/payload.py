@@ -19,45 +19,12 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from workers.job.orders import Orders, Outcome
 from workers.train.startup import begin, mark, timeline
-
-
-@dataclass
-class Orders:
-    """What a payload is told: its job, its rank, where its gang meets, what it starts from."""
-
-    spec: str  # the ExperimentSpec as JSON
-    job_id: str
-    redis_url: str  # the job's own Redis user (its stream and run copy only)
-    storage: str
-    result_fd: int
-    artifacts: str | None = None
-    start_from: str | None = None
-    rank: int = 0
-    host: str = ""
-    port: int = 0
-    listen_fd: int | None = None  # rank 0 of a gang: the socket its TCP store serves on
-    kind: str = "train"  # "preflight": ``workers.preflight.run_preflight`` (it writes its own verdict); "trial":
-    trial: str | None = None  # a sweep's trial (``workers.on_ray.trial_bridge``): its id, its scratch directory, and
-    scratch: str = ""  # the pipes its reports to Tune go out on and are answered on
-    report_fd: int | None = None
-    answer_fd: int | None = None
-
-
-@dataclass
-class Outcome:
-    """How a try ended: ``summary`` if it trained; else the one-line ``error``, whether a retry from the last
-    checkpoint is worth it, and whether it was a stop."""
-
-    summary: dict[str, Any] | None = None
-    error: str = ""
-    retried: bool = False
-    stopped: bool = False
-    startup: dict[str, float] = field(default_factory=dict)
 
 
 class Stopped(Exception):
@@ -125,7 +92,7 @@ def export(orders: Orders) -> None:
     if orders.rank != 0 or not orders.artifacts:
         return
     from api_schemas import ExperimentSpec
-    from workers.run import export_artifacts
+    from workers.job.harness import export_artifacts
 
     spec = ExperimentSpec.model_validate_json(orders.spec)
     export_artifacts(spec, [Path(orders.storage) / orders.job_id], Path(orders.artifacts))
@@ -141,7 +108,7 @@ def outcome(orders: Orders) -> Outcome:
 
             return Outcome(summary=train_bridged(orders, orders.report_fd or -1, orders.answer_fd or -1))
         if orders.kind == "preflight":
-            from workers.preflight import run_preflight
+            from workers.job.preflight_check import run_preflight
 
             return Outcome(summary={"preflight": run_preflight(orders.job_id, orders.redis_url, orders.storage).state})
         try:

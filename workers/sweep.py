@@ -34,6 +34,7 @@ from api_schemas import keys
 from api_schemas.reasons import one_line
 from api_schemas.sweeps import SweepSubmit, trial_spec
 from workers.job.artifacts import artifacts_dir
+from workers.job.harness import SetupError, export_artifacts, job_main
 from workers.job.logs import capture
 from workers.job.record import attempt_of, connect, job_field, write_summary
 from workers.job.redis_sink import RedisSink
@@ -43,7 +44,6 @@ from workers.on_ray.supervisor import refuse_unsandboxed
 from workers.on_ray.sweep_rerun import marked_trials, resume_only, state_gone
 from workers.on_ray.trial import in_trial, trial_dirs, trial_resources
 from workers.on_ray.trial_bridge import supervise_trial
-from workers.run import SetupError, export_artifacts, job_main
 from workers.train.context import keep_checkpoints
 from workers.train.failure import JobFailed, failure_reason
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 from pathlib import PurePosixPath
 
 from api_schemas.artifacts import ArtifactView
 from service.core import safe_files, storage
+from service.core.checkpoints import checkpoint_dirs
 from service.core.errors import InvalidInput, JobNotFound
 from service.core.settings import Settings
 
@@ -44,18 +44,6 @@ def view(name: str, root: str, rel: str, st: os.stat_result) -> ArtifactView:
     return ArtifactView(name=name, bytes=st.st_size, sha256=sha256(root, rel, st), modified_at=st.st_mtime)
 
 
-def checkpoint_dirs(settings: Settings, job_id: str) -> list[str]:
-    """The names of the job's ``checkpoint_*`` directories, oldest first (names carry the time); links left out."""
-    try:
-        fd = safe_files.open_dir(settings.storage_path, job_id)
-    except (FileNotFoundError, NotADirectoryError, safe_files.UnsafeFile):
-        return []
-    try:
-        with os.scandir(fd) as entries:
-            return sorted(e.name for e in entries if e.name.startswith("checkpoint_")
-                          and stat.S_ISDIR(e.stat(follow_symlinks=False).st_mode))
-    finally:
-        os.close(fd)
 
 
 def last_checkpoint(settings: Settings, job_id: str) -> tuple[str, os.stat_result] | None:

@@ -26,6 +26,7 @@ from service.core.settings import Settings
 from service.core.store import new_job_id
 from service.launch import preflight_jobs as pf
 from service.launch.job_acl import JobAcl
+from service.launch.job_env import job_env
 from service.launch.preflight_jobs import PreflightJobs
 from service.launch.ray_cluster import RAY_DONE
 
@@ -57,8 +58,6 @@ def dry_preflight(settings: Settings, r: Any, user: UserPublic, spec: Experiment
     job_id = new_job_id(time.time())
     try:
         try:
-            from service.scheduler.tick import job_env
-
             jobs = PreflightJobs(settings.ray_address, job_env(settings))
         except Exception as err:
             raise RayUnavailable(f"Ray is not reachable at {settings.ray_address} ({type(err).__name__}), so the "

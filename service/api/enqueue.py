@@ -14,7 +14,7 @@ from service.core.store import Store, demand_of
 from service.launch.ray_cluster import StaticCluster
 from service.rules import policy
 from service.rules.after import check_after
-from service.scheduler.preempt import check_unpreemptible
+from service.rules.preemptible import check_unpreemptible
 
 
 def known_nodes(cluster_nodes: str, view: ClusterView | None) -> list[policy.Node] | None:

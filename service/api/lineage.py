@@ -33,16 +33,13 @@ from api_schemas.lineage import (
     fork_spec,
 )
 from service.api.admission import admit_experiment
-from service.api.artifacts import checkpoint_dirs
 from service.api.deps import State, own_job
 from service.api.enqueue import enqueue, known_nodes, never_fits
 from service.api.events import records
-from service.core import safe_files, storage
+from service.core.checkpoints import kept_epochs
 from service.core.errors import DoesNotFit, InvalidInput, InvalidState, JobNotFound
-from service.core.settings import Settings
 from service.core.store import Store, demand_of
 
-META_BYTES = 1 << 16  # a checkpoint's meta.json is read up to this size
 MAX_ANCESTORS = 100  # parents a curve joins (a longer chain shows its latest 100 ancestors' epochs)
 CURVE_KINDS = ("epoch", "teleport")  # the records an ancestor adds to its descendant's curve
 # append a child to the parent's JSON list in one call (two children forked at once both stay)
@@ -55,22 +52,6 @@ return #children
 """
 
 
-def kept_epochs(settings: Settings, job_id: str, sync: bool = True) -> dict[int, str]:
-    """{epochs trained: checkpoint directory name} of the job's kept checkpoints that hold a model (a diverged
-    run's last one holds only its failure: its ``meta.json`` has no epoch); the newest directory per epoch.
-    ``sync``: with a bucket, first pull what the local copy lacks."""
-    if sync:
-        storage.sync_checkpoints(settings, job_id)
-    root = settings.storage_path
-    found: dict[int, str] = {}
-    for name in checkpoint_dirs(settings, job_id):  # oldest first; the job writes them: no link followed
-        try:
-            epoch = json.loads(safe_files.read_bytes(root, f"{job_id}/{name}/meta.json", META_BYTES)).get("epoch")
-        except (OSError, ValueError, AttributeError, safe_files.UnsafeFile):
-            continue
-        if isinstance(epoch, int) and epoch >= 1 and safe_files.exists(root, f"{job_id}/{name}/checkpoint.pt"):
-            found[epoch] = name
-    return found
 
 
 def ended_parent(st: State, user: UserPublic, job_id: str) -> tuple[dict[str, str], dict[int, str]]:

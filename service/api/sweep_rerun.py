@@ -27,7 +27,7 @@ from service.api.enqueue import known_nodes, never_fits
 from service.core.errors import DoesNotFit, InvalidInput, InvalidState, TooManyRequests
 from service.core.store import QUEUED_RETRY_S, Store, demand_of
 from service.rules.limits import TIME_LIMITED
-from service.scheduler.preempt import PREEMPTED_BY, PREEMPTED_PRIORITY
+from service.rules.preemptible import PREEMPTED_BY, PREEMPTED_PRIORITY
 
 if TYPE_CHECKING:
     from service.api.deps import State

@@ -12,7 +12,7 @@ from service.cli.common import add_read_command, cut, gang, get_json, print_json
 
 def cmd_up(args: argparse.Namespace) -> int:
     from service.cli.client import home
-    from service.stack.embedded import up
+    from service.stack.up import up
 
     return up(Path(args.home).expanduser() if args.home else home(), args.port, args.num_cpus, args.num_gpus)
 

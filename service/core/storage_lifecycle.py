@@ -19,8 +19,8 @@ from pathlib import Path
 from api_schemas import keys
 from api_schemas.jobs import TERMINAL, UserPublic
 from api_schemas.lineage import StartFrom
-from service.api.artifacts import checkpoint_dirs
 from service.core import storage
+from service.core.checkpoints import checkpoint_dirs, kept_epochs
 from service.core.errors import InvalidInput
 from service.core.settings import Settings
 from service.core.store import Store
@@ -46,8 +46,6 @@ def named_by_children(store: Store, data: dict[str, str]) -> set[str]:
 
 def surplus(settings: Settings, job_id: str, keep: set[str]) -> list[str]:
     """The checkpoint directories an ended job need not keep (``keep``: named ones that stay whatever)."""
-    from service.api.lineage import kept_epochs
-
     with_model = sorted(kept_epochs(settings, job_id, sync=False).items())  # (epochs, name), oldest first
     newest = {name for _epoch, name in with_model[-settings.keep_ended_checkpoints:]}
     models = {name for _epoch, name in with_model}

@@ -18,6 +18,7 @@ from api_schemas import keys
 from api_schemas.preflight import PreflightResult
 from service.launch.job_acl import ticket_user
 from service.launch.ray_cluster import _RAY_NODE_ID, NODE_ID_LABEL, RayJobs, with_credentials
+from service.launch.ray_reasons import reason_from_ray
 
 PREFLIGHT_CPUS = 1.0
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # it runs on the CPU, and its code sees no GPU of the node
@@ -73,8 +74,6 @@ def read_verdict(r: Any, job_id: str) -> PreflightResult | None:
 
 def no_verdict(jobs: PreflightJobs, job_id: str, status: str | None) -> str:
     """Why a preflight that wrote no verdict ended, in Ray's words (a requirement pip could not install)."""
-    from service.scheduler.tick import reason_from_ray
-
     said = reason_from_ray(jobs.message(preflight_sid(job_id)))
     return f"the preflight ended ({status}) without a verdict" + (f": {said}" if said else "")
 

@@ -153,7 +153,7 @@ def died(store: Store, settings: Settings, data: dict[str, str], exit_code: int 
 
 def resume_epoch(settings: Settings, job_id: str) -> int | None:
     """The epochs of the newest checkpoint a retry goes on from (None: none kept)."""
-    from service.api.lineage import kept_epochs
+    from service.core.checkpoints import kept_epochs
 
     try:
         return max(kept_epochs(settings, job_id), default=None)

@@ -1,5 +1,5 @@
-"""Preemption on Redis and Ray: what the scheduler does once ``service.rules.victims`` has chosen the victims, and
-the ``max_unpreemptible`` quota at submit (docs/operations.md, Preemption).
+"""Preemption on Redis and Ray: what the scheduler does once ``service.rules.victims`` has chosen the victims
+(docs/operations.md, Preemption; which jobs may be preempted: ``service.rules.preemptible``).
 
 1. mark: the victim's hash gets ``preempted_by``/``preempted_priority``, its stream a log event
    ``preempted by <job> (priority P): ...``, and its Ray job a stop (SIGTERM: the driver exports its artifacts
@@ -21,9 +21,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from api_schemas import keys
-from api_schemas.jobs import Demand, ExperimentSubmit, JobState, Role, UserPublic
-from api_schemas.sweeps import SweepSubmit
-from service.core.errors import InvalidInput
+from api_schemas.jobs import Demand, JobState
 from service.core.settings import Settings
 from service.core.store import Store
 from service.launch.ray_cluster import RAY_ACTIVE
@@ -31,10 +29,9 @@ from service.rules import policy
 from service.rules import victims as preemption
 from service.rules.limits import TIME_LIMITED
 from service.rules.policy import ActiveJob
+from service.rules.preemptible import PREEMPTED_BY, PREEMPTED_PRIORITY, preemptible
 
 log = logging.getLogger("tlab.scheduler")
-PREEMPTED_BY, PREEMPTED_PRIORITY = "preempted_by", "preempted_priority"  # job hash fields while it stops
-LIVE = (JobState.QUEUED.value, JobState.STARTING.value, JobState.RUNNING.value)
 LOST_NODE = "lost-node"  # the PREEMPTED_PRIORITY of a job stopped because a node of its gang is gone
 SETTLE_S = 15.0  # after a preemption, Ray's report of what is in use may lag this long (its autoscaler: ~5 s)
 
@@ -49,9 +46,6 @@ def active_job(data: dict[str, str]) -> ActiveJob:
                      tuple(json.loads(data.get("placement") or "[]")))
 
 
-def preemptible(data: dict[str, str]) -> bool:
-    """The job's ``resources.preemptible`` (a sweep's: its base spec's, which is what ``spec`` holds)."""
-    return bool(json.loads(data.get("spec") or "{}").get("resources", {}).get("preemptible", True))
 
 
 def stopping(data: dict[str, str]) -> bool:
@@ -156,31 +150,3 @@ def failed_attempts(data: dict[str, str]) -> int:
             - int(data.get("attempts_before_rerun") or 0))
 
 
-# ---------------------------------------------------------------------------------------- at submit
-
-
-def unpreemptible_jobs(store: Store, owner: str) -> list[str]:
-    """The owner's queued, starting or running jobs with ``resources.preemptible=false``."""
-    ids = set(store.r.zrange(keys.user_queued(owner), 0, -1)) | set(store.r.smembers(keys.active()))
-    return [d["id"] for d in store.raws(sorted(ids))
-            if d.get("owner") == owner and d.get("state") in LIVE and not preemptible(d)]
-
-
-def check_unpreemptible(store: Store, user: UserPublic, body: ExperimentSubmit | SweepSubmit,
-                        idempotency_key: str | None) -> None:
-    """422 naming ``resources.preemptible`` when a non-preemptible job would take the user over their
-    ``max_unpreemptible`` quota (admins are not bound; a replayed Idempotency-Key is the job already counted)."""
-    spec, field = ((body.spec, "spec") if isinstance(body, ExperimentSubmit) else (body.base, "base"))
-    if spec.resources.preemptible or user.role == Role.ADMIN:
-        return
-    if idempotency_key and store.r.exists(keys.idempotency(user.name, idempotency_key)):
-        return
-    cap, field = user.quotas.max_unpreemptible, f"{field}.resources.preemptible"
-    if cap == 0:
-        raise InvalidInput("your max_unpreemptible quota is 0: submit it preemptible (it then resumes from its "
-                           "checkpoint if preempted), or ask an admin to raise the quota", field=field)
-    held = unpreemptible_jobs(store, user.name)
-    if len(held) >= cap:
-        raise InvalidInput(f"you have {len(held)} non-preemptible jobs queued or running ({', '.join(held)}), your "
-                           f"max_unpreemptible quota is {cap}: submit this one preemptible, or wait until one ends",
-                           field=field)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -36,11 +35,13 @@ from service.core import storage_lifecycle
 from service.core.errors import Unstartable
 from service.core.settings import Settings
 from service.core.signals import stop_on_signals
-from service.core.storage import check_or_exit, storage_env
+from service.core.storage import check_or_exit
 from service.core.store import Store, redact_url
 from service.launch.job_acl import JobAcl
+from service.launch.job_env import job_env
 from service.launch.preflight_jobs import PreflightJobs
 from service.launch.ray_cluster import RAY_ACTIVE, RAY_DONE, ClusterSource, RayJobs, RayNodes, StaticCluster
+from service.launch.ray_reasons import last_error, reason_from_ray
 from service.rules import after as dependencies
 from service.rules import policy
 from service.rules.limits import TIME_LIMITED, over_limit, time_limit_reason
@@ -66,40 +67,10 @@ class Launcher(Protocol):
     def stop(self, submission_id: str) -> None: ...
 
 
-def job_env(settings: Settings) -> dict[str, str]:
-    """What every Ray job gets: where Redis and the checkpoints are, and how long a stop may take (``REDIS_URL``:
-    the service's, replaced at each submit by a one-time ticket to the job's own Redis user, ``TLAB_JOB_TICKET``,
-    unless jobs are not isolated: ``service.launch.job_acl``, ``service.launch.ray_cluster.with_credentials``)."""
-    env = {"REDIS_URL": settings.redis_url, "TLAB_STORAGE": settings.storage_path,
-           "TLAB_MAX_FAILURES": str(settings.max_failures), "RAY_JOB_STOP_WAIT_TIME_S": str(int(settings.stop_grace_s)),
-           "TLAB_KEEP_CHECKPOINTS": str(settings.keep_checkpoints),
-           "TLAB_CHECKPOINT_EVERY_S": str(settings.checkpoint_every_s),
-           # the sandbox (workers.job.sandbox): on or off, and what it must cover even under a directory it binds
-           "TLAB_SANDBOX": settings.sandbox, "TLAB_SANDBOX_HIDE": f"{settings.home}:{settings.storage_path}",
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    env.update(storage_env(settings))  # with a bucket: its URI and credentials (workers.job.bucket)
-    for name in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "TLAB_DATA", "TLAB_IN_DRIVER", "TLAB_TRIAL_RETRIES"):
-        if os.environ.get(name):
-            env[name] = os.environ[name]
-    return env
 
 
-def last_error(store: Store, job_id: str) -> str:
-    """The worker's own account of a failure: the last error ``log`` event in the job's stream."""
-    for _eid, fields in store.r.xrevrange(keys.events(job_id), count=200):
-        if fields.get("kind") == "log":
-            data = json.loads(fields["data"])
-            if data.get("level") == "error":
-                return str(data.get("message", ""))
-    return ""
 
 
-def reason_from_ray(message: str) -> str:
-    """A failed Ray job's own message (its status line and the tail of its logs) as one reason: the line
-    the entrypoint marked, else the last line (an entrypoint that died before it could say why)."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    marked = [line.split(FAILURE_MARK, 1)[1] for line in lines if FAILURE_MARK in line]
-    return marked[-1] if marked else (lines[-1] if lines else "")
 
 
 class Scheduler:

@@ -21,15 +21,13 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from pathlib import Path
 
 import httpx
 import redis
 
 from api_schemas import keys
-from service.core.signals import stop_on_signals
-from service.core.store import Store, redact_url
+from service.core.store import Store
 
 ADMIN = "admin"
 
@@ -374,44 +372,3 @@ class Stack:
         self.stop()
 
 
-def up(home: Path, port: int | None, num_cpus: int | None, num_gpus: int | None = None) -> int:
-    """Start the stack and keep it up (``service.stack.supervise``) until Ctrl-C or SIGTERM; 1 after a crash loop."""
-    from service.core.sandbox_state import said_at_start
-    from service.core.settings import Settings
-    from service.core.storage import check_or_exit
-    from service.stack.supervise import Supervisor, supervise_policy
-
-    policy = supervise_policy()  # a bad TLAB_RESTART_*/TLAB_CRASH_LOOP_* setting stops here, before anything runs
-    check_or_exit(Settings(TLAB_HOME=home))  # so does a malformed TLAB_STORAGE URI or an unreachable bucket
-    try:
-        port_range()
-    except ValueError as err:  # and a malformed TLAB_PORT_RANGE
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
-    stack = Stack(home, port=port, redis_url=os.environ.get("REDIS_URL") or None,
-                  ray_address=os.environ.get("RAY_ADDRESS") or None, num_cpus=num_cpus, num_gpus=num_gpus)
-    supervisor = Supervisor(stack, policy)
-    os.umask(0o077)  # what the stack writes under TLAB_HOME (Redis's AOF, checkpoints, logs) is the owner's only
-    stopping = stack.stopping = stop_on_signals()
-    print(f"starting Teleport Lab in {home} (logs: {stack.logs}) ...", file=sys.stderr, flush=True)
-    print(said_at_start(Settings(TLAB_HOME=home)), flush=True)  # (service.core.sandbox_state)
-    crash_loop = None
-    try:
-        stack.start()
-        print(f"Teleport Lab is up at {stack.url}\n"
-              f"  redis {redact_url(stack.redis_url or '')}   ray {stack.ray_address}\n"
-              f"  admin token: {home / 'admin.token'}   (tlab reads it from there)\n"
-              "A part that dies is restarted. Ctrl-C stops everything.", flush=True)
-        crash_loop = supervisor.run(stopping)
-    except Interrupted:
-        pass  # Ctrl-C while a part was starting: stop what is up
-    except Exception:
-        supervisor.record(f"tlab up failed:\n{traceback.format_exc()}")
-        raise
-    finally:
-        print("stopping ...", file=sys.stderr, flush=True)
-        stack.stop()
-    if crash_loop:
-        print(crash_loop, file=sys.stderr, flush=True)
-        return 1
-    return 0

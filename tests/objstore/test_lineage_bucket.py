@@ -12,7 +12,7 @@ import redis
 
 from api_schemas import keys
 from api_schemas.lineage import StartFrom
-from service.api import lineage
+from service.core import checkpoints
 from service.core.settings import Settings
 from tests.workers.test_driver import epochs_of, starts_of
 from tests.workers.test_run_entrypoint import put_job
@@ -33,7 +33,7 @@ def test_a_child_on_another_node_starts_from_its_parents_checkpoint_in_the_bucke
     run.run_job(PARENT, redis_server, str(tmp_path / "node-a"))
     shutil.rmtree(tmp_path / "node-a")  # the parent's node is gone: only the bucket has its checkpoints
 
-    kept = lineage.kept_epochs(Settings(TLAB_STORAGE=s3_uri, TLAB_STORAGE_CACHE=str(tmp_path / "api")), PARENT)
+    kept = checkpoints.kept_epochs(Settings(TLAB_STORAGE=s3_uri, TLAB_STORAGE_CACHE=str(tmp_path / "api")), PARENT)
     assert sorted(kept) == [2, 3]  # TLAB_KEEP_CHECKPOINTS=2, read by the API from the bucket
     put_job(redis_server, CHILD, training={"epochs": 5, "batch_size": 32}, teleport=PLAIN)
     start = StartFrom(job=PARENT, epoch=3, checkpoint=kept[3])

@@ -11,7 +11,7 @@ import pytest
 
 from api_schemas.reasons import MAX_REASON, one_line
 from service.cli.client import Client
-from service.scheduler.tick import reason_from_ray
+from service.launch.ray_reasons import reason_from_ray
 from service.stack.embedded import Stack
 from tests.service.conftest import tiny
 

@@ -28,7 +28,7 @@ from service.core.store import Store
 from service.launch import job_caps
 from service.launch.job_acl import JobAcl, job_url, ticket_user, user_name
 from service.launch.ray_cluster import with_credentials
-from service.scheduler.tick import reason_from_ray
+from service.launch.ray_reasons import reason_from_ray
 from service.stack.embedded import Stack
 from tests.service.conftest import tiny
 from workers import run

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from service.core.settings import Settings
-from service.scheduler.tick import job_env
+from service.launch.job_env import job_env
 from workers.train.context import checkpoint_every_s, keep_checkpoints
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from service.stack import embedded as stack
+from service.stack.up import up
 
 
 @pytest.fixture()
@@ -58,7 +59,7 @@ def test_ports_come_from_the_range_each_once_and_an_exhausted_range_names_the_se
 def test_tlab_up_refuses_a_malformed_range_with_one_line_before_starting_anything(
         text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("TLAB_PORT_RANGE", text)
-    assert stack.up(tmp_path / "home", None, None) == 2
+    assert up(tmp_path / "home", None, None) == 2
     err = capsys.readouterr().err.strip()
     assert err == (f"error: TLAB_PORT_RANGE={text!r}: give two port numbers lo-hi, 1024 <= lo < hi <= 65535")
     assert not (tmp_path / "home" / "logs").exists()  # nothing was started

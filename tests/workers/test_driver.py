@@ -14,7 +14,7 @@ import torch
 
 from api_schemas import keys
 from tests.workers.test_run_entrypoint import put_job
-from workers import run
+from workers.job import harness
 from workers.job.artifacts import checkpoints
 from workers.job.redis_sink import read_events
 from workers.on_ray.driver import TMP_PREFIX, DriverContext
@@ -28,14 +28,14 @@ def in_process(job: str, redis_url: str, storage: str, max_failures: int) -> dic
     tests cannot reach (the supervisor's own retries of a killed payload: ``test_run_entrypoint``)."""
     from workers.job.artifacts import artifacts_dir
     from workers.job.record import write_summary
-    from workers.on_ray.driver import run_in_driver
+    from workers.on_ray.tries import run_in_driver
 
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    spec, out = run.load_job_spec(client, job), artifacts_dir(storage, job)
+    spec, out = harness.load_job_spec(client, job), artifacts_dir(storage, job)
     try:
         summary = run_in_driver(spec, job, redis_url, storage, max_failures, out)
     finally:
-        run.export_artifacts(spec, [Path(storage) / job], out)
+        harness.export_artifacts(spec, [Path(storage) / job], out)
     if summary.get("failed"):
         raise JobFailed(str(summary.get("reason", "training failed")))
     write_summary(client, job, json.dumps(summary))

@@ -39,7 +39,7 @@ def test_a_gang_trains_as_ray_trains_worker_group_did_every_epoch_once(
 ) -> None:
     monkeypatch.setenv("TLAB_STORAGE", str(tmp_path))
     put_job(redis_server, "gang", **GANG)
-    startup.begin()  # what the job's entrypoint does first (workers.run.job_main)
+    startup.begin()  # what the job's entrypoint does first (workers.job.harness.job_main)
     gang = run.run_job("gang", redis_server, str(tmp_path / "a"), max_failures=0)
     phases = startup.timeline()  # rank 0's start-up, every phase, in order
     assert list(phases) == list(startup.PHASES) and sorted(phases.values()) == list(phases.values()), phases
@@ -144,7 +144,7 @@ def test_a_rank_that_cannot_start_fails_the_try_at_once_not_after_the_gang_timeo
     import ray
 
     from api_schemas import ExperimentSpec, keys
-    from workers.on_ray.driver import run_in_driver
+    from workers.on_ray.tries import run_in_driver
 
     monkeypatch.setenv("TLAB_GANG_TIMEOUT_S", "600")
     put_job(redis_server, "gone", **GANG)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from workers.job.harness import SetupError
 from workers.on_ray.sweep_rerun import resume_only
-from workers.run import SetupError
 
 
 def write_state(path: Path, statuses: dict[str, str]) -> Path:

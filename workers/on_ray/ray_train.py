@@ -92,7 +92,7 @@ def _logged(config: dict[str, Any]) -> None:
 def _train(config: dict[str, Any]) -> None:
     import ray.train
 
-    from workers.train.context import RayTrainContext
+    from workers.on_ray.ray_context import RayTrainContext
     from workers.train.gpu_share import fence_memory
     from workers.train.loop import TrainingDiverged, train
 

@@ -5,7 +5,7 @@ job's ticket, every other job's files.
 - ``supervise``: what a Ray job's driver does for an experiment (``workers.run``): each try is one payload (rank 0,
   which leads a gang as ``workers.on_ray.gang`` does); a gang's other ranks are Ray tasks started here
   (``workers.on_ray.gang_start.Ranks``), watched while the payload runs: one that fails ends the try. A failure worth a
-  retry goes on from the last checkpoint, at most ``max_failures`` times, as ``workers.on_ray.driver.run_in_driver``.
+  retry goes on from the last checkpoint, at most ``max_failures`` times, as ``workers.on_ray.tries.run_in_driver``.
 - ``supervise_rank``: what a gang rank's Ray task does: one payload that joins the gang.
 
 No torch here: the payload is started before anything imports it (start-up stays as it was: one import of torch,
@@ -24,15 +24,17 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from api_schemas import ExperimentSpec
 from workers.job import sandbox
+from workers.job.orders import Orders, Outcome
 from workers.job.redis_sink import RedisSink
-from workers.on_ray.gang_start import Ranks
-from workers.payload import Orders, Outcome
 from workers.train.failure import JobFailed
 from workers.train.startup import adopt
+
+if TYPE_CHECKING:  # (a type only: gang_start's rank task imports this module, the torch-free trampoline)
+    from workers.on_ray.gang_start import Ranks
 
 WATCH_S = 0.2  # how often the supervisor looks at the gang's other ranks while its payload runs
 PUSH_EVERY_S = 10.0  # with a bucket: the job directory is uploaded this often while the payload runs
@@ -247,11 +249,11 @@ def supervise_rank(spec_json: str, job_id: str, redis_url: str, storage: str, ra
 
 
 def supervise_preflight(job_id: str, redis_url: str, storage: str) -> int:
-    """A preflight's Ray job: ``workers.preflight.run_preflight`` (the user's code: import, build, one step) as a
-    payload in the job's sandbox; 0 when it wrote a verdict, as before."""
+    """A preflight's Ray job: ``workers.job.preflight_check.run_preflight`` (the user's code: import, build, one
+    step) as a payload in the job's sandbox; 0 when it wrote a verdict, as before."""
     import redis
 
-    from workers.run import load_job_spec
+    from workers.job.harness import load_job_spec
 
     with redis.Redis.from_url(redis_url, decode_responses=True) as client:
         spec = load_job_spec(client, job_id)

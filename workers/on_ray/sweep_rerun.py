@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from api_schemas import keys
-from workers.run import SetupError
+from workers.job.harness import SetupError
 
 
 def marked_trials(client: Any, job_id: str) -> set[str]:

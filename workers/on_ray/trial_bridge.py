@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from api_schemas import ExperimentSpec
-from workers.payload import Orders
+from workers.job.orders import Orders
 from workers.train.context import RunContext, read_checkpoint, write_checkpoint
 from workers.train.failure import JobFailed
 

@@ -1,4 +1,5 @@
-"""Where a training loop runs: in this process, or as one rank of a Ray Train DDP worker group.
+"""Where a training loop runs: in this process (one rank of a gang included); one rank of a Ray Train DDP worker
+group is ``workers.on_ray.ray_context``.
 
 The loop (``workers.train.loop.train``) is written once against ``RunContext``; the context decides the
 device, how the model is wrapped for DDP, how data is sharded, how ranks reduce numbers, where
@@ -11,7 +12,6 @@ import json
 import os
 import pickle
 import re
-import tempfile
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from teleport.distributed import Collective, TorchDistributed
+from teleport.distributed import Collective
 from workers.train.sinks import MetricSink, NullSink
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -170,57 +170,3 @@ class RunContext:
         return None
 
 
-class RayTrainContext(RunContext):
-    """One rank of a Ray Train TorchTrainer: DDP model, sharded loaders, ``ray.train.report``."""
-
-    def __init__(self, sink: MetricSink, resume_from: Any = None, artifacts_dir: str | None = None) -> None:
-        """``resume_from``: a checkpoint (``ray.train``/``ray.tune`` Checkpoint) to start from when this
-        run has none of its own yet: a PBT trial continuing from another trial's weights. ``artifacts_dir``:
-        the job's artifacts directory (on storage every node sees), created by rank 0."""
-        import ray.train
-        import ray.train.torch
-
-        ctx = ray.train.get_context()
-        super().__init__(device=ray.train.torch.get_device(), sink=sink, rank=ctx.get_world_rank(),
-                         world_size=ctx.get_world_size())
-        self._comm = TorchDistributed() if self.world_size > 1 else None
-        self._resume_from = resume_from
-        if artifacts_dir is not None:
-            self.artifacts_dir = Path(artifacts_dir)
-            if self.is_chief:
-                self.artifacts_dir.mkdir(parents=True, exist_ok=True)
-
-    @property
-    def comm(self) -> Collective | None:
-        return self._comm
-
-    def prepare_model(self, model: nn.Module) -> nn.Module:
-        import ray.train.torch
-
-        return ray.train.torch.prepare_model(model)  # [1] to the device, DDP-wrapped when world > 1
-
-    def save(self, state: dict[str, Any], metrics: dict[str, Any]) -> None:
-        import ray.train
-
-        # [3] every rank reports (Ray Train needs all of them); rank 0 attaches the checkpoint
-        with tempfile.TemporaryDirectory() as tmp:
-            checkpoint = None
-            if self.is_chief:
-                write_checkpoint(state, Path(tmp))
-                checkpoint = ray.train.Checkpoint.from_directory(tmp)
-            ray.train.report(metrics, checkpoint=checkpoint)
-
-    def report_metrics(self, metrics: dict[str, Any]) -> None:
-        import ray.train
-
-        ray.train.report(metrics)  # every rank, as in save
-
-    def restore(self) -> dict[str, Any] | None:
-        import ray.train
-
-        # the last one this run reported (after a worker restart), else the one it was told to start from
-        checkpoint = ray.train.get_checkpoint() or self._resume_from
-        if checkpoint is None:
-            return None
-        with checkpoint.as_directory() as path:
-            return read_checkpoint(Path(path))

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from api_schemas.spec import DatasetSpec
-from workers.train.datasets import DataBundle, Task
+from workers.train.data_bundle import DataBundle, Task
 from workers.train.user_code import UserCodeError, call, definition, resolve
 
 SCAN_LIMIT = 100_000  # training items read to find the number of classes when the dataset does not say

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import TensorDataset
 
 from api_schemas.datasets import (
     DEFAULT_IMAGE,
@@ -38,6 +36,9 @@ from api_schemas.datasets import (
 )
 from api_schemas.datasets import DatasetNotFound as DatasetNotFound  # the loaders raise it; callers import it here
 from api_schemas.spec import DatasetSpec
+from workers.train.custom_data import load_custom  # the user's own dataset.factory
+from workers.train.data_bundle import DataBundle as DataBundle  # what a loader returns (imported from here too)
+from workers.train.data_bundle import Task as Task
 from workers.train.data_files import (
     DataFormatError,
     read_bytes,
@@ -46,19 +47,6 @@ from workers.train.data_files import (
     read_pickled_batch,
     read_text,
 )
-
-Task = Literal["classification", "regression", "lm"]
-
-
-@dataclass(frozen=True)
-class DataBundle:
-    train: Dataset
-    test: Dataset
-    task: Task
-    input_shape: tuple[int, ...]  # one sample's x
-    num_classes: int | None  # classes, or the vocabulary size for lm
-    output_dim: int | None  # regression target size
-    name: str
 
 
 def _standardize(train: np.ndarray, test: np.ndarray, axis: int | tuple[int, ...] | None = None
@@ -271,13 +259,6 @@ def load_npz(spec: DatasetSpec, seed: int) -> DataBundle:
     return DataBundle(TensorDataset(torch.from_numpy(xtr), torch.from_numpy(ytr)),
                       TensorDataset(torch.from_numpy(xte), torch.from_numpy(yte)),
                       "regression", tuple(xtr.shape[1:]), None, y.shape[1], "npz")
-
-
-def load_custom(spec: DatasetSpec, seed: int) -> DataBundle:
-    """The user's own ``dataset.factory`` (``workers.train.custom_data``)."""
-    from workers.train.custom_data import load_custom as load
-
-    return load(spec, seed)
 
 
 LOADERS: dict[str, Callable[[DatasetSpec, int], DataBundle]] = {

@@ -1,6 +1,6 @@
 """A failure as one line a user can read: ``epoch 3: loss is NaN``, ``mylab/models.py:88: NameError: ...``.
 
-The Ray job's entrypoint (``workers.run.job_main``) turns whatever ended the job into this line, writes it
+The Ray job's entrypoint (``workers.job.harness.job_main``) turns whatever ended the job into this line, writes it
 to the job's stream as the error ``log`` event and prints it after ``FAILURE_MARK`` as a line of its log
 (the scheduler's fallback); the full traceback goes to the job's log only. The line's format (one line, at
 most ``MAX_REASON`` characters) is in ``api_schemas.reasons``; it names the innermost frame of the user's

@@ -47,6 +47,8 @@ from workers.train.build import (
 )
 from workers.train.context import RunContext
 from workers.train.gpu_share import device_report
+from workers.train.own_loop import run_own_loop
+from workers.train.shared import TrainingDiverged, diverged, param_count, summarize
 from workers.train.sinks import JsonlSink, MemorySink, MetricSink, TeeSink
 from workers.train.teleporting import TeleportDiverged, Teleporter, sample_batch, steps_per_epoch, to_device
 
@@ -54,17 +56,6 @@ __all__ = ["TrainingDiverged", "evaluate", "param_count", "run_local", "sample_b
            "train"]
 
 WARMUP_EPOCH = 1_000_000  # loader seed offset for warm-up passes, apart from the epochs' own
-
-
-class TrainingDiverged(RuntimeError):
-    """A loss became NaN or infinite; the message names the epoch and what to lower."""
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def param_count(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 def _finite(value: float) -> bool:
@@ -95,45 +86,6 @@ def evaluate(model: nn.Module, loader: Any, loss_fn: Any, task: str, ctx: RunCon
     if task == "lm":
         metrics["test_ppl"] = math.exp(min(metrics["test_loss"], 700.0))
     return metrics
-
-
-def summarize(history: list[dict[str, Any]], target_loss: float | None,
-              teleport_batches: int) -> dict[str, Any]:
-    """Final and best losses, time, teleport's share of it, and epochs/seconds to ``target_loss``."""
-    last = history[-1] if history else {}
-    seconds = float(last.get("seconds", 0.0))
-    tele = float(last.get("teleport_seconds", 0.0))
-    out: dict[str, Any] = {
-        "epochs": len(history),
-        "final_train_loss": last.get("train_loss"),
-        "final_test_loss": last.get("test_loss"),
-        "best_test_loss": min((h["test_loss"] for h in history), default=None),
-        "seconds": seconds,
-        "teleport_seconds": tele,
-        "teleport_share": tele / seconds if seconds > 0 else 0.0,
-        "teleport_batches": teleport_batches,
-        "target_loss": target_loss,
-        "epochs_to_target": None,
-        "seconds_to_target": None,
-    }
-    if "test_acc" in last:
-        out["final_test_acc"] = last["test_acc"]
-        out["best_test_acc"] = max(h["test_acc"] for h in history)
-    if "test_ppl" in last:
-        out["final_test_ppl"] = last["test_ppl"]
-        out["best_test_ppl"] = min(h["test_ppl"] for h in history)
-    if target_loss is not None:
-        hit = next((h for h in history if h["train_loss"] < target_loss), None)
-        if hit is not None:
-            out["epochs_to_target"] = hit["epoch"] + 1
-            out["seconds_to_target"] = hit["seconds"]
-    return out
-
-
-def _diverged(ctx: RunContext, where: str, epoch: int, what: str, hint: str) -> TrainingDiverged:
-    message = f"training diverged at epoch {epoch} ({where}): {what}; {hint}"
-    ctx.sink.emit({"kind": "error", "epoch": epoch, "where": where, "message": message})
-    return TrainingDiverged(message)
 
 
 # ------------------------------------------------------------------------ the loop
@@ -167,8 +119,6 @@ def train(spec: ExperimentSpec, ctx: RunContext | None = None, *, progress: bool
 
 def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, Any]:
     if spec.training.entrypoint:  # the user's own loop replaces this one (same context, same events)
-        from workers.train.own_loop import run_own_loop
-
         return run_own_loop(spec, ctx)
     tr, tp = spec.training, spec.teleport
     dtype = select_dtype(tr)
@@ -243,7 +193,7 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
             total, done, passes = total + loss_sum, done + steps, passes + 1
         loss_sum, steps = ctx.all_reduce_sum([total, float(done)])
         if not _finite(loss_sum):
-            raise _diverged(ctx, "warm-up", 0, f"warm-up loss is {loss_sum / steps}",
+            raise diverged(ctx, "warm-up", 0, f"warm-up loss is {loss_sum / steps}",
                             f"lower optimizer.lr (now {spec.optimizer.lr:g})")
         ctx.sink.emit({"kind": "warmup", "steps": done, "train_loss": loss_sum / steps,
                        "seconds": time.perf_counter() - t0})
@@ -266,7 +216,7 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
                 tele_batches += teleporter.before_epoch(epoch, tele_seconds, t_tele - t0 - tele_seconds,
                                                         len(history))
             except TeleportDiverged as e:
-                raise _diverged(ctx, f"teleport batch {e.batch}", epoch, f"teleport batch loss is {e.loss}",
+                raise diverged(ctx, f"teleport batch {e.batch}", epoch, f"teleport batch loss is {e.loss}",
                                 f"lower teleport.lr (now {tp.lr:g}) or teleport.cap (now {tp.cap:g})") from None
             if tp.reset_optimizer:
                 reset_optimizer_state(optimizer)
@@ -280,7 +230,7 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
         metrics = evaluate(model, test_loader, loss_fn, data.task, ctx, dtype)
         for name, value in [("train loss", train_loss), ("test loss", metrics["test_loss"])]:
             if not _finite(value):
-                raise _diverged(ctx, "training", epoch, f"{name} is {value}",
+                raise diverged(ctx, "training", epoch, f"{name} is {value}",
                                 f"lower optimizer.lr (now {spec.optimizer.lr:g}) or teleport.lr / cap")
         record = {"kind": "epoch", "epoch": epoch, "train_loss": train_loss, **metrics,
                   "seconds": time.perf_counter() - t0, "teleport_seconds": tele_seconds}

@@ -39,7 +39,8 @@ from workers.train.budget import TeleportBudget, agree_across, cut_event
 from workers.train.build import basis_executor, reset_optimizer_state, select_dtype, teleport_config
 from workers.train.context import RunContext
 from workers.train.failure import OURS
-from workers.train.loop import TrainingDiverged, _diverged, param_count, sample_batch, summarize, to_device
+from workers.train.shared import TrainingDiverged, diverged, param_count, summarize
+from workers.train.teleporting import sample_batch, to_device
 from workers.train.user_code import UserCodeError, definition, one_line, report, resolve
 
 FIELD = "training.entrypoint"
@@ -198,7 +199,7 @@ class OwnLoopContext:
             self._budget.record(rep)
             self.run.sink.emit({"kind": "teleport", "epoch": epoch, "batch": i, **rep.to_dict()})
             if not math.isfinite(rep.loss_after):
-                raise _diverged(self.run, f"teleport batch {i}", epoch, f"teleport batch loss is {rep.loss_after}",
+                raise diverged(self.run, f"teleport batch {i}", epoch, f"teleport batch loss is {rep.loss_after}",
                                 f"lower teleport.lr (now {tp.lr:g}) or teleport.cap (now {tp.cap:g})")
             reports.append(rep)
         self.teleport_batches += len(reports)
@@ -251,7 +252,7 @@ class OwnLoopContext:
         record.setdefault("teleport_seconds", self.teleport_seconds)
         for name in REQUIRED:
             if not math.isfinite(values[name]):
-                raise _diverged(self.run, "training", epoch, f"{name} is {values[name]}",
+                raise diverged(self.run, "training", epoch, f"{name} is {values[name]}",
                                 f"lower optimizer.lr (now {self.spec.optimizer.lr:g}) or teleport.lr / cap")
         self.run.sink.emit(record)
         self.history.append(record)

@@ -1,6 +1,6 @@
 """A job driver's start-up timeline (issue 15): the wall-clock time (``time.time()``, seconds) at which this
 process first passed each phase, sent as the optional ``startup`` field of the job's ``finished`` status event
-(``workers.run.guarded``), where ``benchmarks/service/startup.py`` reads it. A few dict writes per job: free.
+(``workers.job.harness.guarded``), where ``benchmarks/service/startup.py`` reads it. A few dict writes per job: free.
 
 Phases, in the order a job passes them (a phase the job's path skips is absent):
 

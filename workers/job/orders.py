@@ -1,0 +1,41 @@
+"""What a payload (``workers.payload``, one try of a job's training in its sandbox) is told by its supervisor
+(``workers.on_ray.supervisor``), and what it answers: its ``Orders`` in on stdin, its ``Outcome`` out as JSON."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Orders:
+    """What a payload is told: its job, its rank, where its gang meets, what it starts from."""
+
+    spec: str  # the ExperimentSpec as JSON
+    job_id: str
+    redis_url: str  # the job's own Redis user (its stream and run copy only)
+    storage: str
+    result_fd: int
+    artifacts: str | None = None
+    start_from: str | None = None
+    rank: int = 0
+    host: str = ""
+    port: int = 0
+    listen_fd: int | None = None  # rank 0 of a gang: the socket its TCP store serves on
+    kind: str = "train"  # or "preflight" (``workers.job.preflight_check``: it writes its own verdict), or "trial":
+    trial: str | None = None  # a sweep's trial (``workers.on_ray.trial_bridge``): its id, its scratch directory, and
+    scratch: str = ""  # the pipes its reports to Tune go out on and are answered on
+    report_fd: int | None = None
+    answer_fd: int | None = None
+
+
+@dataclass
+class Outcome:
+    """How a try ended: ``summary`` if it trained; else the one-line ``error``, whether a retry from the last
+    checkpoint is worth it, and whether it was a stop."""
+
+    summary: dict[str, Any] | None = None
+    error: str = ""
+    retried: bool = False
+    stopped: bool = False
+    startup: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,118 @@
+"""A preflight's check itself (``python -m workers.preflight`` starts it in the job's sandbox, as a payload of
+kind ``preflight``): the user's factories imported, model and data built, one forward and backward on a small
+batch and one teleport step; the verdict (``api_schemas.preflight.PreflightResult``) written where the scheduler
+reads it. Torch and the user's code are imported only inside the functions: the entry point stays light."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+import traceback
+from typing import Any
+
+from api_schemas import ExperimentSpec, keys
+from api_schemas.preflight import PreflightResult, preflighted_spec
+from workers.train.sinks import MetricSink
+
+SMALL_BATCH = 8  # samples in the forward/backward pass
+
+
+def _user_line(err: BaseException) -> str:
+    """The one line of an error: the user's file:line when it passed through their code."""
+    from workers.train.failure import failure_reason
+    from workers.train.user_code import UserCodeError
+
+    return str(err) if isinstance(err, UserCodeError) else failure_reason(err)
+
+
+def _step(spec: ExperimentSpec, sink: MetricSink, out: dict[str, Any]) -> None:
+    """Build model and data, one forward and backward, one teleport step; what it measured goes into ``out``."""
+    import torch
+
+    from workers.train.build import build_parts, seed_everything, select_dtype, teleport_config
+    from workers.train.shared import param_count
+    from workers.train.teleporting import sample_batch, to_device
+
+    seed_everything(spec.training.seed)
+    data, model, loss_fn = build_parts(spec, sink, spec.training.seed)
+    dtype, cpu = select_dtype(spec.training), torch.device("cpu")
+    model = model.to(dtype=dtype)
+    out.update(params=param_count(model), task=data.task, train_size=len(data.train), test_size=len(data.test),
+               sample_shape=list(data.input_shape))
+    n = min(SMALL_BATCH, spec.training.batch_size, len(data.train))
+    x, y = to_device(sample_batch(data.train, torch.arange(n)), cpu, dtype)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    out["loss"] = float(loss.detach())
+    tp = spec.teleport
+    if not tp.enabled:
+        return
+    # one step, and no CAP: the bases are built (and the free directions counted) whatever the batch's gradient
+    config = dataclasses.replace(teleport_config(tp), steps=1, cap=float("inf"))
+    idx = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(spec.training.seed))
+    x, y = to_device(sample_batch(data.train, idx[: tp.batch_size]), cpu, dtype)
+    model.zero_grad(set_to_none=True)
+    if tp.method == "symmetry":
+        from teleport import symmetry_teleport_batch
+
+        report = symmetry_teleport_batch(model, loss_fn, x, y, config)
+    else:
+        from teleport import teleport_batch
+
+        report = teleport_batch(model, loss_fn, x, y, config)
+    out.update(teleport=tp.method, tau=tp.tau, free_directions=report.free_directions,
+               layers=[dataclasses.asdict(layer) for layer in report.layers], untouched=dict(report.untouched))
+
+
+def preflight(spec: ExperimentSpec, sink: MetricSink) -> PreflightResult:
+    """The verdict on ``spec`` in this process (one CPU, no Ray, no Redis: ``sink`` gets a traceback's log event)."""
+    from workers.train.user_code import UserCodeError, report
+
+    started = time.perf_counter()
+    out: dict[str, Any] = {}
+    try:
+        if spec.training.entrypoint:
+            from workers.train.own_loop import entrypoint
+
+            entrypoint(spec)  # imported and taking one argument: the loop itself needs the gang
+            out["entrypoint"] = spec.training.entrypoint
+        else:
+            _step(spec, sink, out)
+    except Exception as err:
+        traceback.print_exc()  # the whole story, for the job's log
+        line = _user_line(err)
+        if not isinstance(err, UserCodeError):  # build_parts already sent a UserCodeError's traceback
+            report(sink, UserCodeError(line, "".join(traceback.format_exception(err))))
+        return PreflightResult(state="failed", error=line, seconds=time.perf_counter() - started, **out)
+    return PreflightResult(state="passed", seconds=time.perf_counter() - started, **out)
+
+
+def run_preflight(job_id: str, redis_url: str, storage: str) -> PreflightResult:
+    """Read the job's spec (its ``run`` copy), try it, write the verdict where the scheduler reads it."""
+    import torch
+
+    from workers.job.harness import load_job_spec
+    from workers.job.logs import capture
+    from workers.job.record import connect, job_field
+    from workers.job.redis_sink import RedisSink
+
+    client = connect(redis_url, decode_responses=True)
+    torch.set_num_threads(1)
+    with capture(storage, job_id, "preflight", 1):
+        spec = load_job_spec(client, job_id)
+        sweep = job_field(client, job_id, "sweep")
+        sink = RedisSink(redis_url, job_id)
+        try:
+            spec = preflighted_spec(spec, json.loads(sweep) if sweep else None)
+            verdict = preflight(spec, sink)
+        except ValueError as err:  # a sweep's first point that does not validate
+            verdict = PreflightResult(state="failed", error=_user_line(err))
+        finally:
+            sink.close()
+        print(f"preflight {verdict.state}: {verdict.error or verdict.model_dump_json(exclude_none=True)}",
+              file=sys.stderr, flush=True)
+    client.hset(keys.preflight(job_id), mapping={"result": verdict.model_dump_json()})
+    client.close()
+    return verdict
