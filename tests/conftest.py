@@ -26,19 +26,21 @@ import pytest
 # cannot do this under pytest 9.2: it renames node ids through an attribute pytest no longer reads.)
 RAY_FIXTURES = frozenset({"ray_head", "stack", "ray_local"})
 RAY_CHAIN_A = frozenset({  # bare local Ray clusters (ray_local, ray.init(), `tlab run --ray`) and ~half the time
-    "tests/benchmarks/test_ray_benchmarks_smoke.py", "tests/service/test_cli.py", "tests/teleport/test_distributed.py",
-    "tests/workers/test_executors.py", "tests/workers/test_ray_train.py", "tests/workers/test_run_entrypoint.py",
-    "tests/workers/test_trial.py", "tests/workers/test_gang.py", "tests/service/test_multinode.py",
-    "tests/service/test_job_acl.py", "tests/service/test_e2e.py", "tests/service/test_code_packages.py",
+    "tests/benchmarks/test_ray_benchmarks_smoke.py", "tests/service/cli/test_cli.py",
+    "tests/teleport/test_distributed.py", "tests/workers/train/test_executors.py",
+    "tests/workers/on_ray/test_ray_train.py", "tests/workers/test_run_entrypoint.py",
+    "tests/workers/on_ray/test_trial.py", "tests/workers/on_ray/test_gang.py", "tests/service/test_multinode.py",
+    "tests/service/launch/test_job_acl.py", "tests/service/test_e2e.py", "tests/service/test_code_packages.py",
     "tests/service/test_sandbox.py",
 })
 RAY_CHAIN_B = frozenset({  # stacks on the session head, and `tlab up` stacks of their own
     "tests/benchmarks/test_service_bench.py", "tests/benchmarks/test_sweep_bench.py",
     "tests/service/test_failure_reasons.py", "tests/service/test_own_loop_service.py",
-    "tests/service/test_preflight.py", "tests/service/test_ray_cluster.py", "tests/service/test_time_limits.py",
-    "tests/service/test_up_security.py", "tests/service/test_storage_bucket.py", "tests/web/test_dashboard.py",
-    "tests/service/test_sweeps.py", "tests/service/test_preemption.py", "tests/service/test_supervise.py",
-    "tests/service/test_lineage.py", "tests/service/test_artifacts.py", "tests/service/test_driver_death.py",
+    "tests/service/scheduler/test_preflight.py", "tests/service/launch/test_ray_cluster.py",
+    "tests/service/scheduler/test_time_limits.py", "tests/service/stack/test_up_security.py",
+    "tests/service/test_storage_bucket.py", "tests/web/test_dashboard.py", "tests/service/test_sweeps.py",
+    "tests/service/scheduler/test_preemption.py", "tests/service/stack/test_supervise.py",
+    "tests/service/test_lineage.py", "tests/service/api/test_artifacts.py", "tests/service/test_driver_death.py",
     "tests/service/test_storage_full.py",
 })
 RAY_MODULES = RAY_CHAIN_A | RAY_CHAIN_B
@@ -46,7 +48,7 @@ RAY_MODULES = RAY_CHAIN_A | RAY_CHAIN_B
 
 def pytest_configure(config: pytest.Config) -> None:
     """Each xdist worker's stacks draw their ports from a share of TLAB_PORT_RANGE of their own: a stack restarts
-    a part on the ports it had (tests/service/test_supervise.py, the sweep restarts), and while it was down a
+    a part on the ports it had (tests/service/stack/test_supervise.py, the sweep restarts), and while it was down a
     stack of the other chain must not have drawn one of them (a head that came back on a port another chain's
     cluster held died: 'Runtime Env Agent network error: on_read bad version')."""
     from service.stack.embedded import port_range

@@ -14,7 +14,7 @@ from api_schemas.spec import ExperimentSpec
 from service.core.code_store import JobCode, check_code, find_package, store_package
 from service.core.settings import Settings
 from service.core.zip_modes import masked
-from tests.service.test_code_upload import custom_spec, zip_of
+from tests.service.api.test_code_upload import custom_spec, zip_of
 
 JOB = "18f3a2b4c5d-0000c0"
 

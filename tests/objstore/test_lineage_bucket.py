@@ -14,7 +14,7 @@ from api_schemas import keys
 from api_schemas.lineage import StartFrom
 from service.core import checkpoints
 from service.core.settings import Settings
-from tests.workers.test_driver import epochs_of, starts_of
+from tests.workers.on_ray.test_driver import epochs_of, starts_of
 from tests.workers.test_run_entrypoint import put_job
 from workers import run
 from workers.job.bucket import ENV

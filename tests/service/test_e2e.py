@@ -278,7 +278,7 @@ def test_cpus_held_by_other_ray_work_are_not_handed_out(stack: Stack, capsys: py
 def test_a_job_after_another_starts_once_it_succeeded_and_webhooks_hold_up_nothing(stack: Stack) -> None:
     """``after`` and ``notify`` on the real stack: B waits for A with A as its reason and starts only once A
     succeeded; A's webhook receiver hangs, yet B starts, ends, and its signed POST arrives meanwhile."""
-    from tests.service.test_notify import Receiver
+    from tests.service.scheduler.test_notify import Receiver
 
     hang, ok = Receiver(hang=True), Receiver()
     try:

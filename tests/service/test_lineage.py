@@ -1,7 +1,7 @@
 """Continue and fork on the real stack (API, scheduler, Redis, Ray): a 3-epoch job, then a continuation of 2 more
 epochs and a fork from epoch 2 with another tau, run through a scheduler restart; the child's own stream holds its
-own epochs once, its metrics and plot join its parent's. (The refusals are tests/service/test_lineage_api.py's,
-the driver's start from a checkpoint tests/workers/test_lineage_start.py's.)"""
+own epochs once, its metrics and plot join its parent's. (The refusals are tests/service/api/test_lineage_api.py's,
+the driver's start from a checkpoint tests/workers/job/test_lineage_start.py's.)"""
 
 from __future__ import annotations
 

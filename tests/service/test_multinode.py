@@ -21,9 +21,9 @@ from api_schemas import keys
 from service.cli.client import Client
 from service.stack.embedded import Stack, free_port, loopback_ray_env
 from tests.service.conftest import tiny
+from tests.service.scheduler.test_preemption import events, wait_reason
+from tests.service.scheduler.test_time_limits import wait_epochs
 from tests.service.test_failure_reasons import wait_ended
-from tests.service.test_preemption import events, wait_reason
-from tests.service.test_time_limits import wait_epochs
 
 FAST_NODE_DEATH = {"RAY_health_check_initial_delay_ms": "1000", "RAY_health_check_period_ms": "500",
                    "RAY_health_check_timeout_ms": "500", "RAY_health_check_failure_threshold": "3"}

@@ -12,7 +12,7 @@ import pytest
 from service.cli.client import Client
 from service.cli.code_zip import upload
 from service.stack.embedded import Stack
-from tests.service.test_artifacts import pull
+from tests.service.api.test_artifacts import pull
 from tests.service.test_code_packages import wait_end
 
 pytestmark = pytest.mark.slow

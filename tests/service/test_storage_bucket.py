@@ -18,9 +18,9 @@ from service.cli.client import Client
 from service.stack.embedded import Stack
 from tests.s3 import s3_endpoint, s3_uri  # noqa: F401 - fixtures
 from tests.service.conftest import tiny, wait_ray_idle
+from tests.service.scheduler.test_preemption import BOTH_CPUS, events
+from tests.service.scheduler.test_time_limits import wait_epochs
 from tests.service.test_failure_reasons import wait_ended
-from tests.service.test_preemption import BOTH_CPUS, events
-from tests.service.test_time_limits import wait_epochs
 
 pytestmark = pytest.mark.slow
 

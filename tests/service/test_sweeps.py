@@ -350,7 +350,7 @@ def test_a_failed_trial_is_rerun_inside_its_sweep(stack: Stack, tmp_path: Path) 
     """One trial of two fails at epoch 1 (after epoch 0's checkpoint). With the cause fixed, ``failed`` reruns it
     from that checkpoint: epochs 1 and 2, so each epoch is in the stream once; the sweep keeps its id, the failed
     row updates in place, the other trial is untouched, and the summary is recomputed over both (one rerun: each
-    costs a sweep's start; the refusals and the marks are tests/service/test_sweep_rerun.py's, without Ray)."""
+    costs a sweep's start; the refusals and the marks are tests/service/api/test_sweep_rerun.py's, without Ray)."""
     import shutil
 
     from service.cli.code_zip import upload

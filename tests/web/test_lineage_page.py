@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tests.service.api.test_lineage_api import ended_parent
 from tests.service.conftest import Api
-from tests.service.test_lineage_api import ended_parent
 
 
 def test_the_job_page_links_parent_and_children(api_only: Api, tab_factory: Any) -> None:

@@ -55,7 +55,7 @@ def flush_reports() -> None:
     Ray Train's worker answers a poll by taking a report off its queue and *then* asking whether the training
     thread still runs (``RayTrainWorker.poll_status``): a last report put between the two, by a thread that
     then ends, is never taken, so the run's result (its metrics and checkpoint) is the epoch before the last
-    (found reading Ray 2.60's code; tests/workers/test_ray_train.py shows the report still queued when the
+    (found reading Ray 2.60's code; tests/workers/on_ray/test_ray_train.py shows the report still queued when the
     function returns without this). The queue counts what was taken (``task_done`` after each
     ``get_nowait``), so waiting on it keeps the thread alive until then."""
     from ray.train.v2._internal.execution.context import get_train_context

@@ -15,7 +15,7 @@ import pytest
 from service.api import job_logs as reader
 from service.core.errors import InvalidInput, JobNotFound
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 CHILD = """
 import os, signal, subprocess, sys, time

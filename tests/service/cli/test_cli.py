@@ -76,7 +76,7 @@ def test_run_on_ray_with_code_writes_the_same_outputs_as_local(tmp_path: Path) -
     """`tlab run --ray --code DIR` starts a local Ray cluster, sends DIR to the workers as Ray's working_dir (the
     example's factories and loss import there, not only in this process), trains with 2 DDP workers, and writes
     the local files."""
-    example = Path(__file__).resolve().parents[2] / "examples" / "tiny_lm"
+    example = Path(__file__).resolve().parents[3] / "examples" / "tiny_lm"
     out = tlab("run", str(example / "spec.yaml"), "--ray", "--code", str(example), "--out", str(tmp_path / "r"),
                "--set", "training.epochs=2", "training.max_steps_per_epoch=4", "dataset.args.max_chars=6000",
                "teleport.epochs=[0]", "teleport.batches=1", "teleport.steps=2", "teleport.batch_size=2",

@@ -13,7 +13,7 @@ import redis
 
 from api_schemas import keys
 from api_schemas.lineage import StartFrom
-from tests.workers.test_driver import epochs_of, starts_of
+from tests.workers.on_ray.test_driver import epochs_of, starts_of
 from tests.workers.test_run_entrypoint import put_job
 from workers import run
 from workers.job.artifacts import checkpoints

@@ -20,8 +20,8 @@ from service.cli.artifacts import file_sha256
 from service.core.errors import InvalidInput, JobNotFound
 from service.core.settings import Settings
 from service.stack.embedded import Stack
+from tests.service.cli.test_cli import TLAB
 from tests.service.conftest import Api, tiny
-from tests.service.test_cli import TLAB
 from tests.service.test_failure_reasons import wait_ended
 
 JOB = "18f3a2b4c5d-9e1f2a"

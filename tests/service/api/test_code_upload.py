@@ -19,7 +19,7 @@ from service.core.errors import InvalidInput
 from service.core.settings import Settings
 from tests.service.conftest import Api, tiny
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_lm"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tiny_lm"
 ZIP = {"Content-Type": "application/zip"}
 
 

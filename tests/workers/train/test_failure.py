@@ -77,7 +77,7 @@ def test_ray_train_worker_errors_are_unwrapped() -> None:
     tb = textwrap.dedent(f"""\
         Traceback (most recent call last):
           File "{Path(torch.__file__).parent}/nn/modules/module.py", line 1775, in _call_impl
-          File "{Path(__file__).resolve().parents[2]}/workers/local.py", line 158, in train
+          File "{Path(__file__).resolve().parents[3]}/workers/train/loop.py", line 158, in train
           File "{pkg}/mylab/models.py", line 88, in build
             return foo
           File "{Path(torch.__file__).parent}/nn/modules/linear.py", line 134, in forward

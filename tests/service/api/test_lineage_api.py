@@ -15,8 +15,8 @@ import httpx
 
 from api_schemas import keys
 from service.core.store import Store
+from tests.service.cli.test_cli import TLAB
 from tests.service.conftest import Api, tiny
-from tests.service.test_cli import TLAB
 
 
 def ended_parent(api: Api, c: httpx.Client, kept: list[int], epochs: int = 3) -> str:

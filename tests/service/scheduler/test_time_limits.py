@@ -15,8 +15,8 @@ from service.cli.client import Client
 from service.core.settings import Settings
 from service.rules.limits import time_limit
 from service.stack.embedded import Stack
+from tests.service.api.test_admission import refused
 from tests.service.conftest import Api, tiny
-from tests.service.test_admission import refused
 from tests.service.test_failure_reasons import wait_ended
 
 
@@ -97,7 +97,7 @@ def test_a_sweeps_own_limit_stops_it_and_each_trials_limit_goes_to_tune(redis_se
     from service.launch.ray_cluster import RayJobs, StaticCluster
     from service.scheduler import preempt as preempting
     from service.scheduler.tick import Scheduler
-    from tests.service.test_fair_share import NODES, Jobs, tick
+    from tests.service.scheduler.test_fair_share import NODES, Jobs, tick
     from workers.sweep import trial_stop
 
     raw = {"base": tiny(resources={"time_limit_s": 5}), "time_limit_s": 30,

@@ -18,10 +18,10 @@ from service.core.store import Store
 from service.rules.policy import CPU_WEIGHT
 from service.scheduler import preempt as preempting
 from service.stack.embedded import Stack
+from tests.service.api.test_admission import refused
 from tests.service.conftest import Api, tiny, wait_ray_idle
-from tests.service.test_admission import refused
+from tests.service.scheduler.test_time_limits import wait_epochs
 from tests.service.test_failure_reasons import wait_ended
-from tests.service.test_time_limits import wait_epochs
 
 PINNED = tiny(resources={"preemptible": False})
 

@@ -99,7 +99,7 @@ def test_an_own_loops_teleport_keeps_the_budget_from_its_first_reported_epoch(tm
     from workers.train.loop import run_local
     from workers.train.user_code import add_code_dir
 
-    add_code_dir(Path(__file__).resolve().parents[2] / "examples" / "own_loop")
+    add_code_dir(Path(__file__).resolve().parents[3] / "examples" / "own_loop")
     spec = build_spec({
         "training": {"entrypoint": "own_loop.loop:train", "entrypoint_args": {"width": 16, "samples": 256},
                      "epochs": 3, "batch_size": 64},

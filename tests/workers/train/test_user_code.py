@@ -17,7 +17,7 @@ from workers.train.build import build_parts
 from workers.train.sinks import MemorySink
 from workers.train.user_code import UserCodeError, add_code_dir
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "tiny_lm"
 _names = itertools.count()
 

@@ -24,7 +24,7 @@ from workers.train.own_loop import NoEpochReported
 from workers.train.sinks import MemorySink
 from workers.train.user_code import UserCodeError, add_code_dir
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "own_loop"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "own_loop"
 _names = itertools.count()
 
 

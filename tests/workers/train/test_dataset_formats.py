@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.workers.formats import load, tensors
+from tests.workers.train.formats import load, tensors
 from workers.train.datasets import DatasetNotFound, load_dataset
 
 # ------------------------------------------------------------------------ electricity / traffic
