@@ -6,7 +6,7 @@ small batch and one teleport on it; the job joins the queue for its gang only on
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -50,16 +50,6 @@ class PreflightResult(BaseModel):
                                       description="parameter -> why teleport leaves it as it is")
 
 
-def preflighted_spec(spec: ExperimentSpec, sweep: dict[str, Any] | None = None) -> ExperimentSpec:
-    """The spec a preflight tries: an experiment's own; a sweep's base with each axis at its first value (the
-    first grid or choice value, the low end of a range), so a factory argument only the axes give is there."""
-    if not sweep:
-        return spec
-    from api_schemas.sweeps import probe_values, trial_spec
-
-    config = {path: probe_values(kind, list(args))[0]
-              for path, dist in (sweep.get("search_space") or {}).items() for kind, args in dist.items()}
-    return trial_spec(spec.model_dump(mode="json"), config)
 
 
 def preflight_of(data: dict[str, str]) -> PreflightResult | None:

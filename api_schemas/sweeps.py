@@ -188,3 +188,13 @@ class SweepRerun(_Strict):
 def trial_spec(base: dict[str, Any], config: dict[str, Any]) -> ExperimentSpec:
     """The base spec with a trial's sampled values put in at their dotted paths."""
     return ExperimentSpec.model_validate(apply_overrides(base, [f"{p}={json.dumps(v)}" for p, v in config.items()]))
+
+
+def preflighted_spec(spec: ExperimentSpec, sweep: dict[str, Any] | None = None) -> ExperimentSpec:
+    """The spec a preflight tries: an experiment's own; a sweep's base with each axis at its first value (the
+    first grid or choice value, the low end of a range), so a factory argument only the axes give is there."""
+    if not sweep:
+        return spec
+    config = {path: probe_values(kind, list(args))[0]
+              for path, dist in (sweep.get("search_space") or {}).items() for kind, args in dist.items()}
+    return trial_spec(spec.model_dump(mode="json"), config)

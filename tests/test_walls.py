@@ -77,9 +77,15 @@ def _package(module: str) -> str:
     return parts[1] if subpackages else ""
 
 
+# the one circle on purpose: a gang rank's Ray task (``gang_start.gang_rank``, torch-free for the driver that starts
+# the ranks) imports the supervisor only when it runs, on the rank's node; the supervisor starts ``Ranks`` itself
+DECLARED_CIRCLES = [["workers.on_ray.gang_start", "workers.on_ray.supervisor"]]
+
+
 def test_no_module_imports_in_a_circle() -> None:
-    found = [group for pkg in ("service", "workers") for group in import_graph.circles(import_graph.graph(pkg))]
-    assert not found, f"import circles: {found}"
+    found = [group for pkg in ("service", "workers", "api_schemas")
+             for group in import_graph.circles(import_graph.graph(pkg))]
+    assert sorted(found) == DECLARED_CIRCLES, f"import circles: {found}"
 
 
 def test_service_packages_import_only_downwards() -> None:

@@ -1,4 +1,5 @@
-"""Admission: whether a gang can ever fit the cluster, where it would go now (dry run), and queueing it.
+"""Enqueue, after admission (``service.api.admission``): whether a gang can ever fit the cluster, where it would go
+now (a dry run), and queueing it.
 
 No FastAPI here: the routes in ``service/api/routes/`` turn these answers into responses.
 """

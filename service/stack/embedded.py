@@ -1,6 +1,7 @@
-"""``tlab up``: the embedded stack — a real Redis (AOF), a local Ray head with token auth, the API and
-the scheduler — each a child process on free loopback ports, stopped together on Ctrl-C. A part that dies is
-restarted on the same ports with the same secrets (``restart``), watched by ``service.stack.supervise``.
+"""The embedded stack ``tlab up`` runs (``service.stack.up``) — a real Redis (AOF), a local Ray head with token
+auth, the API and the scheduler — each a child process on free loopback ports, stopped together on Ctrl-C. A
+part that dies is restarted on the same ports with the same secrets (``restart``), watched by
+``service.stack.supervise``.
 
 With ``REDIS_URL`` and ``RAY_ADDRESS`` set it starts only the API and the scheduler. Data lives
 under ``$TLAB_HOME`` (default ``~/.tlab``): ``redis/`` (the AOF), ``storage/`` (checkpoints),

@@ -13,7 +13,8 @@ import traceback
 from typing import Any
 
 from api_schemas import ExperimentSpec, keys
-from api_schemas.preflight import PreflightResult, preflighted_spec
+from api_schemas.preflight import PreflightResult
+from api_schemas.sweeps import preflighted_spec
 from workers.train.sinks import MetricSink
 
 SMALL_BATCH = 8  # samples in the forward/backward pass

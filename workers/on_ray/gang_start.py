@@ -37,7 +37,9 @@ def rank_options(spec: ExperimentSpec, node: str | None) -> dict[str, Any]:
 
 
 def gang_rank(*args: Any) -> None:
-    """A rank's task (its process is titled ``ray::gang_rank`` while it runs)."""
+    """A rank's task (its process is titled ``ray::gang_rank`` while it runs). A trampoline, on purpose: this module
+    stays torch-free for the driver that starts the ranks, and the supervisor (which imports ``Ranks`` from here)
+    is imported only when the task runs, on the rank's node (tests/test_walls.py declares this circle)."""
     from workers.on_ray.supervisor import supervise_rank  # its payload joins the gang, in a sandbox
 
     supervise_rank(*args)

@@ -24,17 +24,17 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from api_schemas import ExperimentSpec
 from workers.job import sandbox
 from workers.job.orders import Orders, Outcome
 from workers.job.redis_sink import RedisSink
+
+# (gang_start's rank task imports this module back, when it runs on its node: the declared trampoline)
+from workers.on_ray.gang_start import Ranks
 from workers.train.failure import JobFailed
 from workers.train.startup import adopt
-
-if TYPE_CHECKING:  # (a type only: gang_start's rank task imports this module, the torch-free trampoline)
-    from workers.on_ray.gang_start import Ranks
 
 WATCH_S = 0.2  # how often the supervisor looks at the gang's other ranks while its payload runs
 PUSH_EVERY_S = 10.0  # with a bucket: the job directory is uploaded this often while the payload runs

@@ -19,7 +19,7 @@ from pathlib import Path
 from api_schemas.reasons import one_line
 
 OURS = ("workers", "teleport", "api_schemas", "service", "plots")  # this repository's packages
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = Path(__file__).resolve().parents[2]  # (this file: workers/train/failure.py)
 _STDLIB = sysconfig.get_paths()["stdlib"]
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)', re.MULTILINE)
 _RAY_PACKAGE = re.compile(r"^.*/_ray_pkg_[^/]+/")  # where Ray unpacks a runtime_env working_dir
@@ -53,7 +53,7 @@ def is_internal(path: str) -> bool:
         return False  # the user's uploaded package, whatever its folders are called
     resolved = Path(path)
     return any(resolved.is_relative_to(_REPO / p) for p in OURS) or re.search(
-        rf"/({'|'.join(OURS)})/\w+\.py$", path) is not None
+        rf"/({'|'.join(OURS)})/(\w+/){{0,2}}\w+\.py$", path) is not None  # a copy of ours (a sub-package's too)
 
 
 def shown_path(path: str) -> str:

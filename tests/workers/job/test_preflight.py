@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 from api_schemas import build_spec
-from api_schemas.preflight import preflighted_spec
+from api_schemas.sweeps import preflighted_spec
 from workers.job.preflight_check import preflight
 from workers.train.sinks import MemorySink
 from workers.train.user_code import add_code_dir
