@@ -89,8 +89,10 @@ def test_a_job_at_its_time_limit_ends_failed_and_keeps_its_checkpoint(stack: Sta
 def test_a_sweeps_own_limit_stops_it_and_each_trials_limit_goes_to_tune(redis_server: str) -> None:
     """The two limits of a sweep on real objects: the scheduler (on real Redis, ticked at chosen times; Ray's Jobs
     API behind its Launcher seam) holds the whole sweep to ``time_limit_s``, counted while it runs, across a
-    preemption; each trial's ``base.resources.time_limit_s`` becomes Tune's stop criterion (the e2e run of it:
-    ``test_artifacts.py``, a sweep whose trials stop at 3 s)."""
+    preemption; each trial's ``base.resources.time_limit_s`` becomes Tune's stop criterion. A unit test of billing
+    time, as test_fair_share.py is; on real Ray the same paths are asserted once each: the scheduler's stop at a
+    limit (kind-blind, ``Scheduler.check_limit``) by the experiment above, running time across a preemption by
+    test_preemption.py, the trials' limit by ``test_artifacts.py`` (a sweep whose trials stop at 3 s)."""
     from api_schemas.jobs import JobState
     from api_schemas.sweeps import SweepSubmit
     from service.core.store import Store
