@@ -89,6 +89,8 @@ class Progress(_Strict):
     epochs: int | None = None
     train_loss: float | None = None
     test_loss: float | None = None
+    gpu_memory_mb: float | None = Field(None, description="on a GPU: the peak GPU memory (MiB) of the job's rank 0 "
+                                                          "so far, as its last epoch reported it")
 
 
 class JobView(_Strict):
@@ -167,6 +169,8 @@ class NodeShare(_Strict):
     workers: int
     cpus: float
     gpus: float
+    gpu_memory_mb: float | None = Field(None, description="on a GPU: the job's peak GPU memory so far (MiB, rank 0's, "
+                                                          "from its last epoch); null before its first epoch")
 
 
 class NodeView(_Strict):

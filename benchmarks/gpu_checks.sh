@@ -38,6 +38,8 @@ part() {  # part NAME SECONDS CMD...: run CMD with a time limit, log to $DIR/NAM
 
 $PY -c "import torch; print(torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
 part test_cuda 90 $PY -m pytest -q -rfs -p no:cacheprovider tests/teleport/test_cuda.py
+# issue 28: the memory fence and the GPU memory each epoch reports (needs pydantic next to torch)
+part gpu_share 90 $PY -m pytest -q -rfs -p no:cacheprovider tests/workers/train/test_gpu_share.py
 # issue 27: one teleport in training steps on the GPT-style LM, launches and host reads per step, and the char
 # LM's payoff (seconds to the baseline's loss, SGD and Adam, teleport.budget at its default) at the GPU size
 part lm_payoff 150 $PY -m benchmarks.lm_payoff --device $DEV --wait 0 $QUICK

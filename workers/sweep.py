@@ -109,10 +109,11 @@ def _finite(x: Any) -> float | None:
     return float(x) if isinstance(x, int | float) and math.isfinite(x) else None
 
 
-# what a trial's row keeps of its latest result: the run summary so far (``workers.train.loop.summarize``)
+# what a trial's row keeps of its latest result: the run summary so far (``workers.train.loop.summarize``), and on
+# a GPU the trial's peak GPU memory so far (what four trials sharing a card each took of it)
 SUMMARY_KEYS = ("epochs", "final_train_loss", "final_test_loss", "final_test_acc", "best_test_loss",
                 "best_test_acc", "final_test_ppl", "seconds", "teleport_seconds", "teleport_share",
-                "teleport_batches", "target_loss", "epochs_to_target", "seconds_to_target")
+                "teleport_batches", "target_loss", "epochs_to_target", "seconds_to_target", "gpu_memory_peak_mb")
 
 
 class TrialTable:

@@ -46,10 +46,11 @@ def _print_nodes(view: dict[str, Any]) -> None:
 
 def _print_shares(view: dict[str, Any]) -> None:
     """Each running job's share of each node it runs on (a GPU count below 1: a share of a card)."""
-    rows = [(s["job"], n["id"], str(s["workers"]), f"{s['cpus']:g}", f"{s['gpus']:g}")
+    rows = [(s["job"], n["id"], str(s["workers"]), f"{s['cpus']:g}", f"{s['gpus']:g}",
+             "-" if s.get("gpu_memory_mb") is None else f"{s['gpu_memory_mb']:g}")
             for n in view["nodes"] for s in n.get("jobs") or []]
     if rows:
-        print_table([("RUNNING", "NODE", "WORKERS", "CPUS", "GPUS"), *rows])
+        print_table([("RUNNING", "NODE", "WORKERS", "CPUS", "GPUS", "GPU MIB"), *rows])
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:

@@ -202,17 +202,28 @@ class Store:
             preflight=preflight_of(data),
         )
 
-    def progress(self, job_id: str, data: dict[str, str]) -> Progress:
-        """The latest metric event (a short look back from the end of the stream)."""
-        epochs = json.loads(data["spec"]).get("training", {}).get("epochs")
+    def last_metric(self, job_id: str) -> dict[str, Any] | None:
+        """The job's latest epoch record (a short look back from the end of its stream); None before its first."""
         for _eid, fields in self.r.xrevrange(keys.events(job_id), count=50):
             if fields.get("kind") == "metric":
                 try:  # the job's own process wrote it: a malformed one is skipped, never the whole view
                     m = json.loads(fields["data"])
-                    return Progress(epoch=int(m["epoch"]) + 1, epochs=epochs, train_loss=m.get("train_loss"),
-                                    test_loss=m.get("test_loss"))
-                except (KeyError, TypeError, ValueError):
+                    if isinstance(m, dict) and isinstance(m.get("epoch"), int):
+                        return m
+                except ValueError:
                     continue
+        return None
+
+    def progress(self, job_id: str, data: dict[str, str]) -> Progress:
+        """Where the job is: its latest epoch record's numbers."""
+        epochs = json.loads(data["spec"]).get("training", {}).get("epochs")
+        m = self.last_metric(job_id)
+        if m is not None:
+            try:
+                return Progress(epoch=m["epoch"] + 1, epochs=epochs, train_loss=m.get("train_loss"),
+                                test_loss=m.get("test_loss"), gpu_memory_mb=m.get("gpu_memory_mb"))
+            except ValueError:  # (pydantic's ValidationError) numbers that are not numbers: the epoch alone
+                return Progress(epoch=m["epoch"] + 1, epochs=epochs)
         return Progress(epoch=0 if data["state"] != JobState.QUEUED else None, epochs=epochs)
 
     def list_ids(self, owner: str | None, cursor: str | None, limit: int) -> tuple[list[str], bool]:

@@ -48,7 +48,7 @@ from service.rules.limits import TIME_LIMITED, over_limit, time_limit_reason
 from service.rules.policy import ActiveJob, Node, QueuedJob
 from service.scheduler import deaths
 from service.scheduler import preempt as preempting
-from service.scheduler.cluster_view import cluster_view
+from service.scheduler.cluster_view import cluster_view, gpu_memory
 from service.scheduler.notify import Sender
 from service.scheduler.preflight import Preflights
 from service.scheduler.repeated import RepeatedErrors
@@ -281,7 +281,7 @@ class Scheduler:
 
     def publish(self, decision: policy.Decision, nodes: list[Node], active: list[ActiveJob], now: float) -> None:
         """Queue positions and reasons, and the cluster view, for the API to show."""
-        view = cluster_view(nodes, active)  # per node: totals, free, each running job's share
+        view = cluster_view(nodes, active, gpu_memory(self.store, active))  # per node: totals, free, each job's share
         pipe = self.store.r.pipeline(transaction=True)
         pipe.delete(keys.queue_view())
         if decision.order:

@@ -168,7 +168,8 @@ def test_sign_in_tables_errors_and_cancel_without_ray(api_only: Api, tab_factory
     from api_schemas import keys
     from api_schemas.jobs import ClusterView, NodeShare, NodeView
 
-    shares = [NodeShare(job="gang-of-halves", workers=2, cpus=2, gpus=1.0)]  # each running job's share of the node
+    # each running job's share of the node, and the GPU memory its rank 0 reported with its last epoch
+    shares = [NodeShare(job="gang-of-halves", workers=2, cpus=2, gpus=1.0, gpu_memory_mb=812.5)]
     view = ClusterView(nodes=[NodeView(id="n1", alive=True, cpus_total=4, cpus_free=1, gpus_total=2, gpus_free=1,
                                        gpu_type="H100", jobs=shares)],
                        cpus_total=4, cpus_free=1, gpus_total=1, gpus_free=1, running_jobs=[], scheduler_alive=True,
@@ -178,7 +179,7 @@ def test_sign_in_tables_errors_and_cancel_without_ray(api_only: Api, tab_factory
     page.wait_for_selector("#cluster-summary #outside", timeout=15_000)
     assert "Ray holds 3 CPUs, 0 GPUs beyond Teleport Lab's jobs" in page.inner_text("#outside")
     node = page.inner_text("#nodes-body")
-    assert "H100" in node and "gang-of-halves" in node and "1 GPU" in node, node
+    assert "H100" in node and "gang-of-halves" in node and "1 GPU" in node and "812.5 MiB" in node, node
     assert "alive" in page.inner_text("#cluster-summary")
     page.click("#signout")
     page.wait_for_function("() => location.hash === '#/signin'")

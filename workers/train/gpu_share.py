@@ -105,10 +105,18 @@ def oom_named(resources: ResourcesSpec) -> Iterator[None]:
                         f"resources.gpu_memory_gb or gpus_per_worker, or lower the batch size ({first})") from err
 
 
+def gpu_memory(device: torch.device) -> dict[str, float]:
+    """On CUDA, the process's tensors' peak memory so far in MiB, as ``{"gpu_memory_mb": ...}`` ({} elsewhere):
+    every epoch record carries it, so the cluster view and a job's page show it while the job runs."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return {}
+    return {"gpu_memory_mb": round(torch.cuda.max_memory_allocated(device) / MIB, 1)}
+
+
 def device_report(device: torch.device) -> dict[str, Any]:
     """What a job's summary says of its device: the device, the GPUs Ray let the process see
     (``CUDA_VISIBLE_DEVICES``; None when unset), and on CUDA its tensors' peak memory in MiB."""
     report: dict[str, Any] = {"device": str(device), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
-    if device.type == "cuda" and torch.cuda.is_available():
-        report["gpu_memory_peak_mb"] = round(torch.cuda.max_memory_allocated(device) / MIB, 1)
+    if peak := gpu_memory(device):
+        report["gpu_memory_peak_mb"] = peak["gpu_memory_mb"]
     return report

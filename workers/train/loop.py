@@ -46,7 +46,7 @@ from workers.train.build import (
     teleport_config,
 )
 from workers.train.context import RunContext
-from workers.train.gpu_share import device_report
+from workers.train.gpu_share import device_report, gpu_memory
 from workers.train.own_loop import run_own_loop
 from workers.train.shared import TrainingDiverged, diverged, param_count, summarize
 from workers.train.sinks import JsonlSink, MemorySink, MetricSink, TeeSink
@@ -233,7 +233,7 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
                 raise diverged(ctx, "training", epoch, f"{name} is {value}",
                                 f"lower optimizer.lr (now {spec.optimizer.lr:g}) or teleport.lr / cap")
         record = {"kind": "epoch", "epoch": epoch, "train_loss": train_loss, **metrics,
-                  "seconds": time.perf_counter() - t0, "teleport_seconds": tele_seconds}
+                  "seconds": time.perf_counter() - t0, "teleport_seconds": tele_seconds, **gpu_memory(ctx.device)}
         ctx.sink.emit(record)
         history.append(record)
         shown = {"train": "train_loss", "test": "test_loss", "acc": "test_acc"}

@@ -39,6 +39,7 @@ from workers.train.budget import TeleportBudget, agree_across, cut_event
 from workers.train.build import basis_executor, reset_optimizer_state, select_dtype, teleport_config
 from workers.train.context import RunContext
 from workers.train.failure import OURS
+from workers.train.gpu_share import gpu_memory
 from workers.train.shared import TrainingDiverged, diverged, param_count, summarize
 from workers.train.teleporting import sample_batch, to_device
 from workers.train.user_code import UserCodeError, definition, one_line, report, resolve
@@ -247,7 +248,7 @@ class OwnLoopContext:
                              "curves, compare and sweeps read them), plus any other numbers")
         values = {name: _number(name, value, epoch) for name, value in metrics.items()}
         self._start()
-        record = {"kind": "epoch", "epoch": epoch, **values}
+        record = {"kind": "epoch", "epoch": epoch, **values, **gpu_memory(self.device)}
         record.setdefault("seconds", time.perf_counter() - self._t0)
         record.setdefault("teleport_seconds", self.teleport_seconds)
         for name in REQUIRED:

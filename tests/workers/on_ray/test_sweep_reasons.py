@@ -53,12 +53,14 @@ def test_the_rows_the_driver_writes_are_rows_the_api_reads(redis_server: str) ->
     table = TrialTable(redis_server, "s9", "train_loss", "min", epochs=5)
     ok, bad = Trial("t0", {"teleport.lr": 0.1}), Trial("t1", {"teleport.lr": 0.2})
     table.update(ok, state="running")
-    table.update(ok, result={"train_loss": 0.5, "epochs": 5, "final_train_loss": 0.5})
+    table.update(ok, result={"train_loss": 0.5, "epochs": 5, "final_train_loss": 0.5, "gpu_memory_peak_mb": 96.5,
+                             "device": "cuda:0"})
     table.update(ok, state="done")
     table.update(bad, result={"train_loss": 0.9, "epochs": 3})
     table.update(bad, state="failed", reason="epoch 3: loss is NaN")
     rows = {r.trial: r for r in trial_rows(Store.from_url(redis_server), "s9")}
     assert rows["t0"].state == "succeeded" and rows["t0"].best == 0.5 and rows["t0"].reason is None
+    assert rows["t0"].summary == {"epochs": 5, "final_train_loss": 0.5, "gpu_memory_peak_mb": 96.5}  # a trial on a GPU
     assert rows["t1"].state == "failed" and rows["t1"].reason == "epoch 3: loss is NaN" and rows["t1"].epochs == 3
 
 

@@ -14,6 +14,7 @@ from workers.train.gpu_share import (
     GIB,
     device_report,
     fence_memory,
+    gpu_memory,
     job_device,
     memory_fraction,
     oom_named,
@@ -95,3 +96,22 @@ def test_the_summary_says_the_device_and_the_gpus_the_process_saw(monkeypatch: p
     assert device_report(torch.device("cpu")) == {"device": "cpu", "cuda_visible_devices": ""}
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert device_report(torch.device("cpu"))["cuda_visible_devices"] is None
+
+
+def test_off_cuda_an_epoch_carries_no_gpu_memory() -> None:
+    assert gpu_memory(torch.device("cpu")) == {}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_every_epoch_reports_the_gpu_memory_so_far_and_the_summary_its_peak() -> None:
+    """What the cluster view and a job's page show while it runs (``service.scheduler.cluster_view.gpu_memory``)."""
+    from workers.train.context import RunContext
+    from workers.train.loop import train
+    from workers.train.sinks import MemorySink
+
+    spec = ExperimentSpec.model_validate({"dataset": {"name": "digits"}, "model": {"kind": "mlp", "hidden": [64]},
+                                          "training": {"epochs": 2, "device": "cuda"}})
+    sink = MemorySink()
+    summary = train(spec, RunContext(device=torch.device("cuda"), sink=sink))
+    memory = [r["gpu_memory_mb"] for r in sink.records if r["kind"] == "epoch"]
+    assert len(memory) == 2 and 0 < memory[0] <= memory[1] <= summary["gpu_memory_peak_mb"], (memory, summary)

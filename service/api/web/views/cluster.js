@@ -14,12 +14,13 @@ const summary = (c) => html`${c.nodes.length} node(s) · CPUs <b>${num(c.cpus_fr
   ${c.cpus_outside || c.gpus_outside ? html`<span id="outside" title="other Ray work on the cluster, or a finished job's workers still being released">Ray holds ${num(c.cpus_outside)} CPUs, ${num(c.gpus_outside)} GPUs beyond Teleport Lab's jobs</span> · ` : ""}
   scheduler ${alive(c.scheduler_alive)}`;
 
-// a running job's share of the node: its workers there, their CPUs and GPUs (below 1: a share of a card)
+// a running job's share of the node: its workers there, their CPUs and GPUs (below 1: a share of a card), and the
+// GPU memory its rank 0 reported with its last epoch
+const held = (s) => html`${num(s.cpus)} CPU${s.gpus ? html` · ${num(s.gpus)} GPU` : ""}${
+  s.gpu_memory_mb != null ? html` · <span class="gpu-memory">${num(s.gpu_memory_mb)} MiB</span>` : ""}`;
 const share = (s) => s.job === null // another user's job: its share, without its id
-  ? html`<span class="chip share muted" title="${s.workers} worker(s) here">another user's job
-  ${num(s.cpus)} CPU${s.gpus ? html` · ${num(s.gpus)} GPU` : ""}</span> `
-  : html`<a class="chip share" href="#/job/${s.job}" title="${s.workers} worker(s) here">${s.job}
-  ${num(s.cpus)} CPU${s.gpus ? html` · ${num(s.gpus)} GPU` : ""}</a> `;
+  ? html`<span class="chip share muted" title="${s.workers} worker(s) here">another user's job ${held(s)}</span> `
+  : html`<a class="chip share" href="#/job/${s.job}" title="${s.workers} worker(s) here">${s.job} ${held(s)}</a> `;
 
 const nodeRow = (n) => html`<tr><td class="mono">${n.id}${n.gpu_type ? html` <span class="muted">${n.gpu_type}</span>` : ""}</td>
   <td>${n.alive ? "yes" : "no"}</td>

@@ -75,6 +75,7 @@ function jobFacts(j) {
     ["needs", demandText(j.demand)], ["priority", j.priority], ["attempts", j.attempts],
     ["progress", j.progress?.epoch !== null && j.progress?.epoch !== undefined ? `${j.progress.epoch}/${j.progress.epochs ?? "?"} epochs` : "–"],
   ];
+  if (j.progress?.gpu_memory_mb != null) facts.push(["GPU memory", `${num(j.progress.gpu_memory_mb)} MiB at most so far`]);
   if (j.state === "queued") facts.push(["queue position", j.queue_position ?? "–"], ["why pending", j.pending_reason || "–"]);
   if (j.failure_reason) facts.push(["failure", j.failure_reason]);
   facts.push(...preflightFacts(j.preflight));
