@@ -23,7 +23,7 @@ def run_in_driver(spec: ExperimentSpec, job_id: str, redis_url: str, storage: st
                   start_from: Path | None = None, placement: Sequence[str] = (), ranks: Any = None) -> dict[str, Any]:
     """Train ``spec`` in this process, reporting to the job's Redis stream; retry from the last checkpoint up
     to ``max_failures`` times. Returns the summary (``attempt``). ``stopped``: what a stop raises
-    (``workers.job.harness.Stopped``, the class of the running ``__main__``): never retried. ``start_from``: the
+    (a stop exception, e.g. ``workers.job.harness.Stopped``): never retried. ``start_from``: the
     checkpoint to start from while the run has none of its own (``start_checkpoint``). With several workers
     this process is rank 0 of a gang it leads (``workers.on_ray.gang``; ``placement``: the scheduler's node per rank;
     ``ranks``: the first try's other ranks, if started already: ``workers.on_ray.gang_start.Ranks``)."""
