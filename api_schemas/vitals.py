@@ -1,10 +1,9 @@
 """What a job's driver says about itself while it runs, for the scheduler to explain its death.
 
-A driver that the kernel kills (``kill -9``, the OOM killer) says nothing on its way out; it writes these every
-few seconds into its run copy (``keys.job_run``, field ``VITALS_FIELD``; ``workers.job.vitals``), and the scheduler
-reads them once Ray reports the driver gone without a word (``service.scheduler.deaths``): which process it
-was, on which
-boot of which machine, how much memory it held at most, and its memory cgroup's OOM-kill counter at its start.
+A driver that the kernel kills (``kill -9``, the OOM killer) says nothing on its way out; it writes these every few
+seconds into its run copy (``keys.job_run``, field ``VITALS_FIELD``; ``workers.job.vitals``), and the scheduler reads
+them once Ray reports the driver gone without a word (``service.scheduler.deaths``): which process it was, on which boot
+of which machine, how much memory it held at most, and its memory cgroup's OOM-kill counter at its start.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """``python -m workers.payload``: one try of a job's training, in its sandbox (``workers.job.sandbox``).
 
 Its supervisor (``workers.on_ray.supervisor``: the Ray job's driver, or a gang rank's Ray task) starts it and hands it
-``Orders`` on stdin (never in an environment variable: its Redis URL is the job's own ACL user's); it trains one
-try as ``workers.on_ray.driver`` / ``workers.on_ray.gang`` do in-process, exports the run's artifacts (rank 0),
-and writes its
-``Outcome`` (JSON) to the descriptor the orders name. It holds no Ray connection and no ticket; rank 0 of a gang
-opens the gang's TCP store on the socket its supervisor opened (``listen_fd``, inherited), and waits for the other
-ranks there (its supervisor watches their Ray tasks and ends this process if one fails first).
+``Orders`` on stdin (never in an environment variable: its Redis URL is the job's own ACL user's); it trains one try as
+``workers.on_ray.driver`` / ``workers.on_ray.gang`` do in-process, exports the run's artifacts (rank 0), and writes its
+``Outcome`` (JSON) to the descriptor the orders name. It holds no Ray connection and no ticket; rank 0 of a gang opens
+the gang's TCP store on the socket its supervisor opened (``listen_fd``, inherited), and waits for the other ranks there
+(its supervisor watches their Ray tasks and ends this process if one fails first).
 
 Exit status: 0 trained, 1 failed, 143 stopped (a SIGTERM: from Ray's stop, or forwarded by the supervisor).
 """

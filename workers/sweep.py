@@ -316,11 +316,10 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
         raise state_gone(path)
     sink = RedisSink(redis_url, job_id)
     if restore:
-        # an earlier attempt's driver died (the cluster restarted): Tune's saved state says which trials
-        # ended; unfinished ones run again under their own ids, and each one's TorchTrainer resumes from
-        # its last checkpoint (same name and storage path). A rerun (workers.on_ray.sweep_rerun): of the
-        # errored trials, the
-        # marked ones only
+        # an earlier attempt's driver died (the cluster restarted): Tune's saved state says which trials ended;
+        # unfinished ones run again under their own ids, and each one's TorchTrainer resumes from its last checkpoint
+        # (same name and storage path). A rerun (workers.on_ray.sweep_rerun): of the errored trials, the marked ones
+        # only
         resumed = resume_only(path, rerun) if rerun else None
         what = f"rerunning trials {', '.join(resumed)}" if resumed else "resuming the sweep"
         sink.emit({"kind": "log", "level": "info", "message": f"{what} from Tune's state in {path}"})

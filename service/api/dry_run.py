@@ -1,9 +1,8 @@
 """``POST /v1/experiments?dry_run=true`` for a spec that runs the user's code: its preflight, inside the request.
 
 The preflight runs on Ray as the scheduler runs it (``service.launch.preflight_jobs``: 1 CPU, the package and
-requirements
-as runtime_env, a Redis user of its own), never in the API process, under a throwaway id: its spec goes to the
-id's ``run`` copy, its verdict comes back, and every trace of it (keys, Redis user, logs) goes. Nothing is queued.
+requirements as runtime_env, a Redis user of its own), never in the API process, under a throwaway id: its spec goes to
+the id's ``run`` copy, its verdict comes back, and every trace of it (keys, Redis user, logs) goes. Nothing is queued.
 At most ``TLAB_PREFLIGHT_MAX`` at once per API process (429 above); each within ``TLAB_PREFLIGHT_TIMEOUT_S``.
 """
 

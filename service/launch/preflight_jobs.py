@@ -1,13 +1,11 @@
 """Starting a preflight on Ray (``python -m workers.preflight --job ID`` as a small Ray job), and reading its verdict.
 
-Shared by the scheduler (``service.scheduler.preflight``: every queued job that runs the user's code) and the
-API's dry run
-(``service.api.dry_run``). The Ray job asks for ``PREFLIGHT_CPUS`` CPU and no GPU, on the node the scheduler chose
-when it is a Ray node; it runs in the job's runtime_env (its package as ``working_dir``, its requirements as
-``pip``) and reaches Redis as a user of its own, ``tlab-preflight-<id>``, allowed the job's keys only
-(``service.launch.job_acl.rules``; a name ``JobAcl.sync`` leaves alone), whose ``REDIS_URL`` it redeems at
-start with the
-one-time ticket in its runtime_env (ticket user ``tlab-ticket-preflight-<id>``, as a job's).
+Shared by the scheduler (``service.scheduler.preflight``: every queued job that runs the user's code) and the API's dry
+run (``service.api.dry_run``). The Ray job asks for ``PREFLIGHT_CPUS`` CPU and no GPU, on the node the scheduler chose
+when it is a Ray node; it runs in the job's runtime_env (its package as ``working_dir``, its requirements as ``pip``)
+and reaches Redis as a user of its own, ``tlab-preflight-<id>``, allowed the job's keys only
+(``service.launch.job_acl.rules``; a name ``JobAcl.sync`` leaves alone), whose ``REDIS_URL`` it redeems at start with
+the one-time ticket in its runtime_env (ticket user ``tlab-ticket-preflight-<id>``, as a job's).
 """
 
 from __future__ import annotations

@@ -146,8 +146,8 @@ def gpu_env(demand: Demand | None) -> dict[str, str]:
 
 def with_credentials(env: dict[str, str], credentials: dict[str, str]) -> dict[str, str]:
     """A job's ``env_vars`` with its credentials (``service.launch.job_acl``): its one-time ticket replaces the
-    service's
-    own ``REDIS_URL``, so no Ray job's runtime_env (which every job's code can list) holds a Redis password."""
+    service's own ``REDIS_URL``, so no Ray job's runtime_env (which every job's code can list) holds a Redis
+    password."""
     return {**{k: v for k, v in env.items() if not (credentials and k == "REDIS_URL")}, **credentials}
 
 

@@ -1,6 +1,5 @@
-"""The shared-GPU service benchmark's own reading (``benchmarks.service.gpu_sharing``): trials at once from their
-spans, and a rank's log line as ``workers.on_ray.gang.join`` writes it. (The runs themselves:
-benchmarks/gpu_checks.sh.)"""
+"""The shared-GPU service benchmark's own reading (``benchmarks.service.gpu_sharing``): trials at once from their spans,
+and a rank's log line as ``workers.on_ray.gang.join`` writes it. (The runs themselves: benchmarks/gpu_checks.sh.)"""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Storage on a bucket (``objstore``, ``workers.job.bucket``, ``service.core.storage``) against a real S3
-endpoint: moto's
-server over HTTP (tests/s3.py, via conftest.py), spoken to by pyarrow's AWS client (MinIO or S3 on a cluster)."""
+"""Storage on a bucket (``objstore``, ``workers.job.bucket``, ``service.core.storage``) against a real S3 endpoint:
+moto's server over HTTP (tests/s3.py, via conftest.py), spoken to by pyarrow's AWS client (MinIO or S3 on a cluster)."""
 
 from __future__ import annotations
 

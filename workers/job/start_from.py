@@ -1,7 +1,6 @@
 """Which checkpoint a continued or forked job starts from (``service.api.lineage`` wrote it): read by the job's trusted
-processes (its driver, each gang rank's task) without torch, so the sandbox is started before torch is imported
-anywhere and the payload is told the path (and may read only that checkpoint of another run:
-``workers.job.sandbox``)."""
+processes (its driver, each gang rank's task) without torch, so the sandbox is started before torch is imported anywhere
+and the payload is told the path (and may read only that checkpoint of another run: ``workers.job.sandbox``)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,13 @@
 """A job's Redis credential, from the one-time ticket the scheduler put in its Ray job's runtime_env.
 
-A Ray job's runtime_env can be read by every job's code (Ray's Jobs API, with the cluster's token), so the
-scheduler never puts a job's ``REDIS_URL`` there: ``TLAB_JOB_TICKET`` is the URL of a ticket user allowed nothing
-but reading-and-deleting one key (``GETDEL keys.ticket(user)``) that holds it (service/launch/job_acl.py). The
-job's first
-process (its driver, or its preflight) redeems the ticket at start with ``job_redis_url()`` and hands the URL on
-as an argument: to its gang's ranks as a task argument, to Tune's trials in their closure, to a TorchTrainer's
-workers in ``train_loop_config``, never in a runtime_env. Redeemed, the ticket opens nothing; one that someone
-else redeemed first stops the job at start with one line (``TicketTaken``). Run without the service (``tlab run``,
-tests, ``TLAB_JOB_REDIS_ACL=off``) there is no ticket: ``REDIS_URL`` as given.
+A Ray job's runtime_env can be read by every job's code (Ray's Jobs API, with the cluster's token), so the scheduler
+never puts a job's ``REDIS_URL`` there: ``TLAB_JOB_TICKET`` is the URL of a ticket user allowed nothing but
+reading-and-deleting one key (``GETDEL keys.ticket(user)``) that holds it (service/launch/job_acl.py). The job's first
+process (its driver, or its preflight) redeems the ticket at start with ``job_redis_url()`` and hands the URL on as an
+argument: to its gang's ranks as a task argument, to Tune's trials in their closure, to a TorchTrainer's workers in
+``train_loop_config``, never in a runtime_env. Redeemed, the ticket opens nothing; one that someone else redeemed first
+stops the job at start with one line (``TicketTaken``). Run without the service (``tlab run``, tests,
+``TLAB_JOB_REDIS_ACL=off``) there is no ticket: ``REDIS_URL`` as given.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""A multi-worker job trains as a gang its driver leads: rank 0 in the Ray job's driver (as a 1-worker job
-does, ``workers.on_ray.driver``), ranks 1..N-1 as Ray tasks on the nodes the scheduler planned
-(``workers.on_ray.gang_start``:
-started before the driver imports torch), all joined in one
-``torch.distributed`` process group over a TCP store the driver opens. No Ray Train controller, worker group or
-polling: a 2-worker TorchTrainer took ~9 s here from ``fit()`` to its loop, most of a job's start (issue 15).
+"""A multi-worker job trains as a gang its driver leads: rank 0 in the Ray job's driver (as a 1-worker job does,
+``workers.on_ray.driver``), ranks 1..N-1 as Ray tasks on the nodes the scheduler planned (``workers.on_ray.gang_start``:
+started before the driver imports torch), all joined in one ``torch.distributed`` process group over a TCP store the
+driver opens. No Ray Train controller, worker group or polling: a 2-worker TorchTrainer took ~9 s here from ``fit()`` to
+its loop, most of a job's start (issue 15).
 
 What Ray Train did for the gang, done here: DDP and sharded loaders (``RunContext`` with ``world_size > 1``),
 checkpoints written by rank 0 only (``DriverContext.save``, in Ray Train's layout), every rank resuming from

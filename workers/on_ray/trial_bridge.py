@@ -3,11 +3,10 @@
 The Tune trial's process (``workers.sweep``'s ``own_trial``) is the supervisor: it holds Ray and Tune's session, and
 starts the trial's payload (``workers.payload``, kind ``trial``) in the sandbox. The payload trains with a
 ``BridgedTrialContext``: each epoch's checkpoint is written in the trial's scratch directory (the payload's only
-writable place) and announced, with its metrics, as one JSON line on a pipe; the supervisor hands it to
-``tune.report`` (Tune copies it into the trial's directory, ASHA and PBT decide) and answers on another pipe, so the
-loop waits for each report as it did in-process (``workers.on_ray.trial.TrialContext``). A restored trial (a
-Tune retry, a
-PBT exploit) starts from Tune's checkpoint, mounted read-only.
+writable place) and announced, with its metrics, as one JSON line on a pipe; the supervisor hands it to ``tune.report``
+(Tune copies it into the trial's directory, ASHA and PBT decide) and answers on another pipe, so the loop waits for each
+report as it did in-process (``workers.on_ray.trial.TrialContext``). A restored trial (a Tune retry, a PBT exploit)
+starts from Tune's checkpoint, mounted read-only.
 """
 
 from __future__ import annotations

@@ -37,9 +37,8 @@ def mark(phase: str) -> None:
 
 
 def adopt(times: dict[str, float]) -> None:
-    """Another process's phases count as this one's where it has not passed them (a job's sandboxed payload
-    imports torch, loads the data and builds the model: ``workers.on_ray.supervisor``); ``spawned`` stays this
-    process's."""
+    """Another process's phases count as this one's where it has not passed them (a job's sandboxed payload imports
+    torch, loads the data and builds the model: ``workers.on_ray.supervisor``); ``spawned`` stays this process's."""
     for phase, at in times.items():
         if phase != "spawned":
             _marks.setdefault(phase, at)

@@ -1,6 +1,5 @@
-"""A driver that died without a word (service.scheduler.deaths): its signal, the one line, the OOM evidence,
-and the retry
-budget over attempts, on a real Redis. The real kill -9 of a running driver is in test_e2e."""
+"""A driver that died without a word (service.scheduler.deaths): its signal, the one line, the OOM evidence, and the
+retry budget over attempts, on a real Redis. The real kill -9 of a running driver is in test_e2e."""
 
 from __future__ import annotations
 
