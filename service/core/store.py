@@ -207,7 +207,7 @@ class Store:
         for _eid, fields in self.r.xrevrange(keys.events(job_id), count=50):
             if fields.get("kind") == "metric":
                 try:  # the job's own process wrote it: a malformed one is skipped, never the whole view
-                    m = json.loads(fields["data"])
+                    m = json.loads(fields.get("data") or "")
                     if isinstance(m, dict) and isinstance(m.get("epoch"), int):
                         return m
                 except ValueError:
