@@ -105,7 +105,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     variants = {on: load_spec(args.spec, [*args.overrides, f"teleport.enabled={str(on).lower()}"])
                 for on in (True, False)}
     from plots.curves import plot_bands
-    from workers.train.loop import TrainingDiverged, run_label, run_local
+    from workers.train.loop import run_label, run_local
+    from workers.train.shared import TrainingDiverged
     from workers.train.sinks import MemorySink
 
     out = Path(args.out) if args.out else _default_out(args.spec, "-compare")
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err} (TLAB_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
     except RuntimeError as err:
-        from workers.train.loop import TrainingDiverged
+        from workers.train.shared import TrainingDiverged
 
         if debug or not isinstance(err, TrainingDiverged):
             raise

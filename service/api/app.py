@@ -8,7 +8,6 @@ The scheduler process does the starting; the API only reads and writes the Redis
 
 from __future__ import annotations
 
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -70,6 +69,3 @@ def main() -> int:
                 access_log=False)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -369,6 +369,3 @@ def main() -> int:
     serve(settings)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,7 +15,7 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from api_schemas import keys
 from tests.service.conftest import Api, tiny
 from workers.job.redis_sink import RedisSink
-from workers.train.loop import summarize
+from workers.train.shared import summarize
 
 TARGET = 0.3
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from workers.cli import _describe
-from workers.train.loop import summarize
+from workers.train.shared import summarize
 
 
 def history() -> list[dict[str, float]]:

@@ -81,7 +81,7 @@ def metrics_csv(history: list[dict[str, Any]]) -> str:
 def export(spec: ExperimentSpec, run_dirs: list[Path], out: Path, extra: dict[str, Any] | None = None) -> list[str]:
     """Write the artifacts of the run whose checkpoints are in ``run_dirs`` (a PBT trial trains in several) to
     ``out``; returns the names written ([] with no checkpoint yet). ``extra`` goes into summary.json."""
-    from workers.train.loop import summarize
+    from workers.train.shared import summarize
 
     found = last_training_state(run_dirs)
     if found is None:

@@ -216,7 +216,8 @@ def retried(err: BaseException, never: tuple[type[BaseException], ...] = ()) -> 
 def attempt(spec: ExperimentSpec, ctx: DriverContext) -> dict[str, Any]:
     """One try of the loop: its summary, which is what its last checkpoint reported (even when a retry had no
     epoch left to do); a diverged run's is ``{"failed": True, "reason": ...}``, as ``train_worker`` reports it."""
-    from workers.train.loop import TrainingDiverged, train
+    from workers.train.loop import train
+    from workers.train.shared import TrainingDiverged
 
     try:
         with oom_named(spec.resources):

@@ -94,7 +94,8 @@ def _train(config: dict[str, Any]) -> None:
 
     from workers.on_ray.ray_context import RayTrainContext
     from workers.train.gpu_share import fence_memory
-    from workers.train.loop import TrainingDiverged, train
+    from workers.train.loop import train
+    from workers.train.shared import TrainingDiverged
 
     spec = ExperimentSpec.model_validate(config["spec"])
     ctx = RayTrainContext(_worker_sink(config, ray.train.get_context().get_world_rank()),

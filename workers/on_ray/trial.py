@@ -80,7 +80,8 @@ def train_in_trial(spec: ExperimentSpec, sink: MetricSink, ctx: RunContext | Non
     shows no metric), and any other error propagates (the caller turns it into the trial's one line). ``ctx``: a
     context of the caller's (a trial's sandboxed payload: ``workers.on_ray.trial_bridge``)."""
     from workers.train.gpu_share import claim_device
-    from workers.train.loop import TrainingDiverged, train
+    from workers.train.loop import train
+    from workers.train.shared import TrainingDiverged
 
     ctx = ctx or TrialContext(device=claim_device(spec), sink=sink)  # its share of the card fenced first
     try:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from torch import Tensor
 
-    from workers.train.datasets import DataBundle
+    from workers.train.data_bundle import DataBundle
 
 OPTIMIZER_NAMES = ("sgd", "momentum", "adagrad", "adam", "adamw")
 

@@ -37,8 +37,7 @@ from api_schemas.datasets import (
 from api_schemas.datasets import DatasetNotFound as DatasetNotFound  # the loaders raise it; callers import it here
 from api_schemas.spec import DatasetSpec
 from workers.train.custom_data import load_custom  # the user's own dataset.factory
-from workers.train.data_bundle import DataBundle as DataBundle  # what a loader returns (imported from here too)
-from workers.train.data_bundle import Task as Task
+from workers.train.data_bundle import DataBundle
 from workers.train.data_files import (
     DataFormatError,
     read_bytes,

@@ -27,7 +27,7 @@ from api_schemas.compat import check_model_data
 from api_schemas.spec import CNNModel, CustomModel, MLPModel, ResNetModel, TransformerModel
 
 if TYPE_CHECKING:
-    from workers.train.datasets import DataBundle
+    from workers.train.data_bundle import DataBundle
 
 AnyModelSpec = MLPModel | CNNModel | ResNetModel | TransformerModel | CustomModel
 TASKS = ("classification", "regression", "lm")

@@ -13,7 +13,7 @@ from api_schemas import build_spec
 from api_schemas.sweeps import SweepSubmit
 from workers.job.artifacts import last_training_state
 from workers.on_ray.trial import in_trial, train_in_trial, trial_dirs, trial_resources
-from workers.train.loop import summarize
+from workers.train.shared import summarize
 from workers.train.sinks import JsonlSink
 
 TINY = {"dataset": {"name": "digits"}, "model": {"kind": "mlp", "hidden": [16]},

@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 from api_schemas import build_spec
-from workers.train.datasets import DataBundle, load_dataset
+from workers.train.data_bundle import DataBundle
+from workers.train.datasets import load_dataset
 
 
 def load(seed: int = 0, **dataset: Any) -> DataBundle:

@@ -27,8 +27,9 @@ from workers.train.build import (
     teleport_config,
 )
 from workers.train.context import RunContext
-from workers.train.loop import TrainingDiverged, evaluate, run_local, train
+from workers.train.loop import evaluate, run_local, train
 from workers.train.models import build_model, loss_fn_for
+from workers.train.shared import TrainingDiverged
 from workers.train.sinks import JsonlSink, MemorySink
 
 EPOCH_KEYS = {"kind", "epoch", "train_loss", "test_loss", "test_acc", "seconds", "teleport_seconds"}

@@ -19,8 +19,9 @@ from api_schemas import ExperimentSpec, build_spec
 from workers.job.artifacts import export
 from workers.on_ray.driver import DriverContext
 from workers.train.context import RunContext
-from workers.train.loop import TrainingDiverged, run_local, train
+from workers.train.loop import run_local, train
 from workers.train.own_loop import NoEpochReported
+from workers.train.shared import TrainingDiverged
 from workers.train.sinks import MemorySink
 from workers.train.user_code import UserCodeError, add_code_dir
 

@@ -16,8 +16,9 @@ import torch
 
 from api_schemas import build_spec
 from workers.train.context import CheckpointRefused, read_checkpoint, write_checkpoint
+from workers.train.data_bundle import DataBundle
 from workers.train.data_files import DataFormatError
-from workers.train.datasets import DataBundle, load_dataset
+from workers.train.datasets import load_dataset
 
 SECRET = "root:x:0:0:hunter2-secret:/root:/bin/bash"
 
