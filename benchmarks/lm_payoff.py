@@ -8,7 +8,9 @@ Two parts, on the device given (``--device cpu|cuda``), side by side in one run:
    sequences — with 8 ascent steps forced (CAP and loss_tol off: the most a teleport of 8 steps costs) and
    with the product's defaults (lr 0.2, CAP 5: where ‖∇L‖² already exceeds CAP no step is taken). Per
    ascent step: profiler events (``aten::`` ops on the CPU; ``cudaLaunchKernel`` on CUDA) and the
-   teleport's host reads (``teleport.objective.HOST_READS``), each as (T(8) − T(0)) / 8.
+   teleport's host reads (``teleport.objective.HOST_READS``), each as (T(8) − T(0)) / 8 — for each way of
+   running the steps (``teleport.ascent``: host guard, device ticks, and on CUDA the ticks in a CUDA graph,
+   warm-up and capture included; a graph replay counts as one launch).
 2. **Payoff** on ``examples/tiny_lm`` (a char LM on Python source): baseline against teleport with SGD and
    Adam through the product's own loop (``workers.train.loop.train``) with ``teleport.budget`` at its default:
    seconds to the baseline's final train loss as a ratio, and teleport's share of the run. ``--quick`` and
@@ -40,7 +42,8 @@ from teleport import TeleportConfig, teleport_batch
 from teleport.objective import HOST_READS
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_lm"
-LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")  # the CUDA runtime's launch calls
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")  # a graph: one launch
+ASCENTS = {"cpu": ("host", "device"), "cuda": ("host", "device", "cuda_graph")}  # ``TeleportConfig.ascent``
 FORCED = {"lr": 1e-6, "cap": 1e12, "loss_tol": 1e9}  # every step accepted: the most 8 steps can cost
 
 
@@ -113,22 +116,29 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int) -> dict[str, 
         lm_loss(model(batch), batch).backward()
         opt.step()
 
-    def teleport(steps: int, **kw: float) -> Any:
-        return teleport_batch(model, lm_loss, tele, tele, TeleportConfig(steps=steps, **kw))
+    def teleport(steps: int, ascent: str = "auto", **kw: float) -> Any:
+        return teleport_batch(model, lm_loss, tele, tele, TeleportConfig(steps=steps, ascent=ascent, **kw))
 
     step_s, _ = _timed(train_step, device, repeats)
-    forced_s, forced = _timed(lambda: teleport(8, **FORCED), device, repeats)
     default_s, default = _timed(lambda: teleport(8), device, repeats)
-    (l0, r0), (l8, r8) = _launches(lambda: teleport(0, **FORCED), device), _launches(lambda: teleport(8, **FORCED),
-                                                                                       device)
-    return {
+    out = {
         "model": {"d": d, "layers": layers, "context": ctx, "vocab": 256, "train_batch": 32, "teleport_batch": 2},
-        "train_step_s": step_s, "teleport_8_steps_s": forced_s, "teleport_default_s": default_s,
-        "teleport_8_steps_in_train_steps": forced_s / step_s, "teleport_default_in_train_steps": default_s / step_s,
+        "train_step_s": step_s, "teleport_default_s": default_s, "teleport_default_in_train_steps": default_s / step_s,
         "default_steps_taken": default.steps, "default_stop_reason": default.stop_reason,
-        "forced_steps_taken": forced.steps, "forced_drift": abs(forced.loss_after - forced.loss_before),
-        "launches_per_teleport_setup": l0, "launches_per_step": (l8 - l0) / 8, "host_reads_per_step": (r8 - r0) / 8,
+        "default_ascent": default.ascent, "by_ascent": {},
     }
+    for ascent in ASCENTS[device.type]:  # side by side: the forced 8 steps in each way of running them
+        forced_s, forced = _timed(lambda a=ascent: teleport(8, a, **FORCED), device, repeats)
+        (l0, r0), (l8, r8) = (_launches(lambda a=ascent, t=t: teleport(t, a, **FORCED), device) for t in (0, 8))
+        out["by_ascent"][ascent] = {
+            "ran_as": forced.ascent, "teleport_8_steps_s": forced_s,
+            "teleport_8_steps_in_train_steps": forced_s / step_s,
+            "forced_steps_taken": forced.steps, "forced_drift": abs(forced.loss_after - forced.loss_before),
+            "launches_per_teleport_setup": l0, "launches_per_step": (l8 - l0) / 8, "host_reads_per_step": (r8 - r0) / 8,
+        }
+    auto = out["by_ascent"]["cuda_graph" if device.type == "cuda" else "host"]  # what "auto" runs on this device
+    return out | {k: auto[k] for k in ("teleport_8_steps_s", "teleport_8_steps_in_train_steps", "forced_drift",
+                                       "launches_per_step", "host_reads_per_step")}
 
 
 def lm_spec(optimizer: str, teleport: bool, size: str, quick: bool) -> Any:
@@ -204,8 +214,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ["product defaults", f"{cost['teleport_default_s']:.3f}", f"{cost['teleport_default_in_train_steps']:.2f}",
          f"{cost['default_steps_taken']} ({cost['default_stop_reason']})"],
     ])
-    print(f"per ascent step: {cost['launches_per_step']:.0f} launches, {cost['host_reads_per_step']:.2f} host reads "
-          f"(floor <= 1: {verdict(floors['host_reads_per_step_le_1'])})")
+    print_table(["8 steps forced, ascent", "ran as", "training steps", "launches / step", "host reads / step"], [
+        [a, c["ran_as"], f"{c['teleport_8_steps_in_train_steps']:.2f}", f"{c['launches_per_step']:.0f}",
+         f"{c['host_reads_per_step']:.2f}"] for a, c in cost["by_ascent"].items()])
+    print(f"per ascent step ({cost['default_ascent']}, what auto runs): {cost['launches_per_step']:.0f} launches, "
+          f"{cost['host_reads_per_step']:.2f} host reads (floor <= 1: {verdict(floors['host_reads_per_step_le_1'])})")
     print_table(["optimizer", "baseline loss", "teleport loss", "seconds to baseline's loss", "teleport share"], [
         [opt, f"{p['baseline_final_train_loss']:.4f}", f"{p['teleport_final_train_loss']:.4f}",
          "never" if p["seconds_ratio"] is None else f"{p['seconds_ratio']:.2f}x", f"{p['teleport_share']:.1%}"]

@@ -51,6 +51,12 @@ class Block:
     frozen: Tensor | None  # (rows,) bool: rows an embedding lookup reads
     bias_id: int | None = None  # the bias' index among the recorded parameters
     classes: list[RowClass] = field(default_factory=list)
+    _bias_index: tuple[Tensor, Tensor] | None = field(default=None, repr=False)  # rows with a bias, their elements
+
+    def __post_init__(self) -> None:
+        if self.bias_rows is not None:  # found once, here (a mask's nonzero reads the device): a step reads nothing
+            rows = (self.bias_rows >= 0).nonzero().squeeze(1)
+            self._bias_index = rows, self.bias_rows[rows]
 
     @property
     def params(self) -> list[Tensor]:
@@ -128,9 +134,10 @@ class Block:
         assert self.bias is not None
         if self.bias_rows is None:
             return ub.reshape(self.bias.shape)
+        assert self._bias_index is not None
+        rows, elements = self._bias_index
         out = ub.new_zeros(self.bias.numel())
-        valid = self.bias_rows >= 0
-        out[self.bias_rows[valid]] = ub[valid]
+        out[elements] = ub[rows]
         return out.reshape(self.bias.shape)
 
     def reports(self) -> list[LayerReport]:

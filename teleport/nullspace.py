@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -28,11 +29,10 @@ from teleport.buffers import StepBuffers
 from teleport.capture import UseRecorder, trainable
 from teleport.distributed import Collective, any_across_, distributed_spectra
 from teleport.factored import factored_direction
-from teleport.objective import LossFn, Objective, objective, squared_norm, teleport_gradient, teleport_gradient_and
+from teleport.objective import LossFn, Objective, objective, objective_tensors, teleport_gradient, teleport_gradient_and
+from teleport.on_device import DeviceAscent, Evaluate, aim_on_device
 from teleport.precision import ieee_float32
 from teleport.report import TeleportConfig, TeleportReport
-
-AIM = 0.8  # share of the way to CAP a step predicted to overshoot it is aimed at
 
 
 def layer_bases(blocks: list[Block] | UseRecorder, tau: float, executor: BasisExecutor,
@@ -108,23 +108,6 @@ def guarded_step(
             eta *= _shorten(why, new.grad_norm_sq, grad_norm_sq, config.cap)
     restore()
     return None, eta, config.max_backoff + 1, why
-
-
-def aim_on_device(eta: float, grad_norm_sq: float, direction: list[Tensor], cap: float) -> tuple[Tensor, Tensor]:
-    """η, or — when the first-order prediction overshoots CAP — the η predicted to cover ``AIM`` of the way there.
-
-    d‖∇L‖²/dη at η = 0 along U = π(G), G = H·∇L, is 2⟨G, π(G)⟩ = 2‖π(G)‖² (π is an orthogonal
-    projector), so ‖∇L‖²(η) ≈ ‖∇L‖² + 2η‖U‖². ‖∇L‖² is convex along the step here: the prediction
-    falls short by 4-25 % of the rise (digits MLP), so aiming at 80 % of the gap lands under CAP
-    and saves the evaluation of a step that overshoots it. Decided on the device: (η, shortened) are
-    0-d tensors, read back with the next evaluation's L and ‖∇L‖² (``objective``'s ``fetch``), so the
-    step has one host sync.
-    """
-    slope = 2.0 * squared_norm(direction)  # float64, on the weights' device
-    gap = cap - grad_norm_sq
-    shorten = torch.isfinite(slope) & (slope > 0) & (eta * slope > gap)
-    aimed_eta = AIM * gap / torch.where(shorten, slope, torch.ones_like(slope))
-    return torch.where(shorten, aimed_eta, torch.full_like(slope, eta)), shorten
 
 
 def _shorten(why: str, after: float, before: float | None, cap: float) -> float:
@@ -219,7 +202,10 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
         names, params = trainable(model)
         share = _shard_share(_batch_size(x), comm, x.device)
 
-        exact = config.tau >= 1.0 and config.tau_rule == "numerical_rank"  # π removes all of X's span
+        exact = exact_tau(config)
+
+        def tensors(graph: bool) -> tuple[Objective, Tensor]:
+            return objective_tensors(model, loss_fn, x, y, params, None, share, None, graph, span_free=exact)
 
         def evaluate(recorder: UseRecorder | None = None, graph: bool = True,
                      fetch: tuple[Tensor, ...] = ()) -> Objective:
@@ -235,7 +221,7 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
         if reason == "steps":  # step 2 (bases), then step 3: t projected ascent steps
             layer_bases(run.blocks, config.tau, executor or SerialExecutor(), comm, config.tau_rule)
             recorder.uses.keepalive.clear()  # the bases are all that is needed of R from here on
-            reason = run.ascend(evaluate)
+            reason = run.ascend(evaluate, tensors)
         return TeleportReport(
             loss_before=run.loss0,
             loss_after=run.cur.loss,
@@ -249,6 +235,7 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
             untouched=untouched,
             heldout_loss_before=heldout_before,
             heldout_loss_after=heldout_loss(model, loss_fn, holdout),
+            ascent=run.ascent,
         )
     finally:
         model.train(was_training)
@@ -262,6 +249,7 @@ class _Run:
         self.params, self.blocks, self.cur, self.config, self.comm = params, blocks, cur, config, comm
         self.loss0, self.gn0 = cur.loss, cur.grad_norm_sq
         self.steps = self.backoffs = 0
+        self.ascent = "host"  # how the steps ran (``ascent_mode``)
         if comm is not None and comm.world_size > 1:  # rows looked up on any rank stay fixed on all
             any_across_(comm, [b.frozen for b in blocks if b.frozen is not None])
 
@@ -275,16 +263,32 @@ class _Run:
             return "no_free_directions" if not self.blocks else "steps"
         return "steps"
 
-    def ascend(self, evaluate: Callable[..., Objective]) -> str:
+    def ascend(self, evaluate: Callable[..., Objective], tensors: Evaluate) -> str:
         blocks = moving_blocks(self.blocks, self.config.tau, self.config.tau_rule)
         if not blocks:
             return "no_free_directions"
+        if self.config.steps == 0:
+            return "steps"
         weights = [p for b in blocks for p in b.params]
+        self.ascent = ascent_mode(self.config, weights[0].device, self.comm)
+        if self.ascent != "host":
+            return self._on_device(blocks, weights, tensors)
         buffers = StepBuffers(weights)
         try:
             return self._steps(blocks, weights, buffers, evaluate)
         finally:
             buffers.finish()
+
+    def _on_device(self, blocks: list[Block], weights: list[Tensor], tensors: Evaluate) -> str:
+        """The steps as device ticks (``teleport.on_device``), captured in a CUDA graph in mode "cuda_graph"."""
+        ascent = DeviceAscent(weights, tensors, partial(ascent_direction, blocks=blocks, weights=weights,
+                                                        params=self.params, comm=None, config=self.config),
+                              self.cur, self.config)
+        reason = ascent.run(graphs=self.ascent == "cuda_graph")
+        self.ascent = ascent.mode  # "device" when the capture failed
+        self.steps, self.backoffs, loss, gn = ascent.result()
+        self.cur = replace(self.cur, loss=loss, grad_norm_sq=gn)
+        return reason
 
     def _steps(self, blocks: list[Block], weights: list[Tensor], buffers: StepBuffers,
                evaluate: Callable[..., Objective]) -> str:
@@ -292,7 +296,7 @@ class _Run:
         while self.steps < self.config.steps:
             if self.cur.grad_norm_sq >= self.config.cap:
                 return "cap"
-            direction = self.direction(blocks, weights)
+            direction = ascent_direction(self.cur, blocks, weights, self.params, self.comm, self.config)
             last = self.steps + 1 == self.config.steps  # no H·∇L follows the last step: its graph is not kept
             # the first try's η is decided on the device and read back with its L and ‖∇L‖²: one sync a step
             eta_t, aimed_t = aim_on_device(eta, self.cur.grad_norm_sq, direction, self.config.cap)
@@ -313,12 +317,27 @@ class _Run:
                 return "cap"
         return "steps"
 
-    def direction(self, blocks: list[Block], weights: list[Tensor]) -> list[Tensor]:
-        """π(H·∇L) for every moving weight, block by block."""
-        exact = self.config.tau >= 1.0 and self.config.tau_rule == "numerical_rank"
-        if not exact:
-            return project_blocks(blocks, teleport_gradient(self.cur, weights, self.params, self.comm), inplace=True)
-        return factored_direction(self.cur, blocks, self.comm, teleport_gradient_and, project_blocks)
+def ascent_direction(obj: Objective, blocks: list[Block], weights: list[Tensor], params: list[Tensor],
+                     comm: Collective | None, config: TeleportConfig) -> list[Tensor]:
+    """π(H·∇L) for every moving weight, block by block, from the objective's graph."""
+    if not exact_tau(config):
+        return project_blocks(blocks, teleport_gradient(obj, weights, params, comm), inplace=True)
+    return factored_direction(obj, blocks, comm, teleport_gradient_and, project_blocks)
+
+
+def ascent_mode(config: TeleportConfig, device: torch.device, comm: Collective | None) -> str:
+    """How the steps run: "host" (the guard in Python, ``_steps``), "device" (device ticks) or "cuda_graph"
+    (device ticks replayed from a CUDA graph). "auto": a CUDA graph on one CUDA process, else the host guard;
+    across ranks always the host guard (the device ticks are single-process)."""
+    if comm is not None and comm.world_size > 1:
+        return "host"
+    wanted = {"auto": "cuda_graph" if device.type == "cuda" else "host"}.get(config.ascent, config.ascent)
+    return "device" if wanted == "cuda_graph" and device.type != "cuda" else wanted
+
+
+def exact_tau(config: TeleportConfig) -> bool:
+    """τ = 1 read as the numerical rank: π removes all of the inputs' span (``teleport.spanfree`` applies)."""
+    return config.tau >= 1.0 and config.tau_rule == "numerical_rank"
 
 
 def project_blocks(blocks: list[Block], grads: list[Tensor], inplace: bool = False) -> list[Tensor]:

@@ -9,9 +9,11 @@ rank's second backward against the *global* ∇L, summed, is the whole batch's H
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -43,7 +45,19 @@ class Objective:
     fetched: list[float] = field(default_factory=list)  # the ``fetch`` scalars, read in the same host sync
 
 
-def objective(
+def objective(*args: Any, fetch: tuple[Tensor, ...] = (), **kwargs: Any) -> Objective:
+    """L(W) and ‖∇_W L‖² over every trainable parameter, keeping the graph for H·∇L (unless ``graph`` is False).
+
+    ``objective_tensors`` (its arguments), read: L, ‖∇L‖² and the scalars of ``fetch`` (e.g. the η a step
+    took, decided on the device) reach the host in one copy, the only host sync of an evaluation
+    (``HOST_READS`` counts them).
+    """
+    obj, scalars = objective_tensors(*args, **kwargs)
+    gn2, loss_value, *fetched = host_floats(torch.cat([scalars] + [t.reshape(1).double() for t in fetch]))
+    return replace(obj, loss=loss_value, grad_norm_sq=gn2, fetched=fetched)
+
+
+def objective_tensors(
     model: nn.Module,
     loss_fn: LossFn,
     x: Tensor,
@@ -54,17 +68,16 @@ def objective(
     recorder: UseRecorder | None = None,
     graph: bool = True,
     span_free: bool = False,
-    fetch: tuple[Tensor, ...] = (),
-) -> Objective:
-    """L(W) and ‖∇_W L‖² over every trainable parameter, keeping the graph for H·∇L (unless ``graph`` is False).
+) -> tuple[Objective, Tensor]:
+    """The objective on the device, nothing read: (its gradients with their graph, L and ‖∇L‖² still NaN;
+    [‖∇L‖², L] as a float64 tensor on the weights' device). No host sync (single process), so a CUDA graph
+    can capture it (``teleport.on_device``).
 
     ``share`` is this rank's weight n_r / N in the whole batch's mean loss. Fused attention
     kernels (flash, memory-efficient) have no double backward: the math kernel of
     scaled_dot_product_attention is forced here. With a ``recorder``, the forward (and the loss, which
     may use parameters too) runs under it: every use of a parameter is recorded. With ``span_free``
     (exact τ = 1 only) the graph leaves out what π removes from H·∇L (``teleport.spanfree``).
-    L, ‖∇L‖² and the scalars of ``fetch`` (e.g. the η a step took, decided on the device) reach the host in
-    one copy: the only host sync of an evaluation (``HOST_READS`` counts them).
     """
     fast = SpanFreeLinear() if span_free and graph else None
     with sdpa_kernel(SDPBackend.MATH), fast or nullcontext(), recorder or nullcontext():
@@ -76,11 +89,11 @@ def objective(
         total = [t.clone() for t in total]  # reduced in place: never into the graph's own tensors
         all_reduce_list_(comm, total)  # ∇L = Σ_r w_r ∇L_r, L = Σ_r w_r L_r: one collective
     global_grads, loss_sum = total[:-1], total[-1]
-    scalars = [squared_norm(global_grads), loss_sum[0].double()] + [t.reshape(()).double() for t in fetch]
-    gn2, loss_value, *fetched = host_floats(torch.stack(scalars))  # one host sync
+    scalars = torch.stack([squared_norm(global_grads).to(loss_sum.device), loss_sum[0].double()])
+    nan = math.nan
     if fast is None:
-        return Objective(loss_value, gn2, local, global_grads, fetched=fetched)
-    return Objective(loss_value, gn2, local, global_grads, fast.aliases, fast.whole(), fast.factors, fetched)
+        return Objective(nan, nan, local, global_grads), scalars
+    return Objective(nan, nan, local, global_grads, fast.aliases, fast.whole(), fast.factors), scalars
 
 
 HOST_READS = [0]  # host reads of device values by the teleport (benchmarks/lm_payoff.py counts them per step)

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 TAU_RULES = ("numerical_rank", "energy")
+ASCENTS = ("auto", "host", "device", "cuda_graph")
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,10 @@ class TeleportConfig:
     loss_tol: largest relative change of the batch loss, either way, a step may cause before it is
     backed off; max_backoff: halvings of η tried before the teleport stops; tau_rule: how eq. 3 reads
     τ ("numerical_rank": exact, never fewer directions than the numerical rank; "energy": the
-    cumulative energy in the model's precision, which at τ = 1 frees the negligible tail).
+    cumulative energy in the model's precision, which at τ = 1 frees the negligible tail); ascent: how the
+    steps run ("host": the guard decides in Python, one host read a try; "device": the guard decides on the
+    device, ``teleport.on_device``; "cuda_graph": those ticks captured once and replayed; "auto": a CUDA graph
+    on a single CUDA process, the host guard elsewhere — the faster on each; see ``nullspace.ascent_mode``).
     """
 
     steps: int = 8
@@ -26,6 +30,7 @@ class TeleportConfig:
     loss_tol: float = 1e-3
     max_backoff: int = 6
     tau_rule: str = "numerical_rank"
+    ascent: str = "auto"
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -38,6 +43,8 @@ class TeleportConfig:
             raise ValueError(f"teleport.tau must be in (0, 1], got {self.tau}")
         if self.tau_rule not in TAU_RULES:
             raise ValueError(f"teleport.tau_rule must be one of {', '.join(TAU_RULES)}, got {self.tau_rule!r}")
+        if self.ascent not in ASCENTS:
+            raise ValueError(f"teleport.ascent must be one of {', '.join(ASCENTS)}, got {self.ascent!r}")
         if self.loss_tol < 0 or self.max_backoff < 0:
             raise ValueError("teleport.loss_tol and teleport.max_backoff must be >= 0")
 
@@ -70,6 +77,7 @@ class TeleportReport:
     untouched: dict[str, str] = field(default_factory=dict)  # parameter name -> why it stays as it is
     heldout_loss_before: float | None = None
     heldout_loss_after: float | None = None
+    ascent: str = "host"  # how the steps ran: "host", "device" or "cuda_graph" (``TeleportConfig.ascent``)
 
     @property
     def free_directions(self) -> int:

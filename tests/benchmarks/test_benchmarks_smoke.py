@@ -97,10 +97,14 @@ def test_lm_payoff_quick(results: Path) -> None:
     lm_payoff.main(["--quick", "--threads", "1"])
     body = _load(results / "lm_payoff.json")
     cost, pay = body["cost"], body["payoff"]
-    assert body["device"] == "cpu" and cost["forced_steps_taken"] == 8
-    assert cost["forced_drift"] < 1e-3 * 6  # the loss on the teleport batch stays (float32, ln 256 ≈ 5.5)
-    assert cost["host_reads_per_step"] == 1.0  # a count, not a time: one host read per ascent step
-    assert cost["launches_per_step"] > 0 and cost["launches_per_teleport_setup"] > 0
+    assert body["device"] == "cpu" and set(cost["by_ascent"]) == {"host", "device"}
+    for ascent, c in cost["by_ascent"].items():  # side by side: the host guard and the device ticks
+        assert c["ran_as"] == ascent and c["forced_steps_taken"] == 8
+        assert c["forced_drift"] < 1e-3 * 6  # the loss on the teleport batch stays (float32, ln 256 ≈ 5.5)
+        assert c["host_reads_per_step"] == 1.0  # a count, not a time: one host read per ascent step
+        assert c["launches_per_step"] > 0 and c["launches_per_teleport_setup"] > 0
+    assert cost["default_ascent"] == "host"  # what auto runs on the CPU
+    assert cost["launches_per_step"] == cost["by_ascent"]["host"]["launches_per_step"]
     assert set(pay) == {"sgd", "adam"}
     for p in pay.values():
         assert p["baseline_final_train_loss"] > 0 and 0 <= p["teleport_share"] < 1

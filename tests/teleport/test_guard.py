@@ -195,7 +195,8 @@ def test_a_cap_overshoot_is_shortened_by_the_secant_and_ends_the_teleport() -> N
 
 
 def test_a_step_predicted_to_overshoot_cap_is_aimed_under_it_in_one_try() -> None:
-    from teleport.nullspace import AIM, aim_on_device, guarded_step
+    from teleport.nullspace import guarded_step
+    from teleport.on_device import AIM, aim_on_device
 
     u = [torch.full((2, 2), 0.5)]  # ‖U‖² = 1: the predicted rise of ‖∇L‖² is 2η
     kept, shortened = aim_on_device(0.1, 1.0, u, 5.0)  # 1 + 0.2 < CAP: η as it is

@@ -247,9 +247,9 @@ def test_every_optimizer_builds_steps_and_resets(name: str) -> None:
 
 
 def test_teleport_config_and_device_builders() -> None:
-    spec = TeleportSpec(steps=3, lr=0.5, cap=7.0, tau=0.9, loss_tol=1e-2, max_backoff=2)
+    spec = TeleportSpec(steps=3, lr=0.5, cap=7.0, tau=0.9, loss_tol=1e-2, max_backoff=2, ascent="device")
     assert teleport_config(spec) == TeleportConfig(steps=3, lr=0.5, cap=7.0, tau=0.9, loss_tol=1e-2,
-                                                   max_backoff=2)
+                                                   max_backoff=2, ascent="device")
     assert select_device(TrainingSpec(device="cpu")) == torch.device("cpu")
     assert select_device(TrainingSpec(device="auto")).type == ("cuda" if torch.cuda.is_available() else "cpu")
     if not torch.cuda.is_available():

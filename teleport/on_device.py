@@ -1,0 +1,231 @@
+"""The ascent of one teleport decided on the device, in ticks that a CUDA graph captures and replays.
+
+The host-guarded ascent (``nullspace._Run``) reads L and ‖∇L‖² after every try and branches in Python:
+accept, shorten, stop. On a GPU each step is then thousands of small kernels launched one by one from
+Python (issue 27: 15,268 launches for one teleport of a GPT-style LM), and the GPU waits on the host.
+
+Here the same guard (``nullspace.guarded_step``'s rules: finite, ≤ CAP, |L − L₀| ≤ loss_tol·|L₀|, an
+ascent; the secant to CAP, else halving; η aimed at CAP) runs as arithmetic on 0-d device tensors.
+One *tick* evaluates the objective at the weights as they are, judges the try in flight, and moves:
+to a shorter try of the same step (from W₀, along the same U), back to W₀ when every try failed, or —
+once a try is accepted — to the first try of the next step along the new U = π(H·∇L). Every choice
+is a ``torch.where``, so a tick has fixed shapes and addresses and reads nothing on the host: on
+CUDA it is captured once per teleport batch (``torch.cuda.graph``) and replayed, one launch a tick.
+The host reads one small status (done, steps, a try in flight) per tick: one sync per step, as
+before, but no longer between kernels. The weights are moved in place (W₀ is a copy, not a storage
+swap as in ``teleport.buffers``): a captured graph needs every address fixed.
+
+A tick computes U whether or not it is used (a refused try's U is dropped): ``where`` chooses, the host
+does not. The ticks judging the last step's tries need no U and run without the graph of ∇L
+(``full=False``), eagerly. Captured or not, the ticks compute the same thing: without CUDA (or when a
+model's forward cannot be captured: a host read inside it) they run eagerly, the tested fallback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from teleport.objective import Objective, host_floats, squared_norm
+from teleport.report import TeleportConfig
+
+# a tick's verdict on the try it judged, and the reason a teleport stopped (``REASONS``)
+OK, CAP, NOT_FINITE, LOSS_TOL, NO_ASCENT = 1, 2, 3, 4, 5
+REASONS = {OK: "steps", CAP: "cap", NOT_FINITE: "not_finite", LOSS_TOL: "loss_tol", NO_ASCENT: "no_ascent"}
+AIM = 0.8  # share of the way to CAP a step predicted to overshoot it is aimed at
+WARMUP = 1  # eager ticks on a side stream before the capture (lazy inits: cuBLAS workspaces, autograd streams)
+
+STATUS = ("done", "steps", "pending", "backoffs", "reason", "loss", "grad_norm_sq")  # a tick's status, in order
+Evaluate = Callable[[bool], tuple[Objective, Tensor]]  # graph? -> (the objective's gradients, [‖∇L‖², L])
+Direction = Callable[[Objective], list[Tensor]]  # π(H·∇L) of the moving weights
+
+
+def aim_on_device(eta: float | Tensor, grad_norm_sq: float | Tensor, direction: list[Tensor],
+                  cap: float) -> tuple[Tensor, Tensor]:
+    """η, or — when the first-order prediction overshoots CAP — the η predicted to cover ``AIM`` of the way there.
+
+    d‖∇L‖²/dη at η = 0 along U = π(G), G = H·∇L, is 2⟨G, π(G)⟩ = 2‖π(G)‖² (π is an orthogonal
+    projector), so ‖∇L‖²(η) ≈ ‖∇L‖² + 2η‖U‖². ‖∇L‖² is convex along the step here: the prediction
+    falls short by 4-25 % of the rise (digits MLP), so aiming at 80 % of the gap lands under CAP
+    and saves the evaluation of a step that overshoots it. Decided on the device: (η, shortened) are
+    0-d tensors, read back with the next evaluation's L and ‖∇L‖² (``objective``'s ``fetch``), so the
+    step has one host sync.
+    """
+    slope = 2.0 * squared_norm(direction)  # float64, on the weights' device
+    gap = cap - grad_norm_sq
+    shorten = torch.isfinite(slope) & (slope > 0) & (eta * slope > gap)
+    aimed_eta = AIM * gap / torch.where(shorten, slope, torch.ones_like(slope))
+    return torch.where(shorten, aimed_eta, eta if isinstance(eta, Tensor) else torch.full_like(slope, eta)), shorten
+
+
+
+class DeviceAscent:
+    """The t steps of one teleport batch, guard included, as device ticks (see the module)."""
+
+    def __init__(self, weights: list[Tensor], evaluate: Evaluate, direction: Direction, start: Objective,
+                 config: TeleportConfig) -> None:
+        """``start``: the objective at the weights as they are, read (L, ‖∇L‖² < CAP) with its graph: the first
+        tick takes step 1's first try from it, evaluating nothing."""
+        if config.steps < 1 or not start.grad_norm_sq < config.cap:
+            raise ValueError("a device ascent needs teleport.steps >= 1 and ‖∇L‖² below CAP at the start")
+        self.weights, self.evaluate, self.direction, self.config = weights, evaluate, direction, config
+        device = weights[0].device
+        with torch.no_grad():
+            self.origin = [w.detach().clone() for w in weights]  # W₀ of the step in flight
+            self.u = [torch.zeros_like(w) for w in weights]  # its U = π(H·∇L)
+        f64, i64 = {"dtype": torch.float64, "device": device}, {"dtype": torch.long, "device": device}
+        self.start: Objective | None = start
+        self.first = torch.tensor([start.grad_norm_sq, start.loss], **f64)
+        self.loss0 = self.first[1].clone()
+        self.eta = torch.tensor(config.lr, **f64)  # η carried from step to step
+        self.eta_try = torch.zeros((), **f64)  # η of the try in flight
+        self.gn, self.loss = torch.zeros((), **f64), torch.zeros((), **f64)  # at the last accepted weights
+        self.pending, self.aimed, self.capping, self.done = (torch.zeros((), dtype=torch.bool, device=device)
+                                                             for _ in range(4))
+        self.steps, self.tries, self.backoffs = (torch.zeros((), **i64) for _ in range(3))
+        self.reason = torch.zeros((), **i64)
+        self.status = torch.zeros(len(STATUS), **f64)  # what the host reads after a tick, in one copy
+        self.state = dict.fromkeys(STATUS, 0.0) | {"pending": 1.0}  # the status as last read
+        self.mode = "device"
+
+    def run(self, graphs: bool) -> str:
+        """Tick until done; with ``graphs`` (CUDA), after ``WARMUP`` eager ticks the full tick is captured and
+        replayed. The first tick needs no read: it starts step 1 (steps ≥ 1, ‖∇L‖² < CAP were checked)."""
+        graph: torch.cuda.CUDAGraph | None = None
+        side = torch.cuda.Stream() if graphs else None
+        limit = self.config.steps * (self.config.max_backoff + 1) + 1  # every try of every step, and the first
+        try:
+            start, self.start = self.start, None
+            assert start is not None, "a device ascent runs once"
+            self.tick(True, (start, self.first))
+            ticks = 1
+            while not self.state["done"]:
+                if ticks >= limit:
+                    raise RuntimeError(f"teleport: the device ascent took {ticks} ticks (at most {limit})")
+                last = self.state["pending"] and self.state["steps"] + 1 == self.config.steps  # no U follows
+                if last or (side is None and graph is None):
+                    self.tick(not last)
+                elif graph is not None:
+                    graph.replay()
+                elif ticks < 1 + WARMUP:
+                    self._on(side, lambda: self.tick(True))
+                else:
+                    graph, side = self._capture(side), None
+                    graph.replay() if graph is not None else self.tick(True)
+                ticks += 1
+                self.state = dict(zip(STATUS, host_floats(self.status), strict=True))
+        except BaseException:
+            self.abandon()
+            raise
+        return REASONS[int(self.state["reason"])]
+
+    def tick(self, full: bool, given: tuple[Objective, Tensor] | None = None) -> None:
+        """Evaluate at W (or take the ``given`` evaluation), judge the try in flight, move: every branch a
+        ``where`` (see the module)."""
+        obj, scalars = given or self.evaluate(full)
+        with torch.no_grad():
+            gn, loss = scalars[0], scalars[1]
+            c = self.config
+            live = ~self.done
+            verdict = self._verdict(gn, loss)
+            accept = live & self.pending & (verdict == OK)
+            reject = live & self.pending & (verdict != OK)
+            failed = self.tries + reject.long()  # failed tries of the step in flight
+            exhausted = reject & (failed > c.max_backoff)
+            retry = reject & ~exhausted
+            ended_cap = accept & self.capping  # accepted once shortened to fit under CAP: CAP is reached
+            eta = torch.where(accept & ~self.aimed, self.eta_try, self.eta)
+            here = accept | (live & ~self.pending)  # W is an accepted point: its L and ‖∇L‖² are the current ones
+            gn_now, loss_now = torch.where(here, gn, self.gn), torch.where(here, loss, self.loss)
+            steps = self.steps + accept.long()
+            free = here & ~ended_cap  # nothing in flight: a new step, or the end
+            finished = free & (steps >= c.steps)
+            at_cap = free & ~finished & (gn_now >= c.cap)
+            start = free & ~finished & ~at_cap
+            u_new = self.direction(obj) if full else self.u
+            aimed_eta, aimed = aim_on_device(eta, gn_now, u_new, c.cap)
+            factor = self._shorten(verdict, gn, gn_now)
+            eta_try = torch.where(start, aimed_eta, torch.where(retry, self.eta_try * factor, self.eta_try))
+            self._move(start, retry, exhausted, eta_try, u_new)
+            reason = torch.where(exhausted, verdict, self.reason)
+            reason = torch.where(ended_cap | at_cap, CAP, torch.where(finished, OK, reason))
+            done = self.done | exhausted | ended_cap | at_cap | finished
+            backoffs = self.backoffs + reject.long()
+            for state, value in ((self.eta, eta), (self.eta_try, eta_try), (self.gn, gn_now), (self.loss, loss_now),
+                                 (self.steps, steps), (self.backoffs, backoffs),
+                                 (self.tries, torch.where(start, 0, failed)), (self.reason, reason),
+                                 (self.aimed, torch.where(start, aimed, self.aimed)),
+                                 (self.capping, torch.where(start, aimed, torch.where(retry, verdict == CAP,
+                                                                                      self.capping))),
+                                 (self.pending, start | retry), (self.done, done)):
+                state.copy_(value)
+            self.status.copy_(torch.stack([done, steps, start | retry, backoffs, reason, loss_now, gn_now]).double())
+
+    def _verdict(self, gn: Tensor, loss: Tensor) -> Tensor:
+        """``nullspace.step_verdict`` on the device: OK, or the first rule the try breaks."""
+        c = self.config
+        tol = c.loss_tol * self.loss0.abs().clamp_min(1e-12)
+        code = torch.where(gn < self.gn, NO_ASCENT, OK)
+        code = torch.where((loss - self.loss0).abs() > tol, LOSS_TOL, code)
+        code = torch.where(gn > c.cap, CAP, code)
+        return torch.where(torch.isfinite(gn) & torch.isfinite(loss), code, NOT_FINITE)
+
+    def _shorten(self, verdict: Tensor, after: Tensor, before: Tensor) -> Tensor:
+        """``nullspace._shorten`` on the device: the secant to 0.95·CAP (in [0.05, 0.5]) for a CAP overshoot, else ½."""
+        rise = after - before
+        secant = ((0.95 * self.config.cap - before) / torch.where(rise > 0, rise, 1.0)).clamp(0.05, 0.5)
+        return torch.where((verdict == CAP) & (rise > 0), secant, 0.5)
+
+    def _move(self, start: Tensor, retry: Tensor, exhausted: Tensor, eta_try: Tensor, u_new: list[Tensor]) -> None:
+        """W₀ and U of a new step; W = W₀ + η·U for a new try, W₀ when every try failed, else as it is."""
+        for w, origin, u, un in zip(self.weights, self.origin, self.u, u_new, strict=True):
+            origin.copy_(torch.where(start, w, origin))
+            u.copy_(torch.where(start, un, u))
+            tried = torch.addcmul(origin, u, eta_try.to(u.dtype))
+            w.copy_(torch.where(start | retry, tried, torch.where(exhausted, origin, w)))
+
+    def _capture(self, side: torch.cuda.Stream) -> torch.cuda.CUDAGraph | None:
+        """The full tick as a CUDA graph (nothing runs while it is captured), or None, with a warning, when the
+        model's forward cannot be captured: the ticks then go on eagerly. Not ``torch.cuda.graph``: that empties
+        the allocator's cache at every capture, and the training step after the teleport would pay to refill it.
+        Errors of this thread only (``thread_local``): a worker's other threads may touch CUDA meanwhile."""
+        graph = torch.cuda.CUDAGraph()
+        side.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self.tick(True)
+                finally:
+                    with contextlib.suppress(RuntimeError):  # an invalidated capture: the tick's error says why
+                        graph.capture_end()
+        except RuntimeError as err:
+            warnings.warn(f"teleport: the ascent step could not be captured in a CUDA graph, it runs eagerly "
+                          f"({str(err).splitlines()[0]})", RuntimeWarning, stacklevel=3)
+            return None
+        finally:
+            torch.cuda.current_stream().wait_stream(side)
+        self.mode = "cuda_graph"
+        return graph
+
+    @staticmethod
+    def _on(side: torch.cuda.Stream, fn: Callable[[], None]) -> None:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+
+    def abandon(self) -> None:
+        """A tick raised: the try in flight is dropped, W is W₀ (the last accepted weights)."""
+        with torch.no_grad():
+            for w, origin in zip(self.weights, self.origin, strict=True):
+                w.copy_(torch.where(self.pending, origin, w))
+
+    def result(self) -> tuple[int, int, float, float]:
+        """(steps, back-offs, L, ‖∇L‖²) at the last accepted weights, from the last status read."""
+        st = self.state
+        return int(st["steps"]), int(st["backoffs"]), st["loss"], st["grad_norm_sq"]
