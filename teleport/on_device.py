@@ -192,12 +192,13 @@ class DeviceAscent:
         """The full tick as a CUDA graph (nothing runs while it is captured), or None, with a warning, when the
         model's forward cannot be captured: the ticks then go on eagerly. Not ``torch.cuda.graph``: that empties
         the allocator's cache at every capture, and the training step after the teleport would pay to refill it.
-        Errors of this thread only (``thread_local``): a worker's other threads may touch CUDA meanwhile."""
+        The capture mode stays "global", the one PyTorch's own captures of a backward use (autograd runs the
+        backward on its device thread)."""
         graph = torch.cuda.CUDAGraph()
         side.wait_stream(torch.cuda.current_stream())
         try:
             with torch.cuda.stream(side):
-                graph.capture_begin(capture_error_mode="thread_local")
+                graph.capture_begin()
                 try:
                     self.tick(True)
                 finally:
