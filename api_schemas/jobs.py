@@ -91,6 +91,8 @@ class Progress(_Strict):
     test_loss: float | None = None
     gpu_memory_mb: float | None = Field(None, description="on a GPU: the peak GPU memory (MiB) of the job's rank 0 "
                                                           "so far, as its last epoch reported it")
+    gpu_memory_mb_ranks: list[float] | None = Field(None, description="on a GPU with several ranks: each rank's peak "
+                                                                      "GPU memory so far (MiB), in rank order")
 
 
 class JobView(_Strict):
@@ -169,8 +171,9 @@ class NodeShare(_Strict):
     workers: int
     cpus: float
     gpus: float
-    gpu_memory_mb: float | None = Field(None, description="on a GPU: the job's peak GPU memory so far (MiB, rank 0's, "
-                                                          "from its last epoch); null before its first epoch")
+    gpu_memory_mb: float | None = Field(None, description="on a GPU: the peak GPU memory so far (MiB) of the job's "
+                                                          "ranks on this node, summed, from its last epoch (only rank "
+                                                          "0's known: on its node); null before its first epoch")
 
 
 class NodeView(_Strict):

@@ -221,7 +221,8 @@ class Store:
         if m is not None:
             try:
                 return Progress(epoch=m["epoch"] + 1, epochs=epochs, train_loss=m.get("train_loss"),
-                                test_loss=m.get("test_loss"), gpu_memory_mb=m.get("gpu_memory_mb"))
+                                test_loss=m.get("test_loss"), gpu_memory_mb=m.get("gpu_memory_mb"),
+                                gpu_memory_mb_ranks=m.get("gpu_memory_mb_ranks"))
             except ValueError:  # (pydantic's ValidationError) numbers that are not numbers: the epoch alone
                 return Progress(epoch=m["epoch"] + 1, epochs=epochs)
         return Progress(epoch=0 if data["state"] != JobState.QUEUED else None, epochs=epochs)

@@ -1,45 +1,56 @@
 """The cluster as the scheduler publishes it (``GET /v1/cluster``, ``tlab cluster``, the page's cluster view): per
 node its CPUs and GPUs, total and free, its GPU model, and each running job's share of it (from the scheduler's
 ledger: the job's workers placed there times what each holds; a share of a card is a GPU count below 1), and a
-GPU job's memory in use as its rank 0 last reported it with an epoch (``torch.cuda.max_memory_allocated``)."""
+GPU job's memory in use on that node as its ranks there last reported it with an epoch
+(``torch.cuda.max_memory_allocated``, gathered by rank 0: ``workers.train.gpu_share.gpu_memory``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from api_schemas.jobs import ClusterView, NodeShare, NodeView
 from service.core.store import Store
 from service.rules.policy import ActiveJob, Node, free_resources, held_outside
 
 
-def gpu_memory(store: Store, active: list[ActiveJob]) -> dict[str, float]:
-    """Each running GPU job's peak GPU memory so far (MiB), from its last epoch record (none yet: left out)."""
+def gpu_memory(store: Store, active: list[ActiveJob]) -> dict[str, tuple[float, ...]]:
+    """Each running GPU job's peak GPU memory so far (MiB) per rank, from its last epoch record: every rank's when
+    it reported them (``gpu_memory_mb_ranks``, one per placed worker), else rank 0's alone (none yet: left out).
+    The record comes from the job's own process: anything but numbers is left out."""
     found = {}
     for job in active:
         if job.demand.gpus_per_worker > 0:
-            memory = (store.last_metric(job.id) or {}).get("gpu_memory_mb")
-            if isinstance(memory, int | float) and not isinstance(memory, bool):
-                found[job.id] = float(memory)
+            m = store.last_metric(job.id) or {}
+            ranks, first = m.get("gpu_memory_mb_ranks"), m.get("gpu_memory_mb")
+            if isinstance(ranks, list) and len(ranks) == len(job.placement) and all(map(_number, ranks)):
+                found[job.id] = tuple(float(r) for r in ranks)
+            elif _number(first):
+                found[job.id] = (float(first),)
     return found
 
 
-def node_shares(node_id: str, active: list[ActiveJob], gpu_memory: Mapping[str, float]) -> list[NodeShare]:
-    """The running jobs with workers on ``node_id``, what they hold there, and (on the node of their rank 0) the
-    GPU memory they reported."""
+def _number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def node_shares(node_id: str, active: list[ActiveJob], gpu_memory: Mapping[str, Sequence[float]]) -> list[NodeShare]:
+    """The running jobs with workers on ``node_id``, what they hold there, and the GPU memory their ranks there
+    reported, summed (only rank 0's known: on rank 0's node)."""
     out = []
     for job in active:
         workers = sum(1 for placed in job.placement if placed == node_id)
         if workers:
             d = job.demand
-            memory = gpu_memory.get(job.id) if job.placement[0] == node_id else None
+            ranks = zip(gpu_memory.get(job.id, ()), job.placement, strict=False)  # only rank 0's: the first
+            here = [m for m, placed in ranks if placed == node_id]
             out.append(NodeShare(job=job.id, workers=workers, cpus=workers * d.cpus_per_worker,
-                                 gpus=workers * d.gpus_per_worker, gpu_memory_mb=memory))
+                                 gpus=workers * d.gpus_per_worker, gpu_memory_mb=sum(here) if here else None))
     return out
 
 
-def cluster_view(nodes: list[Node], active: list[ActiveJob], gpu_memory: Mapping[str, float] | None = None
+def cluster_view(nodes: list[Node], active: list[ActiveJob], gpu_memory: Mapping[str, Sequence[float]] | None = None
                  ) -> ClusterView:
-    """The view the scheduler publishes each tick (``gpu_memory``: job -> its rank 0's peak GPU MiB so far)."""
+    """The view the scheduler publishes each tick (``gpu_memory``: job -> its ranks' peak GPU MiB so far)."""
     gpu_memory = gpu_memory or {}
     free = free_resources(nodes, active)
     outside = held_outside(nodes, active)

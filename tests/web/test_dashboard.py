@@ -128,10 +128,18 @@ def test_sign_in_tables_errors_and_cancel_without_ray(api_only: Api, tab_factory
     page.click("#dry-run")
     page.wait_for_function("() => document.querySelector('#error').innerText.startsWith('spec: not valid JSON')")
 
+    # an epoch of a 2-rank GPU job, as its rank 0 writes it: the page shows each rank's GPU memory
+    from workers.job.redis_sink import RedisSink
+
+    sink = RedisSink(api_only.stack.redis_url or "", job)
+    sink.emit({"kind": "epoch", "epoch": 0, "train_loss": 1.0, "test_loss": 1.0, "gpu_memory_mb": 640.0,
+               "gpu_memory_mb_ranks": [640.0, 598.5]})
+    sink.close()
     # cancel the queued job from its page: two clicks, then REST agrees
     tab.goto(f"#/job/{job}")
     page.wait_for_selector("#cancel:not([hidden])")
     assert "why pending" in page.inner_text("#job-facts")
+    assert "rank 0 640 · rank 1 598.5 MiB at most so far" in page.inner_text("#job-facts")
     page.click("#cancel")
     assert page.inner_text("#cancel") == "Click again to cancel"
     page.click("#cancel")
@@ -168,7 +176,7 @@ def test_sign_in_tables_errors_and_cancel_without_ray(api_only: Api, tab_factory
     from api_schemas import keys
     from api_schemas.jobs import ClusterView, NodeShare, NodeView
 
-    # each running job's share of the node, and the GPU memory its rank 0 reported with its last epoch
+    # each running job's share of the node, and the GPU memory its ranks there reported with its last epoch
     shares = [NodeShare(job="gang-of-halves", workers=2, cpus=2, gpus=1.0, gpu_memory_mb=812.5)]
     view = ClusterView(nodes=[NodeView(id="n1", alive=True, cpus_total=4, cpus_free=1, gpus_total=2, gpus_free=1,
                                        gpu_type="H100", jobs=shares)],

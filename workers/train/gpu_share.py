@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from workers.train.failure import JobFailed
 
 GIB = float(1 << 30)
 MIB = float(1 << 20)
+SumRanks = Callable[[list[float]], list[float]]  # a sum over the ranks, elementwise (``RunContext.all_reduce_sum``)
 
 
 def job_device(spec: ExperimentSpec) -> torch.device:
@@ -105,12 +106,24 @@ def oom_named(resources: ResourcesSpec) -> Iterator[None]:
                         f"resources.gpu_memory_gb or gpus_per_worker, or lower the batch size ({first})") from err
 
 
-def gpu_memory(device: torch.device) -> dict[str, float]:
+def gpu_memory(device: torch.device, sum_ranks: SumRanks | None = None, rank: int = 0,
+               world_size: int = 1) -> dict[str, Any]:
     """On CUDA, the process's tensors' peak memory so far in MiB, as ``{"gpu_memory_mb": ...}`` ({} elsewhere):
-    every epoch record carries it, so the cluster view and a job's page show it while the job runs."""
+    every epoch record carries it, so the cluster view and a job's page show it while the job runs. With several
+    ranks and ``sum_ranks`` (their all-reduce; every rank calls this), also ``gpu_memory_mb_ranks``: each rank's,
+    in rank order, so the cluster view puts each rank's memory on its own node; ``gpu_memory_mb`` is rank 0's."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return {}
-    return {"gpu_memory_mb": round(torch.cuda.max_memory_allocated(device) / MIB, 1)}
+    mine = round(torch.cuda.max_memory_allocated(device) / MIB, 1)
+    if sum_ranks is None or world_size == 1:
+        return {"gpu_memory_mb": mine}
+    ranks = each_rank(mine, rank, world_size, sum_ranks)
+    return {"gpu_memory_mb": ranks[0], "gpu_memory_mb_ranks": ranks}
+
+
+def each_rank(value: float, rank: int, world_size: int, sum_ranks: SumRanks) -> list[float]:
+    """Every rank's ``value``, in rank order, on every rank: one all-reduce of a vector holding each its own."""
+    return [round(v, 1) for v in sum_ranks([value if r == rank else 0.0 for r in range(world_size)])]
 
 
 def device_report(device: torch.device) -> dict[str, Any]:

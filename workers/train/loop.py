@@ -233,7 +233,8 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
                 raise diverged(ctx, "training", epoch, f"{name} is {value}",
                                 f"lower optimizer.lr (now {spec.optimizer.lr:g}) or teleport.lr / cap")
         record = {"kind": "epoch", "epoch": epoch, "train_loss": train_loss, **metrics,
-                  "seconds": time.perf_counter() - t0, "teleport_seconds": tele_seconds, **gpu_memory(ctx.device)}
+                  "seconds": time.perf_counter() - t0, "teleport_seconds": tele_seconds,
+                  **gpu_memory(ctx.device, ctx.all_reduce_sum, ctx.rank, ctx.world_size)}
         ctx.sink.emit(record)
         history.append(record)
         shown = {"train": "train_loss", "test": "test_loss", "acc": "test_acc"}

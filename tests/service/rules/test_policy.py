@@ -75,11 +75,14 @@ def test_the_cluster_view_shows_each_running_jobs_share_of_each_node() -> None:
     nodes = [Node("n1", cpus=4, gpus=2, gpu_type="H100"), Node("n2", cpus=4, gpus=1)]
     gang = ActiveJob("g", "alice", Demand(workers=2, cpus_per_worker=1, gpus_per_worker=0.5), ("n1", "n1"))
     trial = ActiveJob("t", "bob", Demand(workers=2, cpus_per_worker=0.5, gpus_per_worker=0.25), ("n1", "n2"))
-    view = cluster_view(nodes, [gang, trial], {"g": 812.5, "t": 96.0})  # rank 0's peak GPU MiB, as reported
+    view = cluster_view(nodes, [gang, trial], {"g": (812.5, 700.0), "t": (96.0,)})  # peak GPU MiB per rank reported
     n1, n2 = view.nodes
     assert [(s.job, s.workers, s.cpus, s.gpus) for s in n1.jobs] == [("g", 2, 2.0, 1.0), ("t", 1, 0.5, 0.25)]
     assert [(s.job, s.gpus) for s in n2.jobs] == [("t", 0.25)]
-    assert [s.gpu_memory_mb for s in n1.jobs] == [812.5, 96.0] and n2.jobs[0].gpu_memory_mb is None  # rank 0: n1
+    assert [s.gpu_memory_mb for s in n1.jobs] == [1512.5, 96.0]  # both ranks of g on n1: summed; t: rank 0's
+    assert n2.jobs[0].gpu_memory_mb is None  # t's rank 1 is on n2 and only its rank 0 reported
+    spread = cluster_view(nodes, [trial], {"t": (96.0, 80.0)}).nodes  # each rank's memory on its own node
+    assert [n.jobs[0].gpu_memory_mb for n in spread] == [96.0, 80.0]
     assert (n1.gpus_total, n1.gpus_free, n1.gpu_type, n2.gpus_free, view.gpus_free) == (2, 0.75, "H100", 0.75, 1.5)
     assert view.running_jobs == ["g", "t"]
 

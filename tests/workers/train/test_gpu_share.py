@@ -13,6 +13,7 @@ from workers.train.failure import JobFailed
 from workers.train.gpu_share import (
     GIB,
     device_report,
+    each_rank,
     fence_memory,
     gpu_memory,
     job_device,
@@ -100,6 +101,19 @@ def test_the_summary_says_the_device_and_the_gpus_the_process_saw(monkeypatch: p
 
 def test_off_cuda_an_epoch_carries_no_gpu_memory() -> None:
     assert gpu_memory(torch.device("cpu")) == {}
+    assert gpu_memory(torch.device("cpu"), lambda v: v, rank=1, world_size=2) == {}  # no collective either
+
+
+def test_every_rank_learns_each_ranks_memory_in_rank_order() -> None:
+    """The all-reduce the ranks join, played out: each rank's vector holds its own value only; summed, every rank
+    reads all of them."""
+    values = [640.04, 598.5, 12.0]
+    vectors: list[list[float]] = []
+    for rank, value in enumerate(values):
+        each_rank(value, rank, 3, lambda v: vectors.append(v) or v)
+    assert vectors[2] == [0.0, 0.0, 12.0]
+    total = [sum(column) for column in zip(*vectors, strict=True)]
+    assert each_rank(values[1], 1, 3, lambda v: total) == [640.0, 598.5, 12.0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

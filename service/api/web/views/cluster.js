@@ -15,7 +15,7 @@ const summary = (c) => html`${c.nodes.length} node(s) · CPUs <b>${num(c.cpus_fr
   scheduler ${alive(c.scheduler_alive)}`;
 
 // a running job's share of the node: its workers there, their CPUs and GPUs (below 1: a share of a card), and the
-// GPU memory its rank 0 reported with its last epoch
+// GPU memory its ranks on this node reported with its last epoch, summed
 const held = (s) => html`${num(s.cpus)} CPU${s.gpus ? html` · ${num(s.gpus)} GPU` : ""}${
   s.gpu_memory_mb != null ? html` · <span class="gpu-memory">${num(s.gpu_memory_mb)} MiB</span>` : ""}`;
 const share = (s) => s.job === null // another user's job: its share, without its id

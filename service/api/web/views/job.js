@@ -63,6 +63,11 @@ function preflightFacts(pf) {
   return facts;
 }
 
+// a running GPU job's peak GPU memory so far: rank 0's, or each rank's when it has several
+const gpuMemoryText = (p) => (p.gpu_memory_mb_ranks?.length > 1
+  ? `${p.gpu_memory_mb_ranks.map((m, r) => `rank ${r} ${num(m)}`).join(" · ")} MiB at most so far`
+  : `${num(p.gpu_memory_mb)} MiB at most so far`);
+
 // where the job trained: its device, the GPUs Ray let it see, its tensors' peak GPU memory (rank 0's)
 const deviceText = (s) => [s.device, s.cuda_visible_devices === null || s.cuda_visible_devices === undefined ? ""
   : `CUDA_VISIBLE_DEVICES="${s.cuda_visible_devices}"`,
@@ -75,7 +80,7 @@ function jobFacts(j) {
     ["needs", demandText(j.demand)], ["priority", j.priority], ["attempts", j.attempts],
     ["progress", j.progress?.epoch !== null && j.progress?.epoch !== undefined ? `${j.progress.epoch}/${j.progress.epochs ?? "?"} epochs` : "–"],
   ];
-  if (j.progress?.gpu_memory_mb != null) facts.push(["GPU memory", `${num(j.progress.gpu_memory_mb)} MiB at most so far`]);
+  if (j.progress?.gpu_memory_mb != null) facts.push(["GPU memory", gpuMemoryText(j.progress)]);
   if (j.state === "queued") facts.push(["queue position", j.queue_position ?? "–"], ["why pending", j.pending_reason || "–"]);
   if (j.failure_reason) facts.push(["failure", j.failure_reason]);
   facts.push(...preflightFacts(j.preflight));
