@@ -246,7 +246,8 @@ class _Run:
 
     def __init__(self, model: nn.Module, params: list[Tensor], blocks: list[Block], cur: Objective,
                  config: TeleportConfig, comm: Collective | None) -> None:
-        self.params, self.blocks, self.cur, self.config, self.comm = params, blocks, cur, config, comm
+        self.model, self.params, self.blocks, self.cur = model, params, blocks, cur
+        self.config, self.comm = config, comm
         self.loss0, self.gn0 = cur.loss, cur.grad_norm_sq
         self.steps = self.backoffs = 0
         self.ascent = "host"  # how the steps ran (``ascent_mode``)
@@ -284,7 +285,7 @@ class _Run:
         ascent = DeviceAscent(weights, tensors, partial(ascent_direction, blocks=blocks, weights=weights,
                                                         params=self.params, comm=None, config=self.config),
                               self.cur, self.config)
-        reason = ascent.run(graphs=self.ascent == "cuda_graph")
+        reason = ascent.run(graphs=self.ascent == "cuda_graph", owner=self.model)
         self.ascent = ascent.mode  # "device" when the capture failed
         self.steps, self.backoffs, loss, gn = ascent.result()
         self.cur = replace(self.cur, loss=loss, grad_norm_sq=gn)

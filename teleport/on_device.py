@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -40,6 +41,7 @@ AIM = 0.8  # share of the way to CAP a step predicted to overshoot it is aimed a
 WARMUP = 1  # eager ticks on a side stream before the capture (lazy inits: cuBLAS workspaces, autograd streams)
 
 STATUS = ("done", "steps", "pending", "backoffs", "reason", "loss", "grad_norm_sq")  # a tick's status, in order
+UNCAPTURABLE: weakref.WeakSet[object] = weakref.WeakSet()  # models whose tick a CUDA graph could not hold
 Evaluate = Callable[[bool], tuple[Objective, Tensor]]  # graph? -> (the objective's gradients, [‖∇L‖², L])
 Direction = Callable[[Objective], list[Tensor]]  # π(H·∇L) of the moving weights
 
@@ -92,10 +94,12 @@ class DeviceAscent:
         self.state = dict.fromkeys(STATUS, 0.0) | {"pending": 1.0}  # the status as last read
         self.mode = "device"
 
-    def run(self, graphs: bool) -> str:
+    def run(self, graphs: bool, owner: object | None = None) -> str:
         """Tick until done; with ``graphs`` (CUDA), after ``WARMUP`` eager ticks the full tick is captured and
-        replayed. The first tick needs no read: it starts step 1 (steps ≥ 1, ‖∇L‖² < CAP were checked)."""
+        replayed. The first tick needs no read: it starts step 1 (steps ≥ 1, ‖∇L‖² < CAP were checked).
+        ``owner`` (the model): once its tick could not be captured, its later teleports do not try again."""
         graph: torch.cuda.CUDAGraph | None = None
+        graphs = graphs and (owner is None or owner not in UNCAPTURABLE)
         side = torch.cuda.Stream() if graphs else None
         limit = self.config.steps * (self.config.max_backoff + 1) + 1  # every try of every step, and the first
         try:
@@ -115,6 +119,8 @@ class DeviceAscent:
                     self._on(side, lambda: self.tick(True))
                 else:
                     graph, side = self._capture(side), None
+                    if graph is None and owner is not None:
+                        UNCAPTURABLE.add(owner)
                     graph.replay() if graph is not None else self.tick(True)
                 ticks += 1
                 self.state = dict(zip(STATUS, host_floats(self.status), strict=True))
@@ -205,8 +211,8 @@ class DeviceAscent:
                     with contextlib.suppress(RuntimeError):  # an invalidated capture: the tick's error says why
                         graph.capture_end()
         except RuntimeError as err:
-            warnings.warn(f"teleport: the ascent step could not be captured in a CUDA graph, it runs eagerly "
-                          f"({str(err).splitlines()[0]})", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"teleport: the ascent step could not be captured in a CUDA graph, it runs eagerly, "
+                          f"for this model from now on ({str(err).splitlines()[0]})", RuntimeWarning, stacklevel=3)
             return None
         finally:
             torch.cuda.current_stream().wait_stream(side)

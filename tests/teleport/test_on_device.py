@@ -231,3 +231,7 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly_with_a_warning() -> None
         a, b, host, other = both(case, config, device="cuda_graph")
     assert b.ascent == "device" and any("CUDA graph" in str(w.message) for w in caught)
     assert_same(a, b, host, other, rtol=1e-7)
+    with warnings.catch_warnings(record=True) as again:  # the same model's next teleport does not try again
+        warnings.simplefilter("always")
+        report = teleport_batch(other, case.loss_fn, case.x, case.y, replace(config, ascent="cuda_graph"))
+    assert report.ascent == "device" and not any("CUDA graph" in str(w.message) for w in again)
