@@ -56,6 +56,10 @@ class Settings(BaseSettings):
     keep_ended_checkpoints: int = Field(1, ge=1, validation_alias="TLAB_KEEP_ENDED_CHECKPOINTS",
                                         description="checkpoints an ended experiment keeps (its newest, and any a "
                                                     "continue or fork names); its artifacts stay too")
+    history_days: float | None = Field(None, gt=0, allow_inf_nan=False, validation_alias="TLAB_HISTORY_DAYS",
+                                       description="an ended job is deleted with its files this many days after it "
+                                                   "ended, as DELETE would (not while a continued or forked child "
+                                                   "runs); unset: kept until its owner deletes it")
     min_free_gb: float = Field(1.0, ge=0, allow_inf_nan=False, validation_alias="TLAB_MIN_FREE_GB",
                                description="below this much free space on the storage volume no job starts (they "
                                            "wait, saying why); 0: never checked")

@@ -31,7 +31,7 @@ from redis.exceptions import LockError
 from api_schemas import keys
 from api_schemas.jobs import Demand, JobState
 from api_schemas.reasons import FAILURE_MARK, one_line
-from service.core import storage_lifecycle
+from service.core import retention, storage_lifecycle
 from service.core.errors import Unstartable
 from service.core.settings import Settings
 from service.core.signals import stop_on_signals
@@ -84,6 +84,7 @@ class Scheduler:
         self.holding: list[ActiveJob] | None = None  # the gangs held since last_charge: what the next charge bills
         self.decisions = 0
         self.requeued_at = 0.0  # when a preempted job last went back to the queue (service.scheduler.preempt.SETTLE_S)
+        self.expired_at = 0.0  # when ended jobs were last looked at for TLAB_HISTORY_DAYS (service.core.retention)
 
     # ---- reading Redis -----------------------------------------------------------------------
     def queued(self) -> list[QueuedJob]:
@@ -298,6 +299,9 @@ class Scheduler:
         preempting.evict_from_lost_nodes(self.store, self.launcher, nodes, [self.as_active(d) for d in self.active()],
                                          now)
         self.reconcile(now)
+        if now - self.expired_at >= retention.EXPIRE_EVERY_S:  # TLAB_HISTORY_DAYS: old ended jobs go, with their files
+            self.expired_at = now
+            retention.expire(self.store, self.settings, now)
         if self.acl:
             self.acl.sync()  # users of jobs that ended or went back to the queue go; lost ones come back
         self.dispatch(time.time(), nodes)
