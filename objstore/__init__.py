@@ -111,6 +111,9 @@ class Bucket:
     def delete(self, rel: str) -> None:
         self.fs.delete_dir(self.path(rel))
 
+    def delete_file(self, rel: str) -> None:
+        self.fs.delete_file(self.path(rel))
+
     def push(self, local_dir: Path, rel: str, skip: tuple[str, ...] = (".",),
              remote: dict[str, Remote] | None = None) -> list[str]:
         """Upload the files under ``local_dir`` that are new or changed since the bucket's copy to ``rel``;

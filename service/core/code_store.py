@@ -140,6 +140,7 @@ def store_package(settings: Settings, owner: str, data: bytes) -> tuple[CodePack
     path = package_path(settings, owner, package)
     if (kept := stored(settings, owner, package)) is not None:
         storage.put(settings, path, missing_only=True)  # with a bucket: its copy, if the first upload failed
+        os.utime(path, follow_symlinks=False)  # uploaded again: TLAB_CODE_TTL_DAYS counts from now
         return kept, False
     check_zip(data, int(settings.max_code_unpacked_mb * MB), settings.code_max_files)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,10 @@ and its state said), takes its bytes off its owner's ``max_storage_gb`` count, t
 artifacts, logs; a sweep's Tune directory too), here and in the bucket — never following a link out of the
 storage root.
 
+Code packages: with ``TLAB_CODE_TTL_DAYS`` set, a stored package (``service.core.code_store``) that no job refers
+to — queued, running or ended, until it is deleted — is deleted that many days after its upload or last re-upload
+(``expire_code``), with the scheduler's verified copy of it once no owner's package of those bytes is left.
+
 Expiry: with ``TLAB_HISTORY_DAYS`` set, the scheduler deletes each ended job whose end is older than that, as a
 ``DELETE`` would (``expire``), so Redis and the disk stay bounded on a service that runs for months. A job whose
 continued or forked child has not ended stays (the child may still start from its checkpoint). Job ids sort by
@@ -17,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import stat
 from pathlib import Path
 
 from api_schemas import keys
@@ -96,3 +101,56 @@ def _expired(data: dict[str, str], cutoff: float) -> bool:
         return data.get("state") in ENDED.split(",") and float(data.get("finished_at") or "inf") < cutoff
     except ValueError:
         return False
+
+
+def expire_code(store: Store, settings: Settings, now: float) -> list[str]:
+    """Delete the code packages uploaded more than ``TLAB_CODE_TTL_DAYS`` ago that no job refers to (none when
+    unset); their paths relative to the storage root."""
+    if settings.code_ttl_days is None:
+        return []
+    cutoff = now - settings.code_ttl_days * DAY
+    root = Path(settings.storage_path)
+    old = [p for p in sorted((root / "code").glob("*/*.zip")) if _older(p, cutoff)]
+    if not old:
+        return []
+    used = referenced_packages(store)
+    gone = []
+    for path in old:
+        if (path.parent.name, f"sha256:{path.stem}") not in used:
+            storage.remove(settings, path)
+            gone.append(path.relative_to(root).as_posix())
+            log.info("deleted code package %s: no job refers to it (TLAB_CODE_TTL_DAYS=%g)", gone[-1],
+                     settings.code_ttl_days)
+    left = {p.stem for p in (root / "code").glob("*/*.zip")}
+    for copy in (Path(settings.home) / "packages").glob("*.zip"):  # the scheduler's verified copies
+        if copy.stem not in left and _older(copy, cutoff):
+            copy.unlink(missing_ok=True)
+    return gone
+
+
+def referenced_packages(store: Store) -> set[tuple[str, str]]:
+    """(owner, package id) of every job's ``code.package``, every job Redis holds, ``EXPIRE_BATCH`` at a time."""
+    found: set[tuple[str, str]] = set()
+    after = "-"
+    while ids := store.r.zrangebylex(keys.jobs(), after, "+", start=0, num=EXPIRE_BATCH):
+        pipe = store.r.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hmget(keys.job(job_id), ["owner", "spec"])
+        for owner, raw in pipe.execute():
+            try:
+                package = ((json.loads(raw or "{}") or {}).get("code") or {}).get("package")
+            except (ValueError, AttributeError):
+                continue
+            if owner and isinstance(package, str):
+                found.add((owner, package))
+        after = f"({ids[-1]}"
+    return found
+
+
+def _older(path: Path, cutoff: float) -> bool:
+    """A regular file (never a link a job planted) last written before ``cutoff``."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff

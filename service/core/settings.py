@@ -60,6 +60,9 @@ class Settings(BaseSettings):
                                        description="an ended job is deleted with its files this many days after it "
                                                    "ended, as DELETE would (not while a continued or forked child "
                                                    "runs); unset: kept until its owner deletes it")
+    code_ttl_days: float | None = Field(None, gt=0, allow_inf_nan=False, validation_alias="TLAB_CODE_TTL_DAYS",
+                                        description="an uploaded code package that no job refers to is deleted this "
+                                                    "many days after its upload (or its last re-upload); unset: kept")
     min_free_gb: float = Field(1.0, ge=0, allow_inf_nan=False, validation_alias="TLAB_MIN_FREE_GB",
                                description="below this much free space on the storage volume no job starts (they "
                                            "wait, saying why); 0: never checked")

@@ -145,3 +145,15 @@ def put(settings: Settings, path: Path, missing_only: bool = False) -> None:
         b.upload(path, rel)
     except Exception as err:  # kept here still; a scheduler on another host will say it is missing
         log.warning("could not copy %s to the bucket (TLAB_STORAGE): %s", path, one_line(err))
+
+
+def remove(settings: Settings, path: Path) -> None:
+    """Remove the file ``path`` (under the storage directory: an expired code package) here and in the bucket."""
+    path.unlink(missing_ok=True)
+    b = bucket(settings)
+    if b is None:
+        return
+    try:
+        b.delete_file(path.relative_to(settings.storage_path).as_posix())
+    except Exception as err:  # gone already, or the bucket is down: the next pass tries again
+        log.warning("could not delete %s from the bucket (TLAB_STORAGE): %s", path, one_line(err))

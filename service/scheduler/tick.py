@@ -302,6 +302,7 @@ class Scheduler:
         if now - self.expired_at >= retention.EXPIRE_EVERY_S:  # TLAB_HISTORY_DAYS: old ended jobs go, with their files
             self.expired_at = now
             retention.expire(self.store, self.settings, now)
+            retention.expire_code(self.store, self.settings, now)  # TLAB_CODE_TTL_DAYS: packages no job refers to
         if self.acl:
             self.acl.sync()  # users of jobs that ended or went back to the queue go; lost ones come back
         self.dispatch(time.time(), nodes)

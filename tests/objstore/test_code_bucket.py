@@ -46,3 +46,29 @@ def test_a_package_in_neither_place_is_not_found(s3_uri: str, tmp_path: Path) ->
     ann = UserPublic(name="ann", role=Role.USER, can_submit_code=True, quotas=Quotas(), created_at=0.0)
     with pytest.raises(PackageNotFound):
         find_package(s, ann, "sha256:" + "0" * 64)
+
+
+def test_an_expired_package_leaves_the_bucket_too(redis_server: str, s3_uri: str, tmp_path: Path) -> None:
+    """TLAB_CODE_TTL_DAYS with a bucket: the package no job refers to goes from the bucket as well, so no other
+    host downloads it again."""
+    import os
+    import time
+
+    import pytest
+
+    from service.core import retention
+    from service.core.code_store import PackageNotFound, package_path
+    from service.core.store import Store
+
+    api = Settings(TLAB_STORAGE=s3_uri, TLAB_STORAGE_CACHE=str(tmp_path / "api"), REDIS_URL=redis_server,
+                   TLAB_CODE_TTL_DAYS="1")
+    other = Settings(TLAB_STORAGE=s3_uri, TLAB_STORAGE_CACHE=str(tmp_path / "other"))
+    package, _ = store_package(api, "bea", zip_of({"idle/__init__.py": b"# nobody runs this\n"}))
+    path = package_path(api, "bea", package.package)
+    old = time.time() - 2 * 86400.0
+    os.utime(path, (old, old))
+    assert retention.expire_code(Store.from_url(redis_server), api, time.time()) == [
+        path.relative_to(api.storage_path).as_posix()]
+    bea = UserPublic(name="bea", role=Role.USER, can_submit_code=True, quotas=Quotas(), created_at=0.0)
+    with pytest.raises(PackageNotFound):
+        find_package(other, bea, package.package)
