@@ -318,6 +318,7 @@ class _Run:
                 return "cap"
         return "steps"
 
+
 def ascent_direction(obj: Objective, blocks: list[Block], weights: list[Tensor], params: list[Tensor],
                      comm: Collective | None, config: TeleportConfig) -> list[Tensor]:
     """π(H·∇L) for every moving weight, block by block, from the objective's graph."""

@@ -10,10 +10,12 @@ One *tick* evaluates the objective at the weights as they are, judges the try in
 to a shorter try of the same step (from W₀, along the same U), back to W₀ when every try failed, or —
 once a try is accepted — to the first try of the next step along the new U = π(H·∇L). Every choice
 is a ``torch.where``, so a tick has fixed shapes and addresses and reads nothing on the host: on
-CUDA it is captured once per teleport batch (``torch.cuda.graph``) and replayed, one launch a tick.
-The host reads one small status (done, steps, a try in flight) per tick: one sync per step, as
-before, but no longer between kernels. The weights are moved in place (W₀ is a copy, not a storage
-swap as in ``teleport.buffers``): a captured graph needs every address fixed.
+CUDA it is captured once per teleport batch (``CUDAGraph.capture_begin``, after ``WARMUP`` eager ticks)
+and replayed, one launch a tick. The host reads one small status (``STATUS``: done, steps, a try in
+flight, back-offs, the reason, L, ‖∇L‖²) per tick, in one copy: one sync per step, as before, but no
+longer between kernels. The first tick takes step 1 from the evaluation the bases were built from.
+The weights are moved in place (W₀ is a copy, not a storage swap as in ``teleport.buffers``): a
+captured graph needs every address fixed.
 
 A tick computes U whether or not it is used (a refused try's U is dropped): ``where`` chooses, the host
 does not. The ticks judging the last step's tries need no U and run without the graph of ∇L
@@ -62,7 +64,6 @@ def aim_on_device(eta: float | Tensor, grad_norm_sq: float | Tensor, direction: 
     shorten = torch.isfinite(slope) & (slope > 0) & (eta * slope > gap)
     aimed_eta = AIM * gap / torch.where(shorten, slope, torch.ones_like(slope))
     return torch.where(shorten, aimed_eta, eta if isinstance(eta, Tensor) else torch.full_like(slope, eta)), shorten
-
 
 
 class DeviceAscent:
