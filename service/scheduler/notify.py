@@ -5,7 +5,8 @@ moves a job with ``notify`` into one of its ``on`` states. A background thread r
 cursor (kept in Redis), takes each entry with an HSETNX marker per job and state change (so a restarted
 scheduler never sends one twice: at most once), and hands the POST to a small thread pool: a receiver that
 hangs holds one pool thread for at most ``attempts x timeout``, never the scheduling loop. Each send first checks
-where the host resolves now (``service.rules.webhooks``); a failure is told to the job in generic words.
+where the host resolves now and connects to exactly that address (``service.rules.webhooks.target``: no second
+resolution for a DNS rebinding to slip into); a failure is told to the job in generic words.
 """
 
 from __future__ import annotations
@@ -103,11 +104,13 @@ class Sender:
             if attempt:
                 if self.stopping.wait(self.backoff_s * 2 ** (attempt - 1)):
                     break
-            if why := webhook_guard.refusal(self.settings, url, unresolved_ok=False):  # its address now
-                self.note(job_id, marker, f"webhook not sent: {why}")
+            to = webhook_guard.target(self.settings, url)  # its address now, and the connection goes there
+            if isinstance(to, str):
+                self.note(job_id, marker, f"webhook not sent: {to}")
                 return False
             try:
-                r = httpx.post(url, content=body, headers=headers, timeout=self.settings.webhook_timeout_s)
+                with httpx.Client(timeout=self.settings.webhook_timeout_s) as client:
+                    r = client.post(to.url, content=body, headers=headers | to.headers, extensions=to.extensions)
             except httpx.HTTPError as err:
                 error = f"{type(err).__name__}: {err}"
                 continue

@@ -221,3 +221,31 @@ def cancelled_with_webhook(store: Store, url: str) -> str:
                                                      notify=Notify(webhook=url, on=["cancelled"])))
     store.transition(job, JobState.CANCELLED, expect=[JobState.QUEUED])
     return job
+
+
+def test_a_send_goes_to_the_address_just_checked_never_resolving_the_name_again(
+        api_only: Api, receivers: list[Receiver], monkeypatch: pytest.MonkeyPatch) -> None:
+    """DNS rebinding: the name is resolved once, checked, and the connection goes to that address with the name in
+    ``Host`` (and as the TLS SNI name). Here a DNS answer is played by ``addresses`` for ``hooks.rebind.test`` (a
+    name no resolver knows: a second resolution would fail the send), and loopback is taken for a public network."""
+    from service.rules import webhooks
+
+    receivers.append(ok := Receiver())
+    port = ok.server.server_address[1]
+    answers = {"hooks.rebind.test": ["127.0.0.1"]}
+    monkeypatch.setattr(webhooks, "addresses", lambda host, _port: answers[host])
+    monkeypatch.setattr(webhooks, "internal", lambda address: False)
+    settings = Settings(redis_url=api_only.stack.redis_url or "", webhook_timeout_s=2.0)
+    to = webhooks.target(settings, f"https://u:p@hooks.rebind.test:{port}/x?y=1")
+    assert isinstance(to, webhooks.Target) and to.url == f"https://u:p@127.0.0.1:{port}/x?y=1"
+    assert to.headers == {"Host": f"hooks.rebind.test:{port}"}
+    assert to.extensions == {"sni_hostname": "hooks.rebind.test"}
+    answers["v6.rebind.test"] = ["2001:db8::1", "93.184.216.34"]
+    assert webhooks.target(settings, "http://v6.rebind.test/x").url == "http://93.184.216.34/x"  # IPv4 first
+
+    store = Store.from_url(api_only.stack.redis_url or "")
+    job = cancelled_with_webhook(store, f"http://hooks.rebind.test:{port}/hook")
+    sender = Sender(store, settings)
+    assert [f.result(30) for f in sender.drain()] == [True]
+    assert ok.wait(1)[0]["id"] == job and ok.posts[0][0]["Host"] == f"hooks.rebind.test:{port}"
+    sender.stop()
