@@ -188,12 +188,15 @@ class DeviceAscent:
         return torch.where((verdict == CAP) & (rise > 0), secant, 0.5)
 
     def _move(self, start: Tensor, retry: Tensor, exhausted: Tensor, eta_try: Tensor, u_new: list[Tensor]) -> None:
-        """W₀ and U of a new step; W = W₀ + η·U for a new try, W₀ when every try failed, else as it is."""
+        """W₀ and U of a new step; W = W₀ + η·U for a new try, W₀ when every try failed, else as it is. In place
+        (``out=``): one temporary of a weight's size at a time, the try."""
+        move = start | retry
         for w, origin, u, un in zip(self.weights, self.origin, self.u, u_new, strict=True):
-            origin.copy_(torch.where(start, w, origin))
-            u.copy_(torch.where(start, un, u))
-            tried = torch.addcmul(origin, u, eta_try.to(u.dtype))
-            w.copy_(torch.where(start | retry, tried, torch.where(exhausted, origin, w)))
+            torch.where(start, w, origin, out=origin)
+            if un is not u:
+                torch.where(start, un, u, out=u)
+            torch.where(exhausted, origin, w, out=w)
+            torch.where(move, torch.addcmul(origin, u, eta_try.to(u.dtype)), w, out=w)
 
     def _capture(self, side: torch.cuda.Stream) -> torch.cuda.CUDAGraph | None:
         """The full tick as a CUDA graph (nothing runs while it is captured), or None, with a warning, when the
