@@ -202,13 +202,14 @@ class DeviceAscent:
         """The full tick as a CUDA graph (nothing runs while it is captured), or None, with a warning, when the
         model's forward cannot be captured: the ticks then go on eagerly. Not ``torch.cuda.graph``: that empties
         the allocator's cache at every capture, and the training step after the teleport would pay to refill it.
-        The capture mode stays "global", the one PyTorch's own captures of a backward use (autograd runs the
-        backward on its device thread)."""
+        Capture mode "thread_local": a call another thread of the process makes meanwhile (a DataLoader's pin-memory
+        thread allocating pinned memory, a user's own thread) is not an error there; anything that touches the
+        capturing stream (autograd's device thread runs the backward on it) still fails the capture."""
         graph = torch.cuda.CUDAGraph()
         side.wait_stream(torch.cuda.current_stream())
         try:
             with torch.cuda.stream(side):
-                graph.capture_begin()
+                graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     self.tick(True)
                 finally:
