@@ -119,29 +119,35 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int) -> dict[str, 
     def teleport(steps: int, ascent: str = "auto", **kw: float) -> Any:
         return teleport_batch(model, lm_loss, tele, tele, TeleportConfig(steps=steps, ascent=ascent, **kw))
 
+    def forced_cost(ascent: str) -> dict[str, Any]:
+        forced_s, forced = _timed(lambda: teleport(8, ascent, **FORCED), device, repeats)
+        (l0, r0), (l8, r8) = (_launches(lambda t=t: teleport(t, ascent, **FORCED), device) for t in (0, 8))
+        return {"ran_as": forced.ascent, "teleport_8_steps_s": forced_s,
+                "teleport_8_steps_in_train_steps": forced_s / step_s,
+                "forced_steps_taken": forced.steps, "forced_drift": abs(forced.loss_after - forced.loss_before),
+                "launches_per_teleport_setup": l0, "launches_per_step": (l8 - l0) / 8,
+                "host_reads_per_step": (r8 - r0) / 8}
+
     step_s, _ = _timed(train_step, device, repeats)
-    default_s, default = _timed(lambda: teleport(8), device, repeats)
-    out = {
+    by_ascent: dict[str, dict[str, Any]] = {}
+    for ascent in ASCENTS[device.type]:  # side by side: the forced 8 steps in each way of running them
+        try:
+            by_ascent[ascent] = forced_cost(ascent)
+        except Exception as err:  # one way failing (a capture on an untried GPU) must not lose the others' figures
+            by_ascent[ascent] = {"error": f"{type(err).__name__}: {err}"[:300]}
+    auto = "cuda_graph" if device.type == "cuda" else "host"  # what "auto" runs on this device
+    chosen = auto if "error" not in by_ascent[auto] else "host"
+    default_s, default = _timed(lambda: teleport(8, chosen), device, repeats)
+    return {
         "model": {"d": d, "layers": layers, "context": ctx, "vocab": 256, "train_batch": 32, "teleport_batch": 2},
         "train_step_s": step_s, "teleport_default_s": default_s, "teleport_default_in_train_steps": default_s / step_s,
         "default_steps_taken": default.steps, "default_stop_reason": default.stop_reason,
-        "default_ascent": default.ascent, "by_ascent": {},
-    }
-    for ascent in ASCENTS[device.type]:  # side by side: the forced 8 steps in each way of running them
-        forced_s, forced = _timed(lambda a=ascent: teleport(8, a, **FORCED), device, repeats)
-        (l0, r0), (l8, r8) = (_launches(lambda a=ascent, t=t: teleport(t, a, **FORCED), device) for t in (0, 8))
-        out["by_ascent"][ascent] = {
-            "ran_as": forced.ascent, "teleport_8_steps_s": forced_s,
-            "teleport_8_steps_in_train_steps": forced_s / step_s,
-            "forced_steps_taken": forced.steps, "forced_drift": abs(forced.loss_after - forced.loss_before),
-            "launches_per_teleport_setup": l0, "launches_per_step": (l8 - l0) / 8, "host_reads_per_step": (r8 - r0) / 8,
-        }
-    auto = out["by_ascent"]["cuda_graph" if device.type == "cuda" else "host"]  # what "auto" runs on this device
-    return out | {k: auto[k] for k in ("teleport_8_steps_s", "teleport_8_steps_in_train_steps", "forced_drift",
-                                       "launches_per_step", "host_reads_per_step")}
+        "default_ascent": default.ascent, "by_ascent": by_ascent,
+    } | {k: by_ascent[chosen][k] for k in ("teleport_8_steps_s", "teleport_8_steps_in_train_steps", "forced_drift",
+                                           "launches_per_step", "host_reads_per_step")}
 
 
-def lm_spec(optimizer: str, teleport: bool, size: str, quick: bool) -> Any:
+def lm_spec(optimizer: str, teleport: bool, size: str, quick: bool, ascent: str = "auto") -> Any:
     from api_schemas.spec_io import build_spec
 
     gpu = size == "gpu"
@@ -158,11 +164,11 @@ def lm_spec(optimizer: str, teleport: bool, size: str, quick: bool) -> Any:
         "training": {"epochs": epochs, "batch_size": batch, "loss": "tiny_lm.loss:next_token", "seed": 0},
         "optimizer": {"name": optimizer, "lr": {"sgd": 0.3, "adam": 0.003}[optimizer]},
         "teleport": {"enabled": teleport, "epochs": list(range(min(5, epochs))), "batches": 8 if gpu else 2,
-                     "steps": 8, "batch_size": 2},
+                     "steps": 8, "batch_size": 2, "ascent": ascent},
     })
 
 
-def payoff(device: torch.device, size: str, quick: bool) -> dict[str, Any]:
+def payoff(device: torch.device, size: str, quick: bool, ascent: str = "auto") -> dict[str, Any]:
     from workers.train.context import RunContext
     from workers.train.loop import train
     from workers.train.sinks import MemorySink
@@ -172,7 +178,7 @@ def payoff(device: torch.device, size: str, quick: bool) -> dict[str, Any]:
     for opt in ("sgd", "adam"):
         runs = {}
         for label, tele in (("baseline", False), ("teleport", True)):
-            spec = lm_spec(opt, tele, size, quick)
+            spec = lm_spec(opt, tele, size, quick, ascent)
             spec = spec.model_copy(update={"training": spec.training.model_copy(update={"device": device.type})})
             sink = MemorySink()
             summary = train(spec, RunContext(device=device, sink=sink))
@@ -196,13 +202,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--size", default=None, choices=["cpu", "gpu"], help="payoff size (default: the device's)")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--ascent", default="auto", choices=["auto", "host", "device", "cuda_graph"],
+                        help="teleport.ascent of the payoff runs (the cost part measures every one)")
     add_machine_args(parser)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     size = args.size or ("gpu" if device.type == "cuda" else "cpu")
     with quiet_machine("lm_payoff", args):
         cost = teleport_cost(device, args.quick, args.repeats or (1 if args.quick else 2))
-        pay = payoff(device, size, args.quick)
+        pay = payoff(device, size, args.quick, args.ascent)
     floor = 5.0 if device.type == "cuda" else 0.5
     floors = {
         "one_teleport_default_le_floor": cost["teleport_default_in_train_steps"] <= floor,
@@ -215,6 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
          f"{cost['default_steps_taken']} ({cost['default_stop_reason']})"],
     ])
     print_table(["8 steps forced, ascent", "ran as", "training steps", "launches / step", "host reads / step"], [
+        [a, c["error"], "-", "-", "-"] if "error" in c else
         [a, c["ran_as"], f"{c['teleport_8_steps_in_train_steps']:.2f}", f"{c['launches_per_step']:.0f}",
          f"{c['host_reads_per_step']:.2f}"] for a, c in cost["by_ascent"].items()])
     print(f"per ascent step ({cost['default_ascent']}, what auto runs): {cost['launches_per_step']:.0f} launches, "
@@ -225,7 +234,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for opt, p in pay.items()])
     print(f"one teleport (defaults) <= {floor:g} training steps: {verdict(floors['one_teleport_default_le_floor'])}; "
           f"Adam to the baseline's loss in <= 1.0x its seconds: {verdict(floors['adam_seconds_ratio_le_1'])}")
-    result = {"quick": args.quick, "device": str(device), "size": size, "cost": cost, "payoff": pay, "floors": floors}
+    result = {"quick": args.quick, "device": str(device), "size": size, "ascent": args.ascent, "cost": cost,
+              "payoff": pay, "floors": floors}
     write_result("lm_payoff", result)
     return result
 

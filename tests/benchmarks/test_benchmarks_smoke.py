@@ -103,7 +103,7 @@ def test_lm_payoff_quick(results: Path) -> None:
         assert c["forced_drift"] < 1e-3 * 6  # the loss on the teleport batch stays (float32, ln 256 ≈ 5.5)
         assert c["host_reads_per_step"] == 1.0  # a count, not a time: one host read per ascent step
         assert c["launches_per_step"] > 0 and c["launches_per_teleport_setup"] > 0
-    assert cost["default_ascent"] == "host"  # what auto runs on the CPU
+    assert cost["default_ascent"] == "host" and body["ascent"] == "auto"  # what auto runs on the CPU
     assert cost["launches_per_step"] == cost["by_ascent"]["host"]["launches_per_step"]
     assert set(pay) == {"sgd", "adam"}
     for p in pay.values():
