@@ -36,6 +36,12 @@ def job_keys(job_id: str) -> list[str]:
     return [events(job_id), emitted(job_id), trials(job_id), notified(job_id), job_run(job_id), preflight(job_id)]
 
 
+def unsettled() -> str:
+    """Set of jobs that ended from the queue after having run (a preempted job cancelled while it waited): their
+    files were never pruned nor counted; the scheduler does both (``service.core.storage_lifecycle.settle``)."""
+    return f"{PREFIX}:storage:unsettled"
+
+
 def storage_usage() -> str:
     """Hash written by the scheduler: user name -> bytes their jobs hold in storage (the max_storage_gb quota)."""
     return f"{PREFIX}:storage:usage"

@@ -27,6 +27,7 @@ from service.core.store import Store
 
 log = logging.getLogger("tlab.scheduler")
 GB = 1e9
+SETTLE_BATCH = 100  # jobs ended from the queue settled per tick
 ENDED = {s.value for s in TERMINAL}
 
 
@@ -78,8 +79,10 @@ def prune_ended(store: Store, settings: Settings, data: dict[str, str]) -> int:
 
 
 def settle(store: Store, settings: Settings, before: list[dict[str, str]]) -> None:
-    """The jobs of ``before`` (the active set a tick began with) that have ended since: pruned and counted."""
+    """The jobs of ``before`` (the active set a tick began with) that have ended since, and those that ended from
+    the queue after having run (``keys.unsettled``: a requeued job cancelled while it waited): pruned and counted."""
     gone = {d["id"] for d in before} - set(store.r.smembers(keys.active()))
+    gone |= set(store.r.spop(keys.unsettled(), SETTLE_BATCH) or [])
     for data in store.raws(sorted(gone)):
         if data.get("state") in ENDED:
             try:

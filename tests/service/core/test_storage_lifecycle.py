@@ -87,3 +87,24 @@ def test_tlab_cancel_then_rm_and_tlab_me_shows_the_storage(api_only: Api, tmp_pa
         assert c.get(f"/v1/experiments/{job}").status_code == 404
     me = tlab("me", env=env)
     assert me.returncode == 0 and "  storage 0.00 GB of 5  at " in me.stdout, me.stdout
+
+
+def test_a_requeued_job_cancelled_while_it_waits_is_pruned_and_counted(api_only: Api, redis_server: str) -> None:
+    """A job that ran, was preempted back to the queue and was cancelled there never passes the scheduler's active
+    set again: the cancel marks it (``keys.unsettled``) and the scheduler's next settle prunes and counts it. A job
+    that never ran is not marked."""
+    api_only.add_user("ida")
+    storage = api_only.stack.home / "storage"
+    settings, store = Settings(TLAB_HOME=str(api_only.stack.home), REDIS_URL=redis_server), Store.from_url(redis_server)
+    with api_only.client("ida") as c:
+        ran, fresh = (c.post("/v1/experiments", json={"spec": tiny()}).json()["id"] for _ in range(2))
+        store.r.hset(keys.job(ran), "attempts", "1")  # it started once, then went back to the queue
+        for i, epoch in enumerate((1, 2)):
+            checkpoint(storage, ran, f"checkpoint_2026-01-0{i + 1}", epoch)
+        for job in (ran, fresh):
+            assert c.post(f"/v1/experiments/{job}/cancel").json()["state"] == "cancelled"
+        assert store.r.smembers(keys.unsettled()) == {ran}
+        storage_lifecycle.settle(store, settings, [])  # a tick with nothing active
+        assert sorted(p.name for p in (storage / ran).glob("checkpoint_*")) == ["checkpoint_2026-01-02"]
+        assert storage_lifecycle.used_bytes(store, "ida") == int(store.r.hget(keys.job(ran), "storage_bytes") or 0) > 0
+        assert store.r.smembers(keys.unsettled()) == set()
