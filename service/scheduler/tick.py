@@ -301,8 +301,11 @@ class Scheduler:
         self.reconcile(now)
         if now - self.expired_at >= retention.EXPIRE_EVERY_S:  # TLAB_HISTORY_DAYS: old ended jobs go, with their files
             self.expired_at = now
-            retention.expire(self.store, self.settings, now)
-            retention.expire_code(self.store, self.settings, now)  # TLAB_CODE_TTL_DAYS: packages no job refers to
+            try:
+                retention.expire(self.store, self.settings, now)
+                retention.expire_code(self.store, self.settings, now)  # TLAB_CODE_TTL_DAYS: packages no job uses
+            except OSError:  # storage trouble must not hold up this tick's dispatch; the next pass tries again
+                log.exception("expiring old jobs and code packages")
         if self.acl:
             self.acl.sync()  # users of jobs that ended or went back to the queue go; lost ones come back
         self.dispatch(time.time(), nodes)
