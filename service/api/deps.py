@@ -92,9 +92,10 @@ class State:
         return True
 
     def count_stream(self, user: str, stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """Count ``stream`` as one of ``user``'s open SSE streams until it is gone (ended, cancelled, or never
-        started: a finalizer, not the generator's own ``finally``); 429 past ``TLAB_MAX_STREAMS_PER_USER``, or
-        past ``TLAB_MAX_STREAMS`` of everyone's in this process."""
+        """Count ``stream`` as one of ``user``'s open SSE streams until it is gone; 429 past
+        ``TLAB_MAX_STREAMS_PER_USER``, or past ``TLAB_MAX_STREAMS`` of everyone's in this process. Released once, by
+        whichever comes first: the wrapper's ``finally`` (ended, or cancelled when the client went away — at once,
+        not when the garbage collector gets to a cycle that holds it) or a finalizer (a stream never started)."""
         cap, total = self.settings.max_streams_per_user, self.settings.max_streams
         if self._streams.get(user, 0) >= cap:
             raise TooManyRequests(f"you have {cap} event streams open (TLAB_MAX_STREAMS_PER_USER): close one; a "
@@ -104,8 +105,23 @@ class State:
                                   "(TLAB_MAX_STREAMS): try again shortly", field="events", retry_after_s=STREAM_RETRY_S)
         self._streams[user] = self._streams.get(user, 0) + 1
         self._open += 1
-        weakref.finalize(stream, self._stream_closed, user)
-        return stream
+        released = [False]
+
+        def release() -> None:
+            if not released[0]:
+                released[0] = True
+                self._stream_closed(user)
+
+        async def counted() -> AsyncIterator[Any]:
+            try:
+                async for item in stream:
+                    yield item
+            finally:
+                release()
+
+        wrapped = counted()
+        weakref.finalize(wrapped, release)
+        return wrapped
 
     def _stream_closed(self, user: str) -> None:
         self._open -= 1
