@@ -233,8 +233,11 @@ def test_a_sweep_cut_off_by_a_stack_restart_resumes_its_trials(tmp_path: Path) -
         events: list[Event] = list(c.events(sweep))
         view = c.json("GET", f"/v1/sweeps/{sweep}")
         job = view["job"]
-        assert job["state"] == "succeeded" and job["attempts"] == 2, (
-            job, [e.data for e in events if e.kind == "log"], view["trials"])
+        why = [(t["trial"], t["state"], t["epochs"], t.get("reason")) for t in view["trials"]]
+        said = [e.data.get("message") for e in events if e.kind == "log"]
+        assert job["state"] == "succeeded" and job["attempts"] == 2, (  # a failure says each trial's why in full
+            f"sweep {job['state']} after {job['attempts']} attempts ({job.get('failure_reason')}); trials {why}; "
+            f"logs {said}")
         after = {t["trial"]: t for t in view["trials"]}
         assert set(after) == set(before), (before, after)  # the same trials, not a new sweep
         assert all(t["state"] == "succeeded" and t["epochs"] == epochs for t in after.values()), after
