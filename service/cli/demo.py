@@ -24,6 +24,7 @@ from service.cli.client import Client
 from service.stack.embedded import Stack
 
 TARGET_LOSS = 0.05
+PRINTING = threading.Lock()  # one plain line at a time from the two followers' threads
 BATCHES = 4  # teleport batches per scheduled epoch: the convergence benchmark's digits setting
 
 
@@ -59,7 +60,8 @@ def follow_plain(c: Client, job_id: str, label: str, epochs: int, done: dict[str
         elif event.kind == "end":
             done[job_id] = event.data["state"]
         if line:
-            print(f"{label:<17} {line}", file=sys.stderr, flush=True)
+            with PRINTING:  # print writes the text and its newline apart: two runs' lines must not interleave
+                print(f"{label:<17} {line}", file=sys.stderr, flush=True)
 
 
 def _times(a: float, b: float) -> str:
