@@ -37,13 +37,13 @@ part() {  # part NAME SECONDS CMD...: run CMD with a time limit, log to $DIR/NAM
 }
 
 $PY -c "import torch; print(torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
-# issue 27: the teleport on CUDA as on the CPU, and its ascent replayed from a CUDA graph (test_on_device's CUDA tests)
+# issue 27: the teleport on CUDA as on the CPU, and its ascent decided on the device (test_on_device)
 part test_cuda 120 $PY -m pytest -q -rfs -p no:cacheprovider tests/teleport/test_cuda.py tests/teleport/test_on_device.py
 # issue 28: the memory fence and the GPU memory each epoch reports (needs pydantic next to torch)
 part gpu_share 90 $PY -m pytest -q -rfs -p no:cacheprovider tests/workers/train/test_gpu_share.py
 # issue 27: one teleport in training steps on the GPT-style LM, launches and host reads per step, and the char
 # LM's payoff (seconds to the baseline's loss, SGD and Adam, teleport.budget at its default) at the GPU size; the
-# teleport's cost for each teleport.ascent side by side (host guard, device ticks, CUDA graph)
+# teleport's cost for each teleport.ascent side by side (host guard, device ticks)
 part lm_payoff 180 $PY -m benchmarks.lm_payoff --device $DEV --wait 0 $QUICK
 part gpu_sharing 240 env RAY_USAGE_STATS_ENABLED=0 $PY -m benchmarks.service.gpu_sharing --device $DEV \
     --epochs "$([[ -n "$QUICK" ]] && echo 4 || echo 20)"  # issue 28: early, it needs the whole card to itself

@@ -329,11 +329,12 @@ def ascent_direction(obj: Objective, blocks: list[Block], weights: list[Tensor],
 
 def ascent_mode(config: TeleportConfig, device: torch.device, comm: Collective | None) -> str:
     """How the steps run: "host" (the guard in Python, ``_steps``), "device" (device ticks) or "cuda_graph"
-    (device ticks replayed from a CUDA graph). "auto": a CUDA graph on one CUDA process, else the host guard;
-    across ranks always the host guard (the device ticks are single-process)."""
+    (device ticks replayed from a CUDA graph, experimental: see ``teleport.on_device``). "auto": the host guard,
+    the fastest measured on the CPU and on an H200; across ranks always the host guard (the ticks are
+    single-process)."""
     if comm is not None and comm.world_size > 1:
         return "host"
-    wanted = {"auto": "cuda_graph" if device.type == "cuda" else "host"}.get(config.ascent, config.ascent)
+    wanted = "host" if config.ascent == "auto" else config.ascent
     return "device" if wanted == "cuda_graph" and device.type != "cuda" else wanted
 
 

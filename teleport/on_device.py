@@ -1,5 +1,11 @@
 """The ascent of one teleport decided on the device, in ticks that a CUDA graph captures and replays.
 
+Status (H200, torch 2.11, 2026-11-27): the eager ticks are correct but 1.5x slower than the host guard, and every
+capture failed ("operation would make the legacy stream depend on a capturing blocking stream": the evaluation
+the bases came from, made on the default stream, is alive during the capture), leaving the CUDA generator
+mid-capture so that later CUDA random draws raised. ``teleport.ascent: auto`` is therefore the host guard; this
+module is opt-in (``device``; ``cuda_graph`` experimental, library only).
+
 The host-guarded ascent (``nullspace._Run``) reads L and ‖∇L‖² after every try and branches in Python:
 accept, shorten, stop. On a GPU each step is then thousands of small kernels launched one by one from
 Python (issue 27: 15,268 launches for one teleport of a GPT-style LM), and the GPU waits on the host.

@@ -19,8 +19,8 @@ class TeleportConfig:
     τ ("numerical_rank": exact, never fewer directions than the numerical rank; "energy": the
     cumulative energy in the model's precision, which at τ = 1 frees the negligible tail); ascent: how the
     steps run ("host": the guard decides in Python, one host read a try; "device": the guard decides on the
-    device, ``teleport.on_device``; "cuda_graph": those ticks captured once and replayed; "auto": a CUDA graph
-    on a single CUDA process, the host guard elsewhere — the faster on each; see ``nullspace.ascent_mode``).
+    device, ``teleport.on_device``; "cuda_graph": those ticks captured once and replayed, experimental — on an H200
+    the capture fails; "auto": the host guard, the fastest measured on the CPU and the H200).
     """
 
     steps: int = 8

