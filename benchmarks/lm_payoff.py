@@ -134,14 +134,13 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int) -> dict[str, 
             by_ascent[ascent] = forced_cost(ascent)
         except Exception as err:  # one way failing (a capture on an untried GPU) must not lose the others' figures
             by_ascent[ascent] = {"error": f"{type(err).__name__}: {err}"[:300]}
-    chosen = "host"  # what "auto" runs
     default_s, default = _timed(lambda: teleport(8), device, repeats)
     return {
         "model": {"d": d, "layers": layers, "context": ctx, "vocab": 256, "train_batch": 32, "teleport_batch": 2},
         "train_step_s": step_s, "teleport_default_s": default_s, "teleport_default_in_train_steps": default_s / step_s,
         "default_steps_taken": default.steps, "default_stop_reason": default.stop_reason,
         "default_ascent": default.ascent, "by_ascent": by_ascent,
-    } | {k: by_ascent[chosen][k] for k in ("teleport_8_steps_s", "teleport_8_steps_in_train_steps", "forced_drift",
+    } | {k: by_ascent["host"][k] for k in ("teleport_8_steps_s", "teleport_8_steps_in_train_steps", "forced_drift",
                                            "launches_per_step", "host_reads_per_step")}
 
 

@@ -22,6 +22,7 @@ import json
 import logging
 import shutil
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from api_schemas import keys
@@ -80,11 +81,7 @@ def expire(store: Store, settings: Settings, now: float) -> list[str]:
         return []
     cutoff = now - settings.history_days * DAY
     deleted: list[str] = []
-    after = "-"
-    while True:
-        ids = store.r.zrangebylex(keys.jobs(), after, "+", start=0, num=EXPIRE_BATCH)
-        if not ids:
-            return deleted
+    for ids in job_pages(store):
         for data in store.raws(ids):
             if float(data.get("created_at") or 0) >= cutoff:
                 return deleted  # created inside the window: it and every later job ended inside it too
@@ -93,6 +90,14 @@ def expire(store: Store, settings: Settings, now: float) -> list[str]:
                     deleted.append(data["id"])
                     log.info("deleted %s: it ended %.1f days ago (TLAB_HISTORY_DAYS=%g)", data["id"],
                              (now - float(data["finished_at"])) / DAY, settings.history_days)
+    return deleted
+
+
+def job_pages(store: Store) -> Iterator[list[str]]:
+    """Every job id Redis holds, oldest first (ids sort by creation time), ``EXPIRE_BATCH`` at a time."""
+    after = "-"
+    while ids := store.r.zrangebylex(keys.jobs(), after, "+", start=0, num=EXPIRE_BATCH):
+        yield ids
         after = f"({ids[-1]}"
 
 
@@ -131,8 +136,7 @@ def expire_code(store: Store, settings: Settings, now: float) -> list[str]:
 def referenced_packages(store: Store) -> set[tuple[str, str]]:
     """(owner, package id) of every job's ``code.package``, every job Redis holds, ``EXPIRE_BATCH`` at a time."""
     found: set[tuple[str, str]] = set()
-    after = "-"
-    while ids := store.r.zrangebylex(keys.jobs(), after, "+", start=0, num=EXPIRE_BATCH):
+    for ids in job_pages(store):
         pipe = store.r.pipeline(transaction=False)
         for job_id in ids:
             pipe.hmget(keys.job(job_id), ["owner", "spec"])
@@ -143,7 +147,6 @@ def referenced_packages(store: Store) -> set[tuple[str, str]]:
                 continue
             if owner and isinstance(package, str):
                 found.add((owner, package))
-        after = f"({ids[-1]}"
     return found
 
 
