@@ -11,6 +11,12 @@ the runner asks ``steps_for_batch``: the batch's predicted cost is the seconds p
 times (1 + steps) (one unit: the capture, the first objective and the bases; one more per ascent step);
 the batch is shortened to the steps that fit, or skipped when not one does. Across data-parallel ranks
 the inputs are averaged first, so every rank takes the same decision (a teleport is collective).
+
+The run's first teleport batch *calibrates*: it takes at most ``CALIBRATION_STEPS`` step, whatever the probe
+predicts. The probe's unit (a multiple of a forward + backward) is a guess that a GPU breaks: there an ascent
+step is launch-bound, ~5 forward + backward passes and not 3, and the first teleport loads kernels training
+never used (the H200's char LM spent 24 % of a 10 % budget on its first batch of 8 steps, issue 27). One step
+measures the unit at the cost of one step, and every later batch is sized from what was measured.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from teleport import TeleportReport
 from workers.train.context import RunContext
 
 FIRST_UNIT_PER_STEP = 3.0  # before any teleport ran: one unit ≈ 3 forward+backward passes on the teleport batch
+CALIBRATION_STEPS = 1  # the ascent steps of the run's first teleport batch, which measures a unit's seconds
 
 
 @dataclass
@@ -53,19 +60,27 @@ class TeleportBudget:
             return self.work_seconds / self.work_units
         return self.probe_unit_s or 0.0
 
+    @property
+    def calibrating(self) -> bool:
+        """No teleport batch has been measured yet: the next one the budget sizes takes at most
+        ``CALIBRATION_STEPS``."""
+        return self.share is not None and self.share < 1 and self.work_units == 0
+
     def steps_for_batch(self, steps: int, spent: float, train_seconds: float, epochs_done: int,
                         agree: Callable[[list[float]], list[float]] | None = None) -> int:
         """The ascent steps the next teleport batch may take (0: skip it), given ``spent`` teleport seconds.
 
-        ``agree``: averages [left, unit] across ranks (every rank then decides alike)."""
+        ``agree``: averages [left, unit] across ranks (every rank then decides alike; ``calibrating`` is the
+        same on every rank: each records the same reports)."""
         if self.share is None:
             return steps
+        wanted = min(steps, CALIBRATION_STEPS) if self.calibrating else steps
         left, unit = self.allowance(train_seconds, epochs_done) - spent, self.unit_seconds()
         if agree is not None:
             left, unit = agree([left, unit])
-        if unit <= 0 or not math.isfinite(left):
+        if not math.isfinite(left):  # nothing tells the run's length yet (an own loop before its first epoch)
             return steps
-        return max(0, min(steps, math.floor(left / unit) - 1))
+        return wanted if unit <= 0 else max(0, min(wanted, math.floor(left / unit) - 1))
 
     def record(self, report: TeleportReport) -> None:
         """Learn the seconds per unit of work from a teleport batch that ran."""

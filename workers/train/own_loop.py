@@ -189,16 +189,19 @@ class OwnLoopContext:
         held = None if holdout is None else to_device(holdout, self.device, self.dtype)
         least = tp.steps
         for i, batch in zip(range(tp.batches), batches, strict=False):
+            calibrating = self._budget.calibrating  # one step measures a step's cost (``workers.train.budget``)
             steps = self._budget_steps(time.perf_counter() - started)
             if steps == 0:
                 break
-            least = min(least, steps)
+            calibrating = calibrating and steps < tp.steps
+            least = least if calibrating else min(least, steps)
             x, y = to_device(batch, self.device, self.dtype)
             config = dataclasses.replace(teleport_config(tp), steps=steps)
             rep = teleport_batch(bare(model), loss_fn, x, y, config, executor=self._executor, holdout=held,
                                  comm=self.run.comm)
             self._budget.record(rep)
-            self.run.sink.emit({"kind": "teleport", "epoch": epoch, "batch": i, **rep.to_dict()})
+            self.run.sink.emit({"kind": "teleport", "epoch": epoch, "batch": i, **rep.to_dict(),
+                                **({"calibration": True} if calibrating else {})})
             if not math.isfinite(rep.loss_after):
                 raise diverged(self.run, f"teleport batch {i}", epoch, f"teleport batch loss is {rep.loss_after}",
                                 f"lower teleport.lr (now {tp.lr:g}) or teleport.cap (now {tp.cap:g})")

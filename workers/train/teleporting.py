@@ -88,6 +88,8 @@ class Teleporter:
             self.loss_fn(net(x), y).backward()
             for p in net.parameters():
                 p.grad = None
+            if x.device.type == "cuda":  # the GPU's time, not the launches'
+                torch.cuda.synchronize(x.device)
 
         try:
             seconds = probe_seconds(step)
@@ -104,16 +106,19 @@ class Teleporter:
         ran, least = 0, self.tp.steps
         for i in range(self.tp.batches):
             now = spent + time.perf_counter() - start
+            calibrating = self.budget.calibrating  # the run's first batch: one step measures a step's cost
             steps = self.budget.steps_for_batch(self.tp.steps, now, train_seconds, epochs_done, agree_across(self.ctx))
             if steps == 0:
                 break
+            calibrating = calibrating and steps < self.tp.steps
             idx = torch.randperm(len(self.train), generator=g)[: self.tp.batch_size]  # type: ignore[arg-type]
             report = self._batch(idx, steps)
-            self.ctx.sink.emit({"kind": "teleport", "epoch": epoch, "batch": i, **report.to_dict()})
+            self.ctx.sink.emit({"kind": "teleport", "epoch": epoch, "batch": i, **report.to_dict(),
+                                **({"calibration": True} if calibrating else {})})
             if not math.isfinite(report.loss_after):
                 raise TeleportDiverged(i, report.loss_after)
             self.budget.record(report)
-            ran, least = ran + 1, min(least, steps)
+            ran, least = ran + 1, least if calibrating else min(least, steps)
         if ran < self.tp.batches or least < self.tp.steps:
             self._say_cut(epoch, ran, least if ran else 0)
         return ran

@@ -125,3 +125,24 @@ def test_a_sweep_may_search_the_budget_and_its_bounds_are_checked() -> None:
     with pytest.raises(ValidationError, match="teleport.budget: Input should be less than or equal to 1"):
         SweepSubmit.model_validate({"base": PRESETS["digits/teleport"],
                                     "search_space": {"teleport.budget": {"grid": [0.05, 2.0]}}})
+
+
+def test_the_first_batch_calibrates_with_one_step_whatever_the_probe_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe that calls teleport nearly free (as a GPU's launch-bound step makes it) does not buy the first batch
+    its full steps: one step measures the unit, the batches after it are sized from that."""
+    import workers.train.teleporting as teleporting
+
+    budget = TeleportBudget(share=0.1, epochs=10, probe_epoch_s=1.0, probe_unit_s=1e-9)
+    assert budget.calibrating and budget.steps_for_batch(8, 0.0, 0.0, 0) == 1
+    budget.record(report(seconds=0.05, steps=1))  # 2 units in 0.05 s
+    assert not budget.calibrating and budget.steps_for_batch(8, 0.05, 0.0, 0) == 8  # 1.06 s left: 42 units
+    assert TeleportBudget(share=1.0, epochs=10, probe_epoch_s=1.0, probe_unit_s=1.0).steps_for_batch(8, 0, 0, 0) == 8
+    assert budget.steps_for_batch(8, 1.08, 0.0, 0) == 0  # what was measured: no unit left
+
+    monkeypatch.setattr(teleporting, "FIRST_UNIT_PER_STEP", 1e-9)
+    records, summary = run(0.5)
+    tele = [r for r in records if r["kind"] == "teleport"]
+    assert (tele[0]["epoch"], tele[0]["steps"], tele[0]["calibration"]) == (0, 1, True)
+    assert not any(r.get("calibration") for r in tele[1:])
+    assert not [r for r in records if r["kind"] == "budget" and r["epoch"] == 0 and r["batches"] == 2], \
+        "the calibration batch is not a cut"
