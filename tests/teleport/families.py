@@ -32,6 +32,16 @@ class Case:
     loss_fn: LossFn = field(default=F.cross_entropy)
 
 
+def drawn_on_cpu(build: Callable[[], Case]) -> Case:
+    """``build()`` drawn by the CPU's generator, then moved to the test's device (``TLAB_TEST_DEVICE``): the same
+    weights and batch on every device, so a test whose guard branch hangs on the numbers reaches it there too (the
+    CUDA generator draws other numbers from the same seed)."""
+    device = torch.get_default_device()
+    with torch.device("cpu"):
+        case = build()
+    return Case(case.model.to(device), case.x.to(device), case.y.to(device), case.moved, case.loss_fn)
+
+
 class Head(nn.Module):
     """x -> tanh(pre(x)) -> body -> tanh -> mean over all but the batch -> a Linear head."""
 

@@ -82,7 +82,7 @@ def test_a_batch_already_at_cap_builds_no_basis() -> None:
     assert report.stop_reason == "cap" and report.steps == 0 and report.layers == []
     assert executor.calls == 0
     teleport_batch(model, F.cross_entropy, x, y, CONFIG, executor=executor)
-    assert executor.calls == 3
+    assert executor.calls == (3 if x.device.type == "cpu" else 0)  # on a GPU the bases are batched, not mapped
 
 
 class Frozen(nn.Module):

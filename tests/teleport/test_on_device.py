@@ -25,7 +25,7 @@ from teleport import TeleportConfig, TeleportReport, teleport_batch
 from teleport.nullspace import ascent_mode
 from teleport.objective import HOST_READS
 from teleport.on_device import DeviceAscent
-from tests.teleport.families import CASES, OPEN, Case
+from tests.teleport.families import CASES, OPEN, Case, drawn_on_cpu
 
 pytestmark = pytest.mark.usefixtures("float64")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -51,10 +51,15 @@ GUARDS = {
 HOST_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "is_nonzero", "equal", "lift_fresh")
 
 
-def mlp() -> Case:
+def _mlp() -> Case:
     torch.manual_seed(0)  # 8 samples < 13 inputs of the first layer: it has free directions
     model = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
     return Case(model, torch.randn(8, 12), torch.randint(0, 3, (8,)), [])
+
+
+def mlp() -> Case:
+    """The MLP the guard configs were tuned on, the same on every test device."""
+    return drawn_on_cpu(_mlp)
 
 
 class RowSlices(nn.Module):
