@@ -30,7 +30,7 @@ from teleport.capture import UseRecorder, trainable
 from teleport.distributed import Collective, any_across_, distributed_spectra
 from teleport.factored import factored_direction
 from teleport.objective import LossFn, Objective, objective, objective_tensors, teleport_gradient, teleport_gradient_and
-from teleport.on_device import DeviceAscent, Evaluate, aim_on_device
+from teleport.on_device import UNCAPTURABLE, DeviceAscent, Evaluate, aim_on_device, own_stream
 from teleport.precision import ieee_float32
 from teleport.report import TeleportConfig, TeleportReport
 
@@ -188,8 +188,10 @@ def teleport_batch(
     and the same weights, or raises the same error. A caller's autocast (bf16 training) stops here: the
     teleport computes in the weights' own dtype, and float32 without TF32 (``teleport.precision``).
     """
-    with torch.autocast(x.device.type, enabled=False), ieee_float32():
-        return _teleport(model, loss_fn, x, y, config or TeleportConfig(), executor, holdout, comm)
+    config = config or TeleportConfig()
+    captured = ascent_mode(config, x.device, comm) == "cuda_graph" and model not in UNCAPTURABLE
+    with torch.autocast(x.device.type, enabled=False), ieee_float32(), own_stream(x.device, captured):
+        return _teleport(model, loss_fn, x, y, config, executor, holdout, comm)
 
 
 def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: TeleportConfig,

@@ -4,7 +4,11 @@ Status (H200, torch 2.11, 2026-11-27): the eager ticks are correct but 1.5x slow
 capture failed ("operation would make the legacy stream depend on a capturing blocking stream": the evaluation
 the bases came from, made on the default stream, is alive during the capture), leaving the CUDA generator
 mid-capture so that later CUDA random draws raised. ``teleport.ascent: auto`` is therefore the host guard; this
-module is opt-in (``device``; ``cuda_graph`` experimental, library only).
+module is opt-in (``device``; ``cuda_graph`` experimental, library only). Mended since, not yet run on a GPU:
+with ``cuda_graph`` the whole teleport — the first evaluation, the bases, every tick — runs on one side stream
+(``own_stream``), so the autograd nodes the capture meets (the weights' AccumulateGrad among them) were made on
+the capturing stream and autograd has no other stream to sync with; a failed capture puts the CUDA generator's
+state back as it was before ``capture_begin``.
 
 The host-guarded ascent (``nullspace._Run``) reads L and ‖∇L‖² after every try and branches in Python:
 accept, shorten, stop. On a GPU each step is then thousands of small kernels launched one by one from
@@ -34,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -52,6 +56,34 @@ STATUS = ("done", "steps", "pending", "backoffs", "reason", "loss", "grad_norm_s
 UNCAPTURABLE: weakref.WeakSet[object] = weakref.WeakSet()  # models whose tick a CUDA graph could not hold
 Evaluate = Callable[[bool], tuple[Objective, Tensor]]  # graph? -> (the objective's gradients, [‖∇L‖², L])
 Direction = Callable[[Objective], list[Tensor]]  # π(H·∇L) of the moving weights
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream the teleport runs on if it is not the device's default stream (``own_stream``), else a new one: a
+    capture cannot be made on the default stream."""
+    current = torch.cuda.current_stream(device)
+    return torch.cuda.Stream(device) if current == torch.cuda.default_stream(device) else current
+
+
+@contextlib.contextmanager
+def own_stream(device: torch.device, enabled: bool) -> Iterator[None]:
+    """Run the block on a side stream of ``device`` that waits for the caller's stream, and make the caller's stream
+    wait for it after (even when the block raises); nothing when not ``enabled``. A teleport to be captured runs
+    whole on it: the autograd nodes of its first evaluation (the weights' AccumulateGrad among them, shared by every
+    later graph) then belong to the capturing stream, and autograd syncs no other stream with it during the capture
+    — on the caller's default stream they made the H200's capture fail. The nodes die with the teleport's graphs,
+    so the training step after it makes its own on its stream."""
+    if not enabled:
+        yield
+        return
+    caller = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(caller)
+    try:
+        with torch.cuda.stream(side):
+            yield
+    finally:
+        caller.wait_stream(side)
 
 
 def aim_on_device(eta: float | Tensor, grad_norm_sq: float | Tensor, direction: list[Tensor],
@@ -103,11 +135,12 @@ class DeviceAscent:
 
     def run(self, graphs: bool, owner: object | None = None) -> str:
         """Tick until done; with ``graphs`` (CUDA), after ``WARMUP`` eager ticks the full tick is captured and
-        replayed. The first tick needs no read: it starts step 1 (steps ≥ 1, ‖∇L‖² < CAP were checked).
+        replayed, on the stream the teleport runs on when that is a side stream (``own_stream``), else a new one.
+        The first tick needs no read: it starts step 1 (steps ≥ 1, ‖∇L‖² < CAP were checked).
         ``owner`` (the model): once its tick could not be captured, its later teleports do not try again."""
         graph: torch.cuda.CUDAGraph | None = None
         graphs = graphs and (owner is None or owner not in UNCAPTURABLE)
-        side = torch.cuda.Stream() if graphs else None
+        side = _side_stream(self.weights[0].device) if graphs else None
         limit = self.config.steps * (self.config.max_backoff + 1) + 1  # every try of every step, and the first
         try:
             start, self.start = self.start, None
@@ -213,6 +246,8 @@ class DeviceAscent:
         capturing stream (autograd's device thread runs the backward on it) still fails the capture."""
         graph = torch.cuda.CUDAGraph()
         side.wait_stream(torch.cuda.current_stream())
+        generator = torch.cuda.default_generators[self.weights[0].device.index or 0]
+        before = generator.clone_state()  # capture_begin registers it; a failed capture never releases it
         try:
             with torch.cuda.stream(side):
                 graph.capture_begin(capture_error_mode="thread_local")
@@ -222,6 +257,7 @@ class DeviceAscent:
                     with contextlib.suppress(RuntimeError):  # an invalidated capture: the tick's error says why
                         graph.capture_end()
         except RuntimeError as err:
+            generator.graphsafe_set_state(before)  # else every later CUDA random draw raises (seen on an H200)
             warnings.warn(f"teleport: the ascent step could not be captured in a CUDA graph, it runs eagerly, "
                           f"for this model from now on ({str(err).splitlines()[0]})", RuntimeWarning, stacklevel=3)
             return None

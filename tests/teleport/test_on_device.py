@@ -8,6 +8,7 @@ The CUDA tests skip without a GPU (``benchmarks/gpu_checks.sh`` runs them on one
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,9 +33,12 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"
 # On an H200 (torch 2.11, 2026-11-27) every capture failed: "operation would make the legacy stream depend on a
 # capturing blocking stream" (the evaluation the bases came from, on the default stream, is alive during the
 # capture), and the failed capture left the CUDA generator mid-capture: every later CUDA random draw in the process
-# raised "Offset increment outside graph capture". Not run, so they cannot break the tests after them; strict, so
-# they must be turned back on once the capture works.
-CAPTURE_FAILS = pytest.mark.xfail(run=False, strict=True, reason="the capture fails on an H200, poisoning the CUDA RNG")
+# raised "Offset increment outside graph capture". Mended since (the whole teleport on one side stream, the
+# generator put back after a failed capture) but not yet run on a GPU: these run only with TLAB_TRY_CUDA_GRAPH=1,
+# which benchmarks/gpu_checks.sh sets in a pytest process of their own, so a capture that still fails cannot break
+# the tests after them.
+TRY_CAPTURE = pytest.mark.skipif(os.environ.get("TLAB_TRY_CUDA_GRAPH") != "1",
+                                 reason="the capture failed on an H200; TLAB_TRY_CUDA_GRAPH=1 runs it (gpu_checks.sh)")
 
 # guard configs that exercise every branch: open, CAP reached by aiming, CAP overshoot shortened by the
 # secant, loss_tol back-offs until every try failed, tries halved until one is accepted, τ < 1 (the
@@ -207,7 +211,7 @@ def test_auto_is_the_host_guard_on_every_device_and_across_ranks() -> None:
 
 
 @cuda
-@CAPTURE_FAILS
+@TRY_CAPTURE
 @pytest.mark.parametrize("name", ["tied_lm", "transformer-decoder-batch_first=True", "conv-conv2d_depthwise",
                                   "linear"])
 @pytest.mark.parametrize("guard", ["open", "overshoot", "halved"])
@@ -219,6 +223,10 @@ def test_a_cuda_graph_replays_the_device_ticks(name: str, guard: str) -> None:
     host, graphed, h_model, g_model = both(case, config, device="cuda_graph")  # the host guard against the graph
     assert graphed.ascent == "cuda_graph", "the tick was not captured"
     assert_same(host, graphed, h_model, g_model, rtol=1e-7)
+    with warnings.catch_warnings(record=True) as caught:  # training goes on on the default stream, unwarned
+        warnings.simplefilter("always")
+        case.loss_fn(g_model(case.x), case.y).backward()
+    assert not [str(w.message) for w in caught if "stream" in str(w.message)]
 
 
 class _ReadsOnTheHost(nn.Module):
@@ -234,7 +242,7 @@ class _ReadsOnTheHost(nn.Module):
 
 
 @cuda
-@CAPTURE_FAILS
+@TRY_CAPTURE
 def test_a_forward_that_cannot_be_captured_runs_eagerly_with_a_warning() -> None:
     torch.manual_seed(0)
     case = Case(_ReadsOnTheHost().cuda(), torch.randn(4, 6, device="cuda"), torch.randint(0, 3, (4,), device="cuda"),
@@ -245,6 +253,7 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly_with_a_warning() -> None
         a, b, host, other = both(case, config, device="cuda_graph")
     assert b.ascent == "device" and any("CUDA graph" in str(w.message) for w in caught)
     assert_same(a, b, host, other, rtol=1e-7)
+    assert torch.randn(3, device="cuda").isfinite().all()  # the failed capture gave the CUDA generator back
     with warnings.catch_warnings(record=True) as again:  # the same model's next teleport does not try again
         warnings.simplefilter("always")
         report = teleport_batch(other, case.loss_fn, case.x, case.y, replace(config, ascent="cuda_graph"))
