@@ -36,9 +36,11 @@ class StepBuffers:
                 self.origin = [w.data for w in self.weights]
                 for w, s in zip(self.weights, self.spare, strict=True):
                     w.data = s
+            # η in each weight dtype, converted once (not once per weight: a kernel each on a GPU)
+            etas = {dt: eta.to(dt) for dt in {u.dtype for u in direction}} if isinstance(eta, Tensor) else {}
             for w, w0, u in zip(self.weights, self.origin, direction, strict=True):
                 if isinstance(eta, Tensor):
-                    torch.addcmul(w0, u, eta.to(u.dtype), out=w)
+                    torch.addcmul(w0, u, etas[u.dtype], out=w)
                 else:
                     torch.add(w0, u, alpha=eta, out=w)
 

@@ -230,12 +230,13 @@ class DeviceAscent:
         """W₀ and U of a new step; W = W₀ + η·U for a new try, W₀ when every try failed, else as it is. In place
         (``out=``): one temporary of a weight's size at a time, the try."""
         move = start | retry
+        etas = {dt: eta_try.to(dt) for dt in {u.dtype for u in self.u}}  # η in each weight dtype, converted once
         for w, origin, u, un in zip(self.weights, self.origin, self.u, u_new, strict=True):
             torch.where(start, w, origin, out=origin)
             if un is not u:
                 torch.where(start, un, u, out=u)
             torch.where(exhausted, origin, w, out=w)
-            torch.where(move, torch.addcmul(origin, u, eta_try.to(u.dtype)), w, out=w)
+            torch.where(move, torch.addcmul(origin, u, etas[u.dtype]), w, out=w)
 
     def _capture(self, side: torch.cuda.Stream) -> torch.cuda.CUDAGraph | None:
         """The full tick as a CUDA graph (nothing runs while it is captured), or None, with a warning, when the
