@@ -12,7 +12,8 @@ Two parts, on the device given (``--device cpu|cuda``), side by side in one run:
    running the steps (``teleport.ascent``: the host guard, what ``auto`` runs, and the device ticks).
 2. **Payoff** on ``examples/tiny_lm`` (a char LM on Python source): baseline against teleport with SGD and
    Adam through the product's own loop (``workers.train.loop.train``) with ``teleport.budget`` at its default:
-   seconds to the baseline's final train loss as a ratio, and teleport's share of the run. ``--quick`` and
+   seconds to the baseline's final train loss as a ratio, and teleport's share of the run, for each of
+   ``--seeds`` seeds (3; quick 1) and their median. ``--quick`` and
    the CPU default are small (CPU: d = 128, 2 layers, context 32, 6 epochs, 2 teleport batches of 2
    sequences, 64 token columns < d); ``--size gpu`` is the issue's size (d = 256, 4 layers, context 64,
    batch 64, 12 epochs, teleport before epochs 0-4, 8 batches × 8 steps).
@@ -21,12 +22,14 @@ Floors (issue 27; printed, not asserted): one teleport ≤ 0.5 training steps on
 reads per ascent step ≤ 1; on CUDA at the GPU size, teleport share ≤ 15 % and seconds to the baseline's loss
 ≤ 1.0x with Adam.
 
-    python -m benchmarks.lm_payoff [--quick] [--device cpu|cuda] [--size cpu|gpu] [--threads K]
+    python -m benchmarks.lm_payoff [--quick] [--device cpu|cuda] [--size cpu|gpu] [--seeds N] [--threads K]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -146,7 +149,7 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
                                                     "forced_drift", "launches_per_step", "host_reads_per_step")}
 
 
-def lm_spec(optimizer: str, teleport: bool, size: str, quick: bool, ascent: str = "auto") -> Any:
+def lm_spec(optimizer: str, teleport: bool, size: str, quick: bool, ascent: str = "auto", seed: int = 0) -> Any:
     from api_schemas.spec_io import build_spec
 
     gpu = size == "gpu"
@@ -160,39 +163,54 @@ def lm_spec(optimizer: str, teleport: bool, size: str, quick: bool, ascent: str 
         "dataset": {"name": "custom", "factory": "tiny_lm.data:python_source",
                     "args": {"module": "json.decoder", "seq_len": ctx, "stride": ctx // 2,
                              **({"max_chars": chars} if chars else {})}},
-        "training": {"epochs": epochs, "batch_size": batch, "loss": "tiny_lm.loss:next_token", "seed": 0},
+        "training": {"epochs": epochs, "batch_size": batch, "loss": "tiny_lm.loss:next_token", "seed": seed},
         "optimizer": {"name": optimizer, "lr": {"sgd": 0.3, "adam": 0.003}[optimizer]},
         "teleport": {"enabled": teleport, "epochs": list(range(min(5, epochs))), "batches": 8 if gpu else 2,
                      "steps": 8, "batch_size": 2, "ascent": ascent},
     })
 
 
-def payoff(device: torch.device, size: str, quick: bool, ascent: str = "auto") -> dict[str, Any]:
+def payoff(device: torch.device, size: str, quick: bool, ascent: str = "auto", seeds: int = 1) -> dict[str, Any]:
+    """Per optimizer: each seed's baseline and teleport run (seconds to the baseline's final train loss as a ratio,
+    teleport's share), and over the seeds the median ratio ("never" counts as infinite) and how many reached it.
+    The final losses differ in the third decimal at these sizes, so one seed's ratio is mostly noise."""
+    out: dict[str, Any] = {}
+    for opt in ("sgd", "adam"):
+        runs = [_payoff_seed(device, size, quick, ascent, opt, seed) for seed in range(seeds)]
+        median = statistics.median(math.inf if r["seconds_ratio"] is None else r["seconds_ratio"] for r in runs)
+        out[opt] = runs[0] | {  # seed 0's figures stay at the top (the earlier, single-seed layout)
+            "seeds": runs, "median_seconds_ratio": median if math.isfinite(median) else None,
+            "reached": sum(r["seconds_ratio"] is not None for r in runs),
+            "median_teleport_share": statistics.median(r["teleport_share"] for r in runs),
+        }
+    return out
+
+
+def _payoff_seed(device: torch.device, size: str, quick: bool, ascent: str, opt: str, seed: int) -> dict[str, Any]:
+    """One seed: the baseline and the teleport run through the product's loop."""
     from workers.train.context import RunContext
     from workers.train.loop import train
     from workers.train.sinks import MemorySink
 
-    sys.path.insert(0, str(EXAMPLE))
-    out: dict[str, Any] = {}
-    for opt in ("sgd", "adam"):
-        runs = {}
-        for label, tele in (("baseline", False), ("teleport", True)):
-            spec = lm_spec(opt, tele, size, quick, ascent)
-            spec = spec.model_copy(update={"training": spec.training.model_copy(update={"device": device.type})})
-            sink = MemorySink()
-            summary = train(spec, RunContext(device=device, sink=sink))
-            runs[label] = (summary, [r for r in sink.records if r["kind"] == "epoch"])
-        target = runs["baseline"][0]["final_train_loss"]
-        hit = next((e for e in runs["teleport"][1] if e["train_loss"] <= target), None)
-        out[opt] = {
-            "baseline_final_train_loss": target, "baseline_seconds": runs["baseline"][0]["seconds"],
-            "teleport_final_train_loss": runs["teleport"][0]["final_train_loss"],
-            "teleport_seconds_to_target": hit["seconds"] if hit else None,
-            "seconds_ratio": hit["seconds"] / runs["baseline"][0]["seconds"] if hit else None,
-            "teleport_share": runs["teleport"][0]["teleport_share"],
-            "teleport_cuts": runs["teleport"][0]["teleport_cuts"],
-        }
-    return out
+    if str(EXAMPLE) not in sys.path:
+        sys.path.insert(0, str(EXAMPLE))
+    runs = {}
+    for label, tele in (("baseline", False), ("teleport", True)):
+        spec = lm_spec(opt, tele, size, quick, ascent, seed)
+        spec = spec.model_copy(update={"training": spec.training.model_copy(update={"device": device.type})})
+        sink = MemorySink()
+        summary = train(spec, RunContext(device=device, sink=sink))
+        runs[label] = (summary, [r for r in sink.records if r["kind"] == "epoch"])
+    target = runs["baseline"][0]["final_train_loss"]
+    hit = next((e for e in runs["teleport"][1] if e["train_loss"] <= target), None)
+    return {
+        "seed": seed, "baseline_final_train_loss": target, "baseline_seconds": runs["baseline"][0]["seconds"],
+        "teleport_final_train_loss": runs["teleport"][0]["final_train_loss"],
+        "teleport_seconds_to_target": hit["seconds"] if hit else None,
+        "seconds_ratio": hit["seconds"] / runs["baseline"][0]["seconds"] if hit else None,
+        "teleport_share": runs["teleport"][0]["teleport_share"],
+        "teleport_cuts": runs["teleport"][0]["teleport_cuts"],
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -201,6 +219,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--size", default=None, choices=["cpu", "gpu"], help="payoff size (default: the device's)")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--seeds", type=int, default=None, help="payoff seeds (default 3, quick 1)")
     parser.add_argument("--ascent", default="auto", choices=["auto", "host", "device"],
                         help="teleport.ascent of the payoff runs (the cost part measures every one)")
     add_machine_args(parser)
@@ -209,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     size = args.size or ("gpu" if device.type == "cuda" else "cpu")
     with quiet_machine("lm_payoff", args):
         cost = teleport_cost(device, args.quick, args.repeats or (1 if args.quick else 2))
-        pay = payoff(device, size, args.quick, args.ascent)
+        pay = payoff(device, size, args.quick, args.ascent, args.seeds or (1 if args.quick else 3))
         if device.type == "cuda":  # last: a capture that fails may leave this process's CUDA state unusable
             graphed = teleport_cost(device, args.quick, args.repeats or 2, ascents=("cuda_graph",))
             cost["by_ascent"]["cuda_graph"] = graphed["by_ascent"]["cuda_graph"] | {
@@ -218,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     floors = {
         "one_teleport_default_le_floor": cost["teleport_default_in_train_steps"] <= floor,
         "host_reads_per_step_le_1": cost["host_reads_per_step"] <= 1.0,
-        "adam_seconds_ratio_le_1": (pay["adam"]["seconds_ratio"] or float("inf")) <= 1.0,
+        "adam_seconds_ratio_le_1": (pay["adam"]["median_seconds_ratio"] or math.inf) <= 1.0,
     }
     print_table(["teleport on 2 sequences", "seconds", "training steps", "steps taken"], [
         ["8 steps forced", f"{cost['teleport_8_steps_s']:.3f}", f"{cost['teleport_8_steps_in_train_steps']:.2f}", 8],
@@ -231,10 +250,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
          f"{c['host_reads_per_step']:.2f}"] for a, c in cost["by_ascent"].items()])
     print(f"per ascent step (host, what auto runs): {cost['launches_per_step']:.0f} launches, "
           f"{cost['host_reads_per_step']:.2f} host reads (floor <= 1: {verdict(floors['host_reads_per_step_le_1'])})")
-    print_table(["optimizer", "baseline loss", "teleport loss", "seconds to baseline's loss", "teleport share"], [
-        [opt, f"{p['baseline_final_train_loss']:.4f}", f"{p['teleport_final_train_loss']:.4f}",
-         "never" if p["seconds_ratio"] is None else f"{p['seconds_ratio']:.2f}x", f"{p['teleport_share']:.1%}"]
-        for opt, p in pay.items()])
+    print_table(["optimizer", "seed", "baseline loss", "teleport loss", "seconds to its loss", "teleport share"], [
+        [opt, r["seed"], f"{r['baseline_final_train_loss']:.4f}", f"{r['teleport_final_train_loss']:.4f}",
+         "never" if r["seconds_ratio"] is None else f"{r['seconds_ratio']:.2f}x", f"{r['teleport_share']:.1%}"]
+        for opt, p in pay.items() for r in p["seeds"]])
+    for opt, p in pay.items():
+        median = "never" if p["median_seconds_ratio"] is None else f"{p['median_seconds_ratio']:.2f}x"
+        print(f"{opt}: median over {len(p['seeds'])} seeds {median} the baseline's seconds, reached in "
+              f"{p['reached']}/{len(p['seeds'])}, teleport share {p['median_teleport_share']:.1%}")
     print(f"one teleport (defaults) <= {floor:g} training steps: {verdict(floors['one_teleport_default_le_floor'])}; "
           f"Adam to the baseline's loss in <= 1.0x its seconds: {verdict(floors['adam_seconds_ratio_le_1'])}")
     result = {"quick": args.quick, "device": str(device), "size": size, "ascent": args.ascent, "cost": cost,

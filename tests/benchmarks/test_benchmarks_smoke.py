@@ -108,6 +108,8 @@ def test_lm_payoff_quick(results: Path) -> None:
     assert set(pay) == {"sgd", "adam"}
     for p in pay.values():
         assert p["baseline_final_train_loss"] > 0 and 0 <= p["teleport_share"] < 1
+        assert [r["seed"] for r in p["seeds"]] == [0] and 0 <= p["reached"] <= 1  # --quick: one seed
+        assert p["median_seconds_ratio"] == p["seconds_ratio"]
     assert set(body["floors"]) == {"one_teleport_default_le_floor", "host_reads_per_step_le_1",
                                    "adam_seconds_ratio_le_1"}
 
