@@ -53,7 +53,7 @@ def follow_plain(c: Client, job_id: str, label: str, epochs: int, done: dict[str
         if event.kind == "metric":
             d = event.data
             line = f"epoch {int(d['epoch']) + 1}/{epochs}  train {d['train_loss']:.4f}  test {d['test_loss']:.4f}"
-        elif event.kind == "status" and event.data.get("kind") == "budget":  # the run's own records ride as status
+        elif event.kind == "status" and event.data.get("kind") in ("budget", "hint"):  # the run's records, as status
             line = event.data.get("message")
         elif event.kind == "status" and "at" in event.data:
             line = event.data["state"]

@@ -49,7 +49,7 @@ from workers.train.context import RunContext
 from workers.train.gpu_share import device_report, gpu_memory
 from workers.train.own_loop import run_own_loop
 from workers.train.shared import TrainingDiverged, diverged, param_count, summarize
-from workers.train.sinks import JsonlSink, MemorySink, MetricSink, TeeSink
+from workers.train.sinks import JsonlSink, MemorySink, MetricSink, SaySink, TeeSink
 from workers.train.teleporting import TeleportDiverged, Teleporter, sample_batch, steps_per_epoch, to_device
 
 __all__ = ["TrainingDiverged", "evaluate", "param_count", "run_local", "sample_batch", "summarize", "to_device",
@@ -281,7 +281,7 @@ def run_local(spec: ExperimentSpec, out_dir: str | Path, *, progress: bool = Tru
     for name in ("metrics.jsonl", "summary.json", "curves.png"):  # a fresh run, not an append to an old one
         (out / name).unlink(missing_ok=True)
     memory, jsonl = MemorySink(), JsonlSink(out / "metrics.jsonl")
-    sinks: list[MetricSink] = [jsonl, memory] + ([sink] if sink is not None else [])
+    sinks: list[MetricSink] = [jsonl, memory] + ([sink] if sink is not None else []) + ([SaySink()] if progress else [])
     ctx = RunContext(device=select_device(spec.training), sink=TeeSink(*sinks))
     try:
         summary = train(spec, ctx, progress=progress, threads=threads)

@@ -41,7 +41,7 @@ from workers.train.context import RunContext
 from workers.train.failure import OURS
 from workers.train.gpu_share import gpu_memory
 from workers.train.shared import TrainingDiverged, diverged, param_count, summarize
-from workers.train.teleporting import sample_batch, to_device
+from workers.train.teleporting import idle_hint, sample_batch, to_device
 from workers.train.user_code import UserCodeError, definition, one_line, report, resolve
 
 FIELD = "training.entrypoint"
@@ -108,6 +108,7 @@ class OwnLoopContext:
         self._budget = TeleportBudget(spec.teleport.budget, spec.training.epochs)  # from the first reported epoch
         self._budget.work_units, self._budget.work_seconds = saved.get("teleport_work", (0.0, 0.0))
         self.teleport_cuts = int(saved.get("teleport_cuts", 0))
+        self._hinted = False  # an idle_hint was said (once a run)
 
     # ------------------------------------------------------------------------------------ where it runs
 
@@ -207,6 +208,10 @@ class OwnLoopContext:
                                 f"lower teleport.lr (now {tp.lr:g}) or teleport.cap (now {tp.cap:g})")
             reports.append(rep)
         self.teleport_batches += len(reports)
+        hint = None if self._hinted else idle_hint(epoch, reports, tp)
+        if hint is not None:
+            self.run.sink.emit(hint)
+            self._hinted = True
         if len(reports) < tp.batches or least < tp.steps:
             self.teleport_cuts += 1
             self.run.sink.emit(cut_event(epoch, tp.budget or 0.0, (tp.batches, tp.steps),

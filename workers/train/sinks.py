@@ -8,6 +8,7 @@ a sink decides where they land: ``DIR/metrics.jsonl`` for a local run, the job's
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -24,6 +25,20 @@ class NullSink:
 
     def emit(self, record: dict[str, Any]) -> None:
         pass
+
+    def close(self) -> None:
+        pass
+
+
+class SaySink:
+    """Prints the run's messages to a person (the budget's cuts, a setting that leaves teleport idle) on stderr:
+    a local run's console shows them as the job page and ``tlab demo`` do."""
+
+    KINDS = ("budget", "hint")
+
+    def emit(self, record: dict[str, Any]) -> None:
+        if record.get("kind") in self.KINDS and record.get("message"):
+            print(f"{record['kind']}: {record['message']}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         pass

@@ -45,6 +45,26 @@ def steps_per_epoch(samples: int, batch_size: int, world_size: int, limit: int |
     return steps if limit is None else min(steps, limit)
 
 
+IDLE = {  # a stop reason that leaves every batch of an epoch where it was -> what to change
+    "cap": "every batch's ‖∇L‖² ({low:.3g} to {high:.3g}) was already at teleport.cap ({cap:g}): no step taken; "
+           "raise teleport.cap above {high:.3g} to let teleport move",
+    "no_free_directions": "no layer has a free direction (the teleport batch spans each layer's inputs): "
+                          "lower teleport.batch_size (now {n})",
+}
+
+
+def idle_hint(epoch: int, reports: list[TeleportReport], tp: TeleportSpec) -> dict[str, Any] | None:
+    """A ``hint`` record when every teleport batch of the epoch took no step for one reason a setting decides (an
+    LM's ‖∇L‖² is far over the default CAP of 5: its teleports cost time and move nothing), else None."""
+    reasons = {r.stop_reason for r in reports}
+    if not reports or any(r.steps for r in reports) or len(reasons) != 1 or next(iter(reasons)) not in IDLE:
+        return None
+    norms = [r.grad_norm_sq_before for r in reports]
+    text = IDLE[reports[0].stop_reason].format(low=min(norms), high=max(norms), cap=tp.cap, n=tp.batch_size)
+    return {"kind": "hint", "epoch": epoch, "reason": reports[0].stop_reason,
+            "message": f"teleport at epoch {epoch}: {text}"}
+
+
 class TeleportDiverged(RuntimeError):
     """A teleport batch ended with a non-finite loss (the loop turns it into TrainingDiverged)."""
 
@@ -69,6 +89,7 @@ class Teleporter:
     executor: BasisExecutor | None
     budget: TeleportBudget
     cuts: int = 0
+    hinted: bool = False  # an idle_hint was said (once a run)
 
     @property
     def sharded(self) -> bool:
@@ -103,7 +124,7 @@ class Teleporter:
         the run so far; ``train_seconds``: its seconds outside teleport over ``epochs_done`` epochs."""
         start = time.perf_counter()
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)  # same draw on every rank
-        ran, least = 0, self.tp.steps
+        ran, least, reports = 0, self.tp.steps, []
         for i in range(self.tp.batches):
             now = spent + time.perf_counter() - start
             calibrating = self.budget.calibrating  # the run's first batch: one step measures a step's cost
@@ -118,9 +139,14 @@ class Teleporter:
             if not math.isfinite(report.loss_after):
                 raise TeleportDiverged(i, report.loss_after)
             self.budget.record(report)
+            reports.append(report)
             ran, least = ran + 1, least if calibrating else min(least, steps)
         if ran < self.tp.batches or least < self.tp.steps:
             self._say_cut(epoch, ran, least if ran else 0)
+        hint = None if self.hinted else idle_hint(epoch, reports, self.tp)
+        if hint is not None:
+            self.ctx.sink.emit(hint)
+            self.hinted = True
         return ran
 
     def _batch(self, idx: Tensor, steps: int) -> TeleportReport:

@@ -146,3 +146,24 @@ def test_the_first_batch_calibrates_with_one_step_whatever_the_probe_says(monkey
     assert not any(r.get("calibration") for r in tele[1:])
     assert not [r for r in records if r["kind"] == "budget" and r["epoch"] == 0 and r["batches"] == 2], \
         "the calibration batch is not a cut"
+
+
+def test_a_teleport_at_cap_on_every_batch_says_once_what_to_change(capsys: pytest.CaptureFixture[str],
+                                                                   tmp_path: Path) -> None:
+    """An LM's ‖∇L‖² is far over the default CAP: every batch stops before its first step. The run says so once
+    (a ``hint`` record, printed on a local run's console), with the ‖∇L‖² seen and the setting to change."""
+    from workers.train.loop import run_local
+
+    at_cap = spec(None).model_copy(update={"teleport": spec(None).teleport.model_copy(update={"cap": 1e-6})})
+    sink = MemorySink()
+    run_local(at_cap, tmp_path / "run", progress=True, sink=sink)
+    tele = [r for r in sink.records if r["kind"] == "teleport"]
+    assert len(tele) == 6 and all(r["steps"] == 0 and r["stop_reason"] == "cap" for r in tele)
+    hints = [r for r in sink.records if r["kind"] == "hint"]
+    assert [(h["epoch"], h["reason"]) for h in hints] == [(0, "cap")]
+    low = min(r["grad_norm_sq_before"] for r in tele if r["epoch"] == 0)
+    assert hints[0]["message"].startswith(f"teleport at epoch 0: every batch's ‖∇L‖² ({low:.3g} to ")
+    assert "raise teleport.cap above" in hints[0]["message"]
+    assert f"hint: {hints[0]['message']}" in capsys.readouterr().err
+    records, _ = run(None)  # teleport that moves says nothing
+    assert not [r for r in records if r["kind"] == "hint"]

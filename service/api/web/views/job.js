@@ -205,6 +205,7 @@ export async function jobPage(page, [id]) {
     status: (s) => {
       if (s.kind === "status" && s.at && job) showJob({ ...job, state: s.state });
       else if (s.kind === "error") logLine(`[error] epoch ${s.epoch}: ${s.message}`, "err");
+      else if ((s.kind === "budget" || s.kind === "hint") && s.message) logLine(`[${s.kind}] ${s.message}`);
       else if (s.kind === "start") logLine(`started: ${s.dataset} (${s.train_size} train / ${s.test_size} test), ${s.model}, ${s.params} parameters`);
     },
     end: (e) => {
