@@ -247,7 +247,8 @@ class DeviceAscent:
         capturing stream (autograd's device thread runs the backward on it) still fails the capture."""
         graph = torch.cuda.CUDAGraph()
         side.wait_stream(torch.cuda.current_stream())
-        generator = torch.cuda.default_generators[self.weights[0].device.index or 0]
+        device = self.weights[0].device
+        generator = torch.cuda.default_generators[torch.cuda.current_device() if device.index is None else device.index]
         before = generator.clone_state()  # capture_begin registers it; a failed capture never releases it
         try:
             with torch.cuda.stream(side):
