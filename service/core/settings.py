@@ -66,6 +66,12 @@ class Settings(BaseSettings):
     min_free_gb: float = Field(1.0, ge=0, allow_inf_nan=False, validation_alias="TLAB_MIN_FREE_GB",
                                description="below this much free space on the storage volume no job starts (they "
                                            "wait, saying why); 0: never checked")
+    max_job_gb: float = Field(100.0, gt=0, allow_inf_nan=False, validation_alias="TLAB_MAX_JOB_GB",
+                              description="a running job whose files on the storage volume hold more is stopped and "
+                                          "ends failed saying so (its last checkpoint kept); so is one that takes "
+                                          "its owner past quotas.max_storage_gb")
+    storage_check_s: float = Field(30.0, gt=0, allow_inf_nan=False, validation_alias="TLAB_STORAGE_CHECK_S",
+                                   description="how often the scheduler measures each running job's files")
     checkpoint_every_s: float = Field(2.0, ge=0, allow_inf_nan=False, validation_alias="TLAB_CHECKPOINT_EVERY_S",
                                       description="a job's driver writes an epoch's checkpoint only this long after "
                                                   "its last write (0: every epoch); the last ones at its end or stop")

@@ -1,23 +1,33 @@
-"""Time limits (issue 16): what a job may ask for at submit, and what the scheduler does at the limit.
+"""Time and storage limits: what a job may ask for at submit, and what the scheduler does at the limit.
 
 A job's limit is ``resources.time_limit_s``, else ``TLAB_DEFAULT_TIME_LIMIT_S``; it may not exceed
 ``TLAB_MAX_TIME_LIMIT_S`` nor the user's ``max_time_limit_s`` quota (admins: only the cluster's). Time counts
 while the job runs (from ``started_at``, plus ``ran_s`` before a preemption). At the limit the scheduler stops
 the Ray job (SIGTERM: the driver exports its artifacts from the last checkpoint; SIGKILL after
 ``TLAB_STOP_GRACE_S``) and the job ends ``failed`` with a reason that names the limit and the last epoch reported.
+
+Storage: a running job's files on the storage volume (``<storage>/<id>``, a sweep's ``sweep-<id>`` too: its
+checkpoints, artifacts, what its own code writes there) may hold at most ``TLAB_MAX_JOB_GB``, and with what its
+owner's ended jobs hold at most the owner's ``quotas.max_storage_gb`` (admins: only the first). The scheduler
+measures them every ``TLAB_STORAGE_CHECK_S``; over either, the job is stopped the same way and ends ``failed``
+saying which and both figures (``storage_over``).
 """
 
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
 
 from api_schemas import keys
 from api_schemas.jobs import Role, UserPublic
 from service.core.errors import InvalidInput
 from service.core.settings import Settings
+from service.core.storage_lifecycle import GB, size_of, used_bytes
 from service.core.store import Store
 
 TIME_LIMITED = "time_limited"  # job hash field: when the scheduler stopped the job at its time limit
+STORAGE_LIMITED = "storage_limited"  # job hash field: why the scheduler stopped the job for the size of its files
 
 
 def check_time_limit(settings: Settings, user: UserPublic, asked: float | None, field: str) -> None:
@@ -68,3 +78,46 @@ def time_limit_reason(store: Store, job_id: str, limit: float) -> str:
     where = f"at epoch {epoch}" if epoch is not None else "before its first epoch ended"
     return (f"time limit of {limit:g} s reached {where}: its last checkpoint is kept as an artifact "
             "(raise resources.time_limit_s to train longer)")
+
+
+def job_bytes(settings: Settings, job_id: str) -> int:
+    """What a job's files hold on the storage volume now (its directory, and a sweep's trials)."""
+    root = Path(settings.storage_path)
+    return size_of(root / job_id) + size_of(root / f"sweep-{job_id}")
+
+
+def storage_over(settings: Settings, store: Store, data: dict[str, str], size: int) -> str:
+    """Why a running job of ``size`` bytes must stop ('' when it may go on): over ``TLAB_MAX_JOB_GB``, or taking its
+    owner (not an admin) past ``quotas.max_storage_gb`` with what their ended jobs hold."""
+    cap = settings.max_job_gb
+    if size > cap * GB:
+        return (f"storage limit: its files hold {size / GB:.2f} GB, over TLAB_MAX_JOB_GB={cap:g}: stopped, its last "
+                "checkpoint is kept (write fewer or smaller files, or ask an admin to raise the limit)")
+    user = store.user(data.get("owner", ""))
+    quota = None if user is None or user.role == Role.ADMIN else user.quotas.max_storage_gb
+    if quota is None:
+        return ""
+    used = used_bytes(store, user.name)
+    if used + size <= quota * GB:
+        return ""
+    return (f"storage quota: its files hold {size / GB:.2f} GB and your ended jobs {used / GB:.2f} GB, over your "
+            f"max_storage_gb quota of {quota:g}: stopped, its last checkpoint is kept (`tlab rm` ended jobs, or ask "
+            "an admin to raise it)")
+
+
+class StorageWatch:
+    """When each running job's files were last measured: a job is measured at most every ``TLAB_STORAGE_CHECK_S``."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self.measured: dict[str, float] = {}
+
+    def due(self, job_id: str, now: float) -> bool:
+        if now - self.measured.get(job_id, -math.inf) < self.every_s:
+            return False
+        self.measured[job_id] = now
+        return True
+
+    def keep(self, job_ids: set[str]) -> None:
+        """Forget the jobs no longer running (the scheduler's active set)."""
+        self.measured = {k: v for k, v in self.measured.items() if k in job_ids}

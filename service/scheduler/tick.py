@@ -44,7 +44,15 @@ from service.launch.ray_cluster import RAY_ACTIVE, RAY_DONE, ClusterSource, RayJ
 from service.launch.ray_reasons import last_error, reason_from_ray
 from service.rules import after as dependencies
 from service.rules import policy
-from service.rules.limits import TIME_LIMITED, over_limit, time_limit_reason
+from service.rules.limits import (
+    STORAGE_LIMITED,
+    TIME_LIMITED,
+    StorageWatch,
+    job_bytes,
+    over_limit,
+    storage_over,
+    time_limit_reason,
+)
 from service.rules.policy import ActiveJob, Node, QueuedJob
 from service.scheduler import deaths
 from service.scheduler import preempt as preempting
@@ -85,6 +93,7 @@ class Scheduler:
         self.decisions = 0
         self.requeued_at = 0.0  # when a preempted job last went back to the queue (service.scheduler.preempt.SETTLE_S)
         self.expired_at = 0.0  # when ended jobs were last looked at for TLAB_HISTORY_DAYS (service.core.retention)
+        self.storage = StorageWatch(settings.storage_check_s)  # when each running job's files were last measured
 
     # ---- reading Redis -----------------------------------------------------------------------
     def queued(self) -> list[QueuedJob]:
@@ -117,6 +126,7 @@ class Scheduler:
             except Exception:  # one job's Ray trouble must not stop the others being reconciled
                 log.exception("reconciling %s", data.get("id"))
         storage_lifecycle.settle(self.store, self.settings, before)  # those that ended: one checkpoint kept
+        self.storage.keep({d["id"] for d in before})
 
     def reconcile_one(self, data: dict[str, str], now: float) -> None:
         job_id, state, sid = data["id"], JobState(data["state"]), data.get("ray_job_id", "")
@@ -128,12 +138,12 @@ class Scheduler:
         if cancel and status in RAY_ACTIVE:
             self.launcher.stop(sid)  # Ray reports STOPPED once the process is gone; then it is cancelled
             return
-        limit = data.get(TIME_LIMITED) or self.check_limit(data, status, now)
+        limit = data.get(TIME_LIMITED) or data.get(STORAGE_LIMITED) or self.check_limit(data, status, now)
         if limit and not cancel and status != "SUCCEEDED":  # a job that finished within its grace succeeded
             if status in RAY_ACTIVE:
                 self.launcher.stop(sid)  # SIGTERM: the driver exports its artifacts; SIGKILL after the grace
             else:
-                reason = time_limit_reason(self.store, job_id, float(limit))
+                reason = data.get(STORAGE_LIMITED) or time_limit_reason(self.store, job_id, float(limit))
                 self.store.transition(job_id, JobState.FAILED, expect=active, reason=reason, failure_reason=reason,
                                       now=now)
             return
@@ -189,14 +199,26 @@ class Scheduler:
                                       now=now)
 
     def check_limit(self, data: dict[str, str], status: str | None, now: float) -> str:
-        """Mark a running job that reached its time limit (the limit, as the mark); '' if it has not."""
+        """Mark a running job that reached its time limit (the limit, as the mark) or whose files are over their
+        limit (the reason, as the mark: ``service.rules.limits.storage_over``); '' if neither."""
         limit = over_limit(self.settings, data, now) if status in RAY_ACTIVE else None
         if limit is None:
-            return ""
+            return self.check_storage(data, status, now)
         log.info("%s reached its time limit of %g s: stopping it (grace %g s)", data["id"], limit,
                  self.settings.stop_grace_s)
         self.store.r.hset(keys.job(data["id"]), TIME_LIMITED, repr(limit))
         return repr(limit)
+
+    def check_storage(self, data: dict[str, str], status: str | None, now: float) -> str:
+        """Every ``TLAB_STORAGE_CHECK_S`` per running job: its files measured, and marked when over a limit."""
+        job_id = data["id"]
+        if status not in RAY_ACTIVE or data.get("state") != JobState.RUNNING.value or not self.storage.due(job_id, now):
+            return ""
+        reason = storage_over(self.settings, self.store, data, job_bytes(self.settings, job_id))
+        if reason:
+            log.info("%s: %s", job_id, reason)
+            self.store.r.hset(keys.job(job_id), STORAGE_LIMITED, reason)
+        return reason
 
     # ---- 2. dispatch -------------------------------------------------------------------------
     def nodes(self) -> list[Node]:
