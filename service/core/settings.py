@@ -113,6 +113,8 @@ class Settings(BaseSettings):
         description="a job's training runs in a bubblewrap sandbox (docs/security.md): auto probes this machine and "
                     "refuses users' code where none can run; on: the Ray nodes have one (not probed here); off: none, "
                     "knowingly (service/core/sandbox_state.py)")
+    sandbox_tmp_mb: int = Field(1024, ge=16, validation_alias="TLAB_SANDBOX_TMP_MB",
+                                description="a sandboxed job's private /tmp: a tmpfs (memory) of at most this many MB")
     job_redis_acl: bool = Field(True, validation_alias="TLAB_JOB_REDIS_ACL",
                                 description="on: each job reaches Redis as its own ACL user, allowed only its "
                                             "own keys (service/launch/job_acl.py); off: with the service's REDIS_URL")

@@ -9,7 +9,8 @@ loss and own loop) through ``launch``, which wraps it in ``bwrap``:
   on the host its files are its supervisor's (the namespace maps it), so of ``/etc`` only ``ETC`` is bound;
 - read-only: the system (``/usr``, ``/etc``, the ``/lib`` links), Python and its packages, our packages, the job's
   code (its working directory), its data and the checkpoint it starts from; read-write: only its own job directory;
-  a private ``/tmp`` and ``/dev``; ``TLAB_SANDBOX_HIDE`` (the service's home) covered by an empty tmpfs;
+  a private ``/tmp`` (a tmpfs of ``TLAB_SANDBOX_TMP_MB``, 1024) and ``/dev``; ``TLAB_SANDBOX_HIDE`` (the service's
+  home) covered by an empty tmpfs;
 - an environment cleared, then only what the payload needs (``PASSED``): no Ray token, no Redis URL, no bucket key
   (its Redis URL, the job's own ACL user, comes on a pipe: ``workers.payload``);
 - the network shared: the gang's process group and the metrics sink work as before.
@@ -37,6 +38,8 @@ from pathlib import Path
 
 SETTING = "TLAB_SANDBOX"  # "off": no sandbox, knowingly; anything else: a sandbox wherever one can run
 HIDE = "TLAB_SANDBOX_HIDE"  # colon-separated directories the payload must never see (the service's home)
+TMP_MB = "TLAB_SANDBOX_TMP_MB"  # the payload's private /tmp: a tmpfs (memory) of at most this many MB
+DEFAULT_TMP_MB = 1024
 NOBODY = 65534
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 # of /etc only what Python, torch and a connection need: no /etc/shadow, no /etc/ssl/private (see ``bwrap_argv``)
@@ -106,7 +109,7 @@ def bwrap_argv(command: Sequence[str], env: Mapping[str, str], mounts: Mounts) -
     """The bwrap command that runs ``command`` with exactly ``env`` and ``mounts`` (see the module)."""
     argv = [shutil.which("bwrap") or "bwrap", "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),
             "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent",
-            "--new-session", "--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev"]
+            "--new-session", "--size", str(tmp_bytes()), "--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev"]
     gpus = sorted(glob.glob("/dev/nvidia*"))  # a GPU job's cards (CUDA_VISIBLE_DEVICES says which); CUDA reads /sys
     argv += [a for d in gpus for a in ("--dev-bind", d, d)] + (["--ro-bind", "/sys", "/sys"] if gpus else [])
     for name in SYSTEM:
@@ -125,6 +128,14 @@ def bwrap_argv(command: Sequence[str], env: Mapping[str, str], mounts: Mounts) -
     for name, value in env.items():
         argv += ["--setenv", name, value]
     return [*argv, "--chdir", str(mounts.workdir or job_dir), "--", *command]
+
+
+def tmp_bytes(environ: Mapping[str, str] = os.environ) -> int:
+    """The size of the payload's private /tmp: ``TLAB_SANDBOX_TMP_MB`` (memory: a job that fills it gets ENOSPC, not
+    the node's RAM), 1024 by default."""
+    raw = environ.get(TMP_MB, "").strip()
+    mb = int(raw) if raw.isdigit() and int(raw) > 0 else DEFAULT_TMP_MB
+    return mb * 1024 * 1024
 
 
 def payload_env(code_dir: str | None) -> dict[str, str]:
