@@ -46,7 +46,7 @@ def steps_per_epoch(samples: int, batch_size: int, world_size: int, limit: int |
 
 
 IDLE = {  # a stop reason that leaves every batch of an epoch where it was -> what to change
-    "cap": "every batch's ‖∇L‖² ({low:.3g} to {high:.3g}) was already at teleport.cap ({cap:g}): no step taken; "
+    "cap": "every batch's ‖∇L‖² ({low:.3g} to {high:.3g}) was already at or over teleport.cap ({cap:g}): no step; "
            "raise teleport.cap above {high:.3g} to let teleport move",
     "no_free_directions": "no layer has a free direction (the teleport batch spans each layer's inputs): "
                           "lower teleport.batch_size (now {n})",
