@@ -235,6 +235,12 @@ class TeleportSpec(_Strict):
         description="how the ascent steps run: host (the guard decides in Python), device (it decides on the "
         "device: no host read between kernels); auto: host, the faster on the CPU and on an H200 (measured)",
     )
+    hvp: Literal["exact", "difference"] = Field(
+        "exact",
+        description="how the teleport gradient H·grad L is computed (nullspace only): exact (the double backward "
+        "of grad L, the paper's) or difference (a forward difference of two gradients: no double backward, a "
+        "cheaper step; float32/float64 weights; its direction within ~1e-4 of the exact one, the loss kept as exactly)",
+    )
     reset_optimizer: bool = Field(False, description="clear optimizer state (momentum, Adam moments) after teleport")
     parallel: Literal["auto", "serial", "threads", "ray"] = "auto"
 

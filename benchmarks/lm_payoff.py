@@ -120,12 +120,14 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
         lm_loss(model(batch), batch).backward()
         opt.step()
 
-    def teleport(steps: int, ascent: str = "auto", **kw: float) -> Any:
-        return teleport_batch(model, lm_loss, tele, tele, TeleportConfig(steps=steps, ascent=ascent, **kw))
+    def teleport(steps: int, ascent: str = "auto", hvp: str = "exact", net: nn.Module | None = None,
+                 **kw: float) -> Any:
+        config = TeleportConfig(steps=steps, ascent=ascent, hvp=hvp, **kw)
+        return teleport_batch(net or model, lm_loss, tele, tele, config)
 
-    def forced_cost(ascent: str) -> dict[str, Any]:
-        forced_s, forced = _timed(lambda: teleport(8, ascent, **FORCED), device, repeats)
-        (l0, r0), (l8, r8) = (_launches(lambda t=t: teleport(t, ascent, **FORCED), device) for t in (0, 8))
+    def forced_cost(ascent: str, hvp: str = "exact") -> dict[str, Any]:
+        forced_s, forced = _timed(lambda: teleport(8, ascent, hvp, **FORCED), device, repeats)
+        (l0, r0), (l8, r8) = (_launches(lambda t=t: teleport(t, ascent, hvp, **FORCED), device) for t in (0, 8))
         return {"ran_as": forced.ascent, "teleport_8_steps_s": forced_s,
                 "teleport_8_steps_in_train_steps": forced_s / step_s,
                 "forced_steps_taken": forced.steps, "forced_drift": abs(forced.loss_after - forced.loss_before),
@@ -139,14 +141,32 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
             by_ascent[ascent] = forced_cost(ascent)
         except Exception as err:  # one way failing (a capture on an untried GPU) must not lose the others' figures
             by_ascent[ascent] = {"error": f"{type(err).__name__}: {err}"[:300]}
+    difference = forced_cost("host", "difference") | {"move_off": _move_off(model, teleport)} if "host" in ascents \
+        else None
     default_s, default = _timed(lambda: teleport(8), device, repeats)
     return {
         "model": {"d": d, "layers": layers, "context": ctx, "vocab": 256, "train_batch": 32, "teleport_batch": 2},
         "train_step_s": step_s, "teleport_default_s": default_s, "teleport_default_in_train_steps": default_s / step_s,
         "default_steps_taken": default.steps, "default_stop_reason": default.stop_reason,
-        "default_ascent": default.ascent, "by_ascent": by_ascent,
+        "default_ascent": default.ascent, "by_ascent": by_ascent, "hvp_difference": difference,
     } | {k: by_ascent[ascents[0]].get(k) for k in ("teleport_8_steps_s", "teleport_8_steps_in_train_steps",
                                                     "forced_drift", "launches_per_step", "host_reads_per_step")}
+
+
+def _move_off(model: nn.Module, teleport: Any) -> float:
+    """‖move(difference) − move(exact)‖ / ‖move(exact)‖ of 8 steps (lr 1e-3, CAP and loss_tol off) from the same
+    weights: how far ``teleport.hvp: difference`` lands from the exact double backward."""
+    import copy
+
+    start = [p.detach().clone() for p in model.parameters()]
+    nets = {hvp: copy.deepcopy(model) for hvp in ("exact", "difference")}
+    for hvp, net in nets.items():
+        teleport(8, "host", hvp, net, **(FORCED | {"lr": 1e-3}))
+    with torch.no_grad():
+        pairs = list(zip(nets["exact"].parameters(), nets["difference"].parameters(), start, strict=True))
+        off = sum(float((b - a).double().square().sum()) for a, b, _ in pairs)
+        moved = sum(float((a - s).double().square().sum()) for a, _, s in pairs)
+    return (off / moved) ** 0.5 if moved > 0 else float("nan")
 
 
 def lm_spec(optimizer: str, teleport: bool, size: str, quick: bool, ascent: str = "auto", seed: int = 0) -> Any:
@@ -248,6 +268,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         [a, c["error"], "-", "-", "-"] if "error" in c else
         [a, c["ran_as"], f"{c['teleport_8_steps_in_train_steps']:.2f}", f"{c['launches_per_step']:.0f}",
          f"{c['host_reads_per_step']:.2f}"] for a, c in cost["by_ascent"].items()])
+    diff = cost.get("hvp_difference")
+    if diff:
+        print(f"teleport.hvp difference (host guard): 8 forced steps = {diff['teleport_8_steps_in_train_steps']:.2f} "
+              f"training steps (exact: {cost['teleport_8_steps_in_train_steps']:.2f}), {diff['launches_per_step']:.0f} "
+              f"launches / step; its move is the exact one's to {diff['move_off']:.1e}")
     print(f"per ascent step (host, what auto runs): {cost['launches_per_step']:.0f} launches, "
           f"{cost['host_reads_per_step']:.2f} host reads (floor <= 1: {verdict(floors['host_reads_per_step_le_1'])})")
     print_table(["optimizer", "seed", "baseline loss", "teleport loss", "seconds to its loss", "teleport share"], [

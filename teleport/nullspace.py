@@ -27,6 +27,7 @@ from teleport.bases import BasisExecutor, SerialExecutor, compute_bases, compute
 from teleport.blocks import Block, RowClass, build_blocks, moving_blocks, partition
 from teleport.buffers import StepBuffers
 from teleport.capture import UseRecorder, trainable
+from teleport.difference import Shifted, check_dtypes, difference_hvp, shift_params, unshift
 from teleport.distributed import Collective, any_across_, distributed_spectra
 from teleport.factored import factored_direction
 from teleport.objective import LossFn, Objective, objective, objective_tensors, teleport_gradient, teleport_gradient_and
@@ -205,20 +206,30 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
         share = _shard_share(_batch_size(x), comm, x.device)
 
         exact = exact_tau(config)
+        difference = config.hvp == "difference"  # no graph of ∇L is ever differentiated
+        if difference:
+            check_dtypes(params)
+
+        def shifted(along: list[Tensor], eps: Tensor) -> list[Tensor]:
+            saved = shift_params(params, along, eps)
+            try:
+                return objective_tensors(model, loss_fn, x, y, params, comm, share, None, False)[0].global_grads
+            finally:
+                unshift(params, saved)
 
         def tensors(graph: bool) -> tuple[Objective, Tensor]:
             return objective_tensors(model, loss_fn, x, y, params, None, share, None, graph, span_free=exact)
 
         def evaluate(recorder: UseRecorder | None = None, graph: bool = True,
                      fetch: tuple[Tensor, ...] = ()) -> Objective:
-            return objective(model, loss_fn, x, y, params, comm, share, recorder, graph, span_free=exact,
-                             fetch=fetch)
+            return objective(model, loss_fn, x, y, params, comm, share, recorder, graph and not difference,
+                             span_free=exact, fetch=fetch)
 
         heldout_before = heldout_loss(model, loss_fn, holdout)
         recorder = UseRecorder(names, params)
         cur = evaluate(recorder)  # step 1: every use of every parameter, from the same forward as L
         blocks, untouched = build_blocks(recorder.uses)
-        run = _Run(model, params, blocks, cur, config, comm)
+        run = _Run(model, params, blocks, cur, config, comm, shifted if difference else None)
         reason = run.decide_early()
         if reason == "steps":  # step 2 (bases), then step 3: t projected ascent steps
             layer_bases(run.blocks, config.tau, executor or SerialExecutor(), comm, config.tau_rule)
@@ -238,6 +249,7 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
             heldout_loss_before=heldout_before,
             heldout_loss_after=heldout_loss(model, loss_fn, holdout),
             ascent=run.ascent,
+            hvp=config.hvp,
         )
     finally:
         model.train(was_training)
@@ -247,9 +259,10 @@ class _Run:
     """The state of one teleport: the blocks that move, the objective now, steps and back-offs so far."""
 
     def __init__(self, model: nn.Module, params: list[Tensor], blocks: list[Block], cur: Objective,
-                 config: TeleportConfig, comm: Collective | None) -> None:
+                 config: TeleportConfig, comm: Collective | None, shifted: Shifted | None = None) -> None:
         self.model, self.params, self.blocks, self.cur = model, params, blocks, cur
         self.config, self.comm = config, comm
+        self.shifted = shifted  # ∇L at a shifted point, for H·∇L by a difference (``teleport.difference``)
         self.loss0, self.gn0 = cur.loss, cur.grad_norm_sq
         self.steps = self.backoffs = 0
         self.ascent = "host"  # how the steps ran (``ascent_mode``)
@@ -293,13 +306,18 @@ class _Run:
         self.cur = replace(self.cur, loss=loss, grad_norm_sq=gn)
         return reason
 
+    def _direction(self, blocks: list[Block], weights: list[Tensor]) -> list[Tensor]:
+        if self.shifted is not None:
+            return _difference_direction(self.cur, blocks, weights, self.params, self.shifted)
+        return ascent_direction(self.cur, blocks, weights, self.params, self.comm, self.config)
+
     def _steps(self, blocks: list[Block], weights: list[Tensor], buffers: StepBuffers,
                evaluate: Callable[..., Objective]) -> str:
         eta = self.config.lr
         while self.steps < self.config.steps:
             if self.cur.grad_norm_sq >= self.config.cap:
                 return "cap"
-            direction = ascent_direction(self.cur, blocks, weights, self.params, self.comm, self.config)
+            direction = self._direction(blocks, weights)
             last = self.steps + 1 == self.config.steps  # no H·∇L follows the last step: its graph is not kept
             # the first try's η is decided on the device and read back with its L and ‖∇L‖²: one sync a step
             eta_t, aimed_t = aim_on_device(eta, self.cur.grad_norm_sq, direction, self.config.cap)
@@ -321,6 +339,12 @@ class _Run:
         return "steps"
 
 
+def _difference_direction(obj: Objective, blocks: list[Block], weights: list[Tensor], params: list[Tensor],
+                          shifted: Shifted) -> list[Tensor]:
+    """π(H·∇L) with H·∇L from a difference of gradients (``teleport.difference``)."""
+    return project_blocks(blocks, difference_hvp(obj, params, weights, shifted), inplace=True)
+
+
 def ascent_direction(obj: Objective, blocks: list[Block], weights: list[Tensor], params: list[Tensor],
                      comm: Collective | None, config: TeleportConfig) -> list[Tensor]:
     """π(H·∇L) for every moving weight, block by block, from the objective's graph."""
@@ -334,7 +358,7 @@ def ascent_mode(config: TeleportConfig, device: torch.device, comm: Collective |
     (device ticks replayed from a CUDA graph, experimental: see ``teleport.on_device``). "auto": the host guard,
     the fastest measured on the CPU and on an H200; across ranks always the host guard (the ticks are
     single-process)."""
-    if comm is not None and comm.world_size > 1:
+    if (comm is not None and comm.world_size > 1) or config.hvp != "exact":  # the ticks differentiate ∇L's graph
         return "host"
     wanted = "host" if config.ascent == "auto" else config.ascent
     return "device" if wanted == "cuda_graph" and device.type != "cuda" else wanted

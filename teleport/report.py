@@ -7,6 +7,7 @@ from typing import Any
 
 TAU_RULES = ("numerical_rank", "energy")
 ASCENTS = ("auto", "host", "device", "cuda_graph")
+HVPS = ("exact", "difference")
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,9 @@ class TeleportConfig:
     cumulative energy in the model's precision, which at τ = 1 frees the negligible tail); ascent: how the
     steps run ("host": the guard decides in Python, one host read a try; "device": the guard decides on the
     device, ``teleport.on_device``; "cuda_graph": those ticks captured once and replayed, experimental — on an H200
-    the capture fails; "auto": the host guard, the fastest measured on the CPU and the H200).
+    the capture fails; "auto": the host guard, the fastest measured on the CPU and the H200); hvp: how H·∇L is
+    computed ("exact": the double backward of ∇L's graph, the paper's gradient; "difference": a forward
+    difference of two gradients, no double backward, ``teleport.difference``; host guard only).
     """
 
     steps: int = 8
@@ -31,6 +34,7 @@ class TeleportConfig:
     max_backoff: int = 6
     tau_rule: str = "numerical_rank"
     ascent: str = "auto"
+    hvp: str = "exact"
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -45,6 +49,8 @@ class TeleportConfig:
             raise ValueError(f"teleport.tau_rule must be one of {', '.join(TAU_RULES)}, got {self.tau_rule!r}")
         if self.ascent not in ASCENTS:
             raise ValueError(f"teleport.ascent must be one of {', '.join(ASCENTS)}, got {self.ascent!r}")
+        if self.hvp not in HVPS:
+            raise ValueError(f"teleport.hvp must be one of {', '.join(HVPS)}, got {self.hvp!r}")
         if self.loss_tol < 0 or self.max_backoff < 0:
             raise ValueError("teleport.loss_tol and teleport.max_backoff must be >= 0")
 
@@ -78,6 +84,7 @@ class TeleportReport:
     heldout_loss_before: float | None = None
     heldout_loss_after: float | None = None
     ascent: str = "host"  # how the steps ran: "host", "device" or "cuda_graph" (``TeleportConfig.ascent``)
+    hvp: str = "exact"  # how H·∇L was computed (``TeleportConfig.hvp``)
 
     @property
     def free_directions(self) -> int:

@@ -12,6 +12,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,11 @@ PLAN: dict[str, tuple[Callable[[], Case], TeleportConfig, list[int]]] = {
     "mlp": (mlp, CONFIG, [0, 1, 2]),
     "cnn_tau_0.95": (cnn, TeleportConfig(**{**CONFIG.__dict__, "tau": 0.95, "loss_tol": 0.05}), [0, 1, 2]),
     "lm": (lm, CONFIG, [0, 1, 2]),
+    "mlp_difference": (mlp, replace(CONFIG, hvp="difference"), [0, 1, 2]),  # H·∇L from all-reduced gradients
+    "lm_difference": (lm, replace(CONFIG, hvp="difference"), [0, 1, 2]),
 } | {name: (make, OPEN, PAIR) for name, make in CASES.items()}
+# a difference of gradients divides their rounding by ε: the ranks' summation order shows more than in the exact path
+AGREE = {"mlp_difference": 1e-7, "lm_difference": 1e-7}
 
 
 def _teleport_shard(make: Callable[[], Case], config: TeleportConfig, comm: TorchDistributed) -> dict[str, Any]:
@@ -156,11 +161,11 @@ def test_every_rank_ends_identical_exact_and_as_one_process(name: str, ranks: li
     one = teleport_batch(single.model, single.loss_fn, single.x, single.y, config)
     assert report["steps"] == one.steps and report["backoffs"] == one.backoffs
     assert report["loss_before"] == pytest.approx(one.loss_before, rel=1e-12)
-    assert report["grad_norm_sq_after"] == pytest.approx(one.grad_norm_sq_after, rel=1e-8)
+    assert report["grad_norm_sq_after"] == pytest.approx(one.grad_norm_sq_after, rel=max(1e-8, AGREE.get(name, 0)))
     assert [lr["rank"] for lr in report["layers"]] == [lr.rank for lr in one.layers]
-    assert report["untouched"] == one.untouched
+    assert report["untouched"] == one.untouched and report["hvp"] == one.hvp == config.hvp
     for key, value in single.model.state_dict().items():
-        assert torch.allclose(state[key], value, rtol=0, atol=1e-9), key
+        assert torch.allclose(state[key], value, rtol=0, atol=AGREE.get(name, 1e-9)), key
 
 
 def test_rows_looked_up_on_any_rank_stay_fixed_on_every_rank(ranks: list[dict[str, Any]]) -> None:

@@ -9,18 +9,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from teleport import teleport_batch
+from teleport import TeleportConfig, teleport_batch
 from tests.teleport import families
 from tests.teleport.families import OPEN, Case
 
 pytestmark = pytest.mark.usefixtures("float64")
 
 
-def assert_exact(case: Case) -> dict[str, str]:
+def assert_exact(case: Case, config: TeleportConfig = OPEN) -> dict[str, str]:
     """Teleport; the loss is kept to 1e-9 and every name in ``case.moved`` changed. Returns report.untouched."""
     model, x, y, loss_fn = case.model, case.x, case.y, case.loss_fn
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    report = teleport_batch(model, loss_fn, x, y, OPEN)
+    report = teleport_batch(model, loss_fn, x, y, config)
     assert report.steps > 0, report
     assert report.grad_norm_sq_after > report.grad_norm_sq_before
     with torch.no_grad():

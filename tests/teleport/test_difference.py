@@ -1,0 +1,167 @@
+"""``teleport.hvp: difference``: H·∇L from a forward difference of two gradients, no double backward.
+
+The projection, not the HVP, keeps the loss: the difference path keeps it as exactly as the exact one, on every
+model family. Its direction is the exact one's to ~1e-12 in float64 and ~1e-4 in float32 (the GPT-style LM's
+float64 direction the reference); the parameters end in their own storage; one host read a step, as before.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from teleport import TeleportConfig, teleport_batch
+from teleport.bases import SerialExecutor
+from teleport.blocks import build_blocks, moving_blocks
+from teleport.capture import UseRecorder, trainable
+from teleport.difference import difference_hvp, shift_params, unshift
+from teleport.nullspace import _difference_direction, ascent_direction, ascent_mode, layer_bases
+from teleport.objective import HOST_READS, objective, objective_tensors, squared_norm
+from tests.teleport.families import CASES, OPEN, lm_loss
+from tests.teleport.test_uses import assert_exact
+
+DIFF = replace(OPEN, hvp="difference")
+
+
+@pytest.mark.usefixtures("float64")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_family_keeps_its_loss_and_takes_the_exact_paths_steps(name: str) -> None:
+    exact, diff = CASES[name](), CASES[name]()
+    a = teleport_batch(exact.model, exact.loss_fn, exact.x, exact.y, OPEN)
+    b = teleport_batch(diff.model, diff.loss_fn, diff.x, diff.y, DIFF)
+    assert (b.steps, b.backoffs, b.stop_reason, b.hvp, a.hvp) == (a.steps, a.backoffs, a.stop_reason, "difference",
+                                                                  "exact")
+    assert abs(b.loss_after - b.loss_before) <= 1e-9 * abs(b.loss_before)
+    assert b.grad_norm_sq_after == pytest.approx(a.grad_norm_sq_after, rel=1e-6)
+    start = CASES[name]().model  # seeded: the weights both began from
+    with torch.no_grad():
+        off = squared_norm([p - q for p, q in zip(diff.model.parameters(), exact.model.parameters(), strict=True)])
+        moved = squared_norm([q - s for q, s in zip(exact.model.parameters(), start.parameters(), strict=True)])
+    assert math.sqrt(float(off / moved)) < 1e-6  # the move is the exact one's to 1e-6 (measured 2e-8 to 8e-8)
+
+
+@pytest.mark.usefixtures("float64")
+def test_the_families_move_what_they_must_and_keep_the_untouched() -> None:
+    for name in ("tied_lm", "transformer-decoder-batch_first=True", "conv-conv2d_depthwise", "shared_and_loop"):
+        assert_exact(CASES[name](), DIFF)
+
+
+class GPT(nn.Module):
+    """A small pre-norm GPT: tokens -> logits, a causal mask, the embedding tied to the head."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(64, d), nn.Embedding(32, d)
+        self.blocks = nn.ModuleList([nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, activation="gelu",
+                                                                batch_first=True, norm_first=True)
+                                     for _ in range(2)])
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        t = tokens.shape[1]
+        h = self.wte(tokens) + self.wpe(torch.arange(t, device=tokens.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=tokens.device)
+        for block in self.blocks:
+            h = block(h, src_mask=mask, is_causal=True)
+        return nn.functional.linear(h, self.wte.weight)
+
+
+def directions(model: nn.Module, x: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+    """(exact, difference) π(H·∇L) of ``model`` on the batch x at τ = 1."""
+    names, params = trainable(model)
+    recorder = UseRecorder(names, params)
+    cur = objective(model.eval(), lm_loss, x, x, params, None, 1.0, recorder, True, span_free=True)
+    blocks = layer_bases(build_blocks(recorder.uses)[0], 1.0, SerialExecutor())
+    blocks = moving_blocks(blocks, 1.0, "numerical_rank")
+    weights = [p for b in blocks for p in b.params]
+
+    def shifted(along: list[Tensor], eps: Tensor) -> list[Tensor]:
+        saved = shift_params(params, along, eps)
+        try:
+            return objective_tensors(model, lm_loss, x, x, params, graph=False)[0].global_grads
+        finally:
+            unshift(params, saved)
+
+    exact = ascent_direction(cur, blocks, weights, params, None, TeleportConfig())
+    return exact, _difference_direction(cur, blocks, weights, params, shifted)
+
+
+def cosine(a: list[Tensor], b: list[Tensor]) -> float:
+    dot = sum(float((u.detach().double() * v.detach().double()).sum()) for u, v in zip(a, b, strict=True))
+    return dot / math.sqrt(float(squared_norm([u.double() for u in a])) * float(squared_norm([v.double() for v in b])))
+
+
+def test_a_gpts_direction_is_the_exact_ones_in_float64_and_within_1e_4_in_float32() -> None:
+    torch.manual_seed(0)
+    model, x = GPT(), torch.randint(0, 64, (2, 32))  # 64 token columns at d = 64: every projection has room
+    ref, diff64 = directions(copy.deepcopy(model).double(), x)
+    assert 1 - cosine(ref, diff64) < 1e-10
+    exact32, diff32 = directions(model, x)
+    assert 1 - cosine(exact32, ref) < 1e-6  # the exact float32 direction, against float64
+    assert 1 - cosine(diff32, ref) < 1e-4
+
+
+def test_the_parameters_end_in_their_own_storage_with_one_host_read_a_step() -> None:
+    torch.manual_seed(0)
+    model, x = GPT(), torch.randint(0, 64, (2, 32))
+    ptrs = [p.data_ptr() for p in model.parameters()]
+
+    def reads(steps: int) -> int:
+        before = HOST_READS[0]
+        report = teleport_batch(model, lm_loss, x, x, replace(DIFF, steps=steps, lr=1e-3, loss_tol=1e9))
+        assert report.steps == steps and report.backoffs == 0
+        return HOST_READS[0] - before
+
+    assert reads(8) - reads(4) == 4
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+
+
+def test_the_shift_is_undone_bit_for_bit_and_the_hvp_reads_nothing_on_the_host() -> None:
+    torch.manual_seed(0)
+    model, x = GPT(), torch.randint(0, 64, (2, 32))
+    names, params = trainable(model)
+    before = [p.detach().clone() for p in params]
+    ptrs = [p.data_ptr() for p in params]
+    cur = objective(model, lm_loss, x, x, params, graph=False)
+    seen: list[Tensor] = []
+
+    def shifted(along: list[Tensor], eps: Tensor) -> list[Tensor]:
+        assert eps.dim() == 0 and eps.device == params[0].device and float(eps) > 0  # a device scalar
+        saved = shift_params(params, along, eps)
+        seen.append(params[0].detach().clone())
+        unshift(params, saved)
+        return along
+
+    reads = HOST_READS[0]
+    hvp = difference_hvp(cur, params, params[:2], shifted)
+    assert HOST_READS[0] == reads and all(float(h.abs().max()) == 0 for h in hvp)  # ∇L at both points: 0
+    assert not torch.equal(seen[0], before[0])
+    assert [p.data_ptr() for p in params] == ptrs
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
+def test_weights_it_cannot_difference_and_the_ascent_it_runs() -> None:
+    torch.manual_seed(0)
+    case = CASES["linear"]()
+    model = case.model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="teleport.hvp 'difference' needs float32 or float64 weights, the model has "
+                                         "bfloat16: use teleport.hvp 'exact'"):
+        teleport_batch(model, case.loss_fn, case.x.to(torch.bfloat16), case.y, DIFF)
+    cpu = torch.device("cpu")
+    assert ascent_mode(replace(DIFF, ascent="device"), cpu, None) == "host"  # the ticks differentiate ∇L's graph
+    with pytest.raises(ValueError, match="teleport.hvp must be one of exact, difference"):
+        TeleportConfig(hvp="fd")
+
+
+def test_the_spec_reaches_the_algorithm() -> None:
+    from api_schemas.spec_io import build_spec
+    from workers.train.build import teleport_config
+
+    spec = build_spec({"teleport": {"hvp": "difference"}})
+    assert teleport_config(spec.teleport).hvp == "difference"
+    assert teleport_config(build_spec({}).teleport).hvp == "exact"
+
