@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from teleport.precision import in_dtypes
+
 
 class StepBuffers:
     """Two storages per moving weight: the one the parameter holds now, and a spare."""
@@ -36,8 +38,7 @@ class StepBuffers:
                 self.origin = [w.data for w in self.weights]
                 for w, s in zip(self.weights, self.spare, strict=True):
                     w.data = s
-            # η in each weight dtype, converted once (not once per weight: a kernel each on a GPU)
-            etas = {dt: eta.to(dt) for dt in {u.dtype for u in direction}} if isinstance(eta, Tensor) else {}
+            etas = in_dtypes(eta, direction) if isinstance(eta, Tensor) else {}
             for w, w0, u in zip(self.weights, self.origin, direction, strict=True):
                 if isinstance(eta, Tensor):
                     torch.addcmul(w0, u, etas[u.dtype], out=w)

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from teleport.objective import Objective, squared_norm
+from teleport.precision import in_dtypes
 
 REL = 0.05  # ε‖v‖ = REL·√u·(1 + ‖W‖)
 Shifted = Callable[[list[Tensor], Tensor], list[Tensor]]  # (v, ε) -> ∇L at W + ε·v, every parameter, whole batch
@@ -49,16 +50,18 @@ def difference_hvp(obj: Objective, params: list[Tensor], weights: list[Tensor], 
         eps = REL * math.sqrt(u) * (1 + squared_norm(params).sqrt()) / math.sqrt(max(obj.grad_norm_sq, 1e-300))
     moved = shifted(grads, eps)
     index = {id(p): i for i, p in enumerate(params)}
+    inverse = in_dtypes(1 / eps, weights)
     with torch.no_grad():
-        return [(moved[index[id(w)]] - grads[index[id(w)]]) / eps.to(w.dtype) for w in weights]
+        return [(moved[index[id(w)]] - grads[index[id(w)]]) * inverse[w.dtype] for w in weights]
 
 
 def shift_params(params: list[Tensor], along: list[Tensor], eps: Tensor) -> list[Tensor]:
     """Move every parameter to W + ε·v in a storage of its own; returns the storages to put back (``unshift``)."""
     saved = [p.data for p in params]
+    step = in_dtypes(eps, params)
     with torch.no_grad():
         for p, v in zip(params, along, strict=True):
-            p.data = torch.addcmul(p.data, v, eps.to(p.dtype))
+            p.data = torch.addcmul(p.data, v, step[p.dtype])
     return saved
 
 

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from teleport.objective import Objective, host_floats, squared_norm
+from teleport.precision import in_dtypes
 from teleport.report import TeleportConfig
 
 # a tick's verdict on the try it judged, and the reason a teleport stopped (``REASONS``)
@@ -230,7 +231,7 @@ class DeviceAscent:
         """W₀ and U of a new step; W = W₀ + η·U for a new try, W₀ when every try failed, else as it is. In place
         (``out=``): one temporary of a weight's size at a time, the try."""
         move = start | retry
-        etas = {dt: eta_try.to(dt) for dt in {u.dtype for u in self.u}}  # η in each weight dtype, converted once
+        etas = in_dtypes(eta_try, self.u)
         for w, origin, u, un in zip(self.weights, self.origin, self.u, u_new, strict=True):
             torch.where(start, w, origin, out=origin)
             if un is not u:

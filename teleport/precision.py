@@ -28,3 +28,8 @@ def ieee_float32() -> Iterator[None]:
     finally:
         for backend, value in saved:
             backend.fp32_precision = value
+
+
+def in_dtypes(scalar: torch.Tensor, like: list[torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
+    """A 0-d tensor in each dtype of ``like``, converted once (not once per tensor: a kernel each on a GPU)."""
+    return {dtype: scalar.to(dtype) for dtype in {t.dtype for t in like}}

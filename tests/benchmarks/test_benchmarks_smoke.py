@@ -105,7 +105,7 @@ def test_lm_payoff_quick(results: Path) -> None:
         assert c["launches_per_step"] > 0 and c["launches_per_teleport_setup"] > 0
     diff = cost["hvp_difference"]  # teleport.hvp: difference, beside the exact double backward
     assert diff["ran_as"] == "host" and diff["forced_steps_taken"] == 8 and diff["host_reads_per_step"] == 1.0
-    assert 0 <= diff["move_off"] < 1e-2  # float32: its move is the exact one's to ~1e-4 (measured)
+    assert 1 - diff["direction_cosine"] < 1e-3  # float32: ~2e-5 on the GPT-style LM (measured)
     assert cost["default_ascent"] == "host" and body["ascent"] == "auto"  # what auto runs on the CPU
     assert cost["launches_per_step"] == cost["by_ascent"]["host"]["launches_per_step"]
     assert set(pay) == {"sgd", "adam"}

@@ -15,13 +15,12 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from benchmarks.lm_payoff import cosine, directions
 from teleport import TeleportConfig, teleport_batch
-from teleport.bases import SerialExecutor
-from teleport.blocks import build_blocks, moving_blocks
-from teleport.capture import UseRecorder, trainable
+from teleport.capture import trainable
 from teleport.difference import difference_hvp, shift_params, unshift
-from teleport.nullspace import _difference_direction, ascent_direction, ascent_mode, layer_bases
-from teleport.objective import HOST_READS, objective, objective_tensors, squared_norm
+from teleport.nullspace import ascent_mode
+from teleport.objective import HOST_READS, objective, squared_norm
 from tests.teleport.families import CASES, OPEN, lm_loss
 from tests.teleport.test_uses import assert_exact
 
@@ -70,37 +69,12 @@ class GPT(nn.Module):
         return nn.functional.linear(h, self.wte.weight)
 
 
-def directions(model: nn.Module, x: Tensor) -> tuple[list[Tensor], list[Tensor]]:
-    """(exact, difference) π(H·∇L) of ``model`` on the batch x at τ = 1."""
-    names, params = trainable(model)
-    recorder = UseRecorder(names, params)
-    cur = objective(model.eval(), lm_loss, x, x, params, None, 1.0, recorder, True, span_free=True)
-    blocks = layer_bases(build_blocks(recorder.uses)[0], 1.0, SerialExecutor())
-    blocks = moving_blocks(blocks, 1.0, "numerical_rank")
-    weights = [p for b in blocks for p in b.params]
-
-    def shifted(along: list[Tensor], eps: Tensor) -> list[Tensor]:
-        saved = shift_params(params, along, eps)
-        try:
-            return objective_tensors(model, lm_loss, x, x, params, graph=False)[0].global_grads
-        finally:
-            unshift(params, saved)
-
-    exact = ascent_direction(cur, blocks, weights, params, None, TeleportConfig())
-    return exact, _difference_direction(cur, blocks, weights, params, shifted)
-
-
-def cosine(a: list[Tensor], b: list[Tensor]) -> float:
-    dot = sum(float((u.detach().double() * v.detach().double()).sum()) for u, v in zip(a, b, strict=True))
-    return dot / math.sqrt(float(squared_norm([u.double() for u in a])) * float(squared_norm([v.double() for v in b])))
-
-
 def test_a_gpts_direction_is_the_exact_ones_in_float64_and_within_1e_4_in_float32() -> None:
     torch.manual_seed(0)
     model, x = GPT(), torch.randint(0, 64, (2, 32))  # 64 token columns at d = 64: every projection has room
-    ref, diff64 = directions(copy.deepcopy(model).double(), x)
+    ref, diff64 = directions(copy.deepcopy(model).double(), lm_loss, x)
     assert 1 - cosine(ref, diff64) < 1e-10
-    exact32, diff32 = directions(model, x)
+    exact32, diff32 = directions(model, lm_loss, x)
     assert 1 - cosine(exact32, ref) < 1e-6  # the exact float32 direction, against float64
     assert 1 - cosine(diff32, ref) < 1e-4
 
