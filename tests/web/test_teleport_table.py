@@ -113,6 +113,19 @@ def test_teleports_are_grouped_by_epoch_and_expand_to_their_batches(api_only: Ap
     page.locator("#tele-table tr.epoch-row[data-epoch='2']").click()
     assert page.locator("#tele-table tr.batch-row:visible").count() == 0
     tab.shot("job-page-teleports", "#tele-wrap")
+
+    # [4] what the run says to a person (a budget cut, a setting that leaves teleport idle) is in the events log
+    said = [{"kind": "budget", "epoch": 8, "message": "teleport at epoch 8 shortened to 2 batches: budget 10 %"},
+            {"kind": "hint", "epoch": 9, "reason": "cap",
+             "message": "teleport at epoch 9: every batch's ‖∇L‖² (702 to 731) was already at or over teleport.cap "
+                        "(5): no step; raise teleport.cap above 731 to let teleport move"}]
+    sink = RedisSink(url, job)
+    for record in said:
+        sink.emit(record)
+    sink.close()
+    for record in said:
+        line = f"[{record['kind']}] {record['message']}"
+        page.wait_for_function(f"() => document.querySelector('#events-log').innerText.includes({json.dumps(line)})")
     assert not tab.errors, tab.errors
 
 
