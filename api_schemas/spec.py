@@ -238,8 +238,9 @@ class TeleportSpec(_Strict):
     hvp: Literal["exact", "difference"] = Field(
         "exact",
         description="how the teleport gradient H·grad L is computed (nullspace only): exact (the double backward "
-        "of grad L, the paper's) or difference (a forward difference of two gradients: no double backward, a "
-        "cheaper step; float32/float64 weights; its direction within ~1e-4 of the exact one, the loss kept as exactly)",
+        "of grad L, the paper's) or difference (a forward difference of two gradients, no double backward: 0.89x "
+        "a step on a GPT-style LM, 1.5x on an MLP, measured on a CPU; float32/float64 weights; its direction within "
+        "~1e-4 of the exact one, the loss kept as exactly)",
     )
     reset_optimizer: bool = Field(False, description="clear optimizer state (momentum, Adam moments) after teleport")
     parallel: Literal["auto", "serial", "threads", "ray"] = "auto"
