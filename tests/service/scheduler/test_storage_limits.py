@@ -32,9 +32,8 @@ def plant(storage: Path, job_id: str, size: int, where: str = "checkpoint_000001
 
 
 def started(redis_server: str, tmp_path: Path, owner: str, **env: object) -> tuple[Store, Jobs, Scheduler, str]:
-    """A scheduler over a fresh store, and one job of ``owner`` running since t = 1001."""
+    """A scheduler over a fresh redis-server (the fixture's), one job of ``owner`` running since t = 1001."""
     store, ray = Store.from_url(redis_server), Jobs()
-    store.r.flushdb()
     settings = Settings(redis_url=redis_server, cluster_nodes=NODES, TLAB_STORAGE=str(tmp_path / "storage"),
                         TLAB_STORAGE_CHECK_S=30, **env)
     sched = Scheduler(store, settings, StaticCluster(NODES), ray)
