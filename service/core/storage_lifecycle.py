@@ -63,6 +63,12 @@ def size_of(path: Path) -> int:
     return total
 
 
+def job_bytes(settings: Settings, job_id: str) -> int:
+    """What a job's files hold on the storage volume now (its directory, and a sweep's trials)."""
+    root = Path(settings.storage_path)
+    return size_of(root / job_id) + size_of(root / f"sweep-{job_id}")
+
+
 def prune_ended(store: Store, settings: Settings, data: dict[str, str]) -> int:
     """Drop an ended experiment's surplus checkpoints (here and in the bucket), then count what it keeps against
     its owner (once); its size in bytes."""
@@ -72,7 +78,7 @@ def prune_ended(store: Store, settings: Settings, data: dict[str, str]) -> int:
         for name in surplus(settings, job_id, named_by_children(store, data)):
             shutil.rmtree(root / job_id / name, ignore_errors=True)
             storage.delete(settings, f"{job_id}/{name}")
-    size = size_of(root / job_id) + size_of(root / f"sweep-{job_id}")
+    size = job_bytes(settings, job_id)
     if store.r.hsetnx(keys.job(job_id), "storage_bytes", str(size)):
         store.r.hincrby(keys.storage_usage(), data["owner"], size)
     return size

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 from api_schemas import keys
 from api_schemas.jobs import Role, UserPublic
 from service.core.errors import InvalidInput
 from service.core.settings import Settings
-from service.core.storage_lifecycle import GB, size_of, used_bytes
+from service.core.storage_lifecycle import GB, used_bytes
 from service.core.store import Store
 
 TIME_LIMITED = "time_limited"  # job hash field: when the scheduler stopped the job at its time limit
@@ -78,12 +77,6 @@ def time_limit_reason(store: Store, job_id: str, limit: float) -> str:
     where = f"at epoch {epoch}" if epoch is not None else "before its first epoch ended"
     return (f"time limit of {limit:g} s reached {where}: its last checkpoint is kept as an artifact "
             "(raise resources.time_limit_s to train longer)")
-
-
-def job_bytes(settings: Settings, job_id: str) -> int:
-    """What a job's files hold on the storage volume now (its directory, and a sweep's trials)."""
-    root = Path(settings.storage_path)
-    return size_of(root / job_id) + size_of(root / f"sweep-{job_id}")
 
 
 def storage_over(settings: Settings, store: Store, data: dict[str, str], size: int) -> str:

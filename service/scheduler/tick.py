@@ -48,7 +48,6 @@ from service.rules.limits import (
     STORAGE_LIMITED,
     TIME_LIMITED,
     StorageWatch,
-    job_bytes,
     over_limit,
     storage_over,
     time_limit_reason,
@@ -214,7 +213,7 @@ class Scheduler:
         job_id = data["id"]
         if status not in RAY_ACTIVE or data.get("state") != JobState.RUNNING.value or not self.storage.due(job_id, now):
             return ""
-        reason = storage_over(self.settings, self.store, data, job_bytes(self.settings, job_id))
+        reason = storage_over(self.settings, self.store, data, storage_lifecycle.job_bytes(self.settings, job_id))
         if reason:
             log.info("%s: %s", job_id, reason)
             self.store.r.hset(keys.job(job_id), STORAGE_LIMITED, reason)

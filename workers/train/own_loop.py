@@ -41,7 +41,7 @@ from workers.train.context import RunContext
 from workers.train.failure import OURS
 from workers.train.gpu_share import gpu_memory
 from workers.train.shared import TrainingDiverged, diverged, param_count, summarize
-from workers.train.teleporting import idle_hint, sample_batch, to_device
+from workers.train.teleporting import IdleHints, sample_batch, teleport_record, to_device
 from workers.train.user_code import UserCodeError, definition, one_line, report, resolve
 
 FIELD = "training.entrypoint"
@@ -108,7 +108,7 @@ class OwnLoopContext:
         self._budget = TeleportBudget(spec.teleport.budget, spec.training.epochs)  # from the first reported epoch
         self._budget.work_units, self._budget.work_seconds = saved.get("teleport_work", (0.0, 0.0))
         self.teleport_cuts = int(saved.get("teleport_cuts", 0))
-        self._hinted = False  # an idle_hint was said (once a run)
+        self._hints = IdleHints()
 
     # ------------------------------------------------------------------------------------ where it runs
 
@@ -190,28 +190,24 @@ class OwnLoopContext:
         held = None if holdout is None else to_device(holdout, self.device, self.dtype)
         least = tp.steps
         for i, batch in zip(range(tp.batches), batches, strict=False):
-            calibrating = self._budget.calibrating  # one step measures a step's cost (``workers.train.budget``)
             steps = self._budget_steps(time.perf_counter() - started)
             if steps == 0:
                 break
-            calibrating = calibrating and steps < tp.steps
+            calibrating = self._budget.calibrating and steps < tp.steps  # one step measures a step's cost
             least = least if calibrating else min(least, steps)
             x, y = to_device(batch, self.device, self.dtype)
             config = dataclasses.replace(teleport_config(tp), steps=steps)
             rep = teleport_batch(bare(model), loss_fn, x, y, config, executor=self._executor, holdout=held,
                                  comm=self.run.comm)
             self._budget.record(rep)
-            self.run.sink.emit({"kind": "teleport", "epoch": epoch, "batch": i, **rep.to_dict(),
-                                **({"calibration": True} if calibrating else {})})
+            self.run.sink.emit(teleport_record(epoch, i, rep, calibrating))
             if not math.isfinite(rep.loss_after):
                 raise diverged(self.run, f"teleport batch {i}", epoch, f"teleport batch loss is {rep.loss_after}",
                                 f"lower teleport.lr (now {tp.lr:g}) or teleport.cap (now {tp.cap:g})")
             reports.append(rep)
         self.teleport_batches += len(reports)
-        hint = None if self._hinted else idle_hint(epoch, reports, tp)
-        if hint is not None:
+        if hint := self._hints.after(epoch, reports, tp):
             self.run.sink.emit(hint)
-            self._hinted = True
         if len(reports) < tp.batches or least < tp.steps:
             self.teleport_cuts += 1
             self.run.sink.emit(cut_event(epoch, tp.budget or 0.0, (tp.batches, tp.steps),

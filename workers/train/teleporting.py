@@ -65,6 +65,24 @@ def idle_hint(epoch: int, reports: list[TeleportReport], tp: TeleportSpec) -> di
             "message": f"teleport at epoch {epoch}: {text}"}
 
 
+def teleport_record(epoch: int, batch: int, report: TeleportReport, calibration: bool) -> dict[str, Any]:
+    """A teleport batch's record; ``calibration``: the budget's first, one-step batch (``workers.train.budget``)."""
+    return {"kind": "teleport", "epoch": epoch, "batch": batch, **report.to_dict(),
+            **({"calibration": True} if calibration else {})}
+
+
+@dataclass
+class IdleHints:
+    """Says ``idle_hint`` once a run: the first epoch whose teleport moved nothing for a setting's sake."""
+
+    said: bool = False
+
+    def after(self, epoch: int, reports: list[TeleportReport], tp: TeleportSpec) -> dict[str, Any] | None:
+        hint = None if self.said else idle_hint(epoch, reports, tp)
+        self.said = self.said or hint is not None
+        return hint
+
+
 class TeleportDiverged(RuntimeError):
     """A teleport batch ended with a non-finite loss (the loop turns it into TrainingDiverged)."""
 
@@ -89,7 +107,7 @@ class Teleporter:
     executor: BasisExecutor | None
     budget: TeleportBudget
     cuts: int = 0
-    hinted: bool = False  # an idle_hint was said (once a run)
+    hints: IdleHints = dataclasses.field(default_factory=IdleHints)
 
     @property
     def sharded(self) -> bool:
@@ -127,15 +145,13 @@ class Teleporter:
         ran, least, reports = 0, self.tp.steps, []
         for i in range(self.tp.batches):
             now = spent + time.perf_counter() - start
-            calibrating = self.budget.calibrating  # the run's first batch: one step measures a step's cost
             steps = self.budget.steps_for_batch(self.tp.steps, now, train_seconds, epochs_done, agree_across(self.ctx))
             if steps == 0:
                 break
-            calibrating = calibrating and steps < self.tp.steps
+            calibrating = self.budget.calibrating and steps < self.tp.steps  # one step measures a step's cost
             idx = torch.randperm(len(self.train), generator=g)[: self.tp.batch_size]  # type: ignore[arg-type]
             report = self._batch(idx, steps)
-            self.ctx.sink.emit({"kind": "teleport", "epoch": epoch, "batch": i, **report.to_dict(),
-                                **({"calibration": True} if calibrating else {})})
+            self.ctx.sink.emit(teleport_record(epoch, i, report, calibrating))
             if not math.isfinite(report.loss_after):
                 raise TeleportDiverged(i, report.loss_after)
             self.budget.record(report)
@@ -143,10 +159,8 @@ class Teleporter:
             ran, least = ran + 1, least if calibrating else min(least, steps)
         if ran < self.tp.batches or least < self.tp.steps:
             self._say_cut(epoch, ran, least if ran else 0)
-        hint = None if self.hinted else idle_hint(epoch, reports, self.tp)
-        if hint is not None:
+        if hint := self.hints.after(epoch, reports, self.tp):
             self.ctx.sink.emit(hint)
-            self.hinted = True
         return ran
 
     def _batch(self, idx: Tensor, steps: int) -> TeleportReport:
