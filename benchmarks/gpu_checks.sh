@@ -47,8 +47,9 @@ part test_cuda 120 $PY -m pytest -q -rfs -p no:cacheprovider tests/teleport/test
 part gpu_share 90 $PY -m pytest -q -rfs -p no:cacheprovider tests/workers/train/test_gpu_share.py
 # issue 27: one teleport in training steps on the GPT-style LM, launches and host reads per step, and the char
 # LM's payoff (seconds to the baseline's loss, SGD and Adam, teleport.budget at its default) at the GPU size; the
-# teleport's cost for each teleport.ascent side by side (host guard, device ticks)
-part lm_payoff 180 $PY -m benchmarks.lm_payoff --device $DEV --wait 0 $QUICK
+# teleport's cost for each teleport.ascent (host guard, device ticks, CUDA graph last) and teleport.hvp (exact,
+# difference) side by side; the payoff with the hvp the cost part found cheaper
+part lm_payoff 210 $PY -m benchmarks.lm_payoff --device $DEV --wait 0 --hvp cheaper $QUICK
 part gpu_sharing 240 env RAY_USAGE_STATS_ENABLED=0 $PY -m benchmarks.service.gpu_sharing --device $DEV \
     --epochs "$([[ -n "$QUICK" ]] && echo 4 || echo 20)"  # issue 28: early, it needs the whole card to itself
 part teleport_tests_on_device 120 env TLAB_TEST_DEVICE=$DEV $PY -m pytest -q -rf -p no:cacheprovider tests/teleport \

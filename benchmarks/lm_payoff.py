@@ -9,7 +9,8 @@ Two parts, on the device given (``--device cpu|cuda``), side by side in one run:
    with the product's defaults (lr 0.2, CAP 5: where ‖∇L‖² already exceeds CAP no step is taken). Per
    ascent step: profiler events (``aten::`` ops on the CPU; ``cudaLaunchKernel`` on CUDA) and the
    teleport's host reads (``teleport.objective.HOST_READS``), each as (T(8) − T(0)) / 8 — for each way of
-   running the steps (``teleport.ascent``: the host guard, what ``auto`` runs, and the device ticks).
+   running the steps (``teleport.ascent``: the host guard, what ``auto`` runs, and the device ticks; on CUDA
+   the ticks in a CUDA graph too, measured last) and each H·∇L (``teleport.hvp``: exact, difference).
 2. **Payoff** on ``examples/tiny_lm`` (a char LM on Python source): baseline against teleport with SGD and
    Adam through the product's own loop (``workers.train.loop.train``) with ``teleport.budget`` at its default:
    seconds to the baseline's final train loss as a ratio, and teleport's share of the run, for each of
@@ -23,6 +24,7 @@ reads per ascent step ≤ 1; on CUDA at the GPU size, teleport share ≤ 15 % an
 ≤ 1.0x with Adam.
 
     python -m benchmarks.lm_payoff [--quick] [--device cpu|cuda] [--size cpu|gpu] [--seeds N] [--threads K]
+                                   [--ascent auto|host|device] [--hvp exact|difference]
 """
 
 from __future__ import annotations
@@ -136,13 +138,14 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
 
     step_s, _ = _timed(train_step, device, repeats)
     by_ascent: dict[str, dict[str, Any]] = {}
-    for ascent in ascents:  # side by side: the forced 8 steps in each way of running them
-        try:
-            by_ascent[ascent] = forced_cost(ascent)
-        except Exception as err:  # one way failing (a capture on an untried GPU) must not lose the others' figures
-            by_ascent[ascent] = {"error": f"{type(err).__name__}: {err}"[:300]}
-    difference = forced_cost("host", "difference") | {"direction_cosine": cosine(*directions(model, lm_loss, tele))} \
-        if "host" in ascents else None
+    by_difference: dict[str, dict[str, Any]] = {}
+    for ascent in ascents:  # side by side: the forced 8 steps in each way of running them, with either H·∇L
+        for hvp, rows in (("exact", by_ascent), ("difference", by_difference)):
+            try:
+                rows[ascent] = forced_cost(ascent, hvp)
+            except Exception as err:  # one way failing (a capture on an untried GPU) must not lose the others'
+                rows[ascent] = {"error": f"{type(err).__name__}: {err}"[:300]}
+    difference = {"direction_cosine": cosine(*directions(model, lm_loss, tele)), "by_ascent": by_difference}
     default_s, default = _timed(lambda: teleport(8), device, repeats)
     return {
         "model": {"d": d, "layers": layers, "context": ctx, "vocab": 256, "train_batch": 32, "teleport_batch": 2},
@@ -186,7 +189,8 @@ def cosine(a: list[Tensor], b: list[Tensor]) -> float:
     return dot / (norm[0] * norm[1])
 
 
-def lm_spec(optimizer: str, teleport: bool, size: str, quick: bool, ascent: str = "auto", seed: int = 0) -> Any:
+def lm_spec(optimizer: str, teleport: bool, size: str, quick: bool, ascent: str = "auto", seed: int = 0,
+            hvp: str = "exact") -> Any:
     from api_schemas.spec_io import build_spec
 
     gpu = size == "gpu"
@@ -203,17 +207,18 @@ def lm_spec(optimizer: str, teleport: bool, size: str, quick: bool, ascent: str 
         "training": {"epochs": epochs, "batch_size": batch, "loss": "tiny_lm.loss:next_token", "seed": seed},
         "optimizer": {"name": optimizer, "lr": {"sgd": 0.3, "adam": 0.003}[optimizer]},
         "teleport": {"enabled": teleport, "epochs": list(range(min(5, epochs))), "batches": 8 if gpu else 2,
-                     "steps": 8, "batch_size": 2, "ascent": ascent},
+                     "steps": 8, "batch_size": 2, "ascent": ascent, "hvp": hvp},
     })
 
 
-def payoff(device: torch.device, size: str, quick: bool, ascent: str = "auto", seeds: int = 1) -> dict[str, Any]:
+def payoff(device: torch.device, size: str, quick: bool, ascent: str = "auto", seeds: int = 1,
+           hvp: str = "exact") -> dict[str, Any]:
     """Per optimizer: each seed's baseline and teleport run (seconds to the baseline's final train loss as a ratio,
     teleport's share), and over the seeds the median ratio ("never" counts as infinite) and how many reached it.
     The final losses differ in the third decimal at these sizes, so one seed's ratio is mostly noise."""
     out: dict[str, Any] = {}
     for opt in ("sgd", "adam"):
-        runs = [_payoff_seed(device, size, quick, ascent, opt, seed) for seed in range(seeds)]
+        runs = [_payoff_seed(device, size, quick, (ascent, hvp), opt, seed) for seed in range(seeds)]
         median = statistics.median(math.inf if r["seconds_ratio"] is None else r["seconds_ratio"] for r in runs)
         out[opt] = runs[0] | {  # seed 0's figures stay at the top (the earlier, single-seed layout)
             "seeds": runs, "median_seconds_ratio": median if math.isfinite(median) else None,
@@ -223,8 +228,9 @@ def payoff(device: torch.device, size: str, quick: bool, ascent: str = "auto", s
     return out
 
 
-def _payoff_seed(device: torch.device, size: str, quick: bool, ascent: str, opt: str, seed: int) -> dict[str, Any]:
-    """One seed: the baseline and the teleport run through the product's loop."""
+def _payoff_seed(device: torch.device, size: str, quick: bool, how: tuple[str, str], opt: str,
+                 seed: int) -> dict[str, Any]:
+    """One seed: the baseline and the teleport run through the product's loop (``how``: teleport.ascent, .hvp)."""
     from workers.train.context import RunContext
     from workers.train.loop import train
     from workers.train.sinks import MemorySink
@@ -233,7 +239,7 @@ def _payoff_seed(device: torch.device, size: str, quick: bool, ascent: str, opt:
         sys.path.insert(0, str(EXAMPLE))
     runs = {}
     for label, tele in (("baseline", False), ("teleport", True)):
-        spec = lm_spec(opt, tele, size, quick, ascent, seed)
+        spec = lm_spec(opt, tele, size, quick, how[0], seed, how[1])
         spec = spec.model_copy(update={"training": spec.training.model_copy(update={"device": device.type})})
         sink = MemorySink()
         summary = train(spec, RunContext(device=device, sink=sink))
@@ -250,6 +256,14 @@ def _payoff_seed(device: torch.device, size: str, quick: bool, ascent: str, opt:
     }
 
 
+def cheaper_hvp(cost: dict[str, Any], ascent: str) -> str:
+    """The teleport.hvp whose 8 forced steps took fewer seconds in ``cost`` with ``ascent`` (auto: the host guard)."""
+    run_as = "host" if ascent == "auto" else ascent
+    seconds = {hvp: rows.get(run_as, {}).get("teleport_8_steps_s", math.inf)
+               for hvp, rows in (("exact", cost["by_ascent"]), ("difference", cost["hvp_difference"]["by_ascent"]))}
+    return min(seconds, key=lambda hvp: (seconds[hvp], hvp != "exact"))
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
@@ -259,17 +273,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", type=int, default=None, help="payoff seeds (default 3, quick 1)")
     parser.add_argument("--ascent", default="auto", choices=["auto", "host", "device"],
                         help="teleport.ascent of the payoff runs (the cost part measures every one)")
+    parser.add_argument("--hvp", default="exact", choices=["exact", "difference", "cheaper"],
+                        help="teleport.hvp of the payoff runs (the cost part measures both); cheaper: the one whose "
+                        "8 forced steps cost less in this run's cost part, with the payoff's ascent")
     add_machine_args(parser)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     size = args.size or ("gpu" if device.type == "cuda" else "cpu")
     with quiet_machine("lm_payoff", args):
         cost = teleport_cost(device, args.quick, args.repeats or (1 if args.quick else 2))
-        pay = payoff(device, size, args.quick, args.ascent, args.seeds or (1 if args.quick else 3))
+        hvp = cheaper_hvp(cost, args.ascent) if args.hvp == "cheaper" else args.hvp
+        pay = payoff(device, size, args.quick, args.ascent, args.seeds or (1 if args.quick else 3), hvp)
         if device.type == "cuda":  # last: a capture that fails may leave this process's CUDA state unusable
             graphed = teleport_cost(device, args.quick, args.repeats or 2, ascents=("cuda_graph",))
-            cost["by_ascent"]["cuda_graph"] = graphed["by_ascent"]["cuda_graph"] | {
-                "train_step_s": graphed["train_step_s"]}
+            for rows, graphed_rows in ((cost["by_ascent"], graphed["by_ascent"]),
+                                       (cost["hvp_difference"]["by_ascent"], graphed["hvp_difference"]["by_ascent"])):
+                rows["cuda_graph"] = graphed_rows["cuda_graph"] | {"train_step_s": graphed["train_step_s"]}
     floor = 5.0 if device.type == "cuda" else 0.5
     floors = {
         "one_teleport_default_le_floor": cost["teleport_default_in_train_steps"] <= floor,
@@ -281,15 +300,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ["product defaults", f"{cost['teleport_default_s']:.3f}", f"{cost['teleport_default_in_train_steps']:.2f}",
          f"{cost['default_steps_taken']} ({cost['default_stop_reason']})"],
     ])
-    print_table(["8 steps forced, ascent", "ran as", "training steps", "launches / step", "host reads / step"], [
+    rows = [(f"{a}, {hvp}", c) for hvp, by in (("exact", cost["by_ascent"]),
+                                                 ("difference", cost["hvp_difference"]["by_ascent"]))
+            for a, c in by.items()]
+    print_table(["8 steps forced: ascent, hvp", "ran as", "training steps", "launches / step", "host reads / step"], [
         [a, c["error"], "-", "-", "-"] if "error" in c else
         [a, c["ran_as"], f"{c['teleport_8_steps_in_train_steps']:.2f}", f"{c['launches_per_step']:.0f}",
-         f"{c['host_reads_per_step']:.2f}"] for a, c in cost["by_ascent"].items()])
-    diff = cost.get("hvp_difference")
-    if diff:
-        print(f"teleport.hvp difference (host guard): 8 forced steps = {diff['teleport_8_steps_in_train_steps']:.2f} "
-              f"training steps (exact: {cost['teleport_8_steps_in_train_steps']:.2f}), {diff['launches_per_step']:.0f} "
-              f"launches / step; its first direction's cosine to the exact one {diff['direction_cosine']:.6f}")
+         f"{c['host_reads_per_step']:.2f}"] for a, c in rows])
+    print(f"teleport.hvp difference: its first direction's cosine to the exact one "
+          f"{cost['hvp_difference']['direction_cosine']:.6f}")
     print(f"per ascent step (host, what auto runs): {cost['launches_per_step']:.0f} launches, "
           f"{cost['host_reads_per_step']:.2f} host reads (floor <= 1: {verdict(floors['host_reads_per_step_le_1'])})")
     print_table(["optimizer", "seed", "baseline loss", "teleport loss", "seconds to its loss", "teleport share"], [
@@ -302,7 +321,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{p['reached']}/{len(p['seeds'])}, teleport share {p['median_teleport_share']:.1%}")
     print(f"one teleport (defaults) <= {floor:g} training steps: {verdict(floors['one_teleport_default_le_floor'])}; "
           f"Adam to the baseline's loss in <= 1.0x its seconds: {verdict(floors['adam_seconds_ratio_le_1'])}")
-    result = {"quick": args.quick, "device": str(device), "size": size, "ascent": args.ascent, "cost": cost,
+    print(f"payoff runs: teleport.ascent {args.ascent}, teleport.hvp {hvp} (asked: {args.hvp})")
+    result = {"quick": args.quick, "device": str(device), "size": size, "ascent": args.ascent, "hvp": hvp,
+              "hvp_asked": args.hvp,
+              "cost": cost,
               "payoff": pay, "floors": floors}
     write_result("lm_payoff", result)
     return result

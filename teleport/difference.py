@@ -25,8 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from teleport.objective import Objective, squared_norm
-from teleport.precision import in_dtypes
+from teleport.objective import Objective
 
 REL = 0.05  # ε‖v‖ = REL·√u·(1 + ‖W‖)
 Shifted = Callable[[list[Tensor], Tensor], list[Tensor]]  # (v, ε) -> ∇L at W + ε·v, every parameter, whole batch
@@ -42,26 +41,32 @@ def check_dtypes(params: list[Tensor]) -> None:
 
 
 def difference_hvp(obj: Objective, params: list[Tensor], weights: list[Tensor], shifted: Shifted) -> list[Tensor]:
-    """H·∇L for ``weights`` (a subset of ``params``) from ∇L at W and at W + ε∇L. No host read: ε is a device
-    scalar."""
+    """H·∇L for ``weights`` (a subset of ``params``) from ∇L at W and at W + ε∇L. No host read (ε, ‖∇L‖² and ‖W‖
+    stay on the device), so the device ticks and a CUDA graph can hold it (``teleport.on_device``); the arithmetic
+    is a few multi-tensor (``_foreach``) kernels, not one per parameter."""
     grads = obj.global_grads
+    assert obj.scalars is not None, "an objective from objective_tensors carries its [‖∇L‖², L]"
     u = torch.finfo(params[0].dtype).eps
     with torch.no_grad():
-        eps = REL * math.sqrt(u) * (1 + squared_norm(params).sqrt()) / math.sqrt(max(obj.grad_norm_sq, 1e-300))
+        w_norm = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float64)).norm()
+        eps = REL * math.sqrt(u) * (1 + w_norm) / obj.scalars[0].clamp_min(1e-300).sqrt()
     moved = shifted(grads, eps)
     index = {id(p): i for i, p in enumerate(params)}
-    inverse = in_dtypes(1 / eps, weights)
+    rows = [index[id(w)] for w in weights]
     with torch.no_grad():
-        return [(moved[index[id(w)]] - grads[index[id(w)]]) * inverse[w.dtype] for w in weights]
+        out = torch._foreach_sub([moved[i] for i in rows], [grads[i] for i in rows])
+        torch._foreach_mul_(out, (1 / eps).to(weights[0].dtype))
+    return list(out)
 
 
 def shift_params(params: list[Tensor], along: list[Tensor], eps: Tensor) -> list[Tensor]:
-    """Move every parameter to W + ε·v in a storage of its own; returns the storages to put back (``unshift``)."""
+    """Move every parameter to W + ε·v in a storage of its own; returns the storages to put back (``unshift``).
+    The new storages come from the allocator: inside a CUDA graph, from the graph's pool, at fixed addresses."""
     saved = [p.data for p in params]
-    step = in_dtypes(eps, params)
     with torch.no_grad():
-        for p, v in zip(params, along, strict=True):
-            p.data = torch.addcmul(p.data, v, step[p.dtype])
+        moved = torch._foreach_add(saved, torch._foreach_mul(along, eps.to(params[0].dtype)))
+    for p, m in zip(params, moved, strict=True):
+        p.data = m
     return saved
 
 

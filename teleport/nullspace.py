@@ -30,7 +30,15 @@ from teleport.capture import UseRecorder, trainable
 from teleport.difference import Shifted, check_dtypes, difference_hvp, shift_params, unshift
 from teleport.distributed import Collective, any_across_, distributed_spectra
 from teleport.factored import factored_direction
-from teleport.objective import LossFn, Objective, objective, objective_tensors, teleport_gradient, teleport_gradient_and
+from teleport.objective import (
+    LossFn,
+    Objective,
+    gradients,
+    objective,
+    objective_tensors,
+    teleport_gradient,
+    teleport_gradient_and,
+)
 from teleport.on_device import UNCAPTURABLE, DeviceAscent, Evaluate, aim_on_device, own_stream
 from teleport.precision import ieee_float32
 from teleport.report import TeleportConfig, TeleportReport
@@ -213,12 +221,14 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
         def shifted(along: list[Tensor], eps: Tensor) -> list[Tensor]:
             saved = shift_params(params, along, eps)
             try:
-                return objective_tensors(model, loss_fn, x, y, params, comm, share, None, False)[0].global_grads
+                with torch.enable_grad():  # a device tick asks for its direction under no_grad
+                    return gradients(model, loss_fn, x, y, params, comm, share)
             finally:
                 unshift(params, saved)
 
         def tensors(graph: bool) -> tuple[Objective, Tensor]:
-            return objective_tensors(model, loss_fn, x, y, params, None, share, None, graph, span_free=exact)
+            return objective_tensors(model, loss_fn, x, y, params, None, share, None, graph and not difference,
+                                     span_free=exact)
 
         def evaluate(recorder: UseRecorder | None = None, graph: bool = True,
                      fetch: tuple[Tensor, ...] = ()) -> Objective:
@@ -297,9 +307,13 @@ class _Run:
 
     def _on_device(self, blocks: list[Block], weights: list[Tensor], tensors: Evaluate) -> str:
         """The steps as device ticks (``teleport.on_device``), captured in a CUDA graph in mode "cuda_graph"."""
-        ascent = DeviceAscent(weights, tensors, partial(ascent_direction, blocks=blocks, weights=weights,
-                                                        params=self.params, comm=None, config=self.config),
-                              self.cur, self.config)
+        if self.shifted is not None:
+            direction = partial(_difference_direction, blocks=blocks, weights=weights, params=self.params,
+                                shifted=self.shifted)
+        else:
+            direction = partial(ascent_direction, blocks=blocks, weights=weights, params=self.params, comm=None,
+                                config=self.config)
+        ascent = DeviceAscent(weights, tensors, direction, self.cur, self.config)
         reason = ascent.run(graphs=self.ascent == "cuda_graph", owner=self.model)
         self.ascent = ascent.mode  # "device" when the capture failed
         self.steps, self.backoffs, loss, gn = ascent.result()
@@ -355,10 +369,10 @@ def ascent_direction(obj: Objective, blocks: list[Block], weights: list[Tensor],
 
 def ascent_mode(config: TeleportConfig, device: torch.device, comm: Collective | None) -> str:
     """How the steps run: "host" (the guard in Python, ``_steps``), "device" (device ticks) or "cuda_graph"
-    (device ticks replayed from a CUDA graph, experimental: see ``teleport.on_device``). "auto": the host guard,
-    the fastest measured on the CPU and on an H200; across ranks always the host guard (the ticks are
-    single-process)."""
-    if (comm is not None and comm.world_size > 1) or config.hvp != "exact":  # the ticks differentiate ∇L's graph
+    (device ticks replayed from a CUDA graph, experimental: see ``teleport.on_device``), with either H·∇L. "auto":
+    the host guard, the fastest measured on the CPU and on an H200; across ranks always the host guard (the ticks
+    are single-process)."""
+    if comm is not None and comm.world_size > 1:
         return "host"
     wanted = "host" if config.ascent == "auto" else config.ascent
     return "device" if wanted == "cuda_graph" and device.type != "cuda" else wanted

@@ -103,8 +103,11 @@ def test_lm_payoff_quick(results: Path) -> None:
         assert c["forced_drift"] < 1e-3 * 6  # the loss on the teleport batch stays (float32, ln 256 ≈ 5.5)
         assert c["host_reads_per_step"] == 1.0  # a count, not a time: one host read per ascent step
         assert c["launches_per_step"] > 0 and c["launches_per_teleport_setup"] > 0
-    diff = cost["hvp_difference"]  # teleport.hvp: difference, beside the exact double backward
-    assert diff["ran_as"] == "host" and diff["forced_steps_taken"] == 8 and diff["host_reads_per_step"] == 1.0
+    diff = cost["hvp_difference"]  # teleport.hvp: difference, beside the exact double backward, in both ascents
+    assert set(diff["by_ascent"]) == {"host", "device"}
+    for ascent, c in diff["by_ascent"].items():
+        assert c["ran_as"] == ascent and c["forced_steps_taken"] == 8 and c["host_reads_per_step"] == 1.0
+        assert c["launches_per_step"] < cost["by_ascent"][ascent]["launches_per_step"]  # no double backward
     assert 1 - diff["direction_cosine"] < 1e-3  # float32: ~2e-5 on the GPT-style LM (measured)
     assert cost["default_ascent"] == "host" and body["ascent"] == "auto"  # what auto runs on the CPU
     assert cost["launches_per_step"] == cost["by_ascent"]["host"]["launches_per_step"]
@@ -113,8 +116,20 @@ def test_lm_payoff_quick(results: Path) -> None:
         assert p["baseline_final_train_loss"] > 0 and 0 <= p["teleport_share"] < 1
         assert [r["seed"] for r in p["seeds"]] == [0] and 0 <= p["reached"] <= 1  # --quick: one seed
         assert p["median_seconds_ratio"] == p["seconds_ratio"]
+    assert body["hvp"] == "exact"
     assert set(body["floors"]) == {"one_teleport_default_le_floor", "host_reads_per_step_le_1",
                                    "adam_seconds_ratio_le_1"}
+
+
+def test_the_payoff_runs_the_hvp_the_cost_part_found_cheaper() -> None:
+    from benchmarks.lm_payoff import cheaper_hvp
+
+    cost = {"by_ascent": {"host": {"teleport_8_steps_s": 2.0}, "device": {"teleport_8_steps_s": 1.0}},
+            "hvp_difference": {"by_ascent": {"host": {"teleport_8_steps_s": 1.5}, "device": {"error": "..."}}}}
+    assert cheaper_hvp(cost, "auto") == cheaper_hvp(cost, "host") == "difference"  # auto runs the host guard
+    assert cheaper_hvp(cost, "device") == "exact"  # a row that failed is never the cheaper
+    cost["hvp_difference"]["by_ascent"]["host"]["teleport_8_steps_s"] = 2.0
+    assert cheaper_hvp(cost, "auto") == "exact"  # a tie: the paper's
 
 
 def test_adam_schedule_quick(results: Path) -> None:

@@ -114,8 +114,20 @@ def test_bases_on_cuda_are_batched_eigh_and_match_the_cpu_svd() -> None:
 
 
 @cuda
+def test_the_squared_norm_on_cuda_is_one_multi_tensor_kernel_as_exact_as_the_dots() -> None:
+    from teleport.objective import squared_norm
+
+    torch.manual_seed(5)
+    grads = [torch.randn(1024, 1024), torch.randn(3000), torch.randn(64, 64, dtype=torch.float64)]
+    reference = sum(float(g.double().square().sum()) for g in grads)
+    assert float(squared_norm([g.cuda() for g in grads])) == pytest.approx(reference, rel=1e-6)
+    assert float(squared_norm(grads)) == pytest.approx(reference, rel=1e-5)  # the CPU's float32 dots: 2.6e-6
+
+
+@cuda
 @pytest.mark.parametrize("ascent", ["host", "device"])  # cuda_graph: see test_on_device
-def test_an_ascent_step_on_cuda_syncs_the_host_at_most_once(ascent: str) -> None:
+@pytest.mark.parametrize("hvp", ["exact", "difference"])
+def test_an_ascent_step_on_cuda_syncs_the_host_at_most_once(ascent: str, hvp: str) -> None:
     """CUDA's sync debug mode warns at every host sync: each try of a step (an accepted step, or one a back-off
     shortened) syncs at most once, counted as the difference between 8 and 4 steps so the setup cancels. On an
     H200 the host guard once counted 5 syncs for 4 more steps; the message lists where each sync was made, and the
@@ -129,7 +141,7 @@ def test_an_ascent_step_on_cuda_syncs_the_host_at_most_once(ascent: str) -> None
     x, y = torch.randn(16, 64, device="cuda"), torch.randint(0, 10, (16,), device="cuda")
 
     def syncs(steps: int) -> tuple[list[str], int, int]:
-        config = TeleportConfig(steps=steps, lr=1e-4, cap=1e12, loss_tol=1e9, ascent=ascent)
+        config = TeleportConfig(steps=steps, lr=1e-4, cap=1e12, loss_tol=1e9, ascent=ascent, hvp=hvp)
         reads = HOST_READS[0]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

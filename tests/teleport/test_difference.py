@@ -22,6 +22,7 @@ from teleport.difference import difference_hvp, shift_params, unshift
 from teleport.nullspace import ascent_mode
 from teleport.objective import HOST_READS, objective, squared_norm
 from tests.teleport.families import CASES, OPEN, lm_loss
+from tests.teleport.test_on_device import GUARDS, HOST_OPS, assert_same, both, mlp, ticks_recorded
 from tests.teleport.test_uses import assert_exact
 
 DIFF = replace(OPEN, hvp="difference")
@@ -126,9 +127,37 @@ def test_weights_it_cannot_difference_and_the_ascent_it_runs() -> None:
                                          "bfloat16: use teleport.hvp 'exact'"):
         teleport_batch(model, case.loss_fn, case.x.to(torch.bfloat16), case.y, DIFF)
     cpu = torch.device("cpu")
-    assert ascent_mode(replace(DIFF, ascent="device"), cpu, None) == "host"  # the ticks differentiate ∇L's graph
+    assert ascent_mode(replace(DIFF, ascent="device"), cpu, None) == "device"
+    assert ascent_mode(replace(DIFF, ascent="cuda_graph"), torch.device("cuda", 0), None) == "cuda_graph"
     with pytest.raises(ValueError, match="teleport.hvp must be one of exact, difference"):
         TeleportConfig(hvp="fd")
+
+
+@pytest.mark.usefixtures("float64")
+@pytest.mark.parametrize("guard", sorted(GUARDS))
+def test_the_device_ticks_take_the_host_guards_difference_steps_on_every_branch(guard: str) -> None:
+    a, b, host, other = both(mlp(), replace(GUARDS[guard], hvp="difference"))
+    assert (a.ascent, b.ascent, a.hvp, b.hvp) == ("host", "device", "difference", "difference")
+    assert_same(a, b, host, other)
+    assert a.steps > 0 or a.backoffs > 0
+
+
+@pytest.mark.usefixtures("float64")
+@pytest.mark.parametrize("name", ["tied_lm", "transformer-decoder-batch_first=True", "conv-conv2d_depthwise",
+                                  "shared_and_loop"])
+def test_difference_ticks_keep_the_loss_and_read_no_value_on_the_host(name: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a CUDA graph cannot hold never runs in a tick, the shifted gradient's included; the move is the host
+    guard's."""
+    case = CASES[name]()
+    with ticks_recorded(monkeypatch) as ticks:
+        a, b, host, other = both(case, DIFF)
+    assert len(ticks) >= 2 and all(len(t) > 10 for t in ticks)
+    found = {op.split(".")[0] for tick in ticks for op in tick} & set(HOST_OPS)
+    assert not found, f"a tick ran {found}"
+    assert_same(a, b, host, other)
+    assert abs(b.loss_after - b.loss_before) <= 1e-9 * abs(b.loss_before)
+    assert b.grad_norm_sq_after > b.grad_norm_sq_before
 
 
 def test_the_spec_reaches_the_algorithm() -> None:

@@ -215,11 +215,12 @@ def test_auto_is_the_host_guard_on_every_device_and_across_ranks() -> None:
 @pytest.mark.parametrize("name", ["tied_lm", "transformer-decoder-batch_first=True", "conv-conv2d_depthwise",
                                   "linear"])
 @pytest.mark.parametrize("guard", ["open", "overshoot", "halved"])
-def test_a_cuda_graph_replays_the_device_ticks(name: str, guard: str) -> None:
+@pytest.mark.parametrize("hvp", ["exact", "difference"])
+def test_a_cuda_graph_replays_the_device_ticks(name: str, guard: str, hvp: str) -> None:
     with torch.device("cpu"):
         case = CASES[name]()
     case = Case(case.model.cuda(), case.x.cuda(), case.y.cuda(), case.moved, case.loss_fn)
-    config = replace(GUARDS[guard], steps=max(GUARDS[guard].steps, 6))  # ticks past the warm-up are replayed
+    config = replace(GUARDS[guard], steps=max(GUARDS[guard].steps, 6), hvp=hvp)  # ticks past the warm-up replayed
     host, graphed, h_model, g_model = both(case, config, device="cuda_graph")  # the host guard against the graph
     assert graphed.ascent == "cuda_graph", "the tick was not captured"
     assert_same(host, graphed, h_model, g_model, rtol=1e-7)
