@@ -7,7 +7,8 @@ Two parts, on the device given (``--device cpu|cuda``), side by side in one run:
    d = 64, 2 blocks, context 32): a training step (AdamW, 32 sequences) against one ``teleport_batch`` on 2
    sequences — with 8 ascent steps forced (CAP and loss_tol off: the most a teleport of 8 steps costs) and
    with the product's defaults (lr 0.2, CAP 5: where ‖∇L‖² already exceeds CAP no step is taken). Per
-   ascent step: profiler events (``aten::`` ops on the CPU; ``cudaLaunchKernel`` on CUDA) and the
+   ascent step: kernel launches (the profiler's ``cudaLaunchKernel`` on CUDA; on the CPU the ops that run a
+   kernel, as dispatched: no views, no allocations, backward ops included) and the
    teleport's host reads (``teleport.objective.HOST_READS``), each as (T(8) − T(0)) / 8 — for each way of
    running the steps (``teleport.ascent``: the host guard, what ``auto`` runs, and the device ticks; on CUDA
    the ticks in a CUDA graph too, measured last) and each H·∇L (``teleport.hvp``: exact, difference).
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.common import add_machine_args, print_table, quiet_machine, verdict, write_result
 from teleport import TeleportConfig, teleport_batch
@@ -50,6 +52,7 @@ LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGr
 ASCENTS = ("host", "device")  # ``TeleportConfig.ascent`` side by side; on CUDA "cuda_graph" too, after the payoff
 # part (its capture failed on an H200 and left the process's CUDA generator unusable: mended, not yet run on a GPU)
 FORCED = {"lr": 1e-6, "cap": 1e12, "loss_tol": 1e9}  # every step accepted: the most 8 steps can cost
+BEFORE_LAUNCHES = 15268 / 8  # kernel launches per ascent step on an H100 when issue 27 was filed (its floor: 1/5)
 
 
 class GPT(nn.Module):
@@ -93,18 +96,36 @@ def _timed(fn: Any, device: torch.device, repeats: int) -> tuple[float, Any]:
     return best, out
 
 
+class _Kernels(TorchDispatchMode):
+    """Counts the ops that run a kernel, as dispatched below autograd (backward ops included): no view, no
+    allocation, no composite op counted with its parts — the CPU's stand-in for CUDA's kernel launches."""
+
+    FREE = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "resolve_conj",
+                      "resolve_neg", "lift_fresh", "set_", "_has_compatible_shallow_copy_type"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if not func.is_view and func._schema.name.split("::")[-1] not in self.FREE:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _launches(fn: Any, device: torch.device) -> tuple[int, int]:
-    """(profiler events that stand for kernel launches, teleport host reads) of one call."""
+    """(kernel launches: the profiler's launch events on CUDA, ``_Kernels`` on the CPU; teleport host reads) of one
+    call."""
     from torch.profiler import ProfilerActivity, profile
 
     reads = HOST_READS[0]
+    if device.type != "cuda":
+        with _Kernels() as kernels:
+            fn()
+        return kernels.count, HOST_READS[0] - reads
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    events = prof.key_averages()
-    if device.type == "cuda":
-        launches = sum(e.count for e in events if e.key in LAUNCHES)
-    else:
-        launches = sum(e.count for e in events if e.key.startswith("aten::"))
+    launches = sum(e.count for e in prof.key_averages() if e.key in LAUNCHES)
     return launches, HOST_READS[0] - reads
 
 
@@ -290,7 +311,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                        (cost["hvp_difference"]["by_ascent"], graphed["hvp_difference"]["by_ascent"])):
                 rows["cuda_graph"] = graphed_rows["cuda_graph"] | {"train_step_s": graphed["train_step_s"]}
     floor = 5.0 if device.type == "cuda" else 0.5
+    fewest = min(((c["launches_per_step"], f"{a}, {hvp}") for hvp, by in (("exact", cost["by_ascent"]),
+                  ("difference", cost["hvp_difference"]["by_ascent"])) for a, c in by.items() if "error" not in c),
+                 default=(math.inf, "every way failed"))
     floors = {
+        "launches_per_step_le_fifth": fewest[0] <= BEFORE_LAUNCHES / 5 if device.type == "cuda" else None,
         "one_teleport_default_le_floor": cost["teleport_default_in_train_steps"] <= floor,
         "host_reads_per_step_le_1": cost["host_reads_per_step"] <= 1.0,
         "adam_seconds_ratio_le_1": (pay["adam"]["median_seconds_ratio"] or math.inf) <= 1.0,
@@ -307,6 +332,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         [a, c["error"], "-", "-", "-"] if "error" in c else
         [a, c["ran_as"], f"{c['teleport_8_steps_in_train_steps']:.2f}", f"{c['launches_per_step']:.0f}",
          f"{c['host_reads_per_step']:.2f}"] for a, c in rows])
+    print(f"fewest launches per ascent step: {fewest[0]:.0f} ({fewest[1]}); on CUDA the floor is <= 1/5 of the "
+          f"{BEFORE_LAUNCHES:.0f} of issue 27's H100: " + ("n/a (CPU)" if floors["launches_per_step_le_fifth"] is None
+                                                            else verdict(floors["launches_per_step_le_fifth"])))
     print(f"teleport.hvp difference: its first direction's cosine to the exact one "
           f"{cost['hvp_difference']['direction_cosine']:.6f}")
     print(f"per ascent step (host, what auto runs): {cost['launches_per_step']:.0f} launches, "

@@ -27,6 +27,10 @@ longer between kernels. The first tick takes step 1 from the evaluation the base
 The weights are moved in place (W₀ is a copy, not a storage swap as in ``teleport.buffers``): a
 captured graph needs every address fixed.
 
+With ``teleport.hvp: difference`` a tick's U comes from ∇L at a shifted point (``teleport.difference``): one
+more plain forward + backward inside the tick, ε and the shift on the device, the shifted weights in storages
+from the allocator (the graph's own pool when captured), so the graph holds no double backward.
+
 A tick computes U whether or not it is used (a refused try's U is dropped): ``where`` chooses, the host
 does not. The ticks judging the last step's tries need no U and run without the graph of ∇L
 (``full=False``), eagerly. Captured or not, the ticks compute the same thing: without CUDA (or when a

@@ -24,7 +24,8 @@ class TeleportConfig:
     H200 the capture failed, mended since but not yet run on a GPU; "auto": the host guard, the fastest measured on
     the CPU and the H200); hvp: how H·∇L is computed ("exact": the double backward of ∇L's graph, the paper's
     gradient; "difference": a forward difference of two gradients, no double backward, ``teleport.difference``;
-    host guard only).
+    with every ascent: in a device tick the shifted gradient reads nothing on the host, so a CUDA graph can hold
+    it with no double backward in it).
     """
 
     steps: int = 8

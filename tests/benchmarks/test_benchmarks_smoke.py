@@ -118,7 +118,8 @@ def test_lm_payoff_quick(results: Path) -> None:
         assert p["median_seconds_ratio"] == p["seconds_ratio"]
     assert body["hvp"] == "exact"
     assert set(body["floors"]) == {"one_teleport_default_le_floor", "host_reads_per_step_le_1",
-                                   "adam_seconds_ratio_le_1"}
+                                   "adam_seconds_ratio_le_1", "launches_per_step_le_fifth"}
+    assert body["floors"]["launches_per_step_le_fifth"] is None  # a CUDA floor
 
 
 def test_the_payoff_runs_the_hvp_the_cost_part_found_cheaper() -> None:
