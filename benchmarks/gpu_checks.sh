@@ -39,8 +39,8 @@ part() {  # part NAME SECONDS CMD...: run CMD with a time limit, log to $DIR/NAM
 $PY -c "import torch; print(torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
 # issue 27: the ascent captured in a CUDA graph (teleport.ascent: cuda_graph), in a process of its own: a capture that
 # fails may leave that process's CUDA state unusable (it did on an H200 before the side stream and generator mend)
-part cuda_graph 90 env TLAB_TRY_CUDA_GRAPH=1 $PY -m pytest -q -rfs -p no:cacheprovider tests/teleport/test_on_device.py \
-    -k "cuda_graph or captured"
+part cuda_graph 100 env TLAB_TRY_CUDA_GRAPH=1 $PY -m pytest -q -rfs -p no:cacheprovider tests/teleport/test_on_device.py \
+    tests/teleport/test_graph_cache.py -k "cuda_graph or captured"
 # issue 27: the teleport on CUDA as on the CPU, and its ascent decided on the device (test_on_device)
 part test_cuda 120 $PY -m pytest -q -rfs -p no:cacheprovider tests/teleport/test_cuda.py tests/teleport/test_on_device.py
 # issue 28: the memory fence and the GPU memory each epoch reports (needs pydantic next to torch)

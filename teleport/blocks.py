@@ -27,11 +27,15 @@ from teleport.uses import Part, Unsupported, arange_index
 
 @dataclass
 class RowClass:
-    """Layout rows read by exactly the same uses (None: all rows), and their basis once computed."""
+    """Layout rows read by exactly the same uses (None: all rows), and their basis once computed. ``mask``: the
+    rows of a class that every use reads whole but an embedding lookup fixes some of (a tied LM's head): all rows
+    are projected and the fixed ones zeroed — the same shapes whatever rows a batch looks up, so a captured tick
+    serves the next batch (``teleport.graph_cache``)."""
 
     rows: Tensor | None
     parts: list[Part]
     basis: Basis | None = None
+    mask: Tensor | None = None  # (rows,) bool, with ``rows`` None: the rows of the class
 
     def key(self, has_bias: bool, bias_id: int | None) -> tuple:
         """Equal keys, equal R: one basis serves every class with the key (Q, K, V on one input)."""
@@ -109,6 +113,9 @@ class Block:
             w = gw if cls.rows is None else gw[cls.rows]
             b = None if gb is None else (gb if cls.rows is None else gb[cls.rows])
             pw, pb = _project(w, b, cls.basis, inplace)
+            if cls.mask is not None:  # a where, not a product: a row that overflowed is zeroed too
+                pw = torch.where(cls.mask[:, None], pw, 0.0)
+                pb = None if pb is None else torch.where(cls.mask, pb, 0.0)
             if whole:
                 uw, ub = pw, pb
             else:
@@ -145,7 +152,9 @@ class Block:
         for cls in self.classes:
             assert cls.basis is not None
             b, name = cls.basis, self.name
-            if cls.rows is not None:
+            if cls.mask is not None:
+                name += f"[{int(cls.mask.sum())} rows]"
+            elif cls.rows is not None:
                 r = cls.rows
                 contiguous = bool((r[1:] - r[:-1] == 1).all()) if len(r) > 1 else True
                 name += f"[rows {int(r[0])}:{int(r[-1]) + 1}]" if contiguous else f"[{len(r)} rows]"
@@ -287,8 +296,11 @@ def _frozen_rows(looked_up: list[tuple[str, Tensor]], p: Tensor, layout: str, ro
 def partition(block: Block) -> list[RowClass]:
     """Group the block's rows by the set of uses reading them; fixed and unread rows form no class."""
     parts = block.parts
-    if block.frozen is None and all(p.rows is None for p in parts):
-        return [RowClass(None, parts)]
+    if all(p.rows is None for p in parts):
+        if block.frozen is None:
+            return [RowClass(None, parts)]
+        if not bool(block.frozen.all()):  # every use reads every row, a lookup fixes some: one masked class
+            return [RowClass(None, parts, mask=~block.frozen)]
     member = torch.zeros(len(parts) + 1, block.rows, dtype=torch.uint8, device=block.weight.device)
     for k, p in enumerate(parts):
         member[k, slice(None) if p.rows is None else p.rows] = 1

@@ -48,7 +48,7 @@ def factored_direction(obj: Objective, blocks: list[Block], comm: Collective | N
 
 def _factorable(b: Block, obj: Objective, only: dict[int, int | None]) -> bool:
     w = id(b.weight)
-    whole_rows = len(b.classes) == 1 and b.classes[0].rows is None and b.bias_rows is None
+    whole_rows = len(b.classes) == 1 and b.classes[0].rows is None and b.classes[0].mask is None and b.bias_rows is None
     return w in only and w in obj.whole and bool(obj.factors.get(w)) and whole_rows and b.layout == "natural"
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -23,6 +24,7 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
+from teleport import graph_cache
 from teleport.bases import BasisExecutor, SerialExecutor, compute_bases, compute_basis, select_basis
 from teleport.blocks import Block, RowClass, build_blocks, moving_blocks, partition
 from teleport.buffers import StepBuffers
@@ -30,6 +32,7 @@ from teleport.capture import UseRecorder, trainable
 from teleport.difference import Shifted, check_dtypes, difference_hvp, shift_params, unshift
 from teleport.distributed import Collective, any_across_, distributed_spectra
 from teleport.factored import factored_direction
+from teleport.guard import guarded_step
 from teleport.objective import (
     LossFn,
     Objective,
@@ -75,68 +78,6 @@ def layer_bases(blocks: list[Block] | UseRecorder, tau: float, executor: BasisEx
     for cls, i in slots:
         cls.basis = bases[i]
     return blocks
-
-
-def guarded_step(
-    move: Callable[[float], None],
-    restore: Callable[[], None],
-    evaluate: Callable[[], Objective],
-    loss0: float,
-    eta: float,
-    config: TeleportConfig,
-    grad_norm_sq: float | None = None,
-    final_evaluate: Callable[[], Objective] | None = None,
-    aimed: bool = False,
-    first: Objective | None = None,
-) -> tuple[Objective | None, float, int, str]:
-    """Take a step of size η, shortening it until the step is acceptable.
-
-    Acceptable: L and ‖∇L‖² finite, ‖∇L‖² ≤ CAP, |L − L₀| ≤ loss_tol·|L₀| (a rise or a fall), and —
-    given the ‖∇L‖² before the step — an ascent. A step over CAP is shortened by the secant to CAP
-    (from the ‖∇L‖² before and after it, given ``grad_norm_sq``), anything else by halving.
-    Returns the objective after the accepted step (None when every try failed and ``restore`` put
-    the weights back), the η that worked (kept for the next step), the back-offs and why it ended:
-    "steps" (accepted), "cap" (accepted once shortened to fit under CAP — or ``aimed`` there from the
-    start: CAP is reached), or on failure "not_finite", "cap", "loss_tol" or "no_ascent".
-    A try whose acceptance would end the teleport ("cap") is evaluated by ``final_evaluate`` when
-    given (no graph for an H·∇L that will never be asked for). ``first``: the first try, already moved
-    to and evaluated by the caller (η decided on the device, see ``aim_on_device``).
-    """
-    why = "cap" if aimed else "steps"
-    for attempt in range(config.max_backoff + 1):
-        if attempt == 0 and first is not None:
-            new = first
-        else:
-            move(eta)
-            new = (final_evaluate or evaluate)() if why == "cap" else evaluate()
-        verdict = step_verdict(new, loss0, config, grad_norm_sq)
-        if verdict == "steps":
-            return new, eta, attempt, "cap" if why == "cap" else "steps"
-        why = verdict
-        if attempt < config.max_backoff:
-            eta *= _shorten(why, new.grad_norm_sq, grad_norm_sq, config.cap)
-    restore()
-    return None, eta, config.max_backoff + 1, why
-
-
-def _shorten(why: str, after: float, before: float | None, cap: float) -> float:
-    """η's factor for the next try: the secant to 0.95·CAP for a CAP overshoot (in [0.05, 0.5]), else ½."""
-    if why != "cap" or before is None or not after > before:
-        return 0.5
-    return min(0.5, max(0.05, (0.95 * cap - before) / (after - before)))
-
-
-def step_verdict(new: Objective, loss0: float, config: TeleportConfig, grad_norm_sq: float | None) -> str:
-    """"steps" for an acceptable step, else the first rule it breaks."""
-    if not (math.isfinite(new.loss) and math.isfinite(new.grad_norm_sq)):
-        return "not_finite"
-    if new.grad_norm_sq > config.cap:
-        return "cap"
-    if abs(new.loss - loss0) > config.loss_tol * max(abs(loss0), 1e-12):
-        return "loss_tol"
-    if grad_norm_sq is not None and new.grad_norm_sq < grad_norm_sq:
-        return "no_ascent"
-    return "steps"
 
 
 def scalar(t: Tensor) -> float:
@@ -200,6 +141,8 @@ def teleport_batch(
     config = config or TeleportConfig()
     captured = ascent_mode(config, x.device, comm) == "cuda_graph" and model not in UNCAPTURABLE
     with torch.autocast(x.device.type, enabled=False), ieee_float32(), own_stream(x.device, captured):
+        if captured:  # every evaluation reads the model's static inputs: its captured tick may serve this batch
+            x, y = graph_cache.static_inputs(model, x, y)
         return _teleport(model, loss_fn, x, y, config, executor, holdout, comm)
 
 
@@ -212,6 +155,7 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
     try:
         names, params = trainable(model)
         share = _shard_share(_batch_size(x), comm, x.device)
+        held = weakref.ref(model)  # a captured tick's closures outlive this call (``teleport.graph_cache``)
 
         exact = exact_tau(config)
         difference = config.hvp == "difference"  # no graph of ∇L is ever differentiated
@@ -222,13 +166,13 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
             saved = shift_params(params, along, eps)
             try:
                 with torch.enable_grad():  # a device tick asks for its direction under no_grad
-                    return gradients(model, loss_fn, x, y, params, comm, share)
+                    return gradients(_alive(held), loss_fn, x, y, params, comm, share)
             finally:
                 unshift(params, saved)
 
         def tensors(graph: bool) -> tuple[Objective, Tensor]:
-            return objective_tensors(model, loss_fn, x, y, params, None, share, None, graph and not difference,
-                                     span_free=exact)
+            return objective_tensors(_alive(held), loss_fn, x, y, params, None, share, None,
+                                     graph and not difference, span_free=exact)
 
         def evaluate(recorder: UseRecorder | None = None, graph: bool = True,
                      fetch: tuple[Tensor, ...] = ()) -> Objective:
@@ -239,7 +183,7 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
         recorder = UseRecorder(names, params)
         cur = evaluate(recorder)  # step 1: every use of every parameter, from the same forward as L
         blocks, untouched = build_blocks(recorder.uses)
-        run = _Run(model, params, blocks, cur, config, comm, shifted if difference else None)
+        run = _Run(model, params, blocks, cur, config, comm, shifted if difference else None, loss_fn)
         reason = run.decide_early()
         if reason == "steps":  # step 2 (bases), then step 3: t projected ascent steps
             layer_bases(run.blocks, config.tau, executor or SerialExecutor(), comm, config.tau_rule)
@@ -269,8 +213,9 @@ class _Run:
     """The state of one teleport: the blocks that move, the objective now, steps and back-offs so far."""
 
     def __init__(self, model: nn.Module, params: list[Tensor], blocks: list[Block], cur: Objective,
-                 config: TeleportConfig, comm: Collective | None, shifted: Shifted | None = None) -> None:
-        self.model, self.params, self.blocks, self.cur = model, params, blocks, cur
+                 config: TeleportConfig, comm: Collective | None, shifted: Shifted | None = None,
+                 loss_fn: LossFn | None = None) -> None:
+        self.model, self.params, self.blocks, self.cur, self.loss_fn = model, params, blocks, cur, loss_fn
         self.config, self.comm = config, comm
         self.shifted = shifted  # ∇L at a shifted point, for H·∇L by a difference (``teleport.difference``)
         self.loss0, self.gn0 = cur.loss, cur.grad_norm_sq
@@ -313,8 +258,14 @@ class _Run:
         else:
             direction = partial(ascent_direction, blocks=blocks, weights=weights, params=self.params, comm=None,
                                 config=self.config)
-        ascent = DeviceAscent(weights, tensors, direction, self.cur, self.config)
-        reason = ascent.run(graphs=self.ascent == "cuda_graph", owner=self.model)
+        graphed = self.ascent == "cuda_graph"
+        graph_key = graph_cache.key(self.config, self.loss_fn, self.params, blocks) if graphed else ()
+        ascent = graph_cache.reused(self.model, graph_key, blocks, self.cur) if graphed else None
+        fresh = ascent is None
+        ascent = ascent or DeviceAscent(weights, tensors, direction, self.cur, self.config)
+        reason = ascent.run(graphs=graphed, owner=self.model)
+        if graphed and fresh:
+            graph_cache.keep(self.model, graph_key, blocks, ascent)
         self.ascent = ascent.mode  # "device" when the capture failed
         self.steps, self.backoffs, loss, gn = ascent.result()
         self.cur = replace(self.cur, loss=loss, grad_norm_sq=gn)
@@ -351,6 +302,12 @@ class _Run:
             if why == "cap":  # shortened to fit under CAP: CAP is reached, further steps would overshoot
                 return "cap"
         return "steps"
+
+
+def _alive(held: weakref.ref[nn.Module]) -> nn.Module:
+    model = held()
+    assert model is not None, "a captured teleport outlived its model"
+    return model
 
 
 def _difference_direction(obj: Objective, blocks: list[Block], weights: list[Tensor], params: list[Tensor],

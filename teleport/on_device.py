@@ -14,7 +14,7 @@ The host-guarded ascent (``nullspace._Run``) reads L and ‖∇L‖² after ever
 accept, shorten, stop. On a GPU each step is then thousands of small kernels launched one by one from
 Python (issue 27: 15,268 launches for one teleport of a GPT-style LM), and the GPU waits on the host.
 
-Here the same guard (``nullspace.guarded_step``'s rules: finite, ≤ CAP, |L − L₀| ≤ loss_tol·|L₀|, an
+Here the same guard (``guard.guarded_step``'s rules: finite, ≤ CAP, |L − L₀| ≤ loss_tol·|L₀|, an
 ascent; the secant to CAP, else halving; η aimed at CAP) runs as arithmetic on 0-d device tensors.
 One *tick* evaluates the objective at the weights as they are, judges the try in flight, and moves:
 to a shorter try of the same step (from W₀, along the same U), back to W₀ when every try failed, or —
@@ -116,18 +116,14 @@ class DeviceAscent:
                  config: TeleportConfig) -> None:
         """``start``: the objective at the weights as they are, read (L, ‖∇L‖² < CAP) with its graph: the first
         tick takes step 1's first try from it, evaluating nothing."""
-        if config.steps < 1 or not start.grad_norm_sq < config.cap:
-            raise ValueError("a device ascent needs teleport.steps >= 1 and ‖∇L‖² below CAP at the start")
         self.weights, self.evaluate, self.direction, self.config = weights, evaluate, direction, config
         device = weights[0].device
         with torch.no_grad():
-            self.origin = [w.detach().clone() for w in weights]  # W₀ of the step in flight
+            self.origin = [torch.empty_like(w) for w in weights]  # W₀ of the step in flight
             self.u = [torch.zeros_like(w) for w in weights]  # its U = π(H·∇L)
         f64, i64 = {"dtype": torch.float64, "device": device}, {"dtype": torch.long, "device": device}
-        self.start: Objective | None = start
-        self.first = torch.tensor([start.grad_norm_sq, start.loss], **f64)
-        self.loss0 = self.first[1].clone()
-        self.eta = torch.tensor(config.lr, **f64)  # η carried from step to step
+        self.first, self.loss0 = torch.zeros(2, **f64), torch.zeros((), **f64)  # [‖∇L‖², L] at the start; L₀
+        self.eta = torch.zeros((), **f64)  # η carried from step to step
         self.eta_try = torch.zeros((), **f64)  # η of the try in flight
         self.gn, self.loss = torch.zeros((), **f64), torch.zeros((), **f64)  # at the last accepted weights
         self.pending, self.aimed, self.capping, self.done = (torch.zeros((), dtype=torch.bool, device=device)
@@ -135,17 +131,36 @@ class DeviceAscent:
         self.steps, self.tries, self.backoffs = (torch.zeros((), **i64) for _ in range(3))
         self.reason = torch.zeros((), **i64)
         self.status = torch.zeros(len(STATUS), **f64)  # what the host reads after a tick, in one copy
+        self.graph: torch.cuda.CUDAGraph | None = None  # the full tick, once captured
+        self.reset(start)
+
+    def reset(self, start: Objective) -> None:
+        """Start a teleport batch from ``start`` (see ``__init__``), every state tensor set in place: a captured
+        tick replays on the same addresses for a later batch (``teleport.graph_cache``)."""
+        if self.config.steps < 1 or not start.grad_norm_sq < self.config.cap:
+            raise ValueError("a device ascent needs teleport.steps >= 1 and ‖∇L‖² below CAP at the start")
+        with torch.no_grad():
+            torch._foreach_copy_(self.origin, [w.detach() for w in self.weights])
+            torch._foreach_zero_(self.u)
+            self.first.copy_(torch.tensor([start.grad_norm_sq, start.loss], dtype=torch.float64))
+            self.loss0.copy_(self.first[1])
+            self.eta.fill_(self.config.lr)
+            for t in (self.eta_try, self.gn, self.loss, self.pending, self.aimed, self.capping, self.done, self.steps,
+                      self.tries, self.backoffs, self.reason, self.status):
+                t.zero_()
+        self.start: Objective | None = start
         self.state = dict.fromkeys(STATUS, 0.0) | {"pending": 1.0}  # the status as last read
-        self.mode = "device"
+        self.mode = "device" if self.graph is None else "cuda_graph"
 
     def run(self, graphs: bool, owner: object | None = None) -> str:
         """Tick until done; with ``graphs`` (CUDA), after ``WARMUP`` eager ticks the full tick is captured and
-        replayed, on the stream the teleport runs on when that is a side stream (``own_stream``), else a new one.
+        replayed, on the stream the teleport runs on when that is a side stream (``own_stream``), else a new one;
+        a tick captured for an earlier batch (``self.graph``, ``reset`` since) is replayed from the second tick on.
         The first tick needs no read: it starts step 1 (steps ≥ 1, ‖∇L‖² < CAP were checked).
         ``owner`` (the model): once its tick could not be captured, its later teleports do not try again."""
-        graph: torch.cuda.CUDAGraph | None = None
-        graphs = graphs and (owner is None or owner not in UNCAPTURABLE)
-        side = _side_stream(self.weights[0].device) if graphs else None
+        graph = self.graph
+        graphs = graph is not None or (graphs and (owner is None or owner not in UNCAPTURABLE))
+        side = _side_stream(self.weights[0].device) if graphs and graph is None else None
         limit = self.config.steps * (self.config.max_backoff + 1) + 1  # every try of every step, and the first
         try:
             start, self.start = self.start, None
@@ -164,6 +179,7 @@ class DeviceAscent:
                     self._on(side, lambda: self.tick(True))
                 else:
                     graph, side = self._capture(side), None
+                    self.graph = graph
                     if graph is None and owner is not None:
                         UNCAPTURABLE.add(owner)
                     graph.replay() if graph is not None else self.tick(True)
@@ -217,7 +233,7 @@ class DeviceAscent:
             self.status.copy_(torch.stack([done, steps, start | retry, backoffs, reason, loss_now, gn_now]).double())
 
     def _verdict(self, gn: Tensor, loss: Tensor) -> Tensor:
-        """``nullspace.step_verdict`` on the device: OK, or the first rule the try breaks."""
+        """``guard.step_verdict`` on the device: OK, or the first rule the try breaks."""
         c = self.config
         tol = c.loss_tol * self.loss0.abs().clamp_min(1e-12)
         code = torch.where(gn < self.gn, NO_ASCENT, OK)
@@ -226,7 +242,7 @@ class DeviceAscent:
         return torch.where(torch.isfinite(gn) & torch.isfinite(loss), code, NOT_FINITE)
 
     def _shorten(self, verdict: Tensor, after: Tensor, before: Tensor) -> Tensor:
-        """``nullspace._shorten`` on the device: the secant to 0.95·CAP (in [0.05, 0.5]) for a CAP overshoot, else ½."""
+        """``guard._shorten`` on the device: the secant to 0.95·CAP (in [0.05, 0.5]) for a CAP overshoot, else ½."""
         rise = after - before
         secant = ((0.95 * self.config.cap - before) / torch.where(rise > 0, rise, 1.0)).clamp(0.05, 0.5)
         return torch.where((verdict == CAP) & (rise > 0), secant, 0.5)

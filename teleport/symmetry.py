@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from teleport.nullspace import guarded_step, heldout_loss
+from teleport.guard import guarded_step
+from teleport.nullspace import heldout_loss
 from teleport.objective import LossFn, Objective, objective
 from teleport.report import LayerReport, TeleportConfig, TeleportReport
 

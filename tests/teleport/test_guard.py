@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from teleport import TeleportConfig, compute_basis, teleport_batch
-from teleport.nullspace import Objective, step_verdict
+from teleport.guard import step_verdict
+from teleport.objective import Objective
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -177,7 +178,7 @@ def test_the_spec_reaches_the_tau_rule() -> None:
 
 
 def test_a_cap_overshoot_is_shortened_by_the_secant_and_ends_the_teleport() -> None:
-    from teleport.nullspace import guarded_step
+    from teleport.guard import guarded_step
 
     state = {"eta": 0.0}
 
@@ -195,7 +196,7 @@ def test_a_cap_overshoot_is_shortened_by_the_secant_and_ends_the_teleport() -> N
 
 
 def test_a_step_predicted_to_overshoot_cap_is_aimed_under_it_in_one_try() -> None:
-    from teleport.nullspace import guarded_step
+    from teleport.guard import guarded_step
     from teleport.on_device import AIM, aim_on_device
 
     u = [torch.full((2, 2), 0.5)]  # ‖U‖² = 1: the predicted rise of ‖∇L‖² is 2η

@@ -1,0 +1,113 @@
+"""One captured tick, reused by later teleport batches and teleports of the same model (``ascent: cuda_graph``).
+
+A graph captured per teleport batch pays an eager warm-up tick and the capture before its first replay: for a
+batch of 8 steps that is most of its ticks, and the capture costs about what an eager tick does. A CUDA graph
+replays its kernels on the addresses it was captured with, so it can serve a later batch when every tensor a tick
+reads is where it was, with the shape it had:
+
+- the batch: every evaluation of a captured teleport reads the model's *static inputs*, into which each new batch
+  of the same shape is copied (``static_inputs``);
+- the parameters: their storages unchanged since the capture (the optimizer steps in place);
+- the moving blocks' bias-row maps, row classes (their rows, or the mask of a tied LM's head rows no lookup fixes)
+  and bases (``_slots``): the new batch's values copied into the captured tensors;
+- the ascent's state: ``DeviceAscent.reset`` sets it in place;
+- the config and the loss function: their numbers are constants of the graph.
+
+``key`` names all of it; an equal key replays (``reused``), anything else captures anew and replaces the model's
+entry (``keep``): one graph a model, its memory pool held until then or until ``release``. A batch whose row
+classes or ranks differ (a rank that follows masks in the data, say) captures again. The
+entry holds the model only weakly (the captured closures reach it through a weak reference), so it dies with it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from teleport.blocks import Block
+from teleport.objective import Objective
+from teleport.on_device import DeviceAscent
+from teleport.report import TeleportConfig
+
+
+@dataclass
+class Entry:
+    x: Tensor  # the static inputs every evaluation of a captured teleport reads
+    y: Tensor
+    key: tuple | None = None  # what the graph was captured for
+    blocks: list[Block] | None = None  # the moving blocks whose tensors the graph reads
+    ascent: DeviceAscent | None = None  # its state tensors, its graph
+
+
+ENTRIES: weakref.WeakKeyDictionary[nn.Module, Entry] = weakref.WeakKeyDictionary()
+
+
+def _like(t: Tensor | None) -> tuple | None:
+    return None if t is None else (tuple(t.shape), t.dtype, t.device)
+
+
+def static_inputs(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """(x, y) copied into the model's static inputs; new ones — and no graph — when their shapes differ."""
+    entry = ENTRIES.get(model)
+    if entry is None or (_like(entry.x), _like(entry.y)) != (_like(x), _like(y)):
+        entry = ENTRIES[model] = Entry(x.detach().clone(), y.detach().clone())
+    else:
+        entry.x.copy_(x)
+        entry.y.copy_(y)
+    return entry.x, entry.y
+
+
+def _slots(blocks: list[Block]) -> tuple[list[Tensor | None], list[tuple]]:
+    """The tensors of the moving blocks a tick reads, in a fixed order, and what decides the tick's Python path
+    (which weights, layouts, how many classes, which classes share a basis, the ranks)."""
+    tensors: list[Tensor | None] = []
+    path: list[tuple] = []
+    shared: dict[int, int] = {}
+    for b in blocks:
+        tensors += [b.bias_rows, *(b._bias_index or (None, None))]
+        path.append((id(b.weight), None if b.bias is None else id(b.bias), b.layout, len(b.classes),
+                     b.reads_fixed_inputs, tuple(p.kind for p in b.parts)))
+        for cls in b.classes:
+            assert cls.basis is not None
+            basis = cls.basis
+            path.append((shared.setdefault(id(basis), len(shared)), basis.dim, basis.rank, basis.route))
+            tensors += [cls.rows, cls.mask, basis.kept, basis.free]
+    return tensors, path
+
+
+def key(config: TeleportConfig, loss_fn: Callable, params: list[Tensor], blocks: list[Block]) -> tuple:
+    """Everything a captured tick depends on besides the values ``reused`` copies in."""
+    tensors, path = _slots(blocks)
+    return (config, id(loss_fn), tuple((id(p), p.data_ptr(), _like(p)) for p in params),
+            tuple(_like(t) for t in tensors), tuple(path))
+
+
+def reused(model: nn.Module, graph_key: tuple, blocks: list[Block], start: Objective) -> DeviceAscent | None:
+    """The model's captured ascent, its blocks' tensors holding this batch's values and its state reset to
+    ``start``, when it was captured for ``graph_key``; else None."""
+    entry = ENTRIES.get(model)
+    if entry is None or entry.ascent is None or entry.ascent.graph is None or entry.key != graph_key:
+        return None
+    assert entry.blocks is not None
+    with torch.no_grad():
+        for old, new in zip(_slots(entry.blocks)[0], _slots(blocks)[0], strict=True):
+            if old is not None and new is not None and old is not new:
+                old.copy_(new)
+    entry.ascent.reset(start)
+    return entry.ascent
+
+
+def keep(model: nn.Module, graph_key: tuple, blocks: list[Block], ascent: DeviceAscent) -> None:
+    """Keep a freshly captured ascent for the model's later batches (its static inputs are the entry's)."""
+    entry = ENTRIES.get(model)
+    if entry is not None and ascent.graph is not None:
+        entry.key, entry.blocks, entry.ascent = graph_key, blocks, ascent
+
+
+def release(model: nn.Module) -> None:
+    """Drop the model's captured graph, its memory pool and static inputs (a later teleport captures anew)."""
+    ENTRIES.pop(model, None)

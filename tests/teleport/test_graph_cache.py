@@ -1,0 +1,161 @@
+"""A captured tick serves later batches (``teleport.graph_cache``): the new batch's values reach every tensor it reads.
+
+A CUDA graph replays its kernels on the tensors it was captured with. Without a GPU the capture is emulated: the
+"graph" of a tick is the captured ``DeviceAscent``'s own tick, called again on the same objects — it reads the same
+static inputs, state tensors, blocks and bases a replay reads, so a value the cache failed to copy in (a basis, a row
+class, the batch) leaves the stale one there and the teleport differs from a fresh one. What only CUDA can show (the
+capture itself, addresses in a graph's pool) is ``tests/teleport/test_on_device.py``'s CUDA tests' part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from teleport import graph_cache, nullspace, teleport_batch
+from teleport.on_device import DeviceAscent
+from tests.teleport.families import CASES, OPEN, Case
+from tests.teleport.test_on_device import TRY_CAPTURE, assert_same, cuda, mlp
+
+pytestmark = pytest.mark.usefixtures("float64")
+GRAPHED = replace(OPEN, steps=3, ascent="cuda_graph")  # tick 3 is captured, later batches replay ticks 2-3
+
+
+class _Replay:
+    """The emulated graph of a full tick: the captured ascent's tick, on its own objects."""
+
+    def __init__(self, ascent: DeviceAscent) -> None:
+        self.ascent = ascent
+
+    def replay(self) -> None:
+        self.ascent.tick(True)
+
+
+@pytest.fixture
+def captures(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[DeviceAscent]]:
+    """``ascent: cuda_graph`` runs its capture path on the CPU; yields the ascents captured."""
+    made: list[DeviceAscent] = []
+    mode = nullspace.ascent_mode
+
+    def capture(self: DeviceAscent, side: Any) -> _Replay:
+        made.append(self)
+        self.mode = "cuda_graph"
+        return _Replay(self)
+
+    monkeypatch.setattr(nullspace, "ascent_mode", lambda c, d, comm: "cuda_graph" if c.ascent == "cuda_graph"
+                        else mode(c, d, comm))
+    monkeypatch.setattr(nullspace, "own_stream", lambda device, enabled: contextlib.nullcontext())
+    monkeypatch.setattr("teleport.on_device._side_stream", lambda device: "side")
+    monkeypatch.setattr(DeviceAscent, "_on", staticmethod(lambda side, fn: fn()))
+    monkeypatch.setattr(DeviceAscent, "_capture", capture)
+    yield made
+
+
+def other_batch(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """A batch of the same shapes and other values: floats moved, tokens and labels shifted by one (a bijection
+    on their range: a tied LM looks up as many distinct rows, other ones)."""
+    def shift(t: Tensor) -> Tensor:
+        if t.is_floating_point():
+            return t + 0.3 * torch.randn_like(t)
+        return torch.where(t >= 0, (t + 1) % (int(t.max()) + 1), t)
+
+    torch.manual_seed(11)
+    return shift(x), shift(y)
+
+
+def fresh_then(case: Case, batches: list[tuple[Tensor, Tensor]], config: Any) -> tuple[Any, Any]:
+    """A copy of the model teleported on each batch in turn with ``config``: (its last report, the model)."""
+    model = copy.deepcopy(case.model)
+    report = None
+    for x, y in batches:
+        report = teleport_batch(model, case.loss_fn, x, y, config)
+    return report, model
+
+
+# each family, and how many captures its three batches need: a rank that follows the data (masks from the data)
+# changes what a tick reads, and captures anew; a tied LM's looked-up rows do not (a masked row class)
+FAMILIES = {"mlp": 1, "transformer-decoder-batch_first=True": 1, "conv-conv2d_depthwise": 1, "shared_and_loop": 1,
+            "tied_lm": 1, "attention-cross-batch_first=True-masks=True": 2}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("hvp", ["exact", "difference"])
+def test_a_later_batch_replays_the_captured_tick_and_takes_a_fresh_teleports_steps(
+        name: str, hvp: str, captures: list[DeviceAscent]) -> None:
+    case = mlp() if name == "mlp" else CASES[name]()
+    batches = [(case.x, case.y), other_batch(case.x, case.y), other_batch(*other_batch(case.x, case.y))]
+    config = replace(GRAPHED, hvp=hvp)
+    graphed, g_model = fresh_then(case, batches, config)
+    device, d_model = fresh_then(case, batches, replace(config, ascent="device"))
+    assert graphed.ascent == "cuda_graph" and graphed.steps > 0
+    assert_same(device, graphed, d_model, g_model, rtol=1e-9)
+    assert abs(graphed.loss_after - graphed.loss_before) <= 1e-9 * abs(graphed.loss_before)
+    assert len(captures) == FAMILIES[name], "a later batch should have replayed an earlier batch's tick"
+
+
+def test_what_the_graph_depends_on_captures_anew(captures: list[DeviceAscent]) -> None:
+    case = mlp()
+    model = copy.deepcopy(case.model)
+    x2, y2 = other_batch(case.x, case.y)
+    teleport_batch(model, case.loss_fn, case.x, case.y, GRAPHED)
+    teleport_batch(model, case.loss_fn, x2, y2, GRAPHED)
+    assert len(captures) == 1
+    teleport_batch(model, case.loss_fn, x2[:5], y2[:5], GRAPHED)  # another batch shape: new static inputs
+    assert len(captures) == 2
+    teleport_batch(model, case.loss_fn, x2, y2, replace(GRAPHED, lr=0.05))  # another config
+    assert len(captures) == 3
+    first = next(model.parameters())
+    first.data = first.data.clone()  # a parameter in another storage than the graph reads
+    expected, e_model = fresh_then(Case(copy.deepcopy(model), x2, y2, []), [(x2, y2)], replace(GRAPHED, lr=0.05,
+                                                                                                ascent="device"))
+    report = teleport_batch(model, case.loss_fn, x2, y2, replace(GRAPHED, lr=0.05))
+    assert len(captures) == 4
+    assert_same(expected, report, e_model, model, rtol=1e-9)
+
+
+def test_the_captured_graph_dies_with_its_model(captures: list[DeviceAscent]) -> None:
+    case = mlp()
+    model = copy.deepcopy(case.model)
+    teleport_batch(model, case.loss_fn, case.x, case.y, GRAPHED)
+    assert model in graph_cache.ENTRIES and graph_cache.ENTRIES[model].ascent is captures[0]
+    captures.clear()
+    del model
+    gc.collect()
+    assert len(graph_cache.ENTRIES) == 0
+    other = copy.deepcopy(case.model)
+    teleport_batch(other, case.loss_fn, case.x, case.y, GRAPHED)
+    graph_cache.release(other)
+    assert other not in graph_cache.ENTRIES
+
+
+@cuda
+@TRY_CAPTURE
+@pytest.mark.parametrize("name", ["mlp", "tied_lm", "transformer-decoder-batch_first=True"])
+@pytest.mark.parametrize("hvp", ["exact", "difference"])
+def test_a_cuda_graph_serves_later_batches_on_cuda(name: str, hvp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU, for real: one capture for three batches, each batch the device ticks' teleport."""
+    with torch.device("cpu"):
+        case = mlp() if name == "mlp" else CASES[name]()
+        batches = [(case.x, case.y), other_batch(case.x, case.y), other_batch(*other_batch(case.x, case.y))]
+    case = Case(case.model.cuda(), case.x.cuda(), case.y.cuda(), case.moved, case.loss_fn)
+    batches = [(x.cuda(), y.cuda()) for x, y in batches]
+    made, capture = [], DeviceAscent._capture
+
+    def counted(self: DeviceAscent, side: Any) -> Any:
+        made.append(self)
+        return capture(self, side)
+
+    monkeypatch.setattr(DeviceAscent, "_capture", counted)
+    config = replace(GRAPHED, hvp=hvp)
+    graphed, g_model = fresh_then(case, batches, config)
+    device, d_model = fresh_then(case, batches, replace(config, ascent="device"))
+    assert graphed.ascent == "cuda_graph" and len(made) == 1, "one capture should have served the three batches"
+    assert_same(device, graphed, d_model, g_model, rtol=1e-7)
