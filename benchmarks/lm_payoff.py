@@ -153,12 +153,15 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
 
     def forced_cost(ascent: str, hvp: str = "exact") -> dict[str, Any]:
         forced_s, forced = _timed(lambda: teleport(8, ascent, hvp, **FORCED), device, repeats)
+        zero_s, _ = _timed(lambda: teleport(0, ascent, hvp, **FORCED), device, repeats)  # evaluation and bases
         (l0, r0), (l8, r8) = (_launches(lambda t=t: teleport(t, ascent, hvp, **FORCED), device) for t in (0, 8))
         row = {"ran_as": forced.ascent, "teleport_8_steps_s": forced_s,
                "teleport_8_steps_in_train_steps": forced_s / step_s,
                "forced_steps_taken": forced.steps, "forced_drift": abs(forced.loss_after - forced.loss_before),
                "launches_per_teleport_setup": l0, "launches_per_step": (l8 - l0) / 8,
-               "host_reads_per_step": (r8 - r0) / 8}
+               "host_reads_per_step": (r8 - r0) / 8,
+               "phases_in_train_steps": {"evaluation_and_bases": zero_s / step_s,
+                                         "ascent": (forced_s - zero_s) / step_s}}
         if ascent == "cuda_graph":  # a new batch each call, as in training: the graph serves it if its shapes hold
             turn = itertools.cycle(others)
             new_s, _ = _timed(lambda: teleport(8, ascent, hvp, x=next(turn), **FORCED), device, repeats)
@@ -340,6 +343,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         [a, c["error"], "-", "-", "-"] if "error" in c else
         [a, c["ran_as"], f"{c['teleport_8_steps_in_train_steps']:.2f}", f"{c['launches_per_step']:.0f}",
          f"{c['host_reads_per_step']:.2f}"] for a, c in rows])
+    print("where a forced teleport's time goes (training steps): " + "; ".join(
+        f"{name}: evaluation + bases {c['phases_in_train_steps']['evaluation_and_bases']:.2f}, 8 steps "
+        f"{c['phases_in_train_steps']['ascent']:.2f}" for name, c in rows if "phases_in_train_steps" in c))
     for name, c in rows:
         if "teleport_8_steps_new_batch_in_train_steps" in c:
             print(f"{name}: with a new batch each call {c['teleport_8_steps_new_batch_in_train_steps']:.2f} training "

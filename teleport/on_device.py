@@ -70,6 +70,19 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device) if current == torch.cuda.default_stream(device) else current
 
 
+_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the side stream every captured teleport runs on
+
+
+def _teleport_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every captured teleport: what a captured tick keeps for later batches (its
+    static inputs, state, bases: ``teleport.graph_cache``) is allocated and used on one stream, as the caching
+    allocator expects of a tensor no ``record_stream`` names."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _STREAMS:
+        _STREAMS[index] = torch.cuda.Stream(index)
+    return _STREAMS[index]
+
+
 @contextlib.contextmanager
 def own_stream(device: torch.device, enabled: bool) -> Iterator[None]:
     """Run the block on a side stream of ``device`` that waits for the caller's stream, and make the caller's stream
@@ -82,7 +95,7 @@ def own_stream(device: torch.device, enabled: bool) -> Iterator[None]:
         yield
         return
     caller = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device)
+    side = _teleport_stream(device)
     side.wait_stream(caller)
     try:
         with torch.cuda.stream(side):
