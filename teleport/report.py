@@ -20,8 +20,9 @@ class TeleportConfig:
     τ ("numerical_rank": exact, never fewer directions than the numerical rank; "energy": the
     cumulative energy in the model's precision, which at τ = 1 frees the negligible tail); ascent: how the
     steps run ("host": the guard decides in Python, one host read a try; "device": the guard decides on the
-    device, ``teleport.on_device``; "cuda_graph": those ticks captured once and replayed, experimental — on an
-    H200 the capture failed, mended since but not yet run on a GPU; "auto": the host guard, the fastest measured on
+    device, ``teleport.on_device``; "cuda_graph": those ticks captured once a model and replayed for every later
+    batch whose shapes match, ``teleport.graph_cache``, experimental — on an H200 the capture failed, mended since
+    but not yet run on a GPU; "auto": the host guard, the fastest measured on
     the CPU and the H200); hvp: how H·∇L is computed ("exact": the double backward of ∇L's graph, the paper's
     gradient; "difference": a forward difference of two gradients, no double backward, ``teleport.difference``;
     with every ascent: in a device tick the shifted gradient reads nothing on the host, so a CUDA graph can hold
