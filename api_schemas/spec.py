@@ -230,10 +230,12 @@ class TeleportSpec(_Strict):
         description="largest share of the run's wall-clock time spent teleporting: a teleport that would pass it "
                     "is shortened (fewer batches or steps) or skipped, and the run's events say so; null: no budget",
     )
-    ascent: Literal["auto", "host", "device"] = Field(
+    ascent: Literal["auto", "host", "device", "cuda_graph"] = Field(
         "auto",
         description="how the ascent steps run: host (the guard decides in Python), device (it decides on the "
-        "device: no host read between kernels); auto: host, the faster on the CPU and on an H200 (measured)",
+        "device: no host read between kernels), cuda_graph (experimental, not yet run on a GPU: those device steps "
+        "captured once per model in a CUDA graph and replayed for every later batch of its shapes; without CUDA the "
+        "device steps); auto: host, the faster on the CPU and on an H200 (measured)",
     )
     hvp: Literal["exact", "difference"] = Field(
         "exact",

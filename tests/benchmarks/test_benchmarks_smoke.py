@@ -116,21 +116,33 @@ def test_lm_payoff_quick(results: Path) -> None:
         assert p["baseline_final_train_loss"] > 0 and 0 <= p["teleport_share"] < 1
         assert [r["seed"] for r in p["seeds"]] == [0] and 0 <= p["reached"] <= 1  # --quick: one seed
         assert p["median_seconds_ratio"] == p["seconds_ratio"]
-    assert body["hvp"] == "exact"
+    assert (body["ascent"], body["hvp"], body["ascent_asked"], body["hvp_asked"]) == ("auto", "exact", "auto", "exact")
     assert set(body["floors"]) == {"one_teleport_default_le_floor", "host_reads_per_step_le_1",
                                    "adam_seconds_ratio_le_1", "launches_per_step_le_fifth"}
     assert body["floors"]["launches_per_step_le_fifth"] is None  # a CUDA floor
 
 
 def test_the_payoff_runs_the_hvp_the_cost_part_found_cheaper() -> None:
-    from benchmarks.lm_payoff import cheaper_hvp
+    from benchmarks.lm_payoff import cheaper_hvp, fastest_way
 
     cost = {"by_ascent": {"host": {"teleport_8_steps_s": 2.0}, "device": {"teleport_8_steps_s": 1.0}},
             "hvp_difference": {"by_ascent": {"host": {"teleport_8_steps_s": 1.5}, "device": {"error": "..."}}}}
     assert cheaper_hvp(cost, "auto") == cheaper_hvp(cost, "host") == "difference"  # auto runs the host guard
     assert cheaper_hvp(cost, "device") == "exact"  # a row that failed is never the cheaper
+    assert fastest_way(cost) == ("device", "exact")  # every ascent and HVP measured
     cost["hvp_difference"]["by_ascent"]["host"]["teleport_8_steps_s"] = 2.0
     assert cheaper_hvp(cost, "auto") == "exact"  # a tie: the paper's
+    cost["hvp_difference"]["by_ascent"]["cuda_graph"] = {"teleport_8_steps_s": 0.5}
+    assert fastest_way(cost) == ("cuda_graph", "difference")
+
+
+def test_lm_payoff_runs_its_payoff_the_fastest_way_it_measured(results: Path) -> None:
+    from benchmarks import lm_payoff
+
+    lm_payoff.main(["--quick", "--threads", "1", "--ascent", "fastest"])
+    body = _load(results / "lm_payoff.json")
+    assert (body["ascent"], body["hvp"]) == lm_payoff.fastest_way(body["cost"])
+    assert body["ascent"] in ("host", "device") and body["ascent_asked"] == "fastest"  # no CUDA graph on the CPU
 
 
 def test_adam_schedule_quick(results: Path) -> None:

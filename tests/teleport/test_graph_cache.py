@@ -159,3 +159,15 @@ def test_a_cuda_graph_serves_later_batches_on_cuda(name: str, hvp: str, monkeypa
     device, d_model = fresh_then(case, batches, replace(config, ascent="device"))
     assert graphed.ascent == "cuda_graph" and len(made) == 1, "one capture should have served the three batches"
     assert_same(device, graphed, d_model, g_model, rtol=1e-7)
+
+
+def test_the_spec_asks_for_it_and_without_cuda_gets_the_device_ticks() -> None:
+    from api_schemas.spec_io import build_spec
+    from workers.train.build import teleport_config
+
+    config = teleport_config(build_spec({"teleport": {"ascent": "cuda_graph", "steps": 3}}).teleport)
+    assert config.ascent == "cuda_graph"
+    case = mlp()
+    report = teleport_batch(copy.deepcopy(case.model), case.loss_fn, case.x, case.y,
+                            replace(config, lr=OPEN.lr, cap=OPEN.cap, loss_tol=OPEN.loss_tol))
+    assert report.ascent == "device" and report.steps == 3
