@@ -11,7 +11,8 @@ reads is where it was, with the shape it had:
 - the moving blocks' bias-row maps, row classes (their rows, or the mask of a tied LM's head rows no lookup fixes)
   and bases (``_slots``): the new batch's values copied into the captured tensors;
 - the ascent's state: ``DeviceAscent.reset`` sets it in place;
-- the config and the loss function: their numbers are constants of the graph.
+- the config and the loss function: their numbers are constants of the graph — all but the steps, a state tensor
+  (the budget shortens a batch's steps: that batch replays the same graph).
 
 ``key`` names all of it; an equal key replays (``reused``), anything else captures anew and replaces the model's
 entry (``keep``): one graph a model, its memory pool held until then or until ``release``. A batch whose row
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -82,13 +83,15 @@ def _slots(blocks: list[Block]) -> tuple[list[Tensor | None], list[tuple]]:
 def key(config: TeleportConfig, loss_fn: Callable, params: list[Tensor], blocks: list[Block]) -> tuple:
     """Everything a captured tick depends on besides the values ``reused`` copies in."""
     tensors, path = _slots(blocks)
-    return (config, id(loss_fn), tuple((id(p), p.data_ptr(), _like(p)) for p in params),
+    return (replace(config, steps=0), id(loss_fn), tuple((id(p), p.data_ptr(), _like(p)) for p in params),
             tuple(_like(t) for t in tensors), tuple(path))
 
 
-def reused(model: nn.Module, graph_key: tuple, blocks: list[Block], start: Objective) -> DeviceAscent | None:
+def reused(model: nn.Module, graph_key: tuple, blocks: list[Block], start: Objective,
+           config: TeleportConfig) -> DeviceAscent | None:
     """The model's captured ascent, its blocks' tensors holding this batch's values and its state reset to
-    ``start``, when it was captured for ``graph_key``; else None."""
+    ``start`` and ``config`` (whose steps may differ: the budget shortens batches), when it was captured for
+    ``graph_key``; else None."""
     entry = ENTRIES.get(model)
     if entry is None or entry.ascent is None or entry.ascent.graph is None or entry.key != graph_key:
         return None
@@ -97,7 +100,7 @@ def reused(model: nn.Module, graph_key: tuple, blocks: list[Block], start: Objec
         for old, new in zip(_slots(entry.blocks)[0], _slots(blocks)[0], strict=True):
             if old is not None and new is not None and old is not new:
                 old.copy_(new)
-    entry.ascent.reset(start)
+    entry.ascent.reset(start, config)
     return entry.ascent
 
 

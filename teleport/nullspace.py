@@ -260,7 +260,7 @@ class _Run:
                                 config=self.config)
         graphed = self.ascent == "cuda_graph"
         graph_key = graph_cache.key(self.config, self.loss_fn, self.params, blocks) if graphed else ()
-        ascent = graph_cache.reused(self.model, graph_key, blocks, self.cur) if graphed else None
+        ascent = graph_cache.reused(self.model, graph_key, blocks, self.cur, self.config) if graphed else None
         fresh = ascent is None
         ascent = ascent or DeviceAscent(weights, tensors, direction, self.cur, self.config)
         reason = ascent.run(graphs=graphed, owner=self.model)

@@ -43,6 +43,7 @@ import contextlib
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -143,13 +144,19 @@ class DeviceAscent:
                                                              for _ in range(4))
         self.steps, self.tries, self.backoffs = (torch.zeros((), **i64) for _ in range(3))
         self.reason = torch.zeros((), **i64)
+        self.max_steps = torch.zeros((), **i64)  # t: a tensor, not a constant of a captured tick (the budget varies it)
         self.status = torch.zeros(len(STATUS), **f64)  # what the host reads after a tick, in one copy
         self.graph: torch.cuda.CUDAGraph | None = None  # the full tick, once captured
         self.reset(start)
 
-    def reset(self, start: Objective) -> None:
+    def reset(self, start: Objective, config: TeleportConfig | None = None) -> None:
         """Start a teleport batch from ``start`` (see ``__init__``), every state tensor set in place: a captured
-        tick replays on the same addresses for a later batch (``teleport.graph_cache``)."""
+        tick replays on the same addresses for a later batch (``teleport.graph_cache``). ``config`` may change the
+        number of steps only: every other number of it is a constant of a captured tick."""
+        if config is not None:
+            if replace(config, steps=0) != replace(self.config, steps=0):
+                raise ValueError("a device ascent is reset with the config it was built with, steps aside")
+            self.config = config
         if self.config.steps < 1 or not start.grad_norm_sq < self.config.cap:
             raise ValueError("a device ascent needs teleport.steps >= 1 and ‖∇L‖² below CAP at the start")
         with torch.no_grad():
@@ -158,6 +165,7 @@ class DeviceAscent:
             self.first.copy_(torch.tensor([start.grad_norm_sq, start.loss], dtype=torch.float64))
             self.loss0.copy_(self.first[1])
             self.eta.fill_(self.config.lr)
+            self.max_steps.fill_(self.config.steps)
             for t in (self.eta_try, self.gn, self.loss, self.pending, self.aimed, self.capping, self.done, self.steps,
                       self.tries, self.backoffs, self.reason, self.status):
                 t.zero_()
@@ -223,7 +231,7 @@ class DeviceAscent:
             gn_now, loss_now = torch.where(here, gn, self.gn), torch.where(here, loss, self.loss)
             steps = self.steps + accept.long()
             free = here & ~ended_cap  # nothing in flight: a new step, or the end
-            finished = free & (steps >= c.steps)
+            finished = free & (steps >= self.max_steps)
             at_cap = free & ~finished & (gn_now >= c.cap)
             start = free & ~finished & ~at_cap
             u_new = self.direction(obj) if full else self.u

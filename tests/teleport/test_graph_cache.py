@@ -121,6 +121,19 @@ def test_what_the_graph_depends_on_captures_anew(captures: list[DeviceAscent]) -
     assert_same(expected, report, e_model, model, rtol=1e-9)
 
 
+def test_a_batch_the_budget_shortened_replays_the_same_graph(captures: list[DeviceAscent]) -> None:
+    case = mlp()
+    x2, y2 = other_batch(case.x, case.y)
+    runs = [(case.x, case.y, 3), (x2, y2, 2), (case.x, case.y, 4)]  # the steps a budget left each batch
+    graphed, device = copy.deepcopy(case.model), copy.deepcopy(case.model)
+    for x, y, steps in runs:
+        a = teleport_batch(device, case.loss_fn, x, y, replace(GRAPHED, steps=steps, ascent="device"))
+        b = teleport_batch(graphed, case.loss_fn, x, y, replace(GRAPHED, steps=steps))
+        assert b.steps == steps and b.ascent == "cuda_graph"
+        assert_same(a, b, device, graphed, rtol=1e-9)
+    assert len(captures) == 1
+
+
 def test_the_captured_graph_dies_with_its_model(captures: list[DeviceAscent]) -> None:
     case = mlp()
     model = copy.deepcopy(case.model)
