@@ -258,7 +258,8 @@ class _Run:
         else:
             direction = partial(ascent_direction, blocks=blocks, weights=weights, params=self.params, comm=None,
                                 config=self.config)
-        graphed = self.ascent == "cuda_graph"
+        # a model whose tick could not be captured has no static inputs (``teleport_batch``): never replayed
+        graphed = self.ascent == "cuda_graph" and self.model not in UNCAPTURABLE
         graph_key = graph_cache.key(self.config, self.loss_fn, self.params, blocks) if graphed else ()
         ascent = graph_cache.reused(self.model, graph_key, blocks, self.cur, self.config) if graphed else None
         fresh = ascent is None
@@ -266,6 +267,8 @@ class _Run:
         reason = ascent.run(graphs=graphed, owner=self.model)
         if graphed and fresh:
             graph_cache.keep(self.model, graph_key, blocks, ascent)
+        if self.model in UNCAPTURABLE:
+            graph_cache.release(self.model)  # a graph kept for an earlier batch must not serve a later one
         self.ascent = ascent.mode  # "device" when the capture failed
         self.steps, self.backoffs, loss, gn = ascent.result()
         self.cur = replace(self.cur, loss=loss, grad_norm_sq=gn)

@@ -184,3 +184,24 @@ def test_the_spec_asks_for_it_and_without_cuda_gets_the_device_ticks() -> None:
     report = teleport_batch(copy.deepcopy(case.model), case.loss_fn, case.x, case.y,
                             replace(config, lr=OPEN.lr, cap=OPEN.cap, loss_tol=OPEN.loss_tol))
     assert report.ascent == "device" and report.steps == 3
+
+
+def test_a_model_whose_capture_failed_keeps_no_graph(captures: list[DeviceAscent],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later capture that fails (for another config, say) drops the model's graph: its next batches are not
+    copied into the static inputs, and must not be replayed from it."""
+    from teleport.on_device import UNCAPTURABLE
+
+    case = mlp()
+    model = copy.deepcopy(case.model)
+    teleport_batch(model, case.loss_fn, case.x, case.y, GRAPHED)
+    assert graph_cache.ENTRIES[model].ascent is captures[0]
+    monkeypatch.setattr(DeviceAscent, "_capture", lambda self, side: None)  # a capture that fails
+    x2, y2 = other_batch(case.x, case.y)
+    report = teleport_batch(model, case.loss_fn, x2, y2, replace(GRAPHED, lr=0.05))
+    assert report.ascent == "device" and model in UNCAPTURABLE and model not in graph_cache.ENTRIES
+    expected, e_model = fresh_then(Case(copy.deepcopy(model), x2, y2, []), [(x2, y2)], replace(GRAPHED,
+                                                                                              ascent="device"))
+    report = teleport_batch(model, case.loss_fn, x2, y2, GRAPHED)  # the first graph's key again: eager ticks
+    assert report.ascent == "device"
+    assert_same(expected, report, e_model, model, rtol=1e-9)
