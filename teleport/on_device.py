@@ -32,8 +32,9 @@ more plain forward + backward inside the tick, ε and the shift on the device, t
 from the allocator (the graph's own pool when captured), so the graph holds no double backward.
 
 A tick computes U whether or not it is used (a refused try's U is dropped): ``where`` chooses, the host
-does not. The ticks judging the last step's tries need no U and run without the graph of ∇L
-(``full=False``), eagerly. Captured or not, the ticks compute the same thing: without CUDA (or when a
+does not. The ticks judging the last step's tries need no U: eagerly they run without it (``full=False``);
+once a graph is captured they replay it too (its U is dropped the same way — a replay costs less than an eager
+evaluation). Captured or not, the ticks compute the same thing: without CUDA (or when a
 model's forward cannot be captured: a host read inside it) they run eagerly, the tested fallback.
 """
 
@@ -192,10 +193,10 @@ class DeviceAscent:
                 if ticks >= limit:
                     raise RuntimeError(f"teleport: the device ascent took {ticks} ticks (at most {limit})")
                 last = self.state["pending"] and self.state["steps"] + 1 == self.config.steps  # no U follows
-                if last or (side is None and graph is None):
-                    self.tick(not last)
-                elif graph is not None:
+                if graph is not None:  # the last step's tries too: the U it computes is dropped, as eagerly
                     graph.replay()
+                elif last or side is None:
+                    self.tick(not last)
                 elif ticks < 1 + WARMUP:
                     self._on(side, lambda: self.tick(True))
                 else:
