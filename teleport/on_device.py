@@ -177,7 +177,8 @@ class DeviceAscent:
     def run(self, graphs: bool, owner: object | None = None) -> str:
         """Tick until done; with ``graphs`` (CUDA), after ``WARMUP`` eager ticks the full tick is captured and
         replayed, on the stream the teleport runs on when that is a side stream (``own_stream``), else a new one;
-        a tick captured for an earlier batch (``self.graph``, ``reset`` since) is replayed from the second tick on.
+        a tick captured for an earlier batch (``self.graph``, ``reset`` since) is replayed from the first tick on (it
+        evaluates at W again, inside the graph, rather than an eager tick taking step 1 from ``start``'s graph).
         The first tick needs no read: it starts step 1 (steps ≥ 1, ‖∇L‖² < CAP were checked).
         ``owner`` (the model): once its tick could not be captured, its later teleports do not try again."""
         graph = self.graph
@@ -187,7 +188,10 @@ class DeviceAscent:
         try:
             start, self.start = self.start, None
             assert start is not None, "a device ascent runs once"
-            self.tick(True, (start, self.first))
+            if graph is not None:  # a graph from an earlier batch: it evaluates at W itself, the host only launches
+                graph.replay()
+            else:
+                self.tick(True, (start, self.first))
             ticks = 1
             while not self.state["done"]:
                 if ticks >= limit:
