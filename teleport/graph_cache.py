@@ -14,10 +14,11 @@ reads is where it was, with the shape it had:
 - the config and the loss function: their numbers are constants of the graph — all but the steps, a state tensor
   (the budget shortens a batch's steps: that batch replays the same graph).
 
-``key`` names all of it; an equal key replays (``reused``), anything else captures anew and replaces the model's
-entry (``keep``): one graph a model, its memory pool held until then or until ``release``. A batch whose row
-classes or ranks differ (a rank that follows masks in the data, say) captures again. The
-entry holds the model only weakly (the captured closures reach it through a weak reference), so it dies with it.
+``key`` names all of it; an equal key replays every tick of the batch (``reused``; ``DeviceAscent.run``), anything
+else captures anew and replaces the model's entry (``keep``): one graph a model, its memory pool held until then or
+until ``release``. A batch whose row classes or ranks differ (a rank that follows masks in the data, say) captures
+again. The entry holds the model only weakly (the captured closures reach it through a weak reference), so it dies
+with it.
 """
 
 from __future__ import annotations
