@@ -164,8 +164,9 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
                                          "ascent": (forced_s - zero_s) / step_s}}
         if ascent == "cuda_graph":  # a new batch each call, as in training: the graph serves it if its shapes hold
             turn = itertools.cycle(others)
-            new_s, _ = _timed(lambda: teleport(8, ascent, hvp, x=next(turn), **FORCED), device, repeats)
-            row |= {"teleport_8_steps_new_batch_s": new_s, "teleport_8_steps_new_batch_in_train_steps": new_s / step_s}
+            new_s, last = _timed(lambda: teleport(8, ascent, hvp, x=next(turn), **FORCED), device, repeats)
+            row |= {"teleport_8_steps_new_batch_s": new_s, "teleport_8_steps_new_batch_in_train_steps": new_s / step_s,
+                    "graph_replayed": forced.graph_replayed, "new_batch_graph_replayed": last.graph_replayed}
         return row
 
     step_s, _ = _timed(train_step, device, repeats)
@@ -364,7 +365,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, c in rows:
         if "teleport_8_steps_new_batch_in_train_steps" in c:
             print(f"{name}: with a new batch each call {c['teleport_8_steps_new_batch_in_train_steps']:.2f} training "
-                  "steps (a captured tick serves it while what it reads keeps its shapes)")
+                  f"steps (the graph replayed: same batch {c['graph_replayed']}, a new one "
+                  f"{c['new_batch_graph_replayed']})")
     print(f"fewest launches per ascent step: {fewest[0]:.0f} ({fewest[1]}); on CUDA the floor is <= 1/5 of the "
           f"{BEFORE_LAUNCHES:.0f} of issue 27's H100: " + ("n/a (CPU)" if floors["launches_per_step_le_fifth"] is None
                                                             else verdict(floors["launches_per_step_le_fifth"])))

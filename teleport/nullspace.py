@@ -204,6 +204,7 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
             heldout_loss_after=heldout_loss(model, loss_fn, holdout),
             ascent=run.ascent,
             hvp=config.hvp,
+            graph_replayed=run.graph_replayed,
         )
     finally:
         model.train(was_training)
@@ -221,6 +222,7 @@ class _Run:
         self.loss0, self.gn0 = cur.loss, cur.grad_norm_sq
         self.steps = self.backoffs = 0
         self.ascent = "host"  # how the steps ran (``ascent_mode``)
+        self.graph_replayed = False  # a graph captured for an earlier batch served this one (``graph_cache``)
         if comm is not None and comm.world_size > 1:  # rows looked up on any rank stay fixed on all
             any_across_(comm, [b.frozen for b in blocks if b.frozen is not None])
 
@@ -263,6 +265,7 @@ class _Run:
         graph_key = graph_cache.key(self.config, self.loss_fn, self.params, blocks) if graphed else ()
         ascent = graph_cache.reused(self.model, graph_key, blocks, self.cur, self.config) if graphed else None
         fresh = ascent is None
+        self.graph_replayed = not fresh
         ascent = ascent or DeviceAscent(weights, tensors, direction, self.cur, self.config)
         reason = ascent.run(graphs=graphed, owner=self.model)
         if graphed and fresh:

@@ -88,6 +88,7 @@ class TeleportReport:
     heldout_loss_after: float | None = None
     ascent: str = "host"  # how the steps ran: "host", "device" or "cuda_graph" (``TeleportConfig.ascent``)
     hvp: str = "exact"  # how H·∇L was computed (``TeleportConfig.hvp``)
+    graph_replayed: bool = False  # "cuda_graph": the model's graph from an earlier batch served this one
 
     @property
     def free_directions(self) -> int:

@@ -105,15 +105,15 @@ def test_what_the_graph_depends_on_captures_anew(captures: list[DeviceAscent]) -
     case = mlp()
     model = copy.deepcopy(case.model)
     x2, y2 = other_batch(case.x, case.y)
-    teleport_batch(model, case.loss_fn, case.x, case.y, GRAPHED)
-    teleport_batch(model, case.loss_fn, x2, y2, GRAPHED)
-    assert len(captures) == 1
+    first = teleport_batch(model, case.loss_fn, case.x, case.y, GRAPHED)
+    second = teleport_batch(model, case.loss_fn, x2, y2, GRAPHED)
+    assert len(captures) == 1 and (first.graph_replayed, second.graph_replayed) == (False, True)
     teleport_batch(model, case.loss_fn, x2[:5], y2[:5], GRAPHED)  # another batch shape: new static inputs
     assert len(captures) == 2
     teleport_batch(model, case.loss_fn, x2, y2, replace(GRAPHED, lr=0.05))  # another config
     assert len(captures) == 3
-    first = next(model.parameters())
-    first.data = first.data.clone()  # a parameter in another storage than the graph reads
+    weight = next(model.parameters())
+    weight.data = weight.data.clone()  # a parameter in another storage than the graph reads
     expected, e_model = fresh_then(Case(copy.deepcopy(model), x2, y2, []), [(x2, y2)], replace(GRAPHED, lr=0.05,
                                                                                                 ascent="device"))
     report = teleport_batch(model, case.loss_fn, x2, y2, replace(GRAPHED, lr=0.05))
