@@ -25,7 +25,7 @@ reads per ascent step ≤ 1; on CUDA at the GPU size, teleport share ≤ 15 % an
 ≤ 1.0x with Adam.
 
     python -m benchmarks.lm_payoff [--quick] [--device cpu|cuda] [--size cpu|gpu] [--seeds N] [--threads K]
-                                   [--ascent auto|host|device] [--hvp exact|difference]
+                                   [--ascent auto|host|device|cuda_graph|fastest] [--hvp exact|difference|cheaper]
 """
 
 from __future__ import annotations
