@@ -254,12 +254,7 @@ class _Run:
 
     def _on_device(self, blocks: list[Block], weights: list[Tensor], tensors: Evaluate) -> str:
         """The steps as device ticks (``teleport.on_device``), captured in a CUDA graph in mode "cuda_graph"."""
-        if self.shifted is not None:
-            direction = partial(_difference_direction, blocks=blocks, weights=weights, params=self.params,
-                                shifted=self.shifted)
-        else:
-            direction = partial(ascent_direction, blocks=blocks, weights=weights, params=self.params, comm=None,
-                                config=self.config)
+        direction = self._direction(blocks, weights, None)  # the ticks are single-process
         # a model whose tick could not be captured has no static inputs (``teleport_batch``): never replayed
         graphed = self.ascent == "cuda_graph" and self.model not in UNCAPTURABLE
         graph_key = graph_cache.key(self.config, self.loss_fn, self.params, blocks) if graphed else ()
@@ -277,10 +272,14 @@ class _Run:
         self.cur = replace(self.cur, loss=loss, grad_norm_sq=gn)
         return reason
 
-    def _direction(self, blocks: list[Block], weights: list[Tensor]) -> list[Tensor]:
+    def _direction(self, blocks: list[Block], weights: list[Tensor],
+                   comm: Collective | None) -> Callable[[Objective], list[Tensor]]:
+        """π(H·∇L) of an objective, with the H·∇L the config asks for."""
         if self.shifted is not None:
-            return _difference_direction(self.cur, blocks, weights, self.params, self.shifted)
-        return ascent_direction(self.cur, blocks, weights, self.params, self.comm, self.config)
+            return partial(_difference_direction, blocks=blocks, weights=weights, params=self.params,
+                           shifted=self.shifted)
+        return partial(ascent_direction, blocks=blocks, weights=weights, params=self.params, comm=comm,
+                       config=self.config)
 
     def _steps(self, blocks: list[Block], weights: list[Tensor], buffers: StepBuffers,
                evaluate: Callable[..., Objective]) -> str:
@@ -288,7 +287,7 @@ class _Run:
         while self.steps < self.config.steps:
             if self.cur.grad_norm_sq >= self.config.cap:
                 return "cap"
-            direction = self._direction(blocks, weights)
+            direction = self._direction(blocks, weights, self.comm)(self.cur)
             last = self.steps + 1 == self.config.steps  # no H·∇L follows the last step: its graph is not kept
             # the first try's η is decided on the device and read back with its L and ‖∇L‖²: one sync a step
             eta_t, aimed_t = aim_on_device(eta, self.cur.grad_norm_sq, direction, self.config.cap)

@@ -66,10 +66,10 @@ Direction = Callable[[Objective], list[Tensor]]  # π(H·∇L) of the moving wei
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream the teleport runs on if it is not the device's default stream (``own_stream``), else a new one: a
-    capture cannot be made on the default stream."""
+    """The stream the teleport runs on if it is not the device's default stream (``own_stream``), else the
+    teleports' own one: a capture cannot be made on the default stream."""
     current = torch.cuda.current_stream(device)
-    return torch.cuda.Stream(device) if current == torch.cuda.default_stream(device) else current
+    return _teleport_stream(device) if current == torch.cuda.default_stream(device) else current
 
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the side stream every captured teleport runs on
@@ -161,8 +161,7 @@ class DeviceAscent:
         if self.config.steps < 1 or not start.grad_norm_sq < self.config.cap:
             raise ValueError("a device ascent needs teleport.steps >= 1 and ‖∇L‖² below CAP at the start")
         with torch.no_grad():
-            torch._foreach_copy_(self.origin, [w.detach() for w in self.weights])
-            torch._foreach_zero_(self.u)
+            torch._foreach_copy_(self.origin, [w.detach() for w in self.weights])  # (U: written as step 1 starts)
             self.first.copy_(torch.tensor([start.grad_norm_sq, start.loss], dtype=torch.float64))
             self.loss0.copy_(self.first[1])
             self.eta.fill_(self.config.lr)

@@ -66,6 +66,11 @@ class TeleportBudget:
         ``CALIBRATION_STEPS``."""
         return self.share is not None and self.share < 1 and self.work_units == 0
 
+    def calibrates(self, steps: int, asked: int) -> bool:
+        """Whether a batch of ``steps`` (``asked``: the config's) is the run's calibration batch: a record says so,
+        and it is not a cut."""
+        return self.calibrating and steps < asked
+
     def steps_for_batch(self, steps: int, spent: float, train_seconds: float, epochs_done: int,
                         agree: Callable[[list[float]], list[float]] | None = None) -> int:
         """The ascent steps the next teleport batch may take (0: skip it), given ``spent`` teleport seconds.

@@ -193,7 +193,7 @@ class OwnLoopContext:
             steps = self._budget_steps(time.perf_counter() - started)
             if steps == 0:
                 break
-            calibrating = self._budget.calibrating and steps < tp.steps  # one step measures a step's cost
+            calibrating = self._budget.calibrates(steps, tp.steps)
             least = least if calibrating else min(least, steps)
             x, y = to_device(batch, self.device, self.dtype)
             config = dataclasses.replace(teleport_config(tp), steps=steps)

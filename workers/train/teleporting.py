@@ -148,7 +148,7 @@ class Teleporter:
             steps = self.budget.steps_for_batch(self.tp.steps, now, train_seconds, epochs_done, agree_across(self.ctx))
             if steps == 0:
                 break
-            calibrating = self.budget.calibrating and steps < self.tp.steps  # one step measures a step's cost
+            calibrating = self.budget.calibrates(steps, self.tp.steps)
             idx = torch.randperm(len(self.train), generator=g)[: self.tp.batch_size]  # type: ignore[arg-type]
             report = self._batch(idx, steps)
             self.ctx.sink.emit(teleport_record(epoch, i, report, calibrating))
