@@ -49,8 +49,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from teleport.flat_move import FlatMove
 from teleport.objective import Objective, host_floats, squared_norm
-from teleport.precision import in_dtypes
 from teleport.report import TeleportConfig
 
 # a tick's verdict on the try it judged, and the reason a teleport stopped (``REASONS``)
@@ -133,9 +133,8 @@ class DeviceAscent:
         tick takes step 1's first try from it, evaluating nothing."""
         self.weights, self.evaluate, self.direction, self.config = weights, evaluate, direction, config
         device = weights[0].device
-        with torch.no_grad():
-            self.origin = [torch.empty_like(w) for w in weights]  # W₀ of the step in flight
-            self.u = [torch.zeros_like(w) for w in weights]  # its U = π(H·∇L)
+        self.flat = FlatMove(weights)  # W₀ of the step in flight and its U = π(H·∇L), in flat runs
+        self.origin, self.u = self.flat.origin, self.flat.u
         f64, i64 = {"dtype": torch.float64, "device": device}, {"dtype": torch.long, "device": device}
         self.first, self.loss0 = torch.zeros(2, **f64), torch.zeros((), **f64)  # [‖∇L‖², L] at the start; L₀
         self.eta = torch.zeros((), **f64)  # η carried from step to step
@@ -273,16 +272,9 @@ class DeviceAscent:
         return torch.where((verdict == CAP) & (rise > 0), secant, 0.5)
 
     def _move(self, start: Tensor, retry: Tensor, exhausted: Tensor, eta_try: Tensor, u_new: list[Tensor]) -> None:
-        """W₀ and U of a new step; W = W₀ + η·U for a new try, W₀ when every try failed, else as it is. In place
-        (``out=``): one temporary of a weight's size at a time, the try."""
-        move = start | retry
-        etas = in_dtypes(eta_try, self.u)
-        for w, origin, u, un in zip(self.weights, self.origin, self.u, u_new, strict=True):
-            torch.where(start, w, origin, out=origin)
-            if un is not u:
-                torch.where(start, un, u, out=u)
-            torch.where(exhausted, origin, w, out=w)
-            torch.where(move, torch.addcmul(origin, u, etas[u.dtype]), w, out=w)
+        """W₀ and U of a new step; W = W₀ + η·U for a new try, W₀ when every try failed, else as it is: a few
+        kernels a run of weights (``teleport.flat_move``)."""
+        self.flat.move(start, retry, exhausted, eta_try, u_new)
 
     def _capture(self, side: torch.cuda.Stream) -> torch.cuda.CUDAGraph | None:
         """The full tick as a CUDA graph (nothing runs while it is captured), or None, with a warning, when the
