@@ -216,7 +216,8 @@ def test_a_sweep_cut_off_by_a_stack_restart_resumes_its_trials(tmp_path: Path) -
 
     home = tmp_path / "tlab"
     env = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}
-    epochs = 300  # one step each: the first trial must still be training when the second one is up
+    epochs = 150  # one step each: the first trial must still be training when the second one is up (it was at
+    # 3-29 epochs on 2 idle cores)
     body = {"base": tiny(training={"epochs": epochs, "max_steps_per_epoch": 1}, resources={"cpus_per_worker": 0.9}),
             "search_space": {"training.seed": {"grid": [0, 1]}}, "max_concurrent_trials": 2}
     with Stack(home, num_cpus=2, tick_s=0.2, extra_env=env) as s1, Client(s1.url, s1.admin_token) as c:
