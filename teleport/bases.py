@@ -34,7 +34,9 @@ Three routes, all in float64, all returning the same subspace:
 - ``svd``: thin SVD of R (d, N), N < d — O(d N²): ask for it by name (``compute_basis(..., route="svd")``);
   the distributed path uses it for gathered columns.
 ``spectra`` decomposes a list of R at once: R of equal shape (a transformer's blocks) in one batched eigh,
-and every σ² comes to the host in one copy, so the τ rule costs one host sync per teleport, not per layer.
+and every σ² comes to the host in one copy, so the τ rule costs one host sync per teleport, not per layer;
+``compute_bases`` then makes the kept vectors of equal (d, k) orthonormal in one batched CholeskyQR2 (the GPT-style
+LM's evaluation + bases: 776 -> 641 kernels, CPU count, ``benchmarks/lm_payoff``).
 """
 
 from __future__ import annotations
@@ -164,7 +166,8 @@ def spectrum(rep: Tensor) -> Spectrum:
 
 
 def orthonormalize(u: Tensor) -> Tensor:
-    """CholeskyQR2: u (d, k) of full column rank -> an orthonormal basis of its span, same column order.
+    """CholeskyQR2: u (d, k) — or a batch (b, d, k) — of full column rank -> an orthonormal basis of its span, same
+    column order.
 
     Q = U L⁻ᵀ with L Lᵀ = UᵀU, twice: the second pass takes the first's ε·κ² loss of orthogonality to ε.
     ``cholesky_ex``: no host sync on a GPU (``cholesky`` checks its info flag on the host).
@@ -183,24 +186,57 @@ def _kept_vectors(spec: Spectrum, k: int) -> Tensor:
     return orthonormalize(spec.vectors[:, :k] * scale).to(working_dtype(spec.source))
 
 
-def select_basis(spec: Spectrum, tau: float, rule: str = "numerical_rank") -> Basis:
-    """Apply eq. 3 (and the numerical rank) to a spectrum; keep the smaller of span and complement."""
-    vectors, sq = spec.vectors, spec.sq
-    d = vectors.shape[0]
-    wdtype = working_dtype(spec.source)
+def _rank(spec: Spectrum, tau: float, rule: str) -> tuple[int, float] | None:
+    """(k, ‖R_k‖²_F / ‖R‖²_F) by eq. 3 and the numerical rank, read on the host's σ²; None for an all-zero R."""
+    sq, d = spec.sq, spec.vectors.shape[0]
     total = float(sq.sum())
-    if total == 0.0:  # an all-zero input: nothing to keep, every direction is free
-        return Basis(d, 0, 1.0, None, torch.eye(d, dtype=wdtype, device=vectors.device), spec.route)
+    if total == 0.0:
+        return None
+    wdtype = working_dtype(spec.source)
     tol = _rank_tol(float(sq[0]), (d, spec.cols), wdtype)
     if spec.route != "svd":  # eigenvalues of a float64 Gram carry ~max(d, N)·eps64·λ_max of round-off
         tol = max(tol, max(d, spec.cols) * torch.finfo(torch.float64).eps * float(sq[0]))
     k = tau_rank(sq, tau, tol) if rule == "numerical_rank" else energy_rank(sq, tau, wdtype)
-    captured = float(sq[:k].sum()) / total
+    return k, float(sq[:k].sum()) / total
+
+
+def _basis(spec: Spectrum, rank: tuple[int, float] | None, kept: Tensor | None = None) -> Basis:
+    """The basis of rank ``rank`` (``_rank``): the smaller of span and complement; ``kept``: its span's vectors
+    when already made (``_kept_together``)."""
+    vectors = spec.vectors
+    d = vectors.shape[0]
+    if rank is None:  # an all-zero input: nothing to keep, every direction is free
+        eye = torch.eye(d, dtype=working_dtype(spec.source), device=vectors.device)
+        return Basis(d, 0, 1.0, None, eye, spec.route)
+    k, captured = rank
     free = vectors[:, k:].contiguous() if spec.route == "gram" else None
     # keep only the smaller side; projecting with it costs 2·C_o·d·min(k, d−k)
     if free is not None and free.shape[1] <= k:
         return Basis(d, k, captured, None, free, spec.route)
-    return Basis(d, k, captured, _kept_vectors(spec, k), None, spec.route)
+    return Basis(d, k, captured, _kept_vectors(spec, k) if kept is None else kept, None, spec.route)
+
+
+def select_basis(spec: Spectrum, tau: float, rule: str = "numerical_rank") -> Basis:
+    """Apply eq. 3 (and the numerical rank) to a spectrum; keep the smaller of span and complement."""
+    return _basis(spec, _rank(spec, tau, rule))
+
+
+def _kept_together(specs: list[Spectrum], ranks: list[tuple[int, float] | None]) -> dict[int, Tensor]:
+    """The kept vectors of every ``cols`` spectrum that shares (d, k, dtype, device) with another, made
+    orthonormal in one batched CholeskyQR2 (a transformer's blocks: ~10 kernels a shape, not ~10 a layer)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (spec, rank) in enumerate(zip(specs, ranks, strict=True)):
+        if rank is not None and rank[0] > 0 and spec.route == "cols":
+            v = spec.vectors
+            groups.setdefault((v.shape[0], rank[0], v.dtype, v.device, spec.source), []).append(i)
+    out: dict[int, Tensor] = {}
+    for (_, k, _, device, source), idx in groups.items():
+        if len(idx) < 2:
+            continue
+        scale = torch.stack([specs[i].sq[:k] for i in idx]).sqrt().reciprocal().to(device)  # one copy, no sync
+        u = torch.stack([specs[i].vectors[:, :k] for i in idx]) * scale[:, None, :]
+        out.update(zip(idx, orthonormalize(u).to(working_dtype(source)).unbind(0), strict=True))
+    return out
 
 
 def compute_basis(rep: Tensor, tau: float = 1.0, rule: str = "numerical_rank", route: str = "auto") -> Basis:
@@ -211,8 +247,12 @@ def compute_basis(rep: Tensor, tau: float = 1.0, rule: str = "numerical_rank", r
 
 
 def compute_bases(reps: Sequence[Tensor], tau: float, rule: str = "numerical_rank") -> list[Basis]:
-    """``compute_basis`` of every R, batched (``spectra``): one eigh per shape, one host sync for the τ rule."""
-    return [select_basis(spec, tau, rule) for spec in spectra(reps)]
+    """``compute_basis`` of every R, batched (``spectra``): one eigh per shape, one host sync for the τ rule, the
+    kept vectors of one shape made orthonormal together (``_kept_together``)."""
+    specs = spectra(reps)
+    ranks = [_rank(spec, tau, rule) for spec in specs]
+    kept = _kept_together(specs, ranks)
+    return [_basis(spec, rank, kept.get(i)) for i, (spec, rank) in enumerate(zip(specs, ranks, strict=True))]
 
 
 def project(grad: Tensor, basis: Basis, inplace: bool = False) -> Tensor:

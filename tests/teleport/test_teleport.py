@@ -19,7 +19,7 @@ from teleport import (
     symmetry_teleport_batch,
     teleport_batch,
 )
-from teleport.bases import compute_bases, project_split
+from teleport.bases import _kept_together, _rank, compute_bases, project_split, spectra
 from teleport.nullspace import layer_bases, objective, teleport_gradient
 from workers.train import models
 
@@ -183,6 +183,17 @@ def test_bases_of_equal_shapes_are_batched_and_match_one_by_one() -> None:
             assert (b.rank, b.dim) == (alone.rank, alone.dim)
             g = torch.randn(4, rep.shape[0])
             assert torch.allclose(project(g, b), project(g, alone), atol=1e-8)
+            if b.kept is not None:  # orthonormal whether made alone or with its shape's others
+                assert torch.allclose(b.kept.T @ b.kept, torch.eye(b.rank), atol=1e-6)
+    specs = spectra(reps[:3])
+    together = _kept_together(specs, [_rank(s, 1.0, "numerical_rank") for s in specs])
+    assert sorted(together) == [0, 1, 2]  # the three (40, 12) of rank 12: one batched CholeskyQR2
+    # float64, σ down to 3e-7 of σ₁: R V Σ⁻¹ alone is orthogonal to ε·σ₁²/σ_k² ~ 1e-3; the batched QR2 mends it
+    steep = [torch.randn(40, 12, dtype=torch.float64) @ torch.diag(torch.logspace(0, -6.5, 12, dtype=torch.float64))
+             @ torch.linalg.qr(torch.randn(12, 12, dtype=torch.float64))[0] for _ in range(3)]
+    for b in compute_bases(steep, 1.0):
+        assert b.rank == 12 and b.kept is not None
+        assert torch.allclose(b.kept.T @ b.kept, torch.eye(12, dtype=torch.float64), atol=1e-12)
 
 
 def test_tau_below_one_keeps_fewer_directions_with_bounded_drift() -> None:
