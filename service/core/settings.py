@@ -70,6 +70,10 @@ class Settings(BaseSettings):
                               description="a running job whose files on the storage volume hold more is stopped and "
                                           "ends failed saying so (its last checkpoint kept); so is one that takes "
                                           "its owner past quotas.max_storage_gb")
+    max_job_files: int = Field(100_000, gt=0, validation_alias="TLAB_MAX_JOB_FILES",
+                               description="a running job whose files on the storage volume count more entries (files, "
+                                           "directories, links) is stopped and ends failed saying so (its last "
+                                           "checkpoint kept); the scheduler's measure reads at most this many")
     storage_check_s: float = Field(30.0, gt=0, allow_inf_nan=False, validation_alias="TLAB_STORAGE_CHECK_S",
                                    description="how often the scheduler measures each running job's files")
     checkpoint_every_s: float = Field(2.0, ge=0, allow_inf_nan=False, validation_alias="TLAB_CHECKPOINT_EVERY_S",

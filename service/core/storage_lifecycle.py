@@ -53,20 +53,43 @@ def surplus(settings: Settings, job_id: str, keep: set[str]) -> list[str]:
     return [d for d in checkpoint_dirs(settings, job_id) if d in models and d not in newest | keep]
 
 
-def size_of(path: Path) -> int:
-    """Bytes of the regular files under ``path`` (links neither followed nor counted)."""
-    total = 0
-    for top, _dirs, files in os.walk(path):
-        for name in files:
-            st = os.lstat(os.path.join(top, name))
-            total += st.st_size if not os.path.islink(os.path.join(top, name)) else 0
-    return total
+def usage_of(path: Path, max_entries: int | None = None) -> tuple[int, int]:
+    """(bytes of the regular files under ``path``, its entries: files, directories, links), links neither followed
+    nor counted in bytes; the walk stops once it has seen more than ``max_entries`` (its time is bounded by them)."""
+    size = entries = 0
+    todo = [str(path)]
+    while todo:
+        try:
+            listing = os.scandir(todo.pop())
+        except OSError:  # gone meanwhile, or not a directory
+            continue
+        with listing:
+            for entry in listing:
+                entries += 1
+                if max_entries is not None and entries > max_entries:
+                    return size, entries
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        todo.append(entry.path)
+                    elif entry.is_file(follow_symlinks=False):
+                        size += entry.stat(follow_symlinks=False).st_size
+                except OSError:  # removed while we looked
+                    continue
+    return size, entries
+
+
+def job_usage(settings: Settings, job_id: str, max_entries: int | None = None) -> tuple[int, int]:
+    """(bytes, entries) of a job's files on the storage volume now (its directory, and a sweep's trials)."""
+    root = Path(settings.storage_path)
+    size, entries = usage_of(root / job_id, max_entries)
+    more = None if max_entries is None else max(max_entries - entries, 0)
+    sweep_size, sweep_entries = usage_of(root / f"sweep-{job_id}", more)
+    return size + sweep_size, entries + sweep_entries
 
 
 def job_bytes(settings: Settings, job_id: str) -> int:
     """What a job's files hold on the storage volume now (its directory, and a sweep's trials)."""
-    root = Path(settings.storage_path)
-    return size_of(root / job_id) + size_of(root / f"sweep-{job_id}")
+    return job_usage(settings, job_id)[0]
 
 
 def prune_ended(store: Store, settings: Settings, data: dict[str, str]) -> int:

@@ -7,10 +7,11 @@ the Ray job (SIGTERM: the driver exports its artifacts from the last checkpoint;
 ``TLAB_STOP_GRACE_S``) and the job ends ``failed`` with a reason that names the limit and the last epoch reported.
 
 Storage: a running job's files on the storage volume (``<storage>/<id>``, a sweep's ``sweep-<id>`` too: its
-checkpoints, artifacts, what its own code writes there) may hold at most ``TLAB_MAX_JOB_GB``, and with what its
-owner's ended jobs hold at most the owner's ``quotas.max_storage_gb`` (admins: only the first). The scheduler
-measures them every ``TLAB_STORAGE_CHECK_S``; over either, the job is stopped the same way and ends ``failed``
-saying which and both figures (``storage_over``).
+checkpoints, artifacts, what its own code writes there) may hold at most ``TLAB_MAX_JOB_GB`` in at most
+``TLAB_MAX_JOB_FILES`` entries (files, directories, links: the measure reads no more, so its time is bounded), and
+with what its owner's ended jobs hold at most the owner's ``quotas.max_storage_gb`` (admins: only the first two).
+The scheduler measures them every ``TLAB_STORAGE_CHECK_S``; over any, the job is stopped the same way and ends
+``failed`` saying which and the figures (``storage_over``).
 """
 
 from __future__ import annotations
@@ -79,9 +80,14 @@ def time_limit_reason(store: Store, job_id: str, limit: float) -> str:
             "(raise resources.time_limit_s to train longer)")
 
 
-def storage_over(settings: Settings, store: Store, data: dict[str, str], size: int) -> str:
-    """Why a running job of ``size`` bytes must stop ('' when it may go on): over ``TLAB_MAX_JOB_GB``, or taking its
-    owner (not an admin) past ``quotas.max_storage_gb`` with what their ended jobs hold."""
+def storage_over(settings: Settings, store: Store, data: dict[str, str], size: int, entries: int = 0) -> str:
+    """Why a running job of ``size`` bytes in ``entries`` files and directories must stop ('' when it may go on):
+    over ``TLAB_MAX_JOB_FILES`` or ``TLAB_MAX_JOB_GB``, or taking its owner (not an admin) past
+    ``quotas.max_storage_gb`` with what their ended jobs hold."""
+    if entries > settings.max_job_files:
+        return (f"file limit: its directory holds more than {settings.max_job_files} files and directories, over "
+                f"TLAB_MAX_JOB_FILES={settings.max_job_files}: stopped, its last checkpoint is kept (write fewer, "
+                "larger files, an archive say, or ask an admin to raise the limit)")
     cap = settings.max_job_gb
     if size > cap * GB:
         return (f"storage limit: its files hold {size / GB:.2f} GB, over TLAB_MAX_JOB_GB={cap:g}: stopped, its last "

@@ -213,7 +213,8 @@ class Scheduler:
         job_id = data["id"]
         if status not in RAY_ACTIVE or data.get("state") != JobState.RUNNING.value or not self.storage.due(job_id, now):
             return ""
-        reason = storage_over(self.settings, self.store, data, storage_lifecycle.job_bytes(self.settings, job_id))
+        size, entries = storage_lifecycle.job_usage(self.settings, job_id, self.settings.max_job_files)
+        reason = storage_over(self.settings, self.store, data, size, entries)
         if reason:
             log.info("%s: %s", job_id, reason)
             self.store.r.hset(keys.job(job_id), STORAGE_LIMITED, reason)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from api_schemas import keys
 from api_schemas.jobs import ExperimentSubmit, JobState, Quotas, UserCreate
+from service.core import storage_lifecycle
 from service.core.settings import Settings
 from service.core.store import Store
 from service.launch.ray_cluster import RayJobs, StaticCluster
@@ -85,3 +86,25 @@ def test_a_job_that_takes_its_owner_past_their_quota_is_stopped_an_admins_is_not
     plant(tmp_path / "storage", boss, 3 * MB)  # over her quota, within TLAB_MAX_JOB_GB: admins are not bound
     tick(sched, 1140.0)
     assert admin.raw(boss)["state"] == "running" and not admin.raw(boss).get(STORAGE_LIMITED)
+
+
+def test_a_job_that_writes_too_many_files_is_stopped_and_the_measure_reads_no_more(redis_server: str,
+                                                                                   tmp_path: Path) -> None:
+    store, ray, sched, job = started(redis_server, tmp_path, "ann", TLAB_MAX_JOB_FILES=40)
+    many = tmp_path / "storage" / job / "shards"
+    many.mkdir(parents=True)
+    for i in range(30):
+        (many / f"{i}.txt").write_text("x")
+    tick(sched, 1040.0)  # 31 entries (the directory and its files): within
+    assert ray.states[RayJobs.submission_id(job, 1)] == "RUNNING"
+    for i in range(30, 60):
+        (many / f"{i}.txt").write_text("x")
+    tick(sched, 1071.0)
+    assert ray.states[RayJobs.submission_id(job, 1)] == "STOPPED"
+    tick(sched, 1072.0)
+    reason = store.view(job).failure_reason or ""
+    assert reason.startswith("file limit: its directory holds more than 40 files and directories, over "
+                             "TLAB_MAX_JOB_FILES=40: stopped, its last checkpoint is kept"), reason
+    settings = Settings(redis_url=redis_server, TLAB_STORAGE=str(tmp_path / "storage"))
+    assert storage_lifecycle.job_usage(settings, job, 10) == (9, 11)  # read: the directory, 9 files, the 11th entry
+    assert storage_lifecycle.job_usage(settings, job) == (60, 61)  # every file's byte, every entry
