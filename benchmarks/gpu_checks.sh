@@ -65,3 +65,7 @@ part bf16_run 60 $PY -m workers.cli run digits/teleport --local --no-progress --
 part float32_drift 90 $PY -m benchmarks.float32_drift --seeds 1 $QUICK
 part convergence 240 $PY -m benchmarks.convergence $QUICK
 [[ -n "$TGZ" ]] && tar czf "$TGZ" -C "$DIR" --exclude '*.safetensors' --exclude '*.pt' . && echo "packed $TGZ"
+failed=()
+for name in "${!RC[@]}"; do [[ "${RC[$name]}" == 0 ]] || failed+=("$name:${RC[$name]}"); done
+echo "=== parts run: ${#RC[@]}, failed: ${failed[*]:-none}"
+((${#failed[@]} == 0))  # the script's exit status: 0 only when every part that ran passed
