@@ -50,7 +50,14 @@ from workers.train.gpu_share import device_report, gpu_memory
 from workers.train.own_loop import run_own_loop
 from workers.train.shared import TrainingDiverged, diverged, param_count, summarize
 from workers.train.sinks import JsonlSink, MemorySink, MetricSink, SaySink, TeeSink
-from workers.train.teleporting import TeleportDiverged, Teleporter, sample_batch, steps_per_epoch, to_device
+from workers.train.teleporting import (
+    TeleportDiverged,
+    Teleporter,
+    sample_batch,
+    schedule_hint,
+    steps_per_epoch,
+    to_device,
+)
 
 __all__ = ["TrainingDiverged", "evaluate", "param_count", "run_local", "sample_batch", "summarize", "to_device",
            "train"]
@@ -162,6 +169,8 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
         "device": str(ctx.device), "world_size": ctx.world_size, "resumed_from_epoch": start_epoch,
         "spec": spec.model_dump(mode="json"),
     })
+    if start_epoch == 0 and (hint := schedule_hint(spec.optimizer.name, tp, tr.epochs)):
+        ctx.sink.emit(hint)
 
     def train_steps(epoch_seed: int, limit: int | None) -> tuple[float, int]:
         """Primary optimizer steps over one shuffled pass (at most ``limit``): (summed loss, steps)."""

@@ -167,3 +167,24 @@ def test_a_teleport_at_cap_on_every_batch_says_once_what_to_change(capsys: pytes
     assert f"hint: {hints[0]['message']}" in capsys.readouterr().err
     records, _ = run(None)  # teleport that moves says nothing
     assert not [r for r in records if r["kind"] == "hint"]
+
+
+@pytest.mark.parametrize(("optimizer", "epochs", "said"), [("adam", [0, 1, 2], True), ("adamw", [1], True),
+                                                            ("adam", [0], False), ("adam", [0, 5], False),
+                                                            ("momentum", [0, 1, 2], False)])
+def test_adam_teleporting_after_epoch_0_is_told_once_at_the_start(optimizer: str, epochs: list[int],
+                                                                   said: bool) -> None:
+    """Adam's step does not grow with ‖∇L‖: teleports after the first cost time and seldom save any (measured,
+    docs/algorithm.md). A run that asks for them says so once, before its first epoch; epoch 5 of a 3-epoch run
+    never comes, so it does not count."""
+    base = spec(None)
+    s = base.model_copy(update={"optimizer": base.optimizer.model_copy(update={"name": optimizer, "lr": 1e-3}),
+                                "teleport": base.teleport.model_copy(update={"epochs": epochs})})
+    sink = MemorySink()
+    train(s, RunContext(sink=sink))
+    hints = [(i, r) for i, r in enumerate(sink.records) if r["kind"] == "hint"]
+    assert [r["reason"] for _, r in hints] == (["adaptive_optimizer"] if said else [])
+    if said:
+        first_epoch = next(i for i, r in enumerate(sink.records) if r["kind"] == "epoch")
+        assert hints[0][0] < first_epoch and "consider teleport.epochs: [0]" in hints[0][1]["message"]
+        assert hints[0][1]["message"].startswith(f"teleport with {optimizer} before epochs {epochs}: ")
