@@ -12,10 +12,11 @@ Two parts, on the device given (``--device cpu|cuda``), side by side in one run:
    teleport's host reads (``teleport.objective.HOST_READS``), each as (T(8) − T(0)) / 8 — for each way of
    running the steps (``teleport.ascent``: the host guard, what ``auto`` runs, and the device ticks; on CUDA
    the ticks in a CUDA graph too, measured last) and each H·∇L (``teleport.hvp``: exact, difference).
-2. **Payoff** on ``examples/tiny_lm`` (a char LM on Python source): baseline against teleport with SGD and
-   Adam through the product's own loop (``workers.train.loop.train``) with ``teleport.budget`` at its default:
-   seconds to the baseline's final train loss as a ratio, and teleport's share of the run, for each of
-   ``--seeds`` seeds (3; quick 1) and their median. ``--quick`` and
+2. **Payoff** on ``examples/tiny_lm`` (a char LM on Python source; ``benchmarks.lm_payoff_runs``): baseline
+   against teleport with SGD and Adam, and Adam teleporting before epoch 0 only (``adam_first``: what a run
+   with Adam is told to do), through the product's own loop (``workers.train.loop.train``) with
+   ``teleport.budget`` at its default: seconds to the baseline's final train loss as a ratio, and teleport's
+   share of the run, for each of ``--seeds`` seeds (3; quick 1) and their median. ``--quick`` and
    the CPU default are small (CPU: d = 128, 2 layers, context 32, 6 epochs, 2 teleport batches of 2
    sequences, 64 token columns < d); ``--size gpu`` is the issue's size (d = 256, 4 layers, context 64,
    batch 64, 12 epochs, teleport before epochs 0-4, 8 batches × 8 steps).
@@ -33,10 +34,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,10 +43,10 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.common import add_machine_args, print_table, quiet_machine, verdict, write_result
+from benchmarks.lm_payoff_runs import payoff
 from teleport import TeleportConfig, teleport_batch
 from teleport.objective import HOST_READS
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_lm"
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")  # a graph: one launch
 ASCENTS = ("host", "device")  # ``TeleportConfig.ascent`` side by side; on CUDA "cuda_graph" too, after the payoff
 # part (its capture failed on an H200 and left the process's CUDA generator unusable: mended, not yet run on a GPU)
@@ -220,73 +218,6 @@ def cosine(a: list[Tensor], b: list[Tensor]) -> float:
     dot = sum(float((u.detach().double() * v.detach().double()).sum()) for u, v in zip(a, b, strict=True))
     norm = [sum(float(t.detach().double().square().sum()) for t in ts) ** 0.5 for ts in (a, b)]
     return dot / (norm[0] * norm[1])
-
-
-def lm_spec(optimizer: str, teleport: bool, size: str, quick: bool, ascent: str = "auto", seed: int = 0,
-            hvp: str = "exact") -> Any:
-    from api_schemas.spec_io import build_spec
-
-    gpu = size == "gpu"
-    # d > the teleport batch's 2·ctx token columns, so every layer has a null space to move in
-    small = (16, 1, 8, 16, 3) if quick else (128, 2, 32, 32, 6)
-    d, layers, ctx, batch, epochs = (256, 4, 64, 64, 12) if gpu else small
-    chars = None if gpu else (3000 if quick else 20000)
-    return build_spec({
-        "model": {"kind": "custom", "factory": "tiny_lm.model:gpt",
-                  "args": {"d": d, "heads": 4 if d % 4 == 0 else 2, "layers": layers, "max_len": ctx}},
-        "dataset": {"name": "custom", "factory": "tiny_lm.data:python_source",
-                    "args": {"module": "json.decoder", "seq_len": ctx, "stride": ctx // 2,
-                             **({"max_chars": chars} if chars else {})}},
-        "training": {"epochs": epochs, "batch_size": batch, "loss": "tiny_lm.loss:next_token", "seed": seed},
-        "optimizer": {"name": optimizer, "lr": {"sgd": 0.3, "adam": 0.003}[optimizer]},
-        "teleport": {"enabled": teleport, "epochs": list(range(min(5, epochs))), "batches": 8 if gpu else 2,
-                     "steps": 8, "batch_size": 2, "ascent": ascent, "hvp": hvp},
-    })
-
-
-def payoff(device: torch.device, size: str, quick: bool, ascent: str = "auto", seeds: int = 1,
-           hvp: str = "exact") -> dict[str, Any]:
-    """Per optimizer: each seed's baseline and teleport run (seconds to the baseline's final train loss as a ratio,
-    teleport's share), and over the seeds the median ratio ("never" counts as infinite) and how many reached it.
-    The final losses differ in the third decimal at these sizes, so one seed's ratio is mostly noise."""
-    out: dict[str, Any] = {}
-    for opt in ("sgd", "adam"):
-        runs = [_payoff_seed(device, size, quick, (ascent, hvp), opt, seed) for seed in range(seeds)]
-        median = statistics.median(math.inf if r["seconds_ratio"] is None else r["seconds_ratio"] for r in runs)
-        out[opt] = runs[0] | {  # seed 0's figures stay at the top (the earlier, single-seed layout)
-            "seeds": runs, "median_seconds_ratio": median if math.isfinite(median) else None,
-            "reached": sum(r["seconds_ratio"] is not None for r in runs),
-            "median_teleport_share": statistics.median(r["teleport_share"] for r in runs),
-        }
-    return out
-
-
-def _payoff_seed(device: torch.device, size: str, quick: bool, how: tuple[str, str], opt: str,
-                 seed: int) -> dict[str, Any]:
-    """One seed: the baseline and the teleport run through the product's loop (``how``: teleport.ascent, .hvp)."""
-    from workers.train.context import RunContext
-    from workers.train.loop import train
-    from workers.train.sinks import MemorySink
-
-    if str(EXAMPLE) not in sys.path:
-        sys.path.insert(0, str(EXAMPLE))
-    runs = {}
-    for label, tele in (("baseline", False), ("teleport", True)):
-        spec = lm_spec(opt, tele, size, quick, how[0], seed, how[1])
-        spec = spec.model_copy(update={"training": spec.training.model_copy(update={"device": device.type})})
-        sink = MemorySink()
-        summary = train(spec, RunContext(device=device, sink=sink))
-        runs[label] = (summary, [r for r in sink.records if r["kind"] == "epoch"])
-    target = runs["baseline"][0]["final_train_loss"]
-    hit = next((e for e in runs["teleport"][1] if e["train_loss"] <= target), None)
-    return {
-        "seed": seed, "baseline_final_train_loss": target, "baseline_seconds": runs["baseline"][0]["seconds"],
-        "teleport_final_train_loss": runs["teleport"][0]["final_train_loss"],
-        "teleport_seconds_to_target": hit["seconds"] if hit else None,
-        "seconds_ratio": hit["seconds"] / runs["baseline"][0]["seconds"] if hit else None,
-        "teleport_share": runs["teleport"][0]["teleport_share"],
-        "teleport_cuts": runs["teleport"][0]["teleport_cuts"],
-    }
 
 
 def fastest_way(cost: dict[str, Any], ascents: tuple[str, ...] | None = None) -> tuple[str, str]:
