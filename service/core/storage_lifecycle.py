@@ -1,6 +1,7 @@
 """What an ended job keeps in storage, and what each user's jobs hold there (the ``max_storage_gb`` quota).
 
-An ended experiment keeps its newest ``TLAB_KEEP_ENDED_CHECKPOINTS`` (1) checkpoints that hold a model, any a
+An ended experiment (and each trial of an ended sweep: ``prune_trials``) keeps its newest
+``TLAB_KEEP_ENDED_CHECKPOINTS`` (1) checkpoints that hold a model, any a
 continued or forked child names, the ones that hold no model (a diverged run's failure marker, a few bytes), and
 its artifacts (``prune_ended``: the scheduler, once the job has left the active set). Running, a job keeps
 ``TLAB_KEEP_CHECKPOINTS`` (2). Its size is then counted once: the job hash's ``storage_bytes`` and its owner's
@@ -19,7 +20,7 @@ from pathlib import Path
 from api_schemas import keys
 from api_schemas.jobs import TERMINAL, UserPublic
 from api_schemas.lineage import StartFrom
-from service.core import storage
+from service.core import safe_files, storage
 from service.core.checkpoints import checkpoint_dirs, kept_epochs
 from service.core.errors import InvalidInput
 from service.core.settings import Settings
@@ -92,15 +93,48 @@ def job_bytes(settings: Settings, job_id: str) -> int:
     return job_usage(settings, job_id)[0]
 
 
+def prune_trials(settings: Settings, job_id: str) -> int:
+    """An ended sweep's trials keep their newest ``TLAB_KEEP_ENDED_CHECKPOINTS`` checkpoints each (Tune kept 2 a
+    trial while it ran, 4 under PBT; the sweep's artifacts, its best trial's, were exported as it ended). Every
+    directory is opened relative to its parent without following links: a trial's code wrote them. How many went."""
+    try:
+        sweep = safe_files.open_dir(settings.storage_path, f"sweep-{job_id}")
+    except (FileNotFoundError, NotADirectoryError, safe_files.UnsafeFile):
+        return 0
+    gone = 0
+    try:
+        with os.scandir(sweep) as entries:
+            trials = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+        for trial in trials:
+            try:
+                fd = os.open(trial, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=sweep)
+            except OSError:  # gone, or a link put in its place meanwhile
+                continue
+            try:
+                with os.scandir(fd) as entries:
+                    kept = sorted(e.name for e in entries
+                                  if e.name.startswith("checkpoint_") and e.is_dir(follow_symlinks=False))
+                for name in kept[: -settings.keep_ended_checkpoints]:  # Tune's names: checkpoint_000012
+                    shutil.rmtree(name, dir_fd=fd)
+                    gone += 1
+            finally:
+                os.close(fd)
+    finally:
+        os.close(sweep)
+    return gone
+
+
 def prune_ended(store: Store, settings: Settings, data: dict[str, str]) -> int:
-    """Drop an ended experiment's surplus checkpoints (here and in the bucket), then count what it keeps against
-    its owner (once); its size in bytes."""
+    """Drop an ended job's surplus checkpoints (an experiment's, here and in the bucket; a sweep's trials'), then
+    count what it keeps against its owner (once); its size in bytes."""
     job_id = data["id"]
     root = Path(settings.storage_path)
     if data.get("kind", "experiment") == "experiment":
         for name in surplus(settings, job_id, named_by_children(store, data)):
             shutil.rmtree(root / job_id / name, ignore_errors=True)
             storage.delete(settings, f"{job_id}/{name}")
+    else:
+        prune_trials(settings, job_id)
     size = job_bytes(settings, job_id)
     if store.r.hsetnx(keys.job(job_id), "storage_bytes", str(size)):
         store.r.hincrby(keys.storage_usage(), data["owner"], size)

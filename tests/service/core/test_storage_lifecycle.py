@@ -108,3 +108,32 @@ def test_a_requeued_job_cancelled_while_it_waits_is_pruned_and_counted(api_only:
         assert sorted(p.name for p in (storage / ran).glob("checkpoint_*")) == ["checkpoint_2026-01-02"]
         assert storage_lifecycle.used_bytes(store, "ida") == int(store.r.hget(keys.job(ran), "storage_bytes") or 0) > 0
         assert store.r.smembers(keys.unsettled()) == set()
+
+
+def test_an_ended_sweeps_trials_keep_their_newest_checkpoint_and_no_link_is_followed(tmp_path: Path,
+                                                                                     redis_server: str) -> None:
+    """Tune kept 2 checkpoints a trial (4 under PBT) while the sweep ran; once it ended each trial keeps its newest.
+    A trial's code wrote these directories: a link in place of a trial or a checkpoint leads nowhere."""
+    settings, store = Settings(TLAB_HOME=str(tmp_path), REDIS_URL=redis_server), Store.from_url(redis_server)
+    sweep = tmp_path / "storage" / "sweep-s1"
+    for trial, names in (("train_a_00000", ("checkpoint_000008", "checkpoint_000009", "checkpoint_000010")),
+                         ("train_b_00001", ("checkpoint_000003", "checkpoint_000004")),
+                         ("train_c_00002", ())):
+        for name in names:
+            (sweep / trial / name).mkdir(parents=True)
+            (sweep / trial / name / "checkpoint.pt").write_bytes(b"w" * 100)
+        (sweep / trial).mkdir(parents=True, exist_ok=True)
+    (sweep / "tuner.pkl").write_bytes(b"state")
+    outside = tmp_path / "elsewhere"
+    for name in ("checkpoint_000001", "checkpoint_000002"):
+        (outside / name).mkdir(parents=True)
+    (sweep / "train_d_00003").symlink_to(outside)  # a link in place of a trial
+    (sweep / "train_b_00001" / "checkpoint_000000").symlink_to(outside / "checkpoint_000001")
+    data = {"id": "s1", "kind": "sweep", "owner": "erin"}
+    size = storage_lifecycle.prune_ended(store, settings, data)
+    assert sorted(p.name for p in (sweep / "train_a_00000").iterdir()) == ["checkpoint_000010"]
+    assert sorted(p.name for p in (sweep / "train_b_00001").iterdir()) == ["checkpoint_000000", "checkpoint_000004"]
+    assert sorted(p.name for p in outside.iterdir()) == ["checkpoint_000001", "checkpoint_000002"]  # untouched
+    assert (sweep / "tuner.pkl").exists() and (sweep / "train_c_00002").is_dir()
+    assert size == 2 * 100 + len(b"state") and storage_lifecycle.used_bytes(store, "erin") == size
+    assert storage_lifecycle.prune_trials(settings, "s1") == 0  # nothing more to go
