@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 import redis
 
+from api_schemas import keys
 from service.cli.client import Client
 from service.core.settings import Settings
 from service.launch.job_acl import JobAcl
@@ -86,6 +88,15 @@ def test_asha_sweep_over_teleport_lr_runs_through_the_api(stack: Stack) -> None:
             assert epochs == list(range(len(epochs))) and len(epochs) >= t["epochs"] >= 1, (t, epochs)
         png = c.request("GET", f"/v1/sweeps/{sweep}/plot.png").content
         assert png[:4] == b"\x89PNG"
+    # once the scheduler has settled the ended sweep (its size counted), each trial keeps its newest checkpoint only
+    r = redis.Redis.from_url(stack.redis_url or "", decode_responses=True)
+    deadline = time.monotonic() + 60
+    while not r.hget(keys.job(sweep), "storage_bytes"):
+        assert time.monotonic() < deadline, "the scheduler never settled the ended sweep"
+        time.sleep(0.2)
+    kept = {t.name: sorted(p.name for p in t.glob("checkpoint_*"))
+            for t in (stack.home / "storage" / f"sweep-{sweep}").iterdir() if t.is_dir()}
+    assert len(kept) == 4 and all(len(names) == 1 for names in kept.values()), kept
 
 
 def colour_pixels(png: bytes) -> dict[str, int]:
