@@ -41,7 +41,14 @@ from workers.train.context import RunContext
 from workers.train.failure import OURS
 from workers.train.gpu_share import gpu_memory
 from workers.train.shared import TrainingDiverged, diverged, param_count, summarize
-from workers.train.teleporting import IdleHints, sample_batch, teleport_record, to_device
+from workers.train.teleporting import (
+    IdleHints,
+    optimizer_name,
+    sample_batch,
+    schedule_hint,
+    teleport_record,
+    to_device,
+)
 from workers.train.user_code import UserCodeError, definition, one_line, report, resolve
 
 FIELD = "training.entrypoint"
@@ -109,6 +116,7 @@ class OwnLoopContext:
         self._budget.work_units, self._budget.work_seconds = saved.get("teleport_work", (0.0, 0.0))
         self.teleport_cuts = int(saved.get("teleport_cuts", 0))
         self._hints = IdleHints()
+        self._told_schedule = self.start_epoch > 0  # the Adam hint (``schedule_hint``): once, at a run's start
 
     # ------------------------------------------------------------------------------------ where it runs
 
@@ -185,6 +193,10 @@ class OwnLoopContext:
         if isinstance(batches, Dataset):
             batches = self._draw(batches, epoch)
         self._start()
+        if optimizer is not None and not self._told_schedule:
+            self._told_schedule = True
+            if hint := schedule_hint(optimizer_name(optimizer), tp, self.spec.training.epochs):
+                self.run.sink.emit(hint)
         started, reports = time.perf_counter(), []
         self._executor = self._executor or basis_executor(tp)
         held = None if holdout is None else to_device(holdout, self.device, self.dtype)

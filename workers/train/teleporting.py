@@ -68,6 +68,13 @@ def idle_hint(epoch: int, reports: list[TeleportReport], tp: TeleportSpec) -> di
 ADAPTIVE = ("adam", "adamw")  # optimizers whose step does not grow with the gradient's scale
 
 
+def optimizer_name(optimizer: torch.optim.Optimizer) -> str:
+    """The spec's name of a torch optimizer where it has one (an own loop's: ``schedule_hint``), else its class's."""
+    if isinstance(optimizer, torch.optim.AdamW):  # (before Adam: AdamW may derive from it)
+        return "adamw"
+    return "adam" if isinstance(optimizer, torch.optim.Adam) else type(optimizer).__name__.lower()
+
+
 def schedule_hint(optimizer: str, tp: TeleportSpec, epochs: int) -> dict[str, Any] | None:
     """A ``hint`` record at the start of a run whose Adam(W) teleports after epoch 0 (else None): measured, those
     cost time and seldom save any (``docs/algorithm.md``, "Teleport and Adam")."""

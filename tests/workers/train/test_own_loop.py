@@ -185,3 +185,19 @@ def test_a_ddp_wrappers_state_dict_is_kept_under_the_bare_models_names(tmp_path:
     train(loop_spec(name), DriverContext(MemorySink(), tmp_path / "job"))
     state = DriverContext(MemorySink(), tmp_path / "job").restore()
     assert state is not None and set(state["model"]) == {"0.weight", "0.bias"} == set(state["own"]["model"])
+
+
+def test_an_own_loop_teleporting_with_adam_after_epoch_0_is_told_once(tmp_path: Path) -> None:
+    """The loop hands ``ctx.teleport`` its optimizer (the example does): Adam with teleport.epochs past 0 gets the
+    built-in loop's hint once, at its first teleport; the same loop with epochs [0] says nothing."""
+    add_code_dir(EXAMPLE)
+    told = []
+    for epochs in ([0, 1], [0]):
+        spec = example_spec()
+        spec = spec.model_copy(update={"teleport": spec.teleport.model_copy(update={"epochs": epochs})})
+        sink = MemorySink()
+        run_local(spec, tmp_path / f"run{len(told)}", progress=False, sink=sink)
+        told.append([r["reason"] for r in kinds(sink.records, "hint")])
+        first_teleport = next(i for i, r in enumerate(sink.records) if r["kind"] == "teleport")
+        assert all(i < first_teleport for i, r in enumerate(sink.records) if r["kind"] == "hint")
+    assert told == [["adaptive_optimizer"], []]
