@@ -62,7 +62,7 @@ def payoff(device: torch.device, size: str, quick: bool, ascent: str = "auto", s
 
 
 def _payoff_seed(device: torch.device, size: str, quick: bool, how: tuple[str, str], opt: str,
-                 seed: int, baselines: dict[tuple[str, int], Any] | None = None) -> dict[str, Any]:
+                 seed: int, baselines: dict[tuple[str, int], Any]) -> dict[str, Any]:
     """One seed: the baseline and the teleport run through the product's loop (``how``: teleport.ascent, .hvp); a
     baseline already in ``baselines`` (same optimizer and seed) is not run again."""
     from workers.train.context import RunContext
@@ -71,7 +71,6 @@ def _payoff_seed(device: torch.device, size: str, quick: bool, how: tuple[str, s
 
     if str(EXAMPLE) not in sys.path:
         sys.path.insert(0, str(EXAMPLE))
-    baselines = {} if baselines is None else baselines
     runs = {}
     for label, tele in (("baseline", False), ("teleport", True)):
         if not tele and (SCHEDULES[opt], seed) in baselines:

@@ -284,10 +284,11 @@ class _Run:
     def _steps(self, blocks: list[Block], weights: list[Tensor], buffers: StepBuffers,
                evaluate: Callable[..., Objective]) -> str:
         eta = self.config.lr
+        direction_of = self._direction(blocks, weights, self.comm)
         while self.steps < self.config.steps:
             if self.cur.grad_norm_sq >= self.config.cap:
                 return "cap"
-            direction = self._direction(blocks, weights, self.comm)(self.cur)
+            direction = direction_of(self.cur)
             last = self.steps + 1 == self.config.steps  # no H·∇L follows the last step: its graph is not kept
             # the first try's η is decided on the device and read back with its L and ‖∇L‖²: one sync a step
             eta_t, aimed_t = aim_on_device(eta, self.cur.grad_norm_sq, direction, self.config.cap)

@@ -174,7 +174,8 @@ class DeviceAscent:
 
     def run(self, graphs: bool, owner: object | None = None) -> str:
         """Tick until done; with ``graphs`` (CUDA), after ``WARMUP`` eager ticks the full tick is captured and
-        replayed, on the stream the teleport runs on when that is a side stream (``own_stream``), else a new one;
+        replayed, on the stream the teleport runs on when that is a side stream (``own_stream``), else the teleports'
+        own side stream;
         a tick captured for an earlier batch (``self.graph``, ``reset`` since) is replayed from the first tick on (it
         evaluates at W again, inside the graph, rather than an eager tick taking step 1 from ``start``'s graph).
         The first tick needs no read: it starts step 1 (steps ≥ 1, ‖∇L‖² < CAP were checked).
@@ -241,7 +242,7 @@ class DeviceAscent:
             aimed_eta, aimed = aim_on_device(eta, gn_now, u_new, c.cap)
             factor = self._shorten(verdict, gn, gn_now)
             eta_try = torch.where(start, aimed_eta, torch.where(retry, self.eta_try * factor, self.eta_try))
-            self._move(start, retry, exhausted, eta_try, u_new)
+            self.flat.move(start, retry, exhausted, eta_try, u_new)  # W₀, U and W: ``teleport.flat_move``
             reason = torch.where(exhausted, verdict, self.reason)
             reason = torch.where(ended_cap | at_cap, CAP, torch.where(finished, OK, reason))
             done = self.done | exhausted | ended_cap | at_cap | finished
@@ -270,11 +271,6 @@ class DeviceAscent:
         rise = after - before
         secant = ((0.95 * self.config.cap - before) / torch.where(rise > 0, rise, 1.0)).clamp(0.05, 0.5)
         return torch.where((verdict == CAP) & (rise > 0), secant, 0.5)
-
-    def _move(self, start: Tensor, retry: Tensor, exhausted: Tensor, eta_try: Tensor, u_new: list[Tensor]) -> None:
-        """W₀ and U of a new step; W = W₀ + η·U for a new try, W₀ when every try failed, else as it is: a few
-        kernels a run of weights (``teleport.flat_move``)."""
-        self.flat.move(start, retry, exhausted, eta_try, u_new)
 
     def _capture(self, side: torch.cuda.Stream) -> torch.cuda.CUDAGraph | None:
         """The full tick as a CUDA graph (nothing runs while it is captured), or None, with a warning, when the
