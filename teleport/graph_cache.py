@@ -23,8 +23,9 @@ with it.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -115,3 +116,52 @@ def keep(model: nn.Module, graph_key: tuple, blocks: list[Block], ascent: Device
 def release(model: nn.Module) -> None:
     """Drop the model's captured graph, its memory pool and static inputs (a later teleport captures anew)."""
     ENTRIES.pop(model, None)
+
+
+# model -> id(parameter) -> (the parameter, its alias): the aliases a captured teleport of the model differentiates by
+LEAVES: weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[Tensor, nn.Parameter]]] = weakref.WeakKeyDictionary()
+
+
+def _still_aliases(alias: nn.Parameter, p: Tensor) -> bool:
+    return (alias.data_ptr(), alias.shape, alias.stride(), alias.dtype, alias.device, alias.requires_grad) == (
+        p.data_ptr(), p.shape, p.stride(), p.dtype, p.device, p.requires_grad)
+
+
+@contextlib.contextmanager
+def own_leaves(model: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Inside the block the model's parameters are aliases of them: other leaf tensors on the same storages (a move
+    of an alias moves the parameter), put back after, even when the block raises; nothing when not ``enabled``.
+
+    A captured teleport differentiates by leaves of its own. A parameter's AccumulateGrad node is made once and kept
+    while anything holds it: the graph of a training step's loss a loop still holds, DDP's reducer. It belongs to the
+    stream it was made on — the default stream — and a backward captured on a side stream that reaches it makes the
+    default stream wait on the capturing one: the capture fails ("operation would make the legacy stream depend on a
+    capturing blocking stream", the H200's failure; torch warns that "the AccumulateGrad node's stream does not
+    match"). An alias' node is made by the teleport's first evaluation, on the teleport's stream (``own_stream``), and
+    dies with its graphs. The aliases are kept for the model's later teleports while they still share their
+    parameter's storage and layout, so a captured graph's key (``key``: the parameters' ids) stays equal. The alias is
+    set as each module's attribute (``setattr``: an RNN's flat weights follow): a forward that reaches a parameter
+    some other way (a list of its own) uses the parameter, which the teleport then neither differentiates nor moves.
+    """
+    if not enabled:
+        yield
+        return
+    kept = LEAVES.get(model, {})
+    now: dict[int, tuple[Tensor, nn.Parameter]] = {}
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    try:
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is None:
+                    continue
+                if id(p) not in now:
+                    old = kept.get(id(p))
+                    reuse = old is not None and old[0] is p and _still_aliases(old[1], p)
+                    now[id(p)] = (p, old[1] if reuse else nn.Parameter(p.detach(), requires_grad=p.requires_grad))
+                setattr(module, name, now[id(p)][1])
+                swapped.append((module, name, p))
+        LEAVES[model] = now
+        yield
+    finally:
+        for module, name, p in reversed(swapped):
+            setattr(module, name, p)

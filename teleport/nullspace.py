@@ -140,7 +140,8 @@ def teleport_batch(
     """
     config = config or TeleportConfig()
     captured = ascent_mode(config, x.device, comm) == "cuda_graph" and model not in UNCAPTURABLE
-    with torch.autocast(x.device.type, enabled=False), ieee_float32(), own_stream(x.device, captured):
+    with (torch.autocast(x.device.type, enabled=False), ieee_float32(), own_stream(x.device, captured),
+          graph_cache.own_leaves(model, captured)):
         if captured:  # every evaluation reads the model's static inputs: its captured tick may serve this batch
             x, y = graph_cache.static_inputs(model, x, y)
         return _teleport(model, loss_fn, x, y, config, executor, holdout, comm)

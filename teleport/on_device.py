@@ -4,11 +4,13 @@ Status (H200, torch 2.11, 2026-11-27): the eager ticks are correct but 1.5x slow
 capture failed ("operation would make the legacy stream depend on a capturing blocking stream": the evaluation
 the bases came from, made on the default stream, is alive during the capture), leaving the CUDA generator
 mid-capture so that later CUDA random draws raised. ``teleport.ascent: auto`` is therefore the host guard; this
-module is opt-in (``device``; ``cuda_graph`` experimental, library only). Mended since, not yet run on a GPU:
+module is opt-in (``device``; ``cuda_graph`` experimental). Mended since, not yet run on a GPU:
 with ``cuda_graph`` the whole teleport — the first evaluation, the bases, every tick — runs on one side stream
 (``own_stream``), so the autograd nodes the capture meets (the weights' AccumulateGrad among them) were made on
 the capturing stream and autograd has no other stream to sync with; a failed capture puts the CUDA generator's
-state back as it was before ``capture_begin``.
+state back as it was before ``capture_begin``; a training step's graph still held when a teleport starts (a
+loop's last loss) would keep the parameters' AccumulateGrad nodes of the default stream alive for the capture to
+meet, so a captured teleport differentiates by aliases of the parameters (``graph_cache.own_leaves``).
 
 The host-guarded ascent (``nullspace._Run``) reads L and ‖∇L‖² after every try and branches in Python:
 accept, shorten, stop. On a GPU each step is then thousands of small kernels launched one by one from

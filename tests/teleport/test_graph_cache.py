@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import warnings
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -205,3 +206,70 @@ def test_a_model_whose_capture_failed_keeps_no_graph(captures: list[DeviceAscent
     report = teleport_batch(model, case.loss_fn, x2, y2, GRAPHED)  # the first graph's key again: eager ticks
     assert report.ascent == "device"
     assert_same(expected, report, e_model, model, rtol=1e-9)
+
+
+def _accumulators(roots: list[Any]) -> set[int]:
+    """The AccumulateGrad nodes the autograd graphs of ``roots`` reach (by id: the caller keeps them alive)."""
+    seen: set[int] = set()
+    found: set[int] = set()
+    stack = [r for r in roots if r is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) not in seen:
+            seen.add(id(node))
+            found |= {id(node)} if type(node).__name__ == "AccumulateGrad" else set()
+            stack += [n for n, _ in node.next_functions if n is not None]
+    return found
+
+
+@pytest.mark.parametrize("name", ["mlp", "tied_lm"])
+def test_a_captured_teleport_differentiates_by_leaves_of_its_own(name: str, captures: list[DeviceAscent],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training step's graph a loop still holds (its last loss) keeps the parameters' AccumulateGrad nodes alive —
+    on CUDA made on the default stream, which a backward captured on a side stream must not reach (the H200's
+    failure). A captured teleport's graphs reach none of them; the model keeps its own parameters, moved as the
+    device ticks move them, their .grad untouched."""
+    case = mlp() if name == "mlp" else CASES[name]()
+    model, twin = copy.deepcopy(case.model), copy.deepcopy(case.model)
+    loss = case.loss_fn(model(case.x), case.y)
+    loss.backward()  # held below, as a training loop holds its last step's loss
+    stale, params = _accumulators([loss.grad_fn]), list(model.parameters())
+    grads = [p.grad.clone() for p in params]
+    reached: set[int] = set()
+    grad = torch.autograd.grad
+
+    def spy(outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        roots = outputs if isinstance(outputs, list | tuple) else [outputs]
+        reached.update(_accumulators([o.grad_fn for o in roots]))
+        return grad(outputs, *args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", spy)
+    x2, y2 = other_batch(case.x, case.y)
+    reports = [teleport_batch(model, case.loss_fn, x, y, GRAPHED) for x, y in ((case.x, case.y), (x2, y2))]
+    monkeypatch.setattr(torch.autograd, "grad", grad)
+    assert stale and reached and not reached & stale, "a captured teleport reached a training step's leaf nodes"
+    assert [r.graph_replayed for r in reports] == [False, True] and len(captures) == 1
+    assert all(p is q for p, q in zip(params, model.parameters(), strict=True))
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads, strict=True))
+    expected, e_model = fresh_then(Case(twin, case.x, case.y, [], case.loss_fn), [(case.x, case.y), (x2, y2)],
+                                   replace(GRAPHED, ascent="device"))
+    assert_same(expected, reports[-1], e_model, model, rtol=1e-9)
+    del loss
+
+
+@cuda
+@TRY_CAPTURE
+@pytest.mark.parametrize("hvp", ["exact", "difference"])
+def test_a_cuda_graph_captures_while_a_training_steps_graph_is_held(hvp: str) -> None:
+    """On a GPU, for real: a loop's last loss held on the default stream does not fail the capture."""
+    with torch.device("cpu"):
+        case = mlp()
+    model, x, y = case.model.cuda(), case.x.cuda(), case.y.cuda()
+    loss = case.loss_fn(model(x), y)
+    loss.backward()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        report = teleport_batch(model, case.loss_fn, x, y, replace(GRAPHED, hvp=hvp))
+    troubles = [str(w.message) for w in seen if "captured" in str(w.message) or "AccumulateGrad" in str(w.message)]
+    assert report.ascent == "cuda_graph" and report.steps > 0 and not troubles, troubles
+    del loss
