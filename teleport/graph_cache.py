@@ -7,7 +7,8 @@ reads is where it was, with the shape it had:
 
 - the batch: every evaluation of a captured teleport reads the model's *static inputs*, into which each new batch
   of the same shape is copied (``static_inputs``);
-- the parameters: their storages unchanged since the capture (the optimizer steps in place);
+- the parameters: their storages unchanged since the capture (the optimizer steps in place), read through the
+  aliases the model's captured teleports differentiate by (``own_leaves``), kept while they share those storages;
 - the moving blocks' bias-row maps, row classes (their rows, or the mask of a tied LM's head rows no lookup fixes)
   and bases (``_slots``): the new batch's values copied into the captured tensors;
 - the ascent's state: ``DeviceAscent.reset`` sets it in place;
@@ -47,6 +48,8 @@ class Entry:
 
 
 ENTRIES: weakref.WeakKeyDictionary[nn.Module, Entry] = weakref.WeakKeyDictionary()
+# model -> id(parameter) -> (the parameter, its alias): the aliases a captured teleport of the model differentiates by
+LEAVES: weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[Tensor, nn.Parameter]]] = weakref.WeakKeyDictionary()
 
 
 def _like(t: Tensor | None) -> tuple | None:
@@ -114,12 +117,11 @@ def keep(model: nn.Module, graph_key: tuple, blocks: list[Block], ascent: Device
 
 
 def release(model: nn.Module) -> None:
-    """Drop the model's captured graph, its memory pool and static inputs (a later teleport captures anew)."""
+    """Drop the model's captured graph, its memory pool, static inputs and parameter aliases (a later teleport
+    captures anew)."""
     ENTRIES.pop(model, None)
+    LEAVES.pop(model, None)
 
-
-# model -> id(parameter) -> (the parameter, its alias): the aliases a captured teleport of the model differentiates by
-LEAVES: weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[Tensor, nn.Parameter]]] = weakref.WeakKeyDictionary()
 
 
 def _still_aliases(alias: nn.Parameter, p: Tensor) -> bool:
