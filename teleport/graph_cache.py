@@ -123,7 +123,6 @@ def release(model: nn.Module) -> None:
     LEAVES.pop(model, None)
 
 
-
 def _still_aliases(alias: nn.Parameter, p: Tensor) -> bool:
     return (alias.data_ptr(), alias.shape, alias.stride(), alias.dtype, alias.device, alias.requires_grad) == (
         p.data_ptr(), p.shape, p.stride(), p.dtype, p.device, p.requires_grad)
