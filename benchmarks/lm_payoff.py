@@ -11,7 +11,9 @@ Two parts, on the device given (``--device cpu|cuda``), side by side in one run:
    kernel, as dispatched: no views, no allocations, backward ops included) and the
    teleport's host reads (``teleport.objective.HOST_READS``), each as (T(8) − T(0)) / 8 — for each way of
    running the steps (``teleport.ascent``: the host guard, what ``auto`` runs, and the device ticks; on CUDA
-   the ticks in a CUDA graph too, measured last) and each H·∇L (``teleport.hvp``: exact, difference).
+   the ticks in a CUDA graph too, measured last) and each H·∇L (``teleport.hvp``: exact, difference); and
+   where a batch's setup goes (``benchmarks.lm_setup``: the recorded evaluation, the bases, their eigh on the
+   device and on the host).
 2. **Payoff** on ``examples/tiny_lm`` (a char LM on Python source; ``benchmarks.lm_payoff_runs``): baseline
    against teleport with SGD and Adam, and Adam teleporting before epoch 0 only (``adam_first``: what a run
    with Adam is told to do), through the product's own loop (``workers.train.loop.train``) with
@@ -44,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.common import add_machine_args, print_table, quiet_machine, verdict, write_result
 from benchmarks.lm_payoff_runs import payoff
+from benchmarks.lm_setup import setup_phases
 from teleport import TeleportConfig, teleport_batch
 from teleport.objective import HOST_READS
 
@@ -178,11 +181,13 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
                 rows[ascent] = {"error": f"{type(err).__name__}: {err}"[:300]}
     difference = {"direction_cosine": cosine(*directions(model, lm_loss, tele)), "by_ascent": by_difference}
     default_s, default = _timed(lambda: teleport(8), device, repeats)
+    setup = setup_phases(model, lm_loss, tele, step_s, lambda fn: _timed(fn, device, repeats))
     return {
         "model": {"d": d, "layers": layers, "context": ctx, "vocab": 256, "train_batch": 32, "teleport_batch": 2},
         "train_step_s": step_s, "teleport_default_s": default_s, "teleport_default_in_train_steps": default_s / step_s,
         "default_steps_taken": default.steps, "default_stop_reason": default.stop_reason,
         "default_ascent": default.ascent, "by_ascent": by_ascent, "hvp_difference": difference,
+        "setup_phases": setup,
     } | {k: by_ascent[ascents[0]].get(k) for k in ("teleport_8_steps_s", "teleport_8_steps_in_train_steps",
                                                     "forced_drift", "launches_per_step", "host_reads_per_step")}
 
@@ -293,6 +298,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("where a forced teleport's time goes (training steps): " + "; ".join(
         f"{name}: evaluation + bases {c['phases_in_train_steps']['evaluation_and_bases']:.2f}, 8 steps "
         f"{c['phases_in_train_steps']['ascent']:.2f}" for name, c in rows if "phases_in_train_steps" in c))
+    print("a teleport batch's setup (training steps; benchmarks.lm_setup): " + ", ".join(
+        f"{k} {v:.2f}" for k, v in cost["setup_phases"]["in_train_steps"].items()))
     for name, c in rows:
         if "teleport_8_steps_new_batch_in_train_steps" in c:
             print(f"{name}: with a new batch each call {c['teleport_8_steps_new_batch_in_train_steps']:.2f} training "

@@ -58,6 +58,20 @@ def layer_bases(blocks: list[Block] | UseRecorder, tau: float, executor: BasisEx
     """
     if isinstance(blocks, UseRecorder):
         blocks = build_blocks(blocks.uses)[0]
+    reps, slots = representations(blocks)
+    if comm is not None and comm.world_size > 1:
+        bases = [select_basis(spec, tau, rule) for spec in distributed_spectra(reps, comm, executor)]
+    elif isinstance(executor, SerialExecutor) or any(r.device.type != "cpu" for r in reps):
+        bases = compute_bases(reps, tau, rule)  # batched by shape; on a GPU always (one device runs them in turn)
+    else:
+        bases = executor.map(lambda r: compute_basis(r, tau, rule), reps)
+    for cls, i in slots:
+        cls.basis = bases[i]
+    return blocks
+
+
+def representations(blocks: list[Block]) -> tuple[list[Tensor], list[tuple[RowClass, int]]]:
+    """Partition each block's rows into classes: (every distinct R, each class with the index of its R)."""
     reps: list[Tensor] = []
     index: dict[tuple, int] = {}
     slots: list[tuple[RowClass, int]] = []
@@ -69,15 +83,7 @@ def layer_bases(blocks: list[Block] | UseRecorder, tau: float, executor: BasisEx
                 index[key] = len(reps)
                 reps.append(block.representation(cls))
             slots.append((cls, index[key]))
-    if comm is not None and comm.world_size > 1:
-        bases = [select_basis(spec, tau, rule) for spec in distributed_spectra(reps, comm, executor)]
-    elif isinstance(executor, SerialExecutor) or any(r.device.type != "cpu" for r in reps):
-        bases = compute_bases(reps, tau, rule)  # batched by shape; on a GPU always (one device runs them in turn)
-    else:
-        bases = executor.map(lambda r: compute_basis(r, tau, rule), reps)
-    for cls, i in slots:
-        cls.basis = bases[i]
-    return blocks
+    return reps, slots
 
 
 def scalar(t: Tensor) -> float:

@@ -121,6 +121,11 @@ def test_lm_payoff_quick(results: Path) -> None:
     assert set(body["floors"]) == {"one_teleport_default_le_floor", "host_reads_per_step_le_1",
                                    "adam_seconds_ratio_le_1", "launches_per_step_le_fifth"}
     assert body["floors"]["launches_per_step_le_fifth"] is None  # a CUDA floor
+    setup = cost["setup_phases"]  # a batch's setup: on the CPU no host eigh beside the device's (one route)
+    assert set(setup["seconds"]) == {"evaluation", "plain_gradient", "bases", "eigh_device"}
+    assert all(v > 0 for v in setup["seconds"].values())
+    assert sum(b[0] for b in setup["gram_batches"]) == setup["representations"] > 0  # every R's Gram, batched
+    assert all(b[1] == b[2] for b in setup["gram_batches"])
 
 
 def test_the_payoff_runs_the_hvp_the_cost_part_found_cheaper() -> None:

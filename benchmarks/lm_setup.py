@@ -1,0 +1,78 @@
+"""Where a teleport batch's setup goes before its first step (issue 27; part of ``benchmarks.lm_payoff``'s cost part).
+
+Every teleport batch evaluates L and ∇L with every use of every weight recorded and computes its bases eagerly —
+also when a CUDA graph replays its steps (``teleport.graph_cache``) — so on a GPU this is the part of a teleport
+that launches kernels one by one and syncs, once a batch. Timed on the GPT-style LM's teleport batch, side by side,
+each in seconds and in training steps:
+
+- ``evaluation``: L and ∇L with the use recorder (``teleport.capture.UseRecorder``), no graph kept (the setup of
+  ``teleport.hvp: difference``); ``plain_gradient``: the same forward and backward without the recorder — the
+  recorder's host cost is the gap;
+- ``bases``: ``compute_bases`` of the batch's R (float64 eigh of the smaller Gram, batched by shape; the kept
+  vectors by CholeskyQR2), on the R's device;
+- ``eigh_device`` against ``eigh_host``: the float64 eigh of the same Gram matrices on the device, and on the host
+  with the copies both ways — the least bases computed on the CPU (overlapped with GPU work) would cost. On the CPU
+  the two are one route and ``eigh_host`` is not measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from teleport.bases import compute_bases
+from teleport.blocks import build_blocks
+from teleport.capture import UseRecorder, trainable
+from teleport.nullspace import representations
+from teleport.objective import objective
+
+Timed = Callable[[Callable[[], Any]], tuple[float, Any]]  # fn -> (its best seconds, its output)
+
+
+def grams(reps: list[Tensor]) -> list[Tensor]:
+    """The float64 Gram matrices ``teleport.bases.spectra`` decomposes: one stack per shape, the smaller side."""
+    groups: dict[tuple, list[Tensor]] = {}
+    for r in reps:
+        groups.setdefault((tuple(r.shape), r.dtype, r.device), []).append(r)
+    out = []
+    for (shape, _, _), rs in groups.items():
+        stack = torch.stack(rs).double()
+        out.append(stack @ stack.mT if shape[1] >= shape[0] else stack.mT @ stack)
+    return out
+
+
+def setup_phases(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], x: Tensor, step_s: float,
+                 timed: Timed) -> dict[str, Any]:
+    """The setup's phases for the teleport batch (x, x) of ``model`` (see the module), against ``step_s``."""
+    was = model.training
+    model.eval()
+    try:
+        names, params = trainable(model)
+
+        def evaluation() -> UseRecorder:
+            recorder = UseRecorder(names, params)
+            objective(model, loss_fn, x, x, params, None, 1.0, recorder, False)
+            return recorder
+
+        def plain() -> None:
+            with sdpa_kernel(SDPBackend.MATH):
+                torch.autograd.grad(loss_fn(model(x), x), params, allow_unused=True)
+
+        seconds: dict[str, float] = {}
+        seconds["evaluation"], recorder = timed(evaluation)
+        seconds["plain_gradient"], _ = timed(plain)
+        reps, _ = representations(build_blocks(recorder.uses)[0])
+        seconds["bases"], _ = timed(lambda: compute_bases(reps, 1.0))
+        matrices = grams(reps)
+        seconds["eigh_device"], _ = timed(lambda: [torch.linalg.eigh(g) for g in matrices])
+        if x.device.type != "cpu":
+            seconds["eigh_host"], _ = timed(lambda: [[t.to(x.device) for t in torch.linalg.eigh(g.cpu())]
+                                                     for g in matrices])
+    finally:
+        model.train(was)
+    return {"seconds": seconds, "in_train_steps": {k: v / step_s for k, v in seconds.items()},
+            "representations": len(reps), "gram_batches": [list(g.shape) for g in matrices]}
