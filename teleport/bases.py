@@ -28,7 +28,9 @@ Three routes, all in float64, all returning the same subspace:
 - ``gram``: eigh of R Rᵀ (d, d) when N ≥ d — O(d² N + d³);
 - ``cols``: eigh of Rᵀ R (N, N) when N < d — O(d N² + N³): U = R V Σ⁻¹ for the kept σ, made orthonormal
   again by CholeskyQR2 (two passes of U ← U L⁻ᵀ, L Lᵀ = UᵀU), since R V Σ⁻¹ loses orthogonality as
-  ε·σ₁²/σ_k² for small kept σ_k. The default for N < d: a GPU's eigh of a few hundred rows is fast, its
+  ε·σ₁²/σ_k² for small kept σ_k. ``compute_bases`` takes the eigenvalues first (``eigvalsh``); an R of rank N
+  keeps its own span, CholeskyQR2 of R itself (no eigenvectors, no R V); only a lower rank needs ``eigh``.
+  The default for N < d: a GPU's eigh of a few hundred rows is fast, its
   thin SVD of (d, N) is cuSOLVER's unblocked QR (88 % of a GPT teleport's GPU time on an H100, issue 27);
   on 1 CPU thread it is 1.2-1.5x faster than the SVD (d = 512-2048, N = 256).
 - ``svd``: thin SVD of R (d, N), N < d — O(d N²): ask for it by name (``compute_basis(..., route="svd")``);
@@ -43,7 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
 import torch
@@ -100,13 +102,16 @@ def _rank_tol(sq_max: float, shape: tuple[int, int], dtype: torch.dtype) -> floa
 
 @dataclass(frozen=True)
 class Spectrum:
-    """σ² of R (descending, float64) and the matching left singular vectors, (d, m) in R's dtype."""
+    """σ² of R (descending, float64) and the matching left singular vectors, (d, m) in R's dtype — or, with
+    ``gram`` (the ``cols`` route's σ² alone, ``spectra(..., vectors=False)``), R itself in float64 and its Gram
+    RᵀR: at rank N its columns span the kept space whole; below it ``_singular_vectors`` makes the vectors."""
 
     sq: Tensor
     vectors: Tensor
     cols: int  # N, the number of columns of R (over all ranks when distributed)
     route: str
     source: torch.dtype = torch.float32  # R's own dtype: the precision of the energy rule
+    gram: Tensor | None = None
 
 
 def spectrum_of_gram(gram: Tensor, cols: int, dtype: torch.dtype) -> Spectrum:
@@ -126,37 +131,60 @@ def svd_spectrum(rep: Tensor) -> Spectrum:
     return Spectrum(s**2, u.to(working_dtype(rep.dtype)), rep.shape[1], "svd", rep.dtype)
 
 
-def spectra(reps: Sequence[Tensor]) -> list[Spectrum]:
+def spectra(reps: Sequence[Tensor], vectors: bool = True) -> list[Spectrum]:
     """The spectrum of every R by its shape's route (``gram`` when N ≥ d, else ``cols``), batched.
 
     R of one shape, dtype and device are stacked and decomposed by one batched eigh; every σ² then comes
     to the host in one copy (the τ rule reads them there), so a list of R costs one host sync per
-    distinct shape (eigh checks its result) and one more, not a few per layer.
+    distinct shape (eigh checks its result) and one more, not a few per layer. Without ``vectors`` the ``cols``
+    route takes the eigenvalues alone (``eigvalsh``: 2.4x faster than ``eigh`` for 12 Grams of 256 × 256, 1 CPU
+    thread) and keeps R and its Gram for what the rank needs next (``compute_bases``).
     """
     groups: dict[tuple, list[int]] = {}
     for i, rep in enumerate(reps):
         groups.setdefault((tuple(rep.shape), rep.dtype, rep.device), []).append(i)
-    found: dict[int, tuple[Tensor, Tensor, str]] = {}
+    found: dict[int, tuple[Tensor, Tensor, str, Tensor | None]] = {}
     for (shape, _, _), idx in groups.items():
         d, n = shape
         stack = torch.stack([reps[i] for i in idx]).double()  # (b, d, N)
         route = "gram" if n >= d else "cols"
-        lam, vecs = torch.linalg.eigh(stack @ stack.mT if route == "gram" else stack.mT @ stack)  # ascending
+        g = stack @ stack.mT if route == "gram" else stack.mT @ stack
+        if route == "cols" and not vectors:
+            lam = torch.linalg.eigvalsh(g).flip(-1).clamp_min(0)
+            found.update((i, (lam[j], stack[j], route, g[j])) for j, i in enumerate(idx))
+            continue
+        lam, vecs = torch.linalg.eigh(g)  # ascending
         lam, vecs = lam.flip(-1).clamp_min(0), vecs.flip(-1)
         if route == "cols":
             vecs = stack @ vecs  # R V = U Σ: (b, d, N), normalized once the kept σ are known
-        for j, i in enumerate(idx):
-            found[i] = (lam[j], vecs[j], route)
+        found.update((i, (lam[j], vecs[j], route, None)) for j, i in enumerate(idx))
     if not reps:
         return []
     host = torch.cat([found[i][0] for i in range(len(reps))]).cpu()  # every σ², one copy
     out, offset = [], 0
     for i, rep in enumerate(reps):
-        lam, vecs, route = found[i]
+        lam, vecs, route, g = found[i]
         sq = host[offset : offset + lam.numel()]
         offset += lam.numel()
-        vectors = vecs if route == "cols" else vecs.to(working_dtype(rep.dtype))
-        out.append(Spectrum(sq, vectors, rep.shape[1], route, rep.dtype))
+        kept_as_is = route == "cols"  # R V (or R), float64: normalized, in R's working dtype, once k is known
+        out.append(Spectrum(sq, vecs if kept_as_is else vecs.to(working_dtype(rep.dtype)), rep.shape[1], route,
+                            rep.dtype, g))
+    return out
+
+
+def _singular_vectors(specs: list[Spectrum], ranks: list[tuple[int, float] | None]) -> list[Spectrum]:
+    """The spectra whose R (``gram`` set) keeps fewer directions than its N columns given their R V from one eigh a
+    shape; the others as they are (at rank N R itself spans the kept space)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (spec, rank) in enumerate(zip(specs, ranks, strict=True)):
+        if spec.gram is not None and rank is not None and rank[0] < spec.cols:
+            groups.setdefault((tuple(spec.vectors.shape), spec.vectors.device), []).append(i)
+    out = list(specs)
+    for idx in groups.values():
+        _, vecs = torch.linalg.eigh(torch.stack([specs[i].gram for i in idx]))  # type: ignore[misc]
+        uv = torch.stack([specs[i].vectors for i in idx]) @ vecs.flip(-1)  # R V = U Σ
+        for j, i in enumerate(idx):
+            out[i] = replace(specs[i], vectors=uv[j], gram=None)
     return out
 
 
@@ -165,16 +193,17 @@ def spectrum(rep: Tensor) -> Spectrum:
     return spectra([rep])[0]
 
 
-def orthonormalize(u: Tensor) -> Tensor:
+def orthonormalize(u: Tensor, gram: Tensor | None = None) -> Tensor:
     """CholeskyQR2: u (d, k) — or a batch (b, d, k) — of full column rank -> an orthonormal basis of its span, same
-    column order.
+    column order; ``gram``: its UᵀU when already made (the first pass takes it).
 
-    Q = U L⁻ᵀ with L Lᵀ = UᵀU, twice: the second pass takes the first's ε·κ² loss of orthogonality to ε.
+    Q = U L⁻ᵀ with L Lᵀ = UᵀU, twice: the second pass takes the first's ε·κ² loss of orthogonality to ε (for κ(U)
+    below ε^(-1/2); a rank-N R of the ``cols`` route has κ ≤ (max(d, N)·ε₆₄)^(-1/2), 2e6 at d = 2048).
     ``cholesky_ex``: no host sync on a GPU (``cholesky`` checks its info flag on the host).
     """
     for _ in range(2):
-        chol, _ = torch.linalg.cholesky_ex(u.mT @ u)  # (k, k), lower
-        u = torch.linalg.solve_triangular(chol.mT, u, upper=True, left=False)  # U L⁻ᵀ
+        chol, _ = torch.linalg.cholesky_ex(u.mT @ u if gram is None else gram)  # (k, k), lower
+        u, gram = torch.linalg.solve_triangular(chol.mT, u, upper=True, left=False), None  # U L⁻ᵀ
     return u
 
 
@@ -182,6 +211,8 @@ def _kept_vectors(spec: Spectrum, k: int) -> Tensor:
     """The first k left singular vectors, orthonormal, in the working dtype."""
     if spec.route != "cols":
         return spec.vectors[:, :k].contiguous()
+    if spec.gram is not None:  # rank N: R's own columns span the kept space
+        return orthonormalize(spec.vectors, spec.gram).to(working_dtype(spec.source))
     scale = spec.sq[:k].sqrt().reciprocal().to(spec.vectors.device)  # host -> device: a copy, no sync
     return orthonormalize(spec.vectors[:, :k] * scale).to(working_dtype(spec.source))
 
@@ -228,14 +259,19 @@ def _kept_together(specs: list[Spectrum], ranks: list[tuple[int, float] | None])
     for i, (spec, rank) in enumerate(zip(specs, ranks, strict=True)):
         if rank is not None and rank[0] > 0 and spec.route == "cols":
             v = spec.vectors
-            groups.setdefault((v.shape[0], rank[0], v.dtype, v.device, spec.source), []).append(i)
+            groups.setdefault((v.shape[0], rank[0], v.dtype, v.device, spec.source, spec.gram is not None),
+                              []).append(i)
     out: dict[int, Tensor] = {}
-    for (_, k, _, device, source), idx in groups.items():
+    for (_, k, _, device, source, whole), idx in groups.items():
         if len(idx) < 2:
             continue
-        scale = torch.stack([specs[i].sq[:k] for i in idx]).sqrt().reciprocal().to(device)  # one copy, no sync
-        u = torch.stack([specs[i].vectors[:, :k] for i in idx]) * scale[:, None, :]
-        out.update(zip(idx, orthonormalize(u).to(working_dtype(source)).unbind(0), strict=True))
+        if whole:  # rank N: the R themselves, their Grams for the first pass
+            u = orthonormalize(torch.stack([specs[i].vectors for i in idx]),
+                               torch.stack([specs[i].gram for i in idx]))  # type: ignore[misc]
+        else:
+            scale = torch.stack([specs[i].sq[:k] for i in idx]).sqrt().reciprocal().to(device)  # one copy, no sync
+            u = orthonormalize(torch.stack([specs[i].vectors[:, :k] for i in idx]) * scale[:, None, :])
+        out.update(zip(idx, u.to(working_dtype(source)).unbind(0), strict=True))
     return out
 
 
@@ -247,10 +283,12 @@ def compute_basis(rep: Tensor, tau: float = 1.0, rule: str = "numerical_rank", r
 
 
 def compute_bases(reps: Sequence[Tensor], tau: float, rule: str = "numerical_rank") -> list[Basis]:
-    """``compute_basis`` of every R, batched (``spectra``): one eigh per shape, one host sync for the τ rule, the
-    kept vectors of one shape made orthonormal together (``_kept_together``)."""
-    specs = spectra(reps)
+    """``compute_basis`` of every R, batched (``spectra``): one eigh per shape — of the ``cols`` route the
+    eigenvalues alone, its eigenvectors only for an R of rank below N (``_singular_vectors``) —, one host sync for
+    the τ rule, the kept vectors of one shape made orthonormal together (``_kept_together``)."""
+    specs = spectra(reps, vectors=False)
     ranks = [_rank(spec, tau, rule) for spec in specs]
+    specs = _singular_vectors(specs, ranks)
     kept = _kept_together(specs, ranks)
     return [_basis(spec, rank, kept.get(i)) for i, (spec, rank) in enumerate(zip(specs, ranks, strict=True))]
 
