@@ -188,11 +188,6 @@ def _singular_vectors(specs: list[Spectrum], ranks: list[tuple[int, float] | Non
     return out
 
 
-def spectrum(rep: Tensor) -> Spectrum:
-    """The spectrum of one R by the route for its shape (see ``spectra``)."""
-    return spectra([rep])[0]
-
-
 def orthonormalize(u: Tensor, gram: Tensor | None = None) -> Tensor:
     """CholeskyQR2: u (d, k) — or a batch (b, d, k) — of full column rank -> an orthonormal basis of its span, same
     column order; ``gram``: its UᵀU when already made (the first pass takes it).
@@ -276,10 +271,11 @@ def _kept_together(specs: list[Spectrum], ranks: list[tuple[int, float] | None])
 
 
 def compute_basis(rep: Tensor, tau: float = 1.0, rule: str = "numerical_rank", route: str = "auto") -> Basis:
-    """The basis of R (d, N) by eq. 3: ``route`` "auto" (eigh of the smaller Gram, see ``spectra``) or "svd"."""
+    """The basis of R (d, N) by eq. 3: ``route`` "auto" (eigh of the smaller Gram, its eigenvalues first: see
+    ``compute_bases``) or "svd"."""
     if route == "svd" and rep.shape[1] < rep.shape[0]:
         return select_basis(svd_spectrum(rep), tau, rule)
-    return select_basis(spectrum(rep), tau, rule)
+    return compute_bases([rep], tau, rule)[0]
 
 
 def compute_bases(reps: Sequence[Tensor], tau: float, rule: str = "numerical_rank") -> list[Basis]:
