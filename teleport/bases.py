@@ -173,8 +173,8 @@ def spectra(reps: Sequence[Tensor], vectors: bool = True) -> list[Spectrum]:
 
 
 def _singular_vectors(specs: list[Spectrum], ranks: list[tuple[int, float] | None]) -> list[Spectrum]:
-    """The spectra whose R (``gram`` set) keeps fewer directions than its N columns given their R V from one eigh a
-    shape; the others as they are (at rank N R itself spans the kept space)."""
+    """Spectra of a ``cols`` R (``gram`` set) of rank below N get their R V = U Σ (one eigh a shape); the others
+    stay as they are (at rank N, R itself spans the kept space)."""
     groups: dict[tuple, list[int]] = {}
     for i, (spec, rank) in enumerate(zip(specs, ranks, strict=True)):
         if spec.gram is not None and rank is not None and rank[0] < spec.cols:
@@ -193,7 +193,7 @@ def orthonormalize(u: Tensor, gram: Tensor | None = None) -> Tensor:
     column order; ``gram``: its UᵀU when already made (the first pass takes it).
 
     Q = U L⁻ᵀ with L Lᵀ = UᵀU, twice: the second pass takes the first's ε·κ² loss of orthogonality to ε (for κ(U)
-    below ε^(-1/2); a rank-N R of the ``cols`` route has κ ≤ (max(d, N)·ε₆₄)^(-1/2), 2e6 at d = 2048).
+    below ε^(-1/2); a rank-N R of the ``cols`` route has κ ≤ (max(d, N)·ε₆₄)^(-1/2), 1.5e6 at d = 2048).
     ``cholesky_ex``: no host sync on a GPU (``cholesky`` checks its info flag on the host).
     """
     for _ in range(2):
