@@ -93,13 +93,15 @@ def trial_reason(trial: Any) -> str:
 
 
 def reuse_actors(sweep: SweepSubmit, own: bool) -> bool:
-    """Whether a trial's process trains the next trial too (it has torch imported and its data read, so the
-    next one starts at once): for in-trial trials that run to their end or are stopped (FIFO, ASHA, Optuna).
-    Not under PBT: its rounds pause every trial and restart them on another's checkpoint, and a reused process
-    must first end the paused trial's thread, which Tune waits for only ``TUNE_FUNCTION_THREAD_TIMEOUT_S``
-    (2 s); with the cores busy a moved trial lost its last report (it ended "stopped early" at 5 of 6 epochs,
-    the CI's red on 2026-11-25, reproduced here 3 runs in 15 with both cores busy; 0 in 8 without reuse)."""
-    return own and sweep.scheduler != "pbt"
+    """Whether a trial's process supervises the next trial too (it saves that process's start): only when no trial
+    ends early (FIFO). A reused process must first end the last trial's thread, and Tune waits for it only
+    ``TUNE_FUNCTION_THREAD_TIMEOUT_S`` (2 s). Under ASHA a stopped trial's thread waits for its payload's next report
+    (an epoch away) before it sees the stop, so the next trial given that process failed ("Could not re-use actor
+    for trial ...: reset_config() ... return True"; a fresh-clone ``make test`` on 2026-11-27, and the "1 of 4 trials
+    failed" seen once before); under PBT, whose rounds pause every trial and restart it on another's checkpoint, a
+    moved trial lost its last report (it ended "stopped early" at 5 of 6 epochs, 3 runs in 15 with both cores
+    busy). Since a trial trains in its sandboxed payload (issue 26), its own process holds no torch or data to keep."""
+    return own and sweep.scheduler == "fifo"
 
 
 DRIVER_MEMORY = 1 << 20  # bytes of Ray's logical memory resource per trial driver
