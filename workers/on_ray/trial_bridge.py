@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 
 from api_schemas import ExperimentSpec
 from workers.job.orders import Orders
+from workers.payload import Stopped
 from workers.train.context import RunContext, read_checkpoint, write_checkpoint
 from workers.train.failure import JobFailed
 
@@ -37,7 +38,8 @@ class BridgedTrialContext(RunContext):
         self.reports.write((json.dumps({"metrics": metrics, "checkpoint": checkpoint}, default=float) + "\n").encode())
         self.reports.flush()
         if not self.answers.readline():  # the supervisor reported it (Tune may end the trial meanwhile)
-            raise RuntimeError("the trial's supervisor is gone")
+            # Tune ended the trial (ASHA stopped it; the trials table says so): this try ends as a stop, no traceback
+            raise Stopped("the trial's supervisor is gone: the sweep's scheduler ended the trial")
 
     def save(self, state: dict[str, Any], metrics: dict[str, Any]) -> None:
         tmp = Path(tempfile.mkdtemp(prefix="report-", dir=self.scratch))

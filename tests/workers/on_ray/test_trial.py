@@ -83,3 +83,23 @@ def test_a_trial_retried_by_tune_goes_on_from_its_last_checkpoint_with_every_epo
     dirs = trial_dirs(tmp_path / "storage", "job", result.metrics["trial_id"])
     found = last_training_state(dirs)
     assert found is not None and found[1]["epoch"] == 3 and "model" in found[1], dirs
+
+
+def test_a_payload_whose_supervisor_is_gone_ends_as_a_stop(tmp_path: Path) -> None:
+    """The bridge's report waits for the supervisor's answer; when the trial's process has ended (ASHA stopped the
+    trial) the pipe is closed and the payload's try ends as a stop — no error, no traceback in the trial's log."""
+    import os
+
+    from workers.on_ray.trial_bridge import BridgedTrialContext
+    from workers.payload import Stopped
+
+    (r_rep, w_rep), (r_ans, w_ans) = os.pipe(), os.pipe()
+    with os.fdopen(w_rep, "wb") as reports, os.fdopen(r_ans, "rb") as answers, os.fdopen(r_rep, "rb") as seen:
+        ctx = BridgedTrialContext(reports=reports, answers=answers, scratch=tmp_path, restore_from=None)
+        with os.fdopen(w_ans, "wb") as supervisor:
+            supervisor.write(b"ok\n")
+            supervisor.flush()
+            ctx.report_metrics({"epoch": 0, "train_loss": 1.5})  # answered: training goes on
+        assert json.loads(seen.readline()) == {"metrics": {"epoch": 0, "train_loss": 1.5}, "checkpoint": None}
+        with pytest.raises(Stopped, match="supervisor is gone"):
+            ctx.report_metrics({"epoch": 1, "train_loss": 1.4})  # the answer pipe is closed: nobody will answer
