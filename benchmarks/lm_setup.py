@@ -8,9 +8,10 @@ each in seconds and in training steps:
 - ``evaluation``: L and ∇L with the use recorder (``teleport.capture.UseRecorder``), no graph kept (the setup of
   ``teleport.hvp: difference``); ``plain_gradient``: the same forward and backward without the recorder — the
   recorder's host cost is the gap;
-- ``bases``: ``compute_bases`` of the batch's R (float64 eigh of the smaller Gram, batched by shape; the kept
-  vectors by CholeskyQR2), on the R's device;
-- ``eigh_device`` against ``eigh_host``: the float64 eigh of the same Gram matrices on the device, and on the host
+- ``bases``: ``compute_bases`` of the batch's R (float64, batched by shape: of an R with fewer columns than rows
+  the eigenvalues first, and at rank N CholeskyQR2 of R itself), on the R's device;
+- ``eigvalsh_device``: those eigenvalues alone; ``eigh_device`` against ``eigh_host``: the whole float64 eigh of the
+  same Gram matrices (what an R of lower rank, or of more columns than rows, needs) on the device, and on the host
   with the copies both ways — the least bases computed on the CPU (overlapped with GPU work) would cost. On the CPU
   the two are one route and ``eigh_host`` is not measured.
 """
@@ -68,6 +69,7 @@ def setup_phases(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], 
         reps, _ = representations(build_blocks(recorder.uses)[0])
         seconds["bases"], _ = timed(lambda: compute_bases(reps, 1.0))
         matrices = grams(reps)
+        seconds["eigvalsh_device"], _ = timed(lambda: [torch.linalg.eigvalsh(g) for g in matrices])
         seconds["eigh_device"], _ = timed(lambda: [torch.linalg.eigh(g) for g in matrices])
         if x.device.type != "cpu":
             seconds["eigh_host"], _ = timed(lambda: [[t.to(x.device) for t in torch.linalg.eigh(g.cpu())]
