@@ -22,12 +22,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from workers.job.orders import Orders, Outcome
+from workers.job.orders import Orders, Outcome, Stopped
 from workers.train.startup import begin, mark, timeline
-
-
-class Stopped(Exception):
-    """SIGTERM: the job is being stopped (cancel, time limit, preemption)."""
 
 
 def stop_once(signum: int, frame: object) -> None:

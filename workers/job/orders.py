@@ -39,3 +39,8 @@ class Outcome:
     retried: bool = False
     stopped: bool = False
     startup: dict[str, float] = field(default_factory=dict)
+
+
+class Stopped(Exception):
+    """A try being stopped — a SIGTERM (cancel, time limit, preemption), or a trial whose supervisor is gone (Tune
+    ended the trial): the payload ends it as a stop, without a traceback."""

@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from api_schemas import ExperimentSpec
-from workers.job.orders import Orders
-from workers.payload import Stopped
+from workers.job.orders import Orders, Stopped
 from workers.train.context import RunContext, read_checkpoint, write_checkpoint
 from workers.train.failure import JobFailed
 

@@ -90,8 +90,8 @@ def test_a_payload_whose_supervisor_is_gone_ends_as_a_stop(tmp_path: Path) -> No
     trial) the pipe is closed and the payload's try ends as a stop — no error, no traceback in the trial's log."""
     import os
 
+    from workers.job.orders import Stopped
     from workers.on_ray.trial_bridge import BridgedTrialContext
-    from workers.payload import Stopped
 
     (r_rep, w_rep), (r_ans, w_ans) = os.pipe(), os.pipe()
     with os.fdopen(w_rep, "wb") as reports, os.fdopen(r_ans, "rb") as answers, os.fdopen(r_rep, "rb") as seen:
