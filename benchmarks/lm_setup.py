@@ -25,25 +25,13 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from teleport.bases import compute_bases
+from teleport.bases import compute_bases, gram_batches
 from teleport.blocks import build_blocks
 from teleport.capture import UseRecorder, trainable
 from teleport.nullspace import representations
 from teleport.objective import objective
 
 Timed = Callable[[Callable[[], Any]], tuple[float, Any]]  # fn -> (its best seconds, its output)
-
-
-def grams(reps: list[Tensor]) -> list[Tensor]:
-    """The float64 Gram matrices ``teleport.bases.spectra`` decomposes: one stack per shape, the smaller side."""
-    groups: dict[tuple, list[Tensor]] = {}
-    for r in reps:
-        groups.setdefault((tuple(r.shape), r.dtype, r.device), []).append(r)
-    out = []
-    for (shape, _, _), rs in groups.items():
-        stack = torch.stack(rs).double()
-        out.append(stack @ stack.mT if shape[1] >= shape[0] else stack.mT @ stack)
-    return out
 
 
 def setup_phases(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], x: Tensor, step_s: float,
@@ -68,7 +56,7 @@ def setup_phases(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], 
         seconds["plain_gradient"], _ = timed(plain)
         reps, _ = representations(build_blocks(recorder.uses)[0])
         seconds["bases"], _ = timed(lambda: compute_bases(reps, 1.0))
-        matrices = grams(reps)
+        matrices = [g for _, _, _, g in gram_batches(reps)]  # what the bases decompose
         seconds["eigvalsh_device"], _ = timed(lambda: [torch.linalg.eigvalsh(g) for g in matrices])
         seconds["eigh_device"], _ = timed(lambda: [torch.linalg.eigh(g) for g in matrices])
         if x.device.type != "cpu":

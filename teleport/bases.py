@@ -103,8 +103,8 @@ def _rank_tol(sq_max: float, shape: tuple[int, int], dtype: torch.dtype) -> floa
 @dataclass(frozen=True)
 class Spectrum:
     """σ² of R (descending, float64) and the matching left singular vectors, (d, m) in R's dtype — or, with
-    ``gram`` (the ``cols`` route's σ² alone, ``spectra(..., vectors=False)``), R itself in float64 and its Gram
-    RᵀR: at rank N its columns span the kept space whole; below it ``_singular_vectors`` makes the vectors."""
+    ``gram`` (the ``cols`` route of ``spectra``: its σ² alone), R itself in float64 and its Gram RᵀR: at rank N
+    its columns span the kept space whole; below it ``_singular_vectors`` makes the vectors (R V = U Σ)."""
 
     sq: Tensor
     vectors: Tensor
@@ -131,32 +131,37 @@ def svd_spectrum(rep: Tensor) -> Spectrum:
     return Spectrum(s**2, u.to(working_dtype(rep.dtype)), rep.shape[1], "svd", rep.dtype)
 
 
-def spectra(reps: Sequence[Tensor], vectors: bool = True) -> list[Spectrum]:
+def gram_batches(reps: Sequence[Tensor]) -> list[tuple[list[int], Tensor, str, Tensor]]:
+    """R of one shape, dtype and device stacked in float64 (b, d, N), each batch with the indices of its R, its route
+    (``gram`` when N ≥ d, else ``cols``) and the Gram of the smaller side: what ``spectra`` decomposes."""
+    groups: dict[tuple, list[int]] = {}
+    for i, rep in enumerate(reps):
+        groups.setdefault((tuple(rep.shape), rep.dtype, rep.device), []).append(i)
+    out = []
+    for (shape, _, _), idx in groups.items():
+        stack = torch.stack([reps[i] for i in idx]).double()
+        route = "gram" if shape[1] >= shape[0] else "cols"
+        out.append((idx, stack, route, stack @ stack.mT if route == "gram" else stack.mT @ stack))
+    return out
+
+
+def spectra(reps: Sequence[Tensor]) -> list[Spectrum]:
     """The spectrum of every R by its shape's route (``gram`` when N ≥ d, else ``cols``), batched.
 
     R of one shape, dtype and device are stacked and decomposed by one batched eigh; every σ² then comes
     to the host in one copy (the τ rule reads them there), so a list of R costs one host sync per
-    distinct shape (eigh checks its result) and one more, not a few per layer. Without ``vectors`` the ``cols``
-    route takes the eigenvalues alone (``eigvalsh``: 2.4x faster than ``eigh`` for 12 Grams of 256 × 256, 1 CPU
-    thread) and keeps R and its Gram for what the rank needs next (``compute_bases``).
+    distinct shape (eigh checks its result) and one more, not a few per layer. The ``cols`` route takes the
+    eigenvalues alone (``eigvalsh``: 2.4x faster than ``eigh`` for 12 Grams of 256 × 256, 1 CPU thread) and keeps R
+    and its Gram for what the rank needs next (``_singular_vectors``).
     """
-    groups: dict[tuple, list[int]] = {}
-    for i, rep in enumerate(reps):
-        groups.setdefault((tuple(rep.shape), rep.dtype, rep.device), []).append(i)
     found: dict[int, tuple[Tensor, Tensor, str, Tensor | None]] = {}
-    for (shape, _, _), idx in groups.items():
-        d, n = shape
-        stack = torch.stack([reps[i] for i in idx]).double()  # (b, d, N)
-        route = "gram" if n >= d else "cols"
-        g = stack @ stack.mT if route == "gram" else stack.mT @ stack
-        if route == "cols" and not vectors:
+    for idx, stack, route, g in gram_batches(reps):
+        if route == "cols":
             lam = torch.linalg.eigvalsh(g).flip(-1).clamp_min(0)
             found.update((i, (lam[j], stack[j], route, g[j])) for j, i in enumerate(idx))
             continue
         lam, vecs = torch.linalg.eigh(g)  # ascending
         lam, vecs = lam.flip(-1).clamp_min(0), vecs.flip(-1)
-        if route == "cols":
-            vecs = stack @ vecs  # R V = U Σ: (b, d, N), normalized once the kept σ are known
         found.update((i, (lam[j], vecs[j], route, None)) for j, i in enumerate(idx))
     if not reps:
         return []
@@ -166,7 +171,7 @@ def spectra(reps: Sequence[Tensor], vectors: bool = True) -> list[Spectrum]:
         lam, vecs, route, g = found[i]
         sq = host[offset : offset + lam.numel()]
         offset += lam.numel()
-        kept_as_is = route == "cols"  # R V (or R), float64: normalized, in R's working dtype, once k is known
+        kept_as_is = route == "cols"  # R, float64: made orthonormal (or R V), in R's working dtype, once k is known
         out.append(Spectrum(sq, vecs if kept_as_is else vecs.to(working_dtype(rep.dtype)), rep.shape[1], route,
                             rep.dtype, g))
     return out
@@ -282,7 +287,7 @@ def compute_bases(reps: Sequence[Tensor], tau: float, rule: str = "numerical_ran
     """``compute_basis`` of every R, batched (``spectra``): one eigh per shape — of the ``cols`` route the
     eigenvalues alone, its eigenvectors only for an R of rank below N (``_singular_vectors``) —, one host sync for
     the τ rule, the kept vectors of one shape made orthonormal together (``_kept_together``)."""
-    specs = spectra(reps, vectors=False)
+    specs = spectra(reps)
     ranks = [_rank(spec, tau, rule) for spec in specs]
     specs = _singular_vectors(specs, ranks)
     kept = _kept_together(specs, ranks)
