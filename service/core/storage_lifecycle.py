@@ -96,32 +96,38 @@ def job_bytes(settings: Settings, job_id: str) -> int:
 def prune_trials(settings: Settings, job_id: str) -> int:
     """An ended sweep's trials keep their newest ``TLAB_KEEP_ENDED_CHECKPOINTS`` checkpoints each (Tune kept 2 a
     trial while it ran, 4 under PBT; the sweep's artifacts, its best trial's, were exported as it ended). Every
-    directory is opened relative to its parent without following links: a trial's code wrote them. How many went."""
-    try:
-        sweep = safe_files.open_dir(settings.storage_path, f"sweep-{job_id}")
-    except (FileNotFoundError, NotADirectoryError, safe_files.UnsafeFile):
-        return 0
-    gone = 0
-    try:
-        with os.scandir(sweep) as entries:
-            trials = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
-        for trial in trials:
-            try:
-                fd = os.open(trial, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=sweep)
-            except OSError:  # gone, or a link put in its place meanwhile
-                continue
-            try:
-                with os.scandir(fd) as entries:
-                    kept = sorted(e.name for e in entries
-                                  if e.name.startswith("checkpoint_") and e.is_dir(follow_symlinks=False))
-                for name in kept[: -settings.keep_ended_checkpoints]:  # Tune's names: checkpoint_000012
-                    shutil.rmtree(name, dir_fd=fd)
-                    gone += 1
-            finally:
-                os.close(fd)
-    finally:
-        os.close(sweep)
+    directory is opened by ``safe_files.open_dir``, no link followed: a trial's code wrote them. How many went."""
+    gone, sweep = 0, f"sweep-{job_id}"
+    for trial in _subdirs(settings, sweep):
+        try:
+            fd = safe_files.open_dir(settings.storage_path, f"{sweep}/{trial}")
+        except (FileNotFoundError, NotADirectoryError, safe_files.UnsafeFile):  # gone, or a link put in its place
+            continue
+        try:
+            kept = sorted(name for name in _subdirs_of(fd) if name.startswith("checkpoint_"))
+            for name in kept[: -settings.keep_ended_checkpoints]:  # Tune's names: checkpoint_000012
+                shutil.rmtree(name, dir_fd=fd)
+                gone += 1
+        finally:
+            os.close(fd)
     return gone
+
+
+def _subdirs(settings: Settings, rel: str) -> list[str]:
+    """The directories (no links) in ``rel`` under storage; none when it is missing or a link."""
+    try:
+        fd = safe_files.open_dir(settings.storage_path, rel)
+    except (FileNotFoundError, NotADirectoryError, safe_files.UnsafeFile):
+        return []
+    try:
+        return _subdirs_of(fd)
+    finally:
+        os.close(fd)
+
+
+def _subdirs_of(fd: int) -> list[str]:
+    with os.scandir(fd) as entries:
+        return [e.name for e in entries if e.is_dir(follow_symlinks=False)]
 
 
 def prune_ended(store: Store, settings: Settings, data: dict[str, str]) -> int:

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -133,6 +133,14 @@ def ray_holders(stack: Stack) -> dict[str, list[dict]]:
                    "bundles": [b.get("unit_resources") for b in g.get("bundles") or []]}
                   for g in listed("placement_groups") if g["state"] in ("PENDING", "CREATED", "RESCHEDULING")]
     return {"ray_jobs": jobs, "cpu_actors": actors, "placement_groups": groups}
+
+
+def wait_for(ok: Callable[[], bool], timeout_s: float, what: str = "timed out") -> None:
+    """Block until ``ok()``; fails with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
 
 
 def wait_ray_idle(stack: Stack, timeout_s: float = 120.0) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from service.cli.client import Client
 from service.core.settings import Settings
 from service.launch.job_acl import JobAcl
 from service.stack.embedded import Stack
-from tests.service.conftest import Api, ray_holders, tiny, wait_ray_idle
+from tests.service.conftest import Api, ray_holders, tiny, wait_for, wait_ray_idle
 
 
 def sweep_body(**kw: object) -> dict:
@@ -90,10 +89,7 @@ def test_asha_sweep_over_teleport_lr_runs_through_the_api(stack: Stack) -> None:
         assert png[:4] == b"\x89PNG"
     # once the scheduler has settled the ended sweep (its size counted), each trial keeps its newest checkpoint only
     r = redis.Redis.from_url(stack.redis_url or "", decode_responses=True)
-    deadline = time.monotonic() + 60
-    while not r.hget(keys.job(sweep), "storage_bytes"):
-        assert time.monotonic() < deadline, "the scheduler never settled the ended sweep"
-        time.sleep(0.2)
+    wait_for(lambda: bool(r.hget(keys.job(sweep), "storage_bytes")), 60, "the scheduler never settled the ended sweep")
     kept = {t.name: sorted(p.name for p in t.glob("checkpoint_*"))
             for t in (stack.home / "storage" / f"sweep-{sweep}").iterdir() if t.is_dir()}
     assert len(kept) == 4 and all(len(names) == 1 for names in kept.values()), kept

@@ -6,8 +6,6 @@ then stopped by a cancel."""
 from __future__ import annotations
 
 import textwrap
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ import pytest
 from service.cli.client import ApiError, Client
 from service.cli.code_zip import upload
 from service.stack.embedded import Stack, release_scheduler_lock
-from tests.service.conftest import ray_holders
+from tests.service.conftest import ray_holders, wait_for
 from tests.service.test_code_packages import wait_end
 
 pytestmark = pytest.mark.slow
@@ -100,13 +98,6 @@ def test_a_preflight_in_flight_survives_a_scheduler_restart_and_a_cancel_stops_i
         wait_for(lambda: not running_preflight(stack, job), 30)
         view = c.get(job)
         assert view["attempts"] == 0 and view["preflight"]["state"] == "stopped"
-
-
-def wait_for(ok: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ok():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.2)
 
 
 def running_preflight(stack: Stack, job: str) -> bool:
