@@ -8,12 +8,15 @@ each in seconds and in training steps:
 - ``evaluation``: L and ∇L with the use recorder (``teleport.capture.UseRecorder``), no graph kept (the setup of
   ``teleport.hvp: difference``); ``plain_gradient``: the same forward and backward without the recorder — the
   recorder's host cost is the gap;
-- ``bases``: ``compute_bases`` of the batch's R (float64, batched by shape: of an R with fewer columns than rows
-  the eigenvalues first, and at rank N CholeskyQR2 of R itself), on the R's device;
-- ``eigvalsh_device``: those eigenvalues alone; ``eigh_device`` against ``eigh_host``: the whole float64 eigh of the
-  same Gram matrices (what an R of lower rank, or of more columns than rows, needs) on the device, and on the host
-  with the copies both ways — the least bases computed on the CPU (overlapped with GPU work) would cost. On the CPU
-  the two are one route and ``eigh_host`` is not measured.
+- ``bases``: ``compute_bases`` of the batch's R (float64, batched by shape: an R whose full rank is proven keeps its
+  own span, CholeskyQR of R itself; the others by their eigenvalues), on the R's device; ``proven_full_rank``: how
+  many R the certificate proved;
+- ``certificate_device``: the full-rank certificate of the same Grams (``teleport.rank_certificate``: Cholesky and the
+  triangular inverse, batched — what the bases now take instead of eigenvalues wherever it proves rank N);
+  ``eigvalsh_device``: the eigenvalues the bases took before (and take where it does not); ``eigh_device`` against
+  ``eigh_host``: the whole float64 eigh of the same Gram matrices (what an R of lower rank needs) on the device, and
+  on the host with the copies both ways — the least bases computed on the CPU (overlapped with GPU work) would cost.
+  On the CPU the two are one route and ``eigh_host`` is not measured.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from teleport.bases import compute_bases, gram_batches
+from teleport.bases import compute_bases, gram_batches, whole_spans
 from teleport.blocks import build_blocks
 from teleport.capture import UseRecorder, trainable
 from teleport.nullspace import representations
 from teleport.objective import objective
+from teleport.rank_certificate import certify_full_rank
 
 Timed = Callable[[Callable[[], Any]], tuple[float, Any]]  # fn -> (its best seconds, its output)
 
@@ -57,6 +61,7 @@ def setup_phases(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], 
         reps, _ = representations(build_blocks(recorder.uses)[0])
         seconds["bases"], _ = timed(lambda: compute_bases(reps, 1.0))
         matrices = [g for _, _, _, g in gram_batches(reps)]  # what the bases decompose
+        seconds["certificate_device"], _ = timed(lambda: [certify_full_rank(g, 1e-9) for g in matrices])
         seconds["eigvalsh_device"], _ = timed(lambda: [torch.linalg.eigvalsh(g) for g in matrices])
         seconds["eigh_device"], _ = timed(lambda: [torch.linalg.eigh(g) for g in matrices])
         if x.device.type != "cpu":
@@ -65,4 +70,5 @@ def setup_phases(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], 
     finally:
         model.train(was)
     return {"seconds": seconds, "in_train_steps": {k: v / step_s for k, v in seconds.items()},
-            "representations": len(reps), "gram_batches": [list(g.shape) for g in matrices]}
+            "representations": len(reps), "proven_full_rank": len(whole_spans(reps)),
+            "gram_batches": [list(g.shape) for g in matrices]}

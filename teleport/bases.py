@@ -51,6 +51,10 @@ from typing import Protocol, TypeVar
 import torch
 from torch import Tensor
 
+from teleport.rank_certificate import certify_full_rank
+
+ONE_PASS = 1e-2  # CholeskyQR's first pass is enough when its ε₆₄·κ(G) is this far below the basis dtype's ε
+
 T = TypeVar("T")
 U = TypeVar("U")
 
@@ -95,9 +99,12 @@ def working_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _rank_tol(sq_max: float, shape: tuple[int, int], dtype: torch.dtype) -> float:
-    """σ² threshold of the numerical rank: (max(d, N)·eps·σ_max)², eps of R's dtype."""
-    return (max(shape) * torch.finfo(dtype).eps) ** 2 * sq_max
+def _relative_tol(shape: tuple[int, int], dtype: torch.dtype, gram: bool) -> float:
+    """σ² threshold of the numerical rank ÷ σ²_max for R of ``shape`` (d, N): (max(d, N)·eps)², eps of R's working
+    ``dtype``; with ``gram`` (eigenvalues of a float64 Gram: they carry ~max(d, N)·eps64·λ_max of round-off) at least
+    max(d, N)·eps64."""
+    tol = (max(shape) * torch.finfo(dtype).eps) ** 2
+    return max(tol, max(shape) * torch.finfo(torch.float64).eps) if gram else tol
 
 
 @dataclass(frozen=True)
@@ -193,15 +200,16 @@ def _singular_vectors(specs: list[Spectrum], ranks: list[tuple[int, float] | Non
     return out
 
 
-def orthonormalize(u: Tensor, gram: Tensor | None = None) -> Tensor:
+def orthonormalize(u: Tensor, gram: Tensor | None = None, passes: int = 2) -> Tensor:
     """CholeskyQR2: u (d, k) — or a batch (b, d, k) — of full column rank -> an orthonormal basis of its span, same
-    column order; ``gram``: its UᵀU when already made (the first pass takes it).
+    column order; ``gram``: its UᵀU when already made (the first pass takes it); ``passes=1``: the second pass alone,
+    for a U already made nearly orthonormal (``whole_spans``).
 
     Q = U L⁻ᵀ with L Lᵀ = UᵀU, twice: the second pass takes the first's ε·κ² loss of orthogonality to ε (for κ(U)
     below ε^(-1/2); a rank-N R of the ``cols`` route has κ ≤ (max(d, N)·ε₆₄)^(-1/2), 1.5e6 at d = 2048).
     ``cholesky_ex``: no host sync on a GPU (``cholesky`` checks its info flag on the host).
     """
-    for _ in range(2):
+    for _ in range(passes):
         chol, _ = torch.linalg.cholesky_ex(u.mT @ u if gram is None else gram)  # (k, k), lower
         u, gram = torch.linalg.solve_triangular(chol.mT, u, upper=True, left=False), None  # U L⁻ᵀ
     return u
@@ -224,9 +232,7 @@ def _rank(spec: Spectrum, tau: float, rule: str) -> tuple[int, float] | None:
     if total == 0.0:
         return None
     wdtype = working_dtype(spec.source)
-    tol = _rank_tol(float(sq[0]), (d, spec.cols), wdtype)
-    if spec.route != "svd":  # eigenvalues of a float64 Gram carry ~max(d, N)·eps64·λ_max of round-off
-        tol = max(tol, max(d, spec.cols) * torch.finfo(torch.float64).eps * float(sq[0]))
+    tol = _relative_tol((d, spec.cols), wdtype, spec.route != "svd") * float(sq[0])
     k = tau_rank(sq, tau, tol) if rule == "numerical_rank" else energy_rank(sq, tau, wdtype)
     return k, float(sq[:k].sum()) / total
 
@@ -284,9 +290,55 @@ def compute_basis(rep: Tensor, tau: float = 1.0, rule: str = "numerical_rank", r
 
 
 def compute_bases(reps: Sequence[Tensor], tau: float, rule: str = "numerical_rank") -> list[Basis]:
-    """``compute_basis`` of every R, batched (``spectra``): one eigh per shape — of the ``cols`` route the
-    eigenvalues alone, its eigenvectors only for an R of rank below N (``_singular_vectors``) —, one host sync for
-    the τ rule, the kept vectors of one shape made orthonormal together (``_kept_together``)."""
+    """``compute_basis`` of every R, batched. At τ = 1 by the numerical rank (the default) an R whose full rank is
+    proven keeps its whole span without a spectrum (``whole_spans``); the others (and every R under another rule)
+    by ``spectra``: one eigh per shape — of the ``cols`` route the eigenvalues alone, its eigenvectors only for an R
+    of rank below N (``_singular_vectors``) —, one host sync for the τ rule, the kept vectors of one shape made
+    orthonormal together (``_kept_together``)."""
+    found = whole_spans(reps) if rule == "numerical_rank" and tau >= 1.0 else {}
+    rest = [i for i in range(len(reps)) if i not in found]
+    if rest:
+        found.update(zip(rest, _decomposed([reps[i] for i in rest], tau, rule), strict=True))
+    return [found[i] for i in range(len(reps))]
+
+
+def whole_spans(reps: Sequence[Tensor]) -> dict[int, Basis]:
+    """The basis of every R whose full numerical rank ``rank_certificate`` proves, by its index: at N < d its own
+    columns made orthonormal (CholeskyQR, its first pass a product with the certificate's L⁻¹), at N ≥ d no free
+    direction. One host read for all (the certificates); no eigenvalue is computed.
+
+    The first pass leaves UᵀU − I at ~ε₆₄·κ(G) (measured 0.2-0.4 of it on the GPT-style LM's R, 1e-13): where the
+    certificate's bound on κ(G) puts that ``ONE_PASS`` below the working dtype's ε (a float32 basis of κ(G) ≤ 5e6),
+    the second pass would change nothing the rounding to float32 keeps, and is left out."""
+    checks = []
+    for idx, stack, route, g in gram_batches(reps):
+        rel_tol = _relative_tol(tuple(stack.shape[-2:]), working_dtype(reps[idx[0]].dtype), True)
+        checks.append((idx, stack, route, *certify_full_rank(g, rel_tol)))
+    if not checks:
+        return {}
+    read = torch.cat([torch.stack([ok.double(), cond], 1) for _, _, _, ok, cond, _ in checks]).tolist()  # one read
+    out: dict[int, Basis] = {}
+    for idx, stack, route, _, _, inverse in checks:
+        mine, read = read[: len(idx)], read[len(idx) :]
+        chosen = [j for j, (ok, _) in enumerate(mine) if ok]
+        if not chosen:
+            continue
+        if len(chosen) < len(idx):
+            stack, inverse = stack[chosen], inverse[chosen]
+        d, n = stack.shape[-2:]
+        dtype = working_dtype(reps[idx[0]].dtype)
+        if route == "gram":
+            free = torch.zeros(d, 0, dtype=dtype, device=stack.device)
+            out.update((idx[j], Basis(d, d, 1.0, None, free, route)) for j in chosen)
+            continue
+        enough = max(mine[j][1] for j in chosen) * torch.finfo(torch.float64).eps <= ONE_PASS * torch.finfo(dtype).eps
+        kept = orthonormalize(stack @ inverse.mT, passes=0 if enough else 1).to(dtype)  # R L⁻ᵀ, then a second pass
+        out.update((idx[j], Basis(d, n, 1.0, u, None, route)) for j, u in zip(chosen, kept.unbind(0), strict=True))
+    return out
+
+
+def _decomposed(reps: Sequence[Tensor], tau: float, rule: str) -> list[Basis]:
+    """``compute_bases`` by the spectra (see there)."""
     specs = spectra(reps)
     ranks = [_rank(spec, tau, rule) for spec in specs]
     specs = _singular_vectors(specs, ranks)

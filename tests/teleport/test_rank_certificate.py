@@ -1,0 +1,92 @@
+"""A full rank proven without eigenvalues (``teleport.rank_certificate``, ``bases.whole_spans``): never where the
+eigenvalues say otherwise, always where they say so by a wide margin, and the same bases as the SVD's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from teleport import bases, compute_basis, project
+from teleport.bases import _decomposed, _relative_tol, compute_bases, whole_spans
+from teleport.rank_certificate import MARGIN
+
+
+def _with_spectrum(d: int, n: int, sigma: Tensor, dtype: torch.dtype, seed: int) -> Tensor:
+    """R (d, n) with singular values ``sigma`` (descending) and random singular vectors."""
+    g = torch.Generator().manual_seed(seed)
+    u, _ = torch.linalg.qr(torch.randn(d, n, dtype=torch.float64, generator=g))
+    v, _ = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=g))
+    return ((u * sigma.double()) @ v.T).to(dtype)
+
+
+def _count_eigen(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    calls: list[str] = []
+    for name in ("eigh", "eigvalsh"):
+        real = getattr(torch.linalg, name)
+        monkeypatch.setattr(torch.linalg, name, lambda a, *args, _real=real, _name=name, **kw:
+                            calls.append(_name) or _real(a, *args, **kw))
+    return calls
+
+
+def test_full_rank_representations_need_no_eigenvalues(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both routes at full rank (N < d: R's own columns; N ≥ d: no free direction) without an eigh or eigvalsh, and
+    each basis projects as the SVD's; an R of lower rank beside them is left to the eigenvalues."""
+    torch.manual_seed(7)
+    calls = _count_eigen(monkeypatch)
+    cols = [torch.randn(40, 12, dtype=torch.float64) for _ in range(3)]
+    wide = torch.randn(9, 30, dtype=torch.float64)  # N ≥ d, rank d
+    low = torch.randn(40, 5, dtype=torch.float64) @ torch.randn(5, 12, dtype=torch.float64)
+    bases = compute_bases([*cols, wide], 1.0)
+    assert calls == []
+    assert bases[3].rank == 9 and bases[3].free is not None and bases[3].free.shape == (9, 0)
+    assert torch.equal(project(torch.randn(4, 9, dtype=torch.float64), bases[3]), torch.zeros(4, 9,
+                                                                                             dtype=torch.float64))
+    for rep, b in zip(cols, bases[:3], strict=True):
+        svd = compute_basis(rep, 1.0, route="svd")
+        assert (b.rank, b.captured_variance) == (12, 1.0) and b.kept is not None
+        g = torch.randn(4, 40, dtype=torch.float64)
+        assert torch.allclose(project(g, b), project(g, svd), atol=1e-12)
+        assert torch.allclose(b.kept.T @ b.kept, torch.eye(12, dtype=torch.float64), atol=1e-13)  # two passes
+    mixed = compute_bases([*cols, low], 1.0)
+    assert calls == ["eigvalsh", "eigh"] and mixed[3].rank == 5  # the rank-5 R alone: its eigenvalues, vectors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_certificate_agrees_with_the_eigenvalues_around_the_threshold(dtype: torch.dtype) -> None:
+    """σ_min swept across the numerical rank's threshold: a proven full rank is never one the eigenvalues call
+    lower, and an R clear of the threshold by the bounds' slack (n^1.5·MARGIN) is always proven."""
+    d, n = 48, 16
+    rel = _relative_tol((d, n), dtype, True)  # on σ²
+    proven = []
+    for seed, ratio in enumerate([0.3, 0.9, 1.1, 3, 10, 100, 1e3, 1e4, 1e5]):  # σ²_min / threshold
+        sigma = torch.logspace(0, 0.5 * torch.log10(torch.tensor(ratio * rel)).item(), n)  # σ_max = 1
+        rep = _with_spectrum(d, n, sigma, dtype, seed)
+        spectral = _decomposed([rep], 1.0, "numerical_rank")[0]
+        found = whole_spans([rep])
+        if found:
+            assert spectral.rank == n, f"proven full rank at σ²_min = {ratio}x the threshold, eigenvalues say less"
+            assert found[0].rank == n
+        if ratio > n**1.5 * MARGIN * 2:
+            assert found, f"σ²_min = {ratio}x the threshold was not proven"
+        proven.append(bool(found))
+    assert not proven[0] and proven[-1]
+
+
+def test_a_float32_basis_from_one_pass_is_as_orthonormal_as_float32_allows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float32 R of moderate κ takes the first CholeskyQR pass (R L⁻ᵀ) alone, a steep one (κ(G) = 1e8) the second
+    too; each orthonormal to float32's rounding and the SVD's projector to float32's precision."""
+    passes: list[int] = []
+    real = bases.orthonormalize
+    monkeypatch.setattr(bases, "orthonormalize", lambda u, gram=None, passes=2, _log=passes:
+                        _log.append(passes) or real(u, gram, passes))
+    for kappa, seed in ((1e2, 0), (1e4, 1)):  # κ(R)
+        rep = _with_spectrum(64, 20, torch.logspace(0, -torch.log10(torch.tensor(kappa)).item(), 20),
+                             torch.float32, seed)
+        b = whole_spans([rep])[0]
+        assert b.kept is not None and b.kept.dtype == torch.float32
+        assert (b.kept.T @ b.kept - torch.eye(20)).abs().max() < 1e-6
+        g = torch.randn(5, 64)
+        svd = compute_basis(rep, 1.0, route="svd")
+        assert (project(g, b) - project(g, svd)).abs().max() < 1e-5 * g.abs().max()
+    assert passes == [0, 1]  # after the product with L⁻ᵀ: none more, then one
