@@ -194,10 +194,10 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
 
 def directions(model: nn.Module, loss_fn: Any, x: Tensor) -> tuple[list[Tensor], list[Tensor]]:
     """(exact, difference) π(H·∇L) of a teleport's first step on the batch x (targets x) at τ = 1."""
-    from teleport.bases import SerialExecutor
     from teleport.blocks import build_blocks, moving_blocks
     from teleport.capture import UseRecorder, trainable
     from teleport.difference import shift_params, unshift
+    from teleport.executors import SerialExecutor
     from teleport.nullspace import _difference_direction, ascent_direction, layer_bases
     from teleport.objective import objective, objective_tensors
 

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from teleport.bases import BasisExecutor, Spectrum, gram, spectrum_of_gram, svd_spectrum, working_dtype
+from teleport.bases import Spectrum, gram, spectrum_of_gram, svd_spectrum, working_dtype
+from teleport.executors import BasisExecutor
 
 
 class Collective(Protocol):

@@ -25,12 +25,13 @@ import torch
 from torch import Tensor, nn
 
 from teleport import graph_cache
-from teleport.bases import BasisExecutor, SerialExecutor, compute_bases, compute_basis, select_basis
+from teleport.bases import compute_bases, compute_basis, select_basis
 from teleport.blocks import Block, RowClass, build_blocks, moving_blocks, partition
 from teleport.buffers import StepBuffers
 from teleport.capture import UseRecorder, trainable
 from teleport.difference import Shifted, check_dtypes, difference_hvp, shift_params, unshift
 from teleport.distributed import Collective, any_across_, distributed_spectra
+from teleport.executors import BasisExecutor, SerialExecutor
 from teleport.factored import factored_direction
 from teleport.guard import guarded_step
 from teleport.objective import (
