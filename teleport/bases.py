@@ -28,8 +28,7 @@ Three routes, all in float64, all returning the same subspace:
 - ``gram``: eigh of R Rᵀ (d, d) when N ≥ d — O(d² N + d³);
 - ``cols``: eigh of Rᵀ R (N, N) when N < d — O(d N² + N³): U = R V Σ⁻¹ for the kept σ, made orthonormal
   again by CholeskyQR2 (two passes of U ← U L⁻ᵀ, L Lᵀ = UᵀU), since R V Σ⁻¹ loses orthogonality as
-  ε·σ₁²/σ_k² for small kept σ_k. ``compute_bases`` takes the eigenvalues first (``eigvalsh``); an R of rank N
-  keeps its own span, CholeskyQR2 of R itself (no eigenvectors, no R V); only a lower rank needs ``eigh``.
+  ε·σ₁²/σ_k² for small kept σ_k; an R of rank N keeps its own span, CholeskyQR2 of R itself (no R V).
   The default for N < d: a GPU's eigh of a few hundred rows is fast, its
   thin SVD of (d, N) is cuSOLVER's unblocked QR (88 % of a GPT teleport's GPU time on an H100, issue 27);
   on 1 CPU thread it is 1.2-1.5x faster than the SVD (d = 512-2048, N = 256).
@@ -39,6 +38,9 @@ Three routes, all in float64, all returning the same subspace:
 and every σ² comes to the host in one copy, so the τ rule costs one host sync per teleport, not per layer;
 ``compute_bases`` then makes the kept vectors of equal (d, k) orthonormal in one batched CholeskyQR2 (the GPT-style
 LM's evaluation + bases: 776 -> 641 kernels, CPU count, ``benchmarks/lm_payoff``).
+At τ = 1 by the numerical rank (the default), before any of these: an R whose full rank
+``teleport.rank_certificate`` proves from a Cholesky factor keeps its whole span with no eigenvalue computed
+(``whole_spans``); the routes above decompose the others (of lower rank, as a rule).
 """
 
 from __future__ import annotations
@@ -106,8 +108,9 @@ def _relative_tol(shape: tuple[int, int], dtype: torch.dtype, gram: bool) -> flo
 @dataclass(frozen=True)
 class Spectrum:
     """σ² of R (descending, float64) and the matching left singular vectors, (d, m) in R's dtype — or, with
-    ``gram`` (the ``cols`` route of ``spectra``: its σ² alone), R itself in float64 and its Gram RᵀR: at rank N
-    its columns span the kept space whole; below it ``_singular_vectors`` makes the vectors (R V = U Σ)."""
+    ``gram`` (the ``cols`` route of ``spectra``), R itself in float64, its Gram RᵀR and the Gram's eigenvectors V
+    (descending): at rank N R's columns span the kept space whole; below it ``_singular_vectors`` makes the vectors
+    (R V = U Σ)."""
 
     sq: Tensor
     vectors: Tensor
@@ -115,6 +118,7 @@ class Spectrum:
     route: str
     source: torch.dtype = torch.float32  # R's own dtype: the precision of the energy rule
     gram: Tensor | None = None
+    gram_vectors: Tensor | None = None
 
 
 def spectrum_of_gram(gram: Tensor, cols: int, dtype: torch.dtype) -> Spectrum:
@@ -153,47 +157,39 @@ def spectra(reps: Sequence[Tensor]) -> list[Spectrum]:
 
     R of one shape, dtype and device are stacked and decomposed by one batched eigh; every σ² then comes
     to the host in one copy (the τ rule reads them there), so a list of R costs one host sync per
-    distinct shape (eigh checks its result) and one more, not a few per layer. The ``cols`` route takes the
-    eigenvalues alone (``eigvalsh``: 2.4x faster than ``eigh`` for 12 Grams of 256 × 256, 1 CPU thread) and keeps R
-    and its Gram for what the rank needs next (``_singular_vectors``).
+    distinct shape (eigh checks its result) and one more, not a few per layer. The ``cols`` route keeps R, its Gram
+    and the Gram's eigenvectors for what the rank needs next (``_kept_vectors``, ``_singular_vectors``). An R that
+    comes here under the default rule is one whose full rank ``whole_spans`` could not prove — of lower rank, as a
+    rule, whose basis needs the eigenvectors: they come with the eigenvalues, in one decomposition.
     """
-    found: dict[int, tuple[Tensor, Tensor, str, Tensor | None]] = {}
+    found: dict[int, tuple[Tensor, Tensor, str, Tensor | None, Tensor | None]] = {}
     for idx, stack, route, g in gram_batches(reps):
-        if route == "cols":
-            lam = torch.linalg.eigvalsh(g).flip(-1).clamp_min(0)
-            found.update((i, (lam[j], stack[j], route, g[j])) for j, i in enumerate(idx))
-            continue
         lam, vecs = torch.linalg.eigh(g)  # ascending
         lam, vecs = lam.flip(-1).clamp_min(0), vecs.flip(-1)
-        found.update((i, (lam[j], vecs[j], route, None)) for j, i in enumerate(idx))
+        if route == "cols":
+            found.update((i, (lam[j], stack[j], route, g[j], vecs[j])) for j, i in enumerate(idx))
+        else:
+            found.update((i, (lam[j], vecs[j], route, None, None)) for j, i in enumerate(idx))
     if not reps:
         return []
     host = torch.cat([found[i][0] for i in range(len(reps))]).cpu()  # every σ², one copy
     out, offset = [], 0
     for i, rep in enumerate(reps):
-        lam, vecs, route, g = found[i]
+        lam, vecs, route, g, v = found[i]
         sq = host[offset : offset + lam.numel()]
         offset += lam.numel()
         kept_as_is = route == "cols"  # R, float64: made orthonormal (or R V), in R's working dtype, once k is known
         out.append(Spectrum(sq, vecs if kept_as_is else vecs.to(working_dtype(rep.dtype)), rep.shape[1], route,
-                            rep.dtype, g))
+                            rep.dtype, g, v))
     return out
 
 
 def _singular_vectors(specs: list[Spectrum], ranks: list[tuple[int, float] | None]) -> list[Spectrum]:
-    """Spectra of a ``cols`` R (``gram`` set) of rank below N get their R V = U Σ (one eigh a shape); the others
-    stay as they are (at rank N, R itself spans the kept space)."""
-    groups: dict[tuple, list[int]] = {}
-    for i, (spec, rank) in enumerate(zip(specs, ranks, strict=True)):
-        if spec.gram is not None and rank is not None and rank[0] < spec.cols:
-            groups.setdefault((tuple(spec.vectors.shape), spec.vectors.device), []).append(i)
-    out = list(specs)
-    for idx in groups.values():
-        _, vecs = torch.linalg.eigh(torch.stack([specs[i].gram for i in idx]))  # type: ignore[misc]
-        uv = torch.stack([specs[i].vectors for i in idx]) @ vecs.flip(-1)  # R V = U Σ
-        for j, i in enumerate(idx):
-            out[i] = replace(specs[i], vectors=uv[j], gram=None)
-    return out
+    """Spectra of a ``cols`` R (``gram`` set) of rank below N get their R V = U Σ; the others stay as they are (at
+    rank N, R itself spans the kept space)."""
+    return [replace(spec, vectors=spec.vectors @ spec.gram_vectors, gram=None, gram_vectors=None)
+            if spec.gram_vectors is not None and rank is not None and rank[0] < spec.cols else spec
+            for spec, rank in zip(specs, ranks, strict=True)]
 
 
 def orthonormalize(u: Tensor, gram: Tensor | None = None, passes: int = 2) -> Tensor:
@@ -278,7 +274,7 @@ def _kept_together(specs: list[Spectrum], ranks: list[tuple[int, float] | None])
 
 
 def compute_basis(rep: Tensor, tau: float = 1.0, rule: str = "numerical_rank", route: str = "auto") -> Basis:
-    """The basis of R (d, N) by eq. 3: ``route`` "auto" (eigh of the smaller Gram, its eigenvalues first: see
+    """The basis of R (d, N) by eq. 3: ``route`` "auto" (a proven full rank, else eigh of the smaller Gram: see
     ``compute_bases``) or "svd"."""
     if route == "svd" and rep.shape[1] < rep.shape[0]:
         return select_basis(svd_spectrum(rep), tau, rule)
@@ -288,9 +284,8 @@ def compute_basis(rep: Tensor, tau: float = 1.0, rule: str = "numerical_rank", r
 def compute_bases(reps: Sequence[Tensor], tau: float, rule: str = "numerical_rank") -> list[Basis]:
     """``compute_basis`` of every R, batched. At τ = 1 by the numerical rank (the default) an R whose full rank is
     proven keeps its whole span without a spectrum (``whole_spans``); the others (and every R under another rule)
-    by ``spectra``: one eigh per shape — of the ``cols`` route the eigenvalues alone, its eigenvectors only for an R
-    of rank below N (``_singular_vectors``) —, one host sync for the τ rule, the kept vectors of one shape made
-    orthonormal together (``_kept_together``)."""
+    by ``spectra``: one eigh per shape, one host sync for the τ rule, R V for an R of rank below N
+    (``_singular_vectors``), the kept vectors of one shape made orthonormal together (``_kept_together``)."""
     found = whole_spans(reps) if rule == "numerical_rank" and tau >= 1.0 else {}
     rest = [i for i in range(len(reps)) if i not in found]
     if rest:

@@ -196,28 +196,6 @@ def test_bases_of_equal_shapes_are_batched_and_match_one_by_one() -> None:
         assert torch.allclose(b.kept.T @ b.kept, torch.eye(12, dtype=torch.float64), atol=1e-12)
 
 
-def test_a_rank_n_representation_keeps_its_own_span_without_eigenvectors(monkeypatch: pytest.MonkeyPatch) -> None:
-    """N < d at rank N (a teleport batch of fewer tokens than inputs): the eigenvalues decide the rank and R's own
-    columns, made orthonormal, are the kept basis — no eigh; an R of lower rank beside them gets its eigenvectors.
-    Each basis projects as the SVD route's (float64)."""
-    torch.manual_seed(6)
-    full = [torch.randn(40, 12, dtype=torch.float64) for _ in range(2)]
-    low = torch.randn(40, 5, dtype=torch.float64) @ torch.randn(5, 12, dtype=torch.float64)  # rank 5 of 12
-    calls: list[torch.Size] = []
-    eigh = torch.linalg.eigh
-    monkeypatch.setattr(torch.linalg, "eigh", lambda a, *args, **kw: calls.append(a.shape) or eigh(a, *args, **kw))
-    bases = compute_bases(full, 1.0)
-    assert calls == []
-    bases += compute_bases([*full, low], 1.0)[2:]
-    assert calls == [torch.Size([1, 12, 12])]  # the rank-5 R's Gram alone
-    for rep, b in zip([*full, low], bases, strict=True):
-        alone = compute_basis(rep, 1.0, route="svd")
-        assert b.rank == alone.rank and b.kept is not None
-        g = torch.randn(4, 40, dtype=torch.float64)
-        assert torch.allclose(project(g, b), project(g, alone), atol=1e-12)
-        assert torch.allclose(b.kept.T @ b.kept, torch.eye(b.rank, dtype=torch.float64), atol=1e-13)
-
-
 def test_tau_below_one_keeps_fewer_directions_with_bounded_drift() -> None:
     model, x, y = make_case("transformer")
     ranks, rises, drifts = [], [], []
