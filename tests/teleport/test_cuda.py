@@ -98,11 +98,12 @@ def test_bf16_autocast_training_with_a_float32_teleport_between_steps() -> None:
 
 
 @cuda
-def test_bases_on_cuda_are_batched_eigh_and_match_the_cpu_svd() -> None:
-    from teleport.bases import compute_bases, compute_basis, project
+def test_bases_on_cuda_match_the_cpu_svd_and_prove_the_cpus_full_ranks() -> None:
+    from teleport.bases import compute_bases, compute_basis, project, whole_spans
 
     torch.manual_seed(7)
     reps = [torch.randn(512, 256, dtype=torch.float32) for _ in range(3)] + [torch.randn(64, 300)]
+    reps.append(torch.randn(512, 40) @ torch.randn(40, 256))  # rank 40 of 256: the eigenvalues' route
     on_gpu = compute_bases([r.cuda() for r in reps], 1.0)
     for rep, b in zip(reps, on_gpu, strict=True):  # (an H200 failed this once; the messages say which check)
         ref = compute_basis(rep, 1.0, route="svd")
@@ -111,6 +112,7 @@ def test_bases_on_cuda_are_batched_eigh_and_match_the_cpu_svd() -> None:
         g = torch.randn(8, rep.shape[0])
         off = float((project(g.cuda(), b).cpu() - project(g, ref)).abs().max())
         assert off <= 1e-4, (tuple(rep.shape), b.route, off)
+    assert sorted(whole_spans([r.cuda() for r in reps])) == sorted(whole_spans(reps)) == [0, 1, 2, 3]
 
 
 @cuda
