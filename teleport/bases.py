@@ -56,7 +56,6 @@ from teleport.rank_certificate import certify_full_rank
 ONE_PASS = 1e-2  # CholeskyQR's first pass is enough when its ε₆₄·κ(G) is this far below the basis dtype's ε
 
 
-
 @dataclass(frozen=True)
 class Basis:
     """Orthonormal bases of one representation's kept span (d, k) and/or its complement (d, d−k).
