@@ -14,9 +14,10 @@ Parameters that cannot be expressed so are left exactly as they are, each with i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from teleport.bases import Basis, project_split
@@ -36,6 +37,7 @@ class RowClass:
     parts: list[Part]
     basis: Basis | None = None
     mask: Tensor | None = None  # (rows,) bool, with ``rows`` None: the rows of the class
+    columns: int = 0  # N, the columns of the class' R, once its basis is computed
 
     def key(self, has_bias: bool, bias_id: int | None) -> tuple:
         """Equal keys, equal R: one basis serves every class with the key (Q, K, V on one input)."""
@@ -315,3 +317,22 @@ def partition(block: Block) -> list[RowClass]:
         whole = rows.numel() == block.rows
         classes.append(RowClass(None if whole else rows, [p for k, p in enumerate(parts) if sig[k]]))
     return classes
+
+
+def fixed_widths(blocks: list[Block]) -> None:
+    """Every kept basis of the ``cols`` route (R with fewer columns N than inputs) padded with zero columns to N, so
+    that the tensors a captured tick reads keep their shapes when a batch's rank differs (``teleport.graph_cache``):
+    on an LM's teleport batch two equal input columns (the same token at the same position of two sequences, at
+    block 0; the same first token, at every block) make the rank N − 1, N − 2, ... from batch to batch, and each
+    rank captured anew. A zero column projects nothing (π(G) = G − (G K) Kᵀ), but moves the rounding: every way of
+    ascending pads alike, so that they take the same steps to the bit (the difference H·∇L divides that rounding by
+    ε ~ 1e-8). The rank a class reports is its own; a basis that classes share stays shared."""
+    padded: dict[int, Basis] = {}
+    for b in blocks:
+        for cls in b.classes:
+            basis = cls.basis
+            if basis is None or basis.route != "cols" or basis.kept is None or basis.kept.shape[1] >= cls.columns:
+                continue
+            if id(basis) not in padded:
+                padded[id(basis)] = replace(basis, kept=F.pad(basis.kept, (0, cls.columns - basis.kept.shape[1])))
+            cls.basis = padded[id(basis)]

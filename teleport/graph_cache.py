@@ -10,16 +10,17 @@ reads is where it was, with the shape it had:
 - the parameters: their storages unchanged since the capture (the optimizer steps in place), read through the
   aliases the model's captured teleports differentiate by (``own_leaves``), kept while they share those storages;
 - the moving blocks' bias-row maps, row classes (their rows, or the mask of a tied LM's head rows no lookup fixes)
-  and bases (``_slots``): the new batch's values copied into the captured tensors;
+  and bases (``_slots``): the new batch's values copied into the captured tensors, each kept basis padded to its
+  R's column count (``blocks.fixed_widths``: a batch whose rank differs keeps the shapes);
 - the ascent's state: ``DeviceAscent.reset`` sets it in place;
 - the config and the loss function: their numbers are constants of the graph — all but the steps, a state tensor
   (the budget shortens a batch's steps: that batch replays the same graph).
 
 ``key`` names all of it; an equal key replays every tick of the batch (``reused``; ``DeviceAscent.run``), anything
 else captures anew and replaces the model's entry (``keep``): one graph a model, its memory pool held until then or
-until ``release``. A batch whose row classes or ranks differ (a rank that follows masks in the data, say) captures
-again. The entry holds the model only weakly (the captured closures reach it through a weak reference), so it dies
-with it.
+until ``release``. A batch whose row classes differ (masks in the data, say), or whose rank differs on the ``gram``
+route (more columns than inputs: the side kept is the smaller), captures again. The entry holds the model only
+weakly (the captured closures reach it through a weak reference), so it dies with it.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _slots(blocks: list[Block]) -> tuple[list[Tensor | None], list[tuple]]:
         for cls in b.classes:
             assert cls.basis is not None
             basis = cls.basis
-            path.append((shared.setdefault(id(basis), len(shared)), basis.dim, basis.rank, basis.route))
+            path.append((shared.setdefault(id(basis), len(shared)), basis.dim, basis.rank > 0, basis.route))
             tensors += [cls.rows, cls.mask, basis.kept, basis.free]
     return tensors, path
 

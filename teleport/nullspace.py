@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from teleport import graph_cache
 from teleport.bases import compute_bases, compute_basis, select_basis
-from teleport.blocks import Block, RowClass, build_blocks, moving_blocks, partition
+from teleport.blocks import Block, RowClass, build_blocks, fixed_widths, moving_blocks, partition
 from teleport.buffers import StepBuffers
 from teleport.capture import UseRecorder, trainable
 from teleport.difference import Shifted, check_dtypes, difference_hvp, shift_params, unshift
@@ -67,7 +67,9 @@ def layer_bases(blocks: list[Block] | UseRecorder, tau: float, executor: BasisEx
     else:
         bases = executor.map(lambda r: compute_basis(r, tau, rule), reps)
     for cls, i in slots:
-        cls.basis = bases[i]
+        cls.basis, cls.columns = bases[i], reps[i].shape[1]
+    if comm is None or comm.world_size == 1:  # ranks keep their bases as they are: a shard's N is its own
+        fixed_widths(blocks)
     return blocks
 
 

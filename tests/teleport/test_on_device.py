@@ -93,12 +93,13 @@ def both(case: Case, config: TeleportConfig, device: str = "device") -> tuple[Te
     return a, b, host, other
 
 
-def assert_same(a: TeleportReport, b: TeleportReport, host: nn.Module, other: nn.Module, rtol: float = 1e-9) -> None:
+def assert_same(a: TeleportReport, b: TeleportReport, host: nn.Module, other: nn.Module, rtol: float = 1e-9,
+                atol: float = 1e-12) -> None:
     assert (b.steps, b.backoffs, b.stop_reason) == (a.steps, a.backoffs, a.stop_reason)
     assert b.loss_after == pytest.approx(a.loss_after, rel=rtol, abs=1e-12)
     assert b.grad_norm_sq_after == pytest.approx(a.grad_norm_sq_after, rel=rtol)
     for (name, p), q in zip(host.named_parameters(), other.parameters(), strict=True):
-        assert torch.allclose(p, q.to(p.device), rtol=rtol, atol=1e-12), f"{name} differs"
+        assert torch.allclose(p, q.to(p.device), rtol=rtol, atol=atol), f"{name} differs"
 
 
 @pytest.mark.parametrize("guard", sorted(GUARDS))
