@@ -198,7 +198,7 @@ def test_a_cuda_graph_serves_later_batches_on_cuda(name: str, hvp: str, monkeypa
     graphed, g_model = fresh_then(case, batches, config)
     device, d_model = fresh_then(case, batches, replace(config, ascent="device"))
     assert graphed.ascent == "cuda_graph" and len(made) == 1, "one capture should have served the three batches"
-    assert_same(device, graphed, d_model, g_model, rtol=1e-7)
+    assert_same(device, graphed, d_model, g_model, rtol=1e-7, atol=TOLERANCE[hvp][1])
 
 
 def test_the_spec_asks_for_it_and_without_cuda_gets_the_device_ticks() -> None:
