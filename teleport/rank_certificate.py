@@ -20,8 +20,8 @@ Why: on CUDA, torch's eigh/eigvalsh of a batch of matrices larger than 32 × 32 
 one matrix at a time (pytorch issues 174674 and 175585: 1.8 ms a 100 × 100 matrix,
 8 ms for 500 of them in CuPy's batched call), and a GPT-style LM's teleport batch has 17 Grams of 256 × 256.
 Cholesky and the triangular inverse run batched without a sync, and L⁻¹ is also CholeskyQR2's first pass, as a
-matrix product (``bases.whole_spans``). On the CPU the certificate takes 24 ms where eigvalsh took 42 ms
-(the 17 Grams, 1 thread).
+matrix product (``bases.whole_spans``). On the CPU the certificate of those 17 Grams takes 32 ms where their
+eigenvalues took 43 ms (1 thread; ``benchmarks.lm_setup``).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def certify_full_rank(gram: Tensor, rel_tol: Tensor | float) -> tuple[Tensor, Te
     condition = upper * inverse_sq  # upper / lower
     ok = (info == 0) & torch.isfinite(condition) & (condition * rel_tol * MARGIN < 1)
     return ok, condition, inverse
+
 
 def _norm(matrices: Tensor, ord: float) -> Tensor:
     """The induced 1-norm (max column sum) or ∞-norm (max row sum) of each matrix of a batch."""
