@@ -126,18 +126,23 @@ def test_what_the_graph_depends_on_captures_anew(captures: list[DeviceAscent]) -
     assert_same(expected, report, e_model, model, rtol=1e-9)
 
 
+def rank_batches() -> list[Tensor]:
+    """Three token batches of the tied LM: one equal column at block 0 (token 3 at position 2 of both sequences), none,
+    and two (the same first token, which every block sees alike, and token 3 again)."""
+    head = torch.tensor([[1, 2, 3, 4, 5]])
+    return [torch.cat([head, torch.tensor([tail])]) for tail in ([5, 4, 3, 2, 1], [5, 4, 0, 2, 1], [1, 4, 3, 2, 5])]
+
+
 @pytest.mark.parametrize("hvp", ["exact", "difference"])
 def test_a_batch_of_another_rank_replays_the_same_graph(hvp: str, captures: list[DeviceAscent]) -> None:
     """An LM's teleport batch loses rank where two sequences hold the same token at the same position (block 0's
     inputs), or the same first token (every block's): the rank differs from batch to batch, the bases' shapes do not
     (``blocks.fixed_widths``), so one capture serves all three, each batch the device ticks' teleport."""
     case = CASES["tied_lm"]()
-    head = torch.tensor([[1, 2, 3, 4, 5]])
-    batches = [torch.cat([head, torch.tensor([tail])]) for tail in ([5, 4, 3, 2, 1], [5, 4, 0, 2, 1], [1, 4, 3, 2, 5])]
     config = replace(GRAPHED, hvp=hvp)
     graphed, device = copy.deepcopy(case.model), copy.deepcopy(case.model)
     ranks = []
-    for tokens in batches:
+    for tokens in rank_batches():
         a = teleport_batch(device, case.loss_fn, tokens, tokens, replace(config, ascent="device"))
         b = teleport_batch(graphed, case.loss_fn, tokens, tokens, config)
         assert b.ascent == "cuda_graph" and b.steps > 0
@@ -181,7 +186,8 @@ def test_the_captured_graph_dies_with_its_model(captures: list[DeviceAscent]) ->
 @pytest.mark.parametrize("name", ["mlp", "tied_lm", "transformer-decoder-batch_first=True"])
 @pytest.mark.parametrize("hvp", ["exact", "difference"])
 def test_a_cuda_graph_serves_later_batches_on_cuda(name: str, hvp: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU, for real: one capture for three batches, each batch the device ticks' teleport."""
+    """On a GPU, for real: one capture for three batches, each batch the device ticks' teleport (the tied LM's also
+    for three batches of three ranks)."""
     with torch.device("cpu"):
         case = mlp() if name == "mlp" else CASES[name]()
         batches = [(case.x, case.y), other_batch(case.x, case.y), other_batch(*other_batch(case.x, case.y))]
@@ -199,6 +205,13 @@ def test_a_cuda_graph_serves_later_batches_on_cuda(name: str, hvp: str, monkeypa
     device, d_model = fresh_then(case, batches, replace(config, ascent="device"))
     assert graphed.ascent == "cuda_graph" and len(made) == 1, "one capture should have served the three batches"
     assert_same(device, graphed, d_model, g_model, rtol=1e-7, atol=TOLERANCE[hvp][1])
+    if name == "tied_lm":  # and three batches of three ranks
+        made.clear()
+        batches = [(t.cuda(), t.cuda()) for t in rank_batches()]
+        graphed, g_model = fresh_then(case, batches, config)
+        device, d_model = fresh_then(case, batches, replace(config, ascent="device"))
+        assert len(made) == 1, "a batch of another rank should have replayed the graph"
+        assert_same(device, graphed, d_model, g_model, rtol=1e-7, atol=TOLERANCE[hvp][1])
 
 
 def test_the_spec_asks_for_it_and_without_cuda_gets_the_device_ticks() -> None:
