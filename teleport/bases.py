@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from teleport.rank_certificate import certify_full_rank
+from teleport.rank_certificate import certify_full_rank, without_duplicates
 
 ONE_PASS = 1e-2  # CholeskyQR's first pass is enough when its ε₆₄·κ(G) is this far below the basis dtype's ε
 
@@ -191,17 +191,19 @@ def _singular_vectors(specs: list[Spectrum], ranks: list[tuple[int, float] | Non
             for spec, rank in zip(specs, ranks, strict=True)]
 
 
-def orthonormalize(u: Tensor, gram: Tensor | None = None, passes: int = 2) -> Tensor:
+def orthonormalize(u: Tensor, gram: Tensor | None = None, passes: int = 2, fill: Tensor | None = None) -> Tensor:
     """CholeskyQR2: u (d, k) — or a batch (b, d, k) — of full column rank -> an orthonormal basis of its span, same
     column order; ``gram``: its UᵀU when already made (the first pass takes it); ``passes=1``: the second pass alone,
-    for a U already made nearly orthonormal (``whole_spans``).
+    for a U already made nearly orthonormal (``whole_spans``); ``fill`` (k,) or (b, k): added to the Gram's diagonal,
+    1 where U has a zero column (kept zero, the others made orthonormal).
 
     Q = U L⁻ᵀ with L Lᵀ = UᵀU, twice: the second pass takes the first's ε·κ² loss of orthogonality to ε (for κ(U)
     below ε^(-1/2); a rank-N R of the ``cols`` route has κ ≤ (max(d, N)·ε₆₄)^(-1/2), 1.5e6 at d = 2048).
     ``cholesky_ex``: no host sync on a GPU (``cholesky`` checks its info flag on the host).
     """
     for _ in range(passes):
-        chol, _ = torch.linalg.cholesky_ex(u.mT @ u if gram is None else gram)  # (k, k), lower
+        gram = u.mT @ u if gram is None else gram
+        chol, _ = torch.linalg.cholesky_ex(gram if fill is None else gram + torch.diag_embed(fill))  # (k, k), lower
         u, gram = torch.linalg.solve_triangular(chol.mT, u, upper=True, left=False), None  # U L⁻ᵀ
     return u
 
@@ -294,37 +296,51 @@ def compute_bases(reps: Sequence[Tensor], tau: float, rule: str = "numerical_ran
 
 def whole_spans(reps: Sequence[Tensor]) -> dict[int, Basis]:
     """The basis of every R whose full numerical rank ``rank_certificate`` proves, by its index: at N < d its own
-    columns made orthonormal (CholeskyQR, its first pass a product with the certificate's L⁻¹), at N ≥ d no free
-    direction. One host read for all (the certificates); no eigenvalue is computed.
+    columns made orthonormal (CholeskyQR, its first pass a product with the certificate's L⁻¹; a column repeating an
+    earlier one left out, a zero column in its place: ``without_duplicates``), at N ≥ d no free direction. One host
+    read for all (the certificates); no eigenvalue is computed.
 
     The first pass leaves UᵀU − I at ~ε₆₄·κ(G) (measured 0.2-0.4 of it on the GPT-style LM's R, 1e-13): where the
     certificate's bound on κ(G) puts that ``ONE_PASS`` below the working dtype's ε (a float32 basis of κ(G) ≤ 5e6),
     the second pass would change nothing the rounding to float32 keeps, and is left out."""
-    checks = []
+    checks, flags = [], []
     for idx, stack, route, g in gram_batches(reps):
-        rel_tol = _relative_tol(tuple(stack.shape[-2:]), working_dtype(reps[idx[0]].dtype), True)
-        checks.append((idx, stack, route, *certify_full_rank(g, rel_tol)))
-    if not checks:
-        return {}
-    read = torch.cat([torch.stack([ok.double(), cond], 1) for _, _, _, ok, cond, _ in checks]).tolist()  # one read
+        duplicate = torch.zeros(stack.shape[0], stack.shape[-1], dtype=torch.bool, device=stack.device)
+        if route == "cols":
+            g, duplicate = without_duplicates(stack, g)
+        ok, condition, inverse = certify_full_rank(g, _relative_tol(tuple(stack.shape[-2:]),
+                                                                    working_dtype(reps[idx[0]].dtype), True))
+        checks.append((idx, stack, route, inverse, duplicate))
+        flags.append(torch.stack([ok.double(), condition, duplicate.sum(-1).double()], 1))
+    read = torch.cat(flags).tolist() if flags else []  # the one host read
     out: dict[int, Basis] = {}
-    for idx, stack, route, _, _, inverse in checks:
+    for idx, stack, route, inverse, duplicate in checks:
         mine, read = read[: len(idx)], read[len(idx) :]
-        chosen = [j for j, (ok, _) in enumerate(mine) if ok]
-        if not chosen:
-            continue
-        if len(chosen) < len(idx):
-            stack, inverse = stack[chosen], inverse[chosen]
-        d, n = stack.shape[-2:]
-        dtype = working_dtype(reps[idx[0]].dtype)
-        if route == "gram":
-            free = torch.zeros(d, 0, dtype=dtype, device=stack.device)
-            out.update((idx[j], Basis(d, d, 1.0, None, free, route)) for j in chosen)
-            continue
-        enough = max(mine[j][1] for j in chosen) * torch.finfo(torch.float64).eps <= ONE_PASS * torch.finfo(dtype).eps
-        kept = orthonormalize(stack @ inverse.mT, passes=0 if enough else 1).to(dtype)  # R L⁻ᵀ, then a second pass
-        out.update((idx[j], Basis(d, n, 1.0, u, None, route)) for j, u in zip(chosen, kept.unbind(0), strict=True))
+        chosen = [j for j, (ok, _, _) in enumerate(mine) if ok]
+        if chosen:
+            bases = _spans(stack, route, inverse, duplicate, chosen, working_dtype(reps[idx[0]].dtype),
+                           max(mine[j][1] for j in chosen), [int(mine[j][2]) for j in chosen])
+            out.update(zip([idx[j] for j in chosen], bases, strict=True))
     return out
+
+
+def _spans(stack: Tensor, route: str, inverse: Tensor, duplicate: Tensor, chosen: list[int], dtype: torch.dtype,
+           condition: float, repeats: list[int]) -> list[Basis]:
+    """The bases of the ``chosen`` R of one ``gram_batches`` batch, proven full rank (see ``whole_spans``)."""
+    d, n = stack.shape[-2:]
+    if route == "gram":
+        free = torch.zeros(d, 0, dtype=dtype, device=stack.device)
+        return [Basis(d, d, 1.0, None, free, route) for _ in chosen]
+    if len(chosen) < stack.shape[0]:
+        stack, inverse, duplicate = stack[chosen], inverse[chosen], duplicate[chosen]
+    enough = condition * torch.finfo(torch.float64).eps <= ONE_PASS * torch.finfo(dtype).eps
+    first = inverse.mT  # L⁻ᵀ; R' L⁻ᵀ = R (diag(kept columns) L⁻ᵀ): R's repeated columns left out by L⁻ᵀ's rows
+    fill = None
+    if any(repeats):
+        fill = duplicate.to(stack.dtype)  # a zero column's Gram entry in the second pass, as in the certificate
+        first = first * (1 - fill)[..., :, None]
+    kept = orthonormalize(stack @ first, passes=0 if enough else 1, fill=fill).to(dtype)  # R L⁻ᵀ, a second pass
+    return [Basis(d, n - r, 1.0, u, None, route) for u, r in zip(kept.unbind(0), repeats, strict=True)]
 
 
 def _decomposed(reps: Sequence[Tensor], tau: float, rule: str) -> list[Basis]:

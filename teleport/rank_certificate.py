@@ -48,6 +48,33 @@ def certify_full_rank(gram: Tensor, rel_tol: Tensor | float) -> tuple[Tensor, Te
     return ok, condition, inverse
 
 
+def without_duplicates(stack: Tensor, gram: Tensor) -> tuple[Tensor, Tensor]:
+    """(G', duplicate) for R (b, d, N) and its float64 Gram G: ``duplicate`` (b, N) bool, a column that repeats an
+    earlier one; G' the Gram of R' — R with those columns zeroed, the same span — but for their diagonal entries,
+    max_i G_ii (an eigenvalue within [λ_max/N, λ_max], clear of the rank threshold, their rows and columns zero). The
+    certificate of G' proves the rank of R to be N minus the duplicates, and R' L'⁻ᵀ is an orthonormal basis of R's
+    span with a zero column in each duplicate's place (the width a captured tick keeps).
+
+    An LM's teleport batch repeats columns: the same token at the same position of two sequences is one column twice
+    in block 0's inputs, the same first token (a BOS token) in every block's; each such R went to the eigenvalues.
+    Equal columns are found by two hashes of their float64 bits — integer sums of the bits' high 31 and low 33 bits
+    times fixed odd numbers, which no order of summing changes (no overflow below 2^14 inputs; past it they wrap,
+    alike for equal columns), so equal columns hash alike wherever they sit, which a float projection does not
+    promise (a BLAS product rounds an edge column otherwise, measured) — and every candidate is compared with the
+    earlier column it matched, value for value, so a collision drops nothing. A column equal to another only within
+    rounding is no repeat here: its R goes to the eigenvalues."""
+    bits = stack.view(torch.int64)  # (b, d, N), float64 R: a column's bits
+    odd = (2 * torch.arange(bits.shape[-2], dtype=torch.int64, device=stack.device) + 1)[:, None]
+    hashes = torch.stack([((bits >> 33) * odd).sum(-2), ((bits & (2**33 - 1)) * odd).sum(-2)], -2)  # (b, 2, N)
+    same = torch.tril((hashes[..., :, None] == hashes[..., None, :]).all(-3), -1)  # (b, N, N): j's hashes, an i < j
+    first = same.to(torch.uint8).argmax(-1)  # (b, N): the first such i (0 where none)
+    earlier = stack.gather(-1, first[..., None, :].expand_as(stack))
+    duplicate = same.any(-1) & (earlier == stack).all(-2)  # column j equals column i < j
+    keep = (~duplicate).to(gram.dtype)
+    fill = duplicate.to(gram.dtype) * gram.diagonal(dim1=-2, dim2=-1).amax(-1, keepdim=True)
+    return gram * keep[..., :, None] * keep[..., None, :] + torch.diag_embed(fill), duplicate
+
+
 def _norm(matrices: Tensor, ord: float) -> Tensor:
     """The induced 1-norm (max column sum) or ∞-norm (max row sum) of each matrix of a batch."""
     return torch.linalg.matrix_norm(matrices, ord=ord)

@@ -79,8 +79,8 @@ def test_a_float32_basis_from_one_pass_is_as_orthonormal_as_float32_allows(monke
     too; each orthonormal to float32's rounding and the SVD's projector to float32's precision."""
     passes: list[int] = []
     real = bases.orthonormalize
-    monkeypatch.setattr(bases, "orthonormalize", lambda u, gram=None, passes=2, _log=passes:
-                        _log.append(passes) or real(u, gram, passes))
+    monkeypatch.setattr(bases, "orthonormalize", lambda u, gram=None, passes=2, _log=passes, **kw:
+                        _log.append(passes) or real(u, gram, passes, **kw))
     for kappa, seed in ((1e2, 0), (1e4, 1)):  # κ(R)
         rep = _with_spectrum(64, 20, torch.logspace(0, -torch.log10(torch.tensor(kappa)).item(), 20),
                              torch.float32, seed)
@@ -91,3 +91,45 @@ def test_a_float32_basis_from_one_pass_is_as_orthonormal_as_float32_allows(monke
         svd = compute_basis(rep, 1.0, route="svd")
         assert (project(g, b) - project(g, svd)).abs().max() < 1e-5 * g.abs().max()
     assert passes == [0, 1]  # after the product with L⁻ᵀ: none more, then one
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_repeated_columns_are_left_out_without_eigenvalues(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An R with columns repeated bit for bit (an LM's shared token at a position) is proven of rank N minus the
+    repeats: the SVD's rank and projector, a zero column in each repeat's place, orthonormal elsewhere; a column
+    that differs from another by 1e-3 of it is no repeat."""
+    torch.manual_seed(8)
+    calls = _count_eigen(monkeypatch)
+    base = torch.randn(40, 12, dtype=dtype)
+    rep = torch.cat([base, base[:, [3, 7]], base[:, [3]]], 1)  # columns 12, 14 repeat 3, column 13 repeats 7
+    near = torch.cat([base, base[:, [5]] + 1e-3 * torch.randn(40, 1, dtype=dtype)], 1)
+    repeated, nearly = compute_bases([rep, near[:, :13].contiguous()], 1.0)
+    assert calls == []
+    assert repeated.rank == 12 and nearly.rank == 13
+    kept = repeated.kept
+    assert kept is not None and kept.shape == (40, 15)
+    assert torch.equal(kept[:, 12:], torch.zeros(40, 3, dtype=dtype))
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert (kept[:, :12].T @ kept[:, :12] - torch.eye(12, dtype=dtype)).abs().max() < tol
+    svd = compute_basis(rep.double(), 1.0, route="svd")
+    g = torch.randn(4, 40, dtype=torch.float64)
+    assert svd.rank == 12
+    assert (project(g, bases.Basis(40, 12, 1.0, kept.double(), None, "cols")) - project(g, svd)).abs().max() < tol * 10
+
+
+@pytest.mark.usefixtures("float64")
+def test_an_lm_batch_whose_sequences_share_their_first_token_needs_no_eigenvalues(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same first token in both sequences (a BOS token) repeats a column of every block's inputs (causal
+    attention: position 0 sees itself alone): every R is proven all the same, and the teleport keeps the loss."""
+    from teleport import TeleportConfig, teleport_batch
+    from tests.teleport.families import CASES
+
+    case = CASES["tied_lm"]()
+    tokens = torch.tensor([[1, 2, 3, 4, 5], [1, 6, 7, 8, 9]])
+    calls = _count_eigen(monkeypatch)
+    report = teleport_batch(case.model, case.loss_fn, tokens, tokens, TeleportConfig(steps=3, lr=0.03, cap=1e9,
+                                                                                       loss_tol=1e9))
+    assert calls == [] and report.steps == 3
+    assert any(layer.rank < 10 for layer in report.layers)  # 10 token columns, some of them repeats
+    assert abs(report.loss_after - report.loss_before) <= 1e-9 * abs(report.loss_before)
