@@ -31,6 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from teleport.bases import compute_bases, gram_batches, whole_spans
 from teleport.blocks import build_blocks
 from teleport.capture import UseRecorder, trainable
+from teleport.eval_mode import evaluating
 from teleport.nullspace import representations
 from teleport.objective import objective
 from teleport.rank_certificate import certify_full_rank
@@ -41,9 +42,7 @@ Timed = Callable[[Callable[[], Any]], tuple[float, Any]]  # fn -> (its best seco
 def setup_phases(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], x: Tensor, step_s: float,
                  timed: Timed) -> dict[str, Any]:
     """The setup's phases for the teleport batch (x, x) of ``model`` (see the module), against ``step_s``."""
-    was = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         names, params = trainable(model)
 
         def evaluation() -> UseRecorder:
@@ -67,8 +66,6 @@ def setup_phases(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], 
         if x.device.type != "cpu":
             seconds["eigh_host"], _ = timed(lambda: [[t.to(x.device) for t in torch.linalg.eigh(g.cpu())]
                                                      for g in matrices])
-    finally:
-        model.train(was)
     return {"seconds": seconds, "in_train_steps": {k: v / step_s for k, v in seconds.items()},
             "representations": len(reps), "proven_full_rank": len(whole_spans(reps)),
             "gram_batches": [list(g.shape) for g in matrices]}

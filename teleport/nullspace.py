@@ -31,6 +31,7 @@ from teleport.buffers import StepBuffers
 from teleport.capture import UseRecorder, trainable
 from teleport.difference import Shifted, check_dtypes, difference_hvp, shift_params, unshift
 from teleport.distributed import Collective, any_across_, distributed_spectra
+from teleport.eval_mode import evaluating
 from teleport.executors import BasisExecutor, SerialExecutor
 from teleport.factored import factored_direction
 from teleport.guard import guarded_step
@@ -160,9 +161,7 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
               executor: BasisExecutor | None, holdout: tuple[Tensor, Tensor] | None,
               comm: Collective | None) -> TeleportReport:
     start = time.perf_counter()
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         names, params = trainable(model)
         share = _shard_share(_batch_size(x), comm, x.device)
         held = weakref.ref(model)  # a captured tick's closures outlive this call (``teleport.graph_cache``)
@@ -216,8 +215,6 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
             hvp=config.hvp,
             graph_replayed=run.graph_replayed,
         )
-    finally:
-        model.train(was_training)
 
 
 class _Run:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from teleport.eval_mode import evaluating
 from teleport.guard import guarded_step
 from teleport.nullspace import heldout_loss
 from teleport.objective import LossFn, Objective, objective
@@ -98,9 +99,7 @@ def symmetry_teleport_batch(
     config = config or TeleportConfig()
     start = time.perf_counter()
     layers, slope = _mlp_layers(model)
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         heldout_before = heldout_loss(model, loss_fn, holdout)
         params = [p for p in model.parameters() if p.requires_grad]
 
@@ -154,5 +153,3 @@ def symmetry_teleport_batch(
             heldout_loss_before=heldout_before,
             heldout_loss_after=heldout_after,
         )
-    finally:
-        model.train(was_training)

@@ -346,3 +346,26 @@ def test_split_projection_equals_projecting_the_concatenation() -> None:
         whole = project(torch.cat([gw, gb[:, None]], dim=1), basis)
         assert ub is not None
         assert torch.allclose(uw, whole[:, :d], atol=1e-12) and torch.allclose(ub, whole[:, d], atol=1e-12)
+
+
+def test_a_teleport_leaves_every_module_in_the_mode_it_found() -> None:
+    """A training model whose batch norm is kept frozen (eval mode, as fine-tuning does), and an eval model with a
+    dropout left on: a teleport computes in eval mode and puts each module back as it was, not the whole model."""
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Dropout(0.1), nn.Linear(8, 3))
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    model.train()
+    model[1].eval()
+    before = [m.training for m in model.modules()]
+    teleport_batch(model, F.cross_entropy, x, y, CONFIG)
+    assert [m.training for m in model.modules()] == before
+    model.eval()
+    model[3].train()
+    before = [m.training for m in model.modules()]
+    mlp = MLP([6, 8, 3])
+    mlp.train()
+    list(mlp.modules())[-1].eval()
+    mlp_before = [m.training for m in mlp.modules()]
+    teleport_batch(model, F.cross_entropy, x, y, CONFIG)
+    symmetry_teleport_batch(mlp, F.cross_entropy, x, y, CONFIG)
+    assert [m.training for m in model.modules()] == before and [m.training for m in mlp.modules()] == mlp_before
