@@ -66,7 +66,8 @@ def without_duplicates(stack: Tensor, gram: Tensor) -> tuple[Tensor, Tensor]:
     bits = stack.view(torch.int64)  # (b, d, N), float64 R: a column's bits
     odd = (2 * torch.arange(bits.shape[-2], dtype=torch.int64, device=stack.device) + 1)[:, None]
     hashes = torch.stack([((bits >> 33) * odd).sum(-2), ((bits & (2**33 - 1)) * odd).sum(-2)], -2)  # (b, 2, N)
-    same = torch.tril((hashes[..., :, None] == hashes[..., None, :]).all(-3), -1)  # (b, N, N): j's hashes, an i < j
+    order = torch.arange(bits.shape[-1], device=stack.device)
+    same = (hashes[..., :, None] == hashes[..., None, :]).all(-3) & (order[:, None] > order)  # (b, N, N): j's, an i < j
     first = same.to(torch.uint8).argmax(-1)  # (b, N): the first such i (0 where none)
     earlier = stack.gather(-1, first[..., None, :].expand_as(stack))
     duplicate = same.any(-1) & (earlier == stack).all(-2)  # column j equals column i < j
