@@ -73,7 +73,7 @@ MAX_SPREAD, RETRIES = 1.5, 2  # re-measure when repeats or the canary are >1.5x 
 
 
 def measure(point: dict[str, int], warmup: int, repeats: int, canary: Canary | None = None,
-            seed: int = 0) -> dict[str, Any]:
+            seed: int = 0, retries: int = RETRIES) -> dict[str, Any]:
     """Seconds of one teleport (b batches × t steps) by each method at one (t, d, n, l, b)."""
     t, d, n, layers, b = (point[k] for k in FACTORS)
     gen = torch.Generator().manual_seed(seed)
@@ -91,7 +91,7 @@ def measure(point: dict[str, int], warmup: int, repeats: int, canary: Canary | N
 
     load_before = os.getloadavg()[0]
     timings = time_interleaved({name: (teleport_all(fn), lambda: copy.deepcopy(model)) for name, fn in METHODS.items()},
-                               warmup=warmup, repeats=repeats, max_spread=MAX_SPREAD, retries=RETRIES, canary=canary)
+                               warmup=warmup, repeats=repeats, max_spread=MAX_SPREAD, retries=retries, canary=canary)
     row: dict[str, Any] = {**point, "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
     for name, timing in timings.items():
         reports: list[TeleportReport] = timing["value"]
@@ -114,7 +114,11 @@ def measure(point: dict[str, int], warmup: int, repeats: int, canary: Canary | N
     return row
 
 
-def run(base: dict[str, int], sweeps: dict[str, list[int]], warmup: int, repeats: int) -> dict[str, Any]:
+def run(base: dict[str, int], sweeps: dict[str, list[int]], warmup: int, repeats: int,
+        retries: int = RETRIES) -> dict[str, Any]:
+    """Every sweep's points measured (the base once); ``retries``: re-measures of a noisy point, each after a 5 s,
+    10 s, ... pause (``--quick`` takes none: its timings are a smoke test's, and under a loaded ``make test`` every
+    point was noisy, 15 s of pauses each)."""
     sweep_rows: dict[str, list[dict[str, Any]]] = {}
     slopes: dict[str, dict[str, float]] = {}
     tables: list[str] = []
@@ -127,7 +131,7 @@ def run(base: dict[str, int], sweeps: dict[str, list[int]], warmup: int, repeats
             point = {**base, factor: value}
             key = tuple(point[k] for k in FACTORS)
             if key not in measured:  # the base point is in every sweep: measure it once
-                measured[key] = measure(point, warmup, repeats, canary)
+                measured[key] = measure(point, warmup, repeats, canary, retries=retries)
             rows.append(measured[key])
             r = rows[-1]
             print(f"  {factor}={value:<5d} symmetry {r['symmetry']['seconds']:.4f}s  nullspace "
@@ -170,7 +174,7 @@ def run(base: dict[str, int], sweeps: dict[str, list[int]], warmup: int, repeats
         "('sym exact' column); it does not change the timing",
         "spread = upper-quartile / fastest repeat (worst method); contention = slowdown of a fixed matmul canary timed "
         "before and after the point over its quiet baseline (1.0 = the machine was ours); a point where either "
-        f"exceeds {MAX_SPREAD} is re-measured up to {RETRIES} times and the least noisy attempt kept; the JSON "
+        f"exceeds {MAX_SPREAD} is re-measured up to {retries} times and the least noisy attempt kept; the JSON "
         "also has the 1-minute load average",
         "null-space time includes capturing R and one SVD per layer per batch; symmetry pays pinv + inverse "
         "and their double backward on every step",
@@ -191,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with quiet_machine("fig5_scaling", args):
         base, sweeps = (QUICK_BASE, QUICK_SWEEPS) if args.quick else (BASE, SWEEPS)
         result = run(base, {f: sweeps[f] for f in FACTORS if f in args.factors}, warmup=0 if args.quick else 1,
-                     repeats=args.repeats or (1 if args.quick else 5))
+                     repeats=args.repeats or (1 if args.quick else 5), retries=0 if args.quick else RETRIES)
         name = "fig5_scaling" if set(args.factors) == set(FACTORS) else "fig5_scaling_" + "".join(args.factors)
         write_result(name, {"quick": args.quick, **result})  # machine info: the threads it ran with
     return result
