@@ -137,7 +137,10 @@ def svd_spectrum(rep: Tensor) -> Spectrum:
     return Spectrum(s**2, u.to(working_dtype(rep.dtype)), rep.shape[1], "svd", rep.dtype)
 
 
-def gram_batches(reps: Sequence[Tensor]) -> list[tuple[list[int], Tensor, str, Tensor]]:
+Batch = tuple[list[int], Tensor, str, Tensor]  # indices of its R, their float64 stack (b, d, N), route, Grams
+
+
+def gram_batches(reps: Sequence[Tensor]) -> list[Batch]:
     """R of one shape, dtype and device stacked in float64 (b, d, N), each batch with the indices of its R, its route
     (``gram`` when N ≥ d, else ``cols``) and the Gram of the smaller side: what ``spectra`` decomposes."""
     groups: dict[tuple, list[int]] = {}
@@ -151,7 +154,20 @@ def gram_batches(reps: Sequence[Tensor]) -> list[tuple[list[int], Tensor, str, T
     return out
 
 
-def spectra(reps: Sequence[Tensor]) -> list[Spectrum]:
+def _batches_of(batches: list[Batch], chosen: list[int]) -> list[Batch]:
+    """The R of ``batches`` whose index is in ``chosen``, indexed by their place in ``chosen``: what
+    ``gram_batches`` of those R alone gives, without stacking them and making their Grams again."""
+    place = {i: p for p, i in enumerate(chosen)}
+    out = []
+    for idx, stack, route, g in batches:
+        rows = [j for j, i in enumerate(idx) if i in place]
+        if rows:
+            whole = len(rows) == len(idx)
+            out.append(([place[idx[j]] for j in rows], stack if whole else stack[rows], route, g if whole else g[rows]))
+    return out
+
+
+def spectra(reps: Sequence[Tensor], batches: list[Batch] | None = None) -> list[Spectrum]:
     """The spectrum of every R by its shape's route (``gram`` when N ≥ d, else ``cols``), batched.
 
     R of one shape, dtype and device are stacked and decomposed by one batched eigh; every σ² then comes
@@ -162,7 +178,7 @@ def spectra(reps: Sequence[Tensor]) -> list[Spectrum]:
     rule, whose basis needs the eigenvectors: they come with the eigenvalues, in one decomposition.
     """
     found: dict[int, tuple[Tensor, Tensor, str, Tensor | None, Tensor | None]] = {}
-    for idx, stack, route, g in gram_batches(reps):
+    for idx, stack, route, g in gram_batches(reps) if batches is None else batches:
         lam, vecs = torch.linalg.eigh(g)  # ascending
         lam, vecs = lam.flip(-1).clamp_min(0), vecs.flip(-1)
         if route == "cols":
@@ -287,24 +303,26 @@ def compute_bases(reps: Sequence[Tensor], tau: float, rule: str = "numerical_ran
     proven keeps its whole span without a spectrum (``whole_spans``); the others (and every R under another rule)
     by ``spectra``: one eigh per shape, one host sync for the τ rule, R V for an R of rank below N
     (``_singular_vectors``), the kept vectors of one shape made orthonormal together (``_kept_together``)."""
-    found = whole_spans(reps) if rule == "numerical_rank" and tau >= 1.0 else {}
+    batches = gram_batches(reps)
+    found = whole_spans(reps, batches) if rule == "numerical_rank" and tau >= 1.0 else {}
     rest = [i for i in range(len(reps)) if i not in found]
     if rest:
-        found.update(zip(rest, _decomposed([reps[i] for i in rest], tau, rule), strict=True))
+        found.update(zip(rest, _decomposed([reps[i] for i in rest], tau, rule, _batches_of(batches, rest)),
+                         strict=True))
     return [found[i] for i in range(len(reps))]
 
 
-def whole_spans(reps: Sequence[Tensor]) -> dict[int, Basis]:
+def whole_spans(reps: Sequence[Tensor], batches: list[Batch] | None = None) -> dict[int, Basis]:
     """The basis of every R whose full numerical rank ``rank_certificate`` proves, by its index: at N < d its own
     columns made orthonormal (CholeskyQR, its first pass a product with the certificate's L⁻¹; a column repeating an
     earlier one left out, a zero column in its place: ``without_duplicates``), at N ≥ d no free direction. One host
-    read for all (the certificates); no eigenvalue is computed.
+    read for all (the certificates); no eigenvalue is computed. ``batches``: ``gram_batches(reps)`` when already made.
 
     The first pass leaves UᵀU − I at ~ε₆₄·κ(G) (measured 0.2-0.4 of it on the GPT-style LM's R, 1e-13): where the
     certificate's bound on κ(G) puts that ``ONE_PASS`` below the working dtype's ε (a float32 basis of κ(G) ≤ 5e6),
     the second pass would change nothing the rounding to float32 keeps, and is left out."""
     checks, flags = [], []
-    for idx, stack, route, g in gram_batches(reps):
+    for idx, stack, route, g in gram_batches(reps) if batches is None else batches:
         duplicate = torch.zeros(stack.shape[0], stack.shape[-1], dtype=torch.bool, device=stack.device)
         if route == "cols":
             g, duplicate = without_duplicates(stack, g)
@@ -343,9 +361,9 @@ def _spans(stack: Tensor, route: str, inverse: Tensor, duplicate: Tensor, chosen
     return [Basis(d, n - r, 1.0, u, None, route) for u, r in zip(kept.unbind(0), repeats, strict=True)]
 
 
-def _decomposed(reps: Sequence[Tensor], tau: float, rule: str) -> list[Basis]:
-    """``compute_bases`` by the spectra (see there)."""
-    specs = spectra(reps)
+def _decomposed(reps: Sequence[Tensor], tau: float, rule: str, batches: list[Batch] | None = None) -> list[Basis]:
+    """``compute_bases`` by the spectra (see there); ``batches``: ``gram_batches(reps)`` when already made."""
+    specs = spectra(reps, batches)
     ranks = [_rank(spec, tau, rule) for spec in specs]
     specs = _singular_vectors(specs, ranks)
     kept = _kept_together(specs, ranks)
