@@ -6,7 +6,8 @@ Two parts, on the device given (``--device cpu|cuda``), side by side in one run:
    8 heads, FF 4d, context 128, a char vocabulary of 256, token embedding tied to the head; ``--quick``:
    d = 64, 2 blocks, context 32): a training step (AdamW, 32 sequences) against one ``teleport_batch`` on 2
    sequences — with 8 ascent steps forced (CAP and loss_tol off: the most a teleport of 8 steps costs) and
-   with the product's defaults (lr 0.2, CAP 5: where ‖∇L‖² already exceeds CAP no step is taken). Per
+   with the product's defaults (lr 0.2, CAP 5: where ‖∇L‖² already exceeds CAP no step is taken; decided by
+   ``check_first``'s plain forward + backward, and, side by side, by the recorded evaluation without it). Per
    ascent step: kernel launches (the profiler's ``cudaLaunchKernel`` on CUDA; on the CPU the ops that run a
    kernel, as dispatched: no views, no allocations, backward ops included) and the
    teleport's host reads (``teleport.objective.HOST_READS``), each as (T(8) − T(0)) / 8 — for each way of
@@ -180,13 +181,17 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
             except Exception as err:  # one way failing (a capture on an untried GPU) must not lose the others'
                 rows[ascent] = {"error": f"{type(err).__name__}: {err}"[:300]}
     difference = {"direction_cosine": cosine(*directions(model, lm_loss, tele)), "by_ascent": by_difference}
-    default_s, default = _timed(lambda: teleport(8), device, repeats)
+    default_s, default = _timed(lambda: teleport(8), device, repeats)  # at CAP: decided by check_first's plain pass
+    unchecked_s, _ = _timed(lambda: teleport(8, check_first=False), device, repeats)  # by the recorded evaluation
+    default_launches = [_launches(lambda c=c: teleport(8, check_first=c), device)[0] for c in (True, False)]
     setup = setup_phases(model, lm_loss, tele, step_s, lambda fn: _timed(fn, device, repeats))
     return {
         "model": {"d": d, "layers": layers, "context": ctx, "vocab": 256, "train_batch": 32, "teleport_batch": 2},
         "train_step_s": step_s, "teleport_default_s": default_s, "teleport_default_in_train_steps": default_s / step_s,
         "default_steps_taken": default.steps, "default_stop_reason": default.stop_reason,
-        "default_ascent": default.ascent, "by_ascent": by_ascent, "hvp_difference": difference,
+        "default_ascent": default.ascent, "default_launches": default_launches[0],
+        "teleport_default_unchecked_s": unchecked_s, "teleport_default_unchecked_in_train_steps": unchecked_s / step_s,
+        "default_unchecked_launches": default_launches[1], "by_ascent": by_ascent, "hvp_difference": difference,
         "setup_phases": setup,
     } | {k: by_ascent[ascents[0]].get(k) for k in ("teleport_8_steps_s", "teleport_8_steps_in_train_steps",
                                                     "forced_drift", "launches_per_step", "host_reads_per_step")}
@@ -287,7 +292,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ["8 steps forced", f"{cost['teleport_8_steps_s']:.3f}", f"{cost['teleport_8_steps_in_train_steps']:.2f}", 8],
         ["product defaults", f"{cost['teleport_default_s']:.3f}", f"{cost['teleport_default_in_train_steps']:.2f}",
          f"{cost['default_steps_taken']} ({cost['default_stop_reason']})"],
+        ["product defaults, check_first off", f"{cost['teleport_default_unchecked_s']:.3f}",
+         f"{cost['teleport_default_unchecked_in_train_steps']:.2f}",
+         f"{cost['default_steps_taken']} ({cost['default_stop_reason']})"],
     ])
+    print(f"launches of a teleport at CAP: {cost['default_launches']} with check_first, "
+          f"{cost['default_unchecked_launches']} without")
     rows = [(f"{a}, {hvp}", c) for hvp, by in (("exact", cost["by_ascent"]),
                                                  ("difference", cost["hvp_difference"]["by_ascent"]))
             for a, c in by.items()]

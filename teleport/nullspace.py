@@ -189,12 +189,19 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
                              span_free=exact, fetch=fetch)
 
         heldout_before = heldout_loss(model, loss_fn, holdout)
+        if config.check_first:  # a plain forward + backward decides a batch at CAP (or not finite) on its own
+            first = objective(model, loss_fn, x, y, params, comm, share, graph=False)
+            if reason := early_reason(first.loss, first.grad_norm_sq, config.cap):
+                return TeleportReport(first.loss, first.loss, first.grad_norm_sq, first.grad_norm_sq, 0, 0, reason,
+                                      time.perf_counter() - start, heldout_loss_before=heldout_before,
+                                      heldout_loss_after=heldout_before, hvp=config.hvp)
         recorder = UseRecorder(names, params)
         cur = evaluate(recorder)  # step 1: every use of every parameter, from the same forward as L
         blocks, untouched = build_blocks(recorder.uses)
         run = _Run(model, params, blocks, cur, config, comm, shifted if difference else None, loss_fn)
         reason = run.decide_early()
-        if reason == "steps":  # step 2 (bases), then step 3: t projected ascent steps
+        tried = reason == "steps"
+        if tried:  # step 2 (bases), then step 3: t projected ascent steps
             layer_bases(run.blocks, config.tau, executor or SerialExecutor(), comm, config.tau_rule)
             recorder.uses.keepalive.clear()  # the bases are all that is needed of R from here on
             reason = run.ascend(evaluate, tensors)
@@ -210,7 +217,7 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
             layers=[r for block in run.blocks for r in block.reports()],
             untouched=untouched,
             heldout_loss_before=heldout_before,
-            heldout_loss_after=heldout_loss(model, loss_fn, holdout),
+            heldout_loss_after=heldout_loss(model, loss_fn, holdout) if tried else heldout_before,
             ascent=run.ascent,
             hvp=config.hvp,
             graph_replayed=run.graph_replayed,
@@ -235,10 +242,8 @@ class _Run:
 
     def decide_early(self) -> str:
         """Why no step can be taken, known before any basis is built (else "steps")."""
-        if not (math.isfinite(self.loss0) and math.isfinite(self.gn0)):
-            return "not_finite"
-        if self.gn0 >= self.config.cap:
-            return "cap"
+        if reason := early_reason(self.loss0, self.gn0, self.config.cap):
+            return reason
         if not self.blocks or self.config.steps == 0:
             return "no_free_directions" if not self.blocks else "steps"
         return "steps"
@@ -315,6 +320,13 @@ class _Run:
             if why == "cap":  # shortened to fit under CAP: CAP is reached, further steps would overshoot
                 return "cap"
         return "steps"
+
+
+def early_reason(loss: float, grad_norm_sq: float, cap: float) -> str | None:
+    """Why a batch of this L and ‖∇L‖² takes no step whatever its bases: "not_finite", "cap", else None."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm_sq)):
+        return "not_finite"
+    return "cap" if grad_norm_sq >= cap else None
 
 
 def _alive(held: weakref.ref[nn.Module]) -> nn.Module:

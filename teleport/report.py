@@ -26,7 +26,9 @@ class TeleportConfig:
     the CPU and the H200); hvp: how H·∇L is computed ("exact": the double backward of ∇L's graph, the paper's
     gradient; "difference": a forward difference of two gradients, no double backward, ``teleport.difference``;
     with every ascent: in a device tick the shifted gradient reads nothing on the host, so a CUDA graph can hold
-    it with no double backward in it).
+    it with no double backward in it); check_first: L and ‖∇L‖² from a plain forward + backward decide a batch
+    at CAP or not finite before the recorded one (every use of every parameter, ∇L's graph kept): such a batch
+    then costs that pass alone, one that steps one pass more (``docs/algorithm.md``).
     """
 
     steps: int = 8
@@ -38,6 +40,7 @@ class TeleportConfig:
     tau_rule: str = "numerical_rank"
     ascent: str = "auto"
     hvp: str = "exact"
+    check_first: bool = True
 
     def __post_init__(self) -> None:
         if self.steps < 0:

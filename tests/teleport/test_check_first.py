@@ -1,0 +1,80 @@
+"""``TeleportConfig.check_first``: a plain forward + backward decides a batch at CAP (or not finite) before the
+recorded evaluation, which records every use of every parameter and keeps ∇L's graph. It changes the time, never
+the outcome: a batch that steps ends bit for bit where it ends without the check."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from teleport import TeleportConfig, teleport_batch
+from tests.teleport import families
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+CHECKED = ["linear", "tied_lm", "transformer-encoder-batch_first=True", "conv-conv2d_depthwise"]
+
+
+def _modes_seen(loss_fn: families.LossFn) -> tuple[families.LossFn, list[int]]:
+    """``loss_fn``, and the torch-function modes active at each of its calls (the recorder is one)."""
+    seen: list[int] = []
+
+    def counted(out: Tensor, y: Tensor) -> Tensor:
+        seen.append(torch._C._len_torch_function_stack())
+        return loss_fn(out, y)
+
+    return counted, seen
+
+
+@pytest.mark.parametrize("name", CHECKED)
+def test_a_batch_that_steps_ends_bit_for_bit_where_it_ends_unchecked(name: str) -> None:
+    case = families.CASES[name]()
+    twin = copy.deepcopy(case.model)
+    checked = teleport_batch(case.model, case.loss_fn, case.x, case.y, families.OPEN)
+    unchecked = teleport_batch(twin, case.loss_fn, case.x, case.y, replace(families.OPEN, check_first=False))
+    assert checked.steps == unchecked.steps == families.OPEN.steps
+    for a, b in zip(case.model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert (checked.loss_before, checked.grad_norm_sq_before) == (unchecked.loss_before, unchecked.grad_norm_sq_before)
+    assert checked.layers == unchecked.layers and checked.untouched == unchecked.untouched
+
+
+@pytest.mark.parametrize("name", CHECKED)
+def test_a_batch_at_cap_is_decided_by_one_plain_pass_and_nothing_moves(name: str) -> None:
+    case = families.CASES[name]()
+    before = copy.deepcopy(case.model)
+    loss_fn, seen = _modes_seen(case.loss_fn)
+    config = replace(families.OPEN, cap=1e-12)
+    report = teleport_batch(case.model, loss_fn, case.x, case.y, config, holdout=(case.x, case.y))
+    assert report.stop_reason == "cap" and report.steps == 0
+    assert seen == [0, 0]  # the holdout's forward and the check: no recorder, no second forward, no holdout after
+    assert report.heldout_loss_after == report.heldout_loss_before == pytest.approx(report.loss_before, rel=1e-12)
+    for a, b in zip(case.model.parameters(), before.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+    loss_fn, seen = _modes_seen(case.loss_fn)
+    unchecked = teleport_batch(case.model, loss_fn, case.x, case.y, replace(config, check_first=False))
+    assert unchecked.stop_reason == "cap" and len(seen) == 1 and seen[0] > 0  # the recorded evaluation decided
+    assert report.loss_before == pytest.approx(unchecked.loss_before, rel=1e-12)
+    assert report.grad_norm_sq_before == pytest.approx(unchecked.grad_norm_sq_before, rel=1e-10)
+
+
+def test_a_batch_whose_loss_is_not_finite_is_decided_by_the_check() -> None:
+    case = families.linear()
+    loss_fn, seen = _modes_seen(lambda out, y: F.cross_entropy(out, y) * torch.nan)
+    report = teleport_batch(case.model, loss_fn, case.x, case.y, families.OPEN)
+    assert report.stop_reason == "not_finite" and seen == [0]
+
+
+def test_without_the_check_a_batch_at_cap_still_skips_the_bases_and_its_holdout_after() -> None:
+    case = families.linear()
+    loss_fn, seen = _modes_seen(case.loss_fn)
+    config = TeleportConfig(cap=1e-12, check_first=False)
+    report = teleport_batch(case.model, loss_fn, case.x, case.y, config, holdout=(case.x, case.y))
+    assert report.stop_reason == "cap" and report.layers == [] and len(seen) == 2
+    assert report.heldout_loss_after == report.heldout_loss_before
