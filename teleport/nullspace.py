@@ -189,9 +189,10 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
                              span_free=exact, fetch=fetch)
 
         heldout_before = heldout_loss(model, loss_fn, holdout)
-        if config.check_first:  # a plain forward + backward decides a batch at CAP (or not finite) on its own
+        if checks_first(model, config):  # a plain forward + backward decides a batch at CAP (or not finite)
             first = objective(model, loss_fn, x, y, params, comm, share, graph=False)
             if reason := early_reason(first.loss, first.grad_norm_sq, config.cap):
+                _AT_CAP[model] = reason == "cap"
                 return TeleportReport(first.loss, first.loss, first.grad_norm_sq, first.grad_norm_sq, 0, 0, reason,
                                       time.perf_counter() - start, heldout_loss_before=heldout_before,
                                       heldout_loss_after=heldout_before, hvp=config.hvp)
@@ -201,6 +202,7 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
         run = _Run(model, params, blocks, cur, config, comm, shifted if difference else None, loss_fn)
         reason = run.decide_early()
         tried = reason == "steps"
+        _AT_CAP[model] = reason == "cap"
         if tried:  # step 2 (bases), then step 3: t projected ascent steps
             layer_bases(run.blocks, config.tau, executor or SerialExecutor(), comm, config.tau_rule)
             recorder.uses.keepalive.clear()  # the bases are all that is needed of R from here on
@@ -320,6 +322,16 @@ class _Run:
             if why == "cap":  # shortened to fit under CAP: CAP is reached, further steps would overshoot
                 return "cap"
         return "steps"
+
+
+_AT_CAP: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()  # its last batch: at CAP, no basis
+
+
+def checks_first(model: nn.Module, config: TeleportConfig) -> bool:
+    """``TeleportConfig.check_first``; None: when the model's last teleport batch was at CAP before any basis (its
+    next batch likely is too: after the first epochs most batches of a run are). Every rank of a data-parallel
+    teleport reads the same reports, so every rank decides alike."""
+    return _AT_CAP.get(model, False) if config.check_first is None else config.check_first
 
 
 def early_reason(loss: float, grad_norm_sq: float, cap: float) -> str | None:

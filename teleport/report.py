@@ -28,7 +28,8 @@ class TeleportConfig:
     with every ascent: in a device tick the shifted gradient reads nothing on the host, so a CUDA graph can hold
     it with no double backward in it); check_first: L and ‖∇L‖² from a plain forward + backward decide a batch
     at CAP or not finite before the recorded one (every use of every parameter, ∇L's graph kept): such a batch
-    then costs that pass alone, one that steps one pass more (``docs/algorithm.md``).
+    then costs that pass alone, one that steps one pass more; None (the default): when the model's last teleport
+    batch was at CAP before its bases (``docs/algorithm.md``).
     """
 
     steps: int = 8
@@ -40,7 +41,7 @@ class TeleportConfig:
     tau_rule: str = "numerical_rank"
     ascent: str = "auto"
     hvp: str = "exact"
-    check_first: bool = True
+    check_first: bool | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 0:

@@ -1,6 +1,7 @@
 """``TeleportConfig.check_first``: a plain forward + backward decides a batch at CAP (or not finite) before the
 recorded evaluation, which records every use of every parameter and keeps ∇L's graph. It changes the time, never
-the outcome: a batch that steps ends bit for bit where it ends without the check."""
+the outcome: a batch that steps ends bit for bit where it ends without the check. By default (None) a model's
+batch is checked first when its last one was at CAP before any basis."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tests.teleport import families
 
 pytestmark = pytest.mark.usefixtures("float64")
 
+CHECK = replace(families.OPEN, check_first=True)
 CHECKED = ["linear", "tied_lm", "transformer-encoder-batch_first=True", "conv-conv2d_depthwise"]
 
 
@@ -35,7 +37,7 @@ def _modes_seen(loss_fn: families.LossFn) -> tuple[families.LossFn, list[int]]:
 def test_a_batch_that_steps_ends_bit_for_bit_where_it_ends_unchecked(name: str) -> None:
     case = families.CASES[name]()
     twin = copy.deepcopy(case.model)
-    checked = teleport_batch(case.model, case.loss_fn, case.x, case.y, families.OPEN)
+    checked = teleport_batch(case.model, case.loss_fn, case.x, case.y, CHECK)
     unchecked = teleport_batch(twin, case.loss_fn, case.x, case.y, replace(families.OPEN, check_first=False))
     assert checked.steps == unchecked.steps == families.OPEN.steps
     for a, b in zip(case.model.parameters(), twin.parameters(), strict=True):
@@ -49,7 +51,7 @@ def test_a_batch_at_cap_is_decided_by_one_plain_pass_and_nothing_moves(name: str
     case = families.CASES[name]()
     before = copy.deepcopy(case.model)
     loss_fn, seen = _modes_seen(case.loss_fn)
-    config = replace(families.OPEN, cap=1e-12)
+    config = replace(CHECK, cap=1e-12)
     report = teleport_batch(case.model, loss_fn, case.x, case.y, config, holdout=(case.x, case.y))
     assert report.stop_reason == "cap" and report.steps == 0
     assert seen == [0, 0]  # the holdout's forward and the check: no recorder, no second forward, no holdout after
@@ -67,7 +69,7 @@ def test_a_batch_at_cap_is_decided_by_one_plain_pass_and_nothing_moves(name: str
 def test_a_batch_whose_loss_is_not_finite_is_decided_by_the_check() -> None:
     case = families.linear()
     loss_fn, seen = _modes_seen(lambda out, y: F.cross_entropy(out, y) * torch.nan)
-    report = teleport_batch(case.model, loss_fn, case.x, case.y, families.OPEN)
+    report = teleport_batch(case.model, loss_fn, case.x, case.y, CHECK)
     assert report.stop_reason == "not_finite" and seen == [0]
 
 
@@ -78,3 +80,15 @@ def test_without_the_check_a_batch_at_cap_still_skips_the_bases_and_its_holdout_
     report = teleport_batch(case.model, loss_fn, case.x, case.y, config, holdout=(case.x, case.y))
     assert report.stop_reason == "cap" and report.layers == [] and len(seen) == 2
     assert report.heldout_loss_after == report.heldout_loss_before
+
+
+def test_by_default_a_batch_is_checked_first_when_the_models_last_was_at_cap() -> None:
+    case = families.linear()
+    loss_fn, seen = _modes_seen(case.loss_fn)
+    at_cap, below = TeleportConfig(cap=1e-12), replace(families.OPEN, steps=1)
+    reasons = []
+    for config in (at_cap, at_cap, below, below, at_cap):
+        seen.clear()
+        reasons.append(teleport_batch(case.model, loss_fn, case.x, case.y, config).stop_reason)
+        reasons.append("recorded" if seen[0] else "checked")  # the first pass: the recorder on or not
+    assert reasons == ["cap", "recorded", "cap", "checked", "steps", "checked", "steps", "recorded", "cap", "recorded"]
