@@ -140,7 +140,9 @@ def test_the_first_batch_calibrates_with_one_step_whatever_the_probe_says(monkey
     assert budget.steps_for_batch(8, 1.08, 0.0, 0) == 0  # what was measured: no unit left
 
     monkeypatch.setattr(teleporting, "FIRST_UNIT_PER_STEP", 1e-9)
-    records, summary = run(0.5)
+    # 99 %: the second batch always fits whatever the first cost on a loaded machine (with 50 % it once did not, and
+    # its honest cut failed the last assertion)
+    records, summary = run(0.99)
     tele = [r for r in records if r["kind"] == "teleport"]
     assert (tele[0]["epoch"], tele[0]["steps"], tele[0]["calibration"]) == (0, 1, True)
     assert not any(r.get("calibration") for r in tele[1:])
