@@ -1,0 +1,69 @@
+"""One host read per ascent step of the host guard (what ``auto`` runs), counted at every place a value can leave
+the device — not only where ``teleport.objective.HOST_READS`` counts its own reads: a tensor turned into a Python
+number, bool or list (``item``, ``__bool__``, ``tolist``, ...), and the ops that read values below Python
+(``nonzero``, ``masked_select``, ``_local_scalar_dense``, ...). On a GPU each is a sync; a step that adds one (a
+stray ``.item()``, an ``if`` on a tensor) fails here on the CPU, before a GPU ever runs it."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from teleport import teleport_batch
+from teleport.objective import HOST_READS
+from tests.teleport import families
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+T = torch.Tensor
+TO_HOST = {T.item, T.__bool__, T.tolist, T.__float__, T.__int__, T.__index__, T.numpy, T.cpu, T.any, T.all,
+           T.nonzero, torch.nonzero, torch.masked_select, T.masked_select, torch.unique, torch.equal, T.equal}
+READING_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "is_nonzero", "equal")
+
+
+class _Python(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func in TO_HOST:
+            self.reads.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+class _Dispatch(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func._schema.name.split("::")[-1] in READING_OPS:
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _reads(case: families.Case, steps: int) -> tuple[int, int, int, list[str]]:
+    """(the reads one teleport of ``steps`` makes, its tries (steps + back-offs), HOST_READS' count, the reads)."""
+    config = replace(families.OPEN, steps=steps, ascent="host", check_first=False)
+    before = HOST_READS[0]
+    with _Python() as python, _Dispatch() as dispatch:
+        report = teleport_batch(copy.deepcopy(case.model), case.loss_fn, case.x, case.y, config)
+    assert report.steps == steps, report.stop_reason
+    return len(python.reads) + len(dispatch.reads), steps + report.backoffs, HOST_READS[0] - before, \
+        python.reads + dispatch.reads
+
+
+@pytest.mark.parametrize("name", ["linear", "tied_lm", "transformer-encoder-batch_first=True",
+                                  "conv-conv2d_depthwise", "shared_and_loop"])
+def test_the_host_guard_reads_the_device_once_a_try(name: str) -> None:
+    case = families.CASES[name]()
+    (reads_1, tries_1, counted_1, seen_1), (reads_3, tries_3, counted_3, seen_3) = _reads(case, 1), _reads(case, 3)
+    assert reads_3 - reads_1 == tries_3 - tries_1 == counted_3 - counted_1, \
+        f"reads added by 2 more steps: {sorted(set(seen_3) - set(seen_1)) or seen_3}"
