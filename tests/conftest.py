@@ -26,7 +26,7 @@ import pytest
 # cannot do this under pytest 9.2: it renames node ids through an attribute pytest no longer reads.)
 RAY_FIXTURES = frozenset({"ray_head", "stack", "ray_local"})
 RAY_CHAIN_A = frozenset({  # bare local Ray clusters (ray_local, ray.init(), `tlab run --ray`) and ~half the time
-    "tests/benchmarks/test_ray_benchmarks_smoke.py", "tests/service/cli/test_cli.py",
+    "tests/benchmarks/test_ray_benchmarks_smoke.py", "tests/service/cli/test_cli_ray.py",
     "tests/teleport/test_distributed.py", "tests/workers/train/test_executors.py",
     "tests/workers/on_ray/test_ray_train.py", "tests/workers/test_run_entrypoint.py",
     "tests/workers/on_ray/test_trial.py", "tests/workers/on_ray/test_gang.py", "tests/service/test_multinode.py",

@@ -20,7 +20,7 @@ from service.cli.artifacts import file_sha256
 from service.core.errors import InvalidInput, JobNotFound
 from service.core.settings import Settings
 from service.stack.embedded import Stack
-from tests.service.cli.test_cli import TLAB
+from tests.service.cli.tlab_process import TLAB
 from tests.service.conftest import Api, tiny
 from tests.service.test_failure_reasons import wait_ended
 

@@ -15,7 +15,7 @@ import httpx
 
 from api_schemas import keys
 from service.core.store import Store
-from tests.service.cli.test_cli import TLAB
+from tests.service.cli.tlab_process import TLAB
 from tests.service.conftest import Api, tiny
 
 

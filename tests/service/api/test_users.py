@@ -147,7 +147,7 @@ def test_the_queue_shows_other_users_jobs_only_as_positions(api_only: Api, redis
 
 def test_cli_rotate_set_disable_enable_and_bootstrap(api_only: Api, tmp_path: Path) -> None:
     from service.cli.users import QUOTA_OPTIONS
-    from tests.service.cli.test_cli import tlab
+    from tests.service.cli.tlab_process import tlab
 
     assert set(Quotas.model_fields) <= set(QUOTA_OPTIONS)  # every quota has its option in `users create|set`
     env = {"TLAB_URL": api_only.url, "TLAB_TOKEN": api_only.stack.admin_token, "TLAB_HOME": str(tmp_path),

@@ -74,7 +74,7 @@ def test_a_user_at_their_storage_quota_is_refused_at_submit_until_they_delete(ap
 
 
 def test_tlab_cancel_then_rm_and_tlab_me_shows_the_storage(api_only: Api, tmp_path: Path) -> None:
-    from tests.service.cli.test_cli import tlab
+    from tests.service.cli.tlab_process import tlab
 
     token = api_only.add_user("gus", max_storage_gb=5)
     env = {"TLAB_URL": api_only.url, "TLAB_TOKEN": token, "TLAB_HOME": str(tmp_path)}

@@ -1,0 +1,116 @@
+"""The ``tlab`` commands that start Ray, as a user runs them: ``run --ray``, ``up``, ``demo``, and ``submit --follow``
+of a job on the session's stack; and the slow ``run --local`` (a Ray chain of ``tests/conftest.py``, which runs slow
+tests there too; the others are in ``test_cli``)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.service.cli.tlab_process import tlab
+
+
+@pytest.mark.slow
+def test_run_on_ray_with_code_writes_the_same_outputs_as_local(tmp_path: Path) -> None:
+    """`tlab run --ray --code DIR` starts a local Ray cluster, sends DIR to the workers as Ray's working_dir (the
+    example's factories and loss import there, not only in this process), trains with 2 DDP workers, and writes
+    the local files."""
+    example = Path(__file__).resolve().parents[3] / "examples" / "tiny_lm"
+    out = tlab("run", str(example / "spec.yaml"), "--ray", "--code", str(example), "--out", str(tmp_path / "r"),
+               "--set", "training.epochs=2", "training.max_steps_per_epoch=4", "dataset.args.max_chars=6000",
+               "teleport.epochs=[0]", "teleport.batches=1", "teleport.steps=2", "teleport.batch_size=2",
+               "teleport.budget=null", "resources.workers=2", "resources.cpus_per_worker=0.5", cwd=tmp_path,
+               env={"RAY_AUTH_MODE": "disabled"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["dataset"] for r in lines if r["kind"] == "start"] == ["tiny_lm.data:python_source"]
+    assert [r["epoch"] for r in lines if r["kind"] == "epoch"] == [0, 1]
+    assert sum(r["kind"] == "teleport" for r in lines) == 1
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["epochs"] == 2 and summary["spec"]["resources"]["workers"] == 2 and summary["final_test_ppl"] > 1
+    assert (tmp_path / "r" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_submit_follow_runs_to_the_end(stack, tmp_path: Path) -> None:  # noqa: ANN001
+    env = {"TLAB_URL": stack.url, "TLAB_TOKEN": stack.admin_token, "TLAB_HOME": str(tmp_path)}
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text("dataset: {name: digits}\nmodel: {kind: mlp, hidden: [32]}\ntraining: {epochs: 3}\n"
+                    "teleport: {enabled: false}\n")
+    out = tlab("submit", str(spec), "--follow", env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1].endswith("succeeded") and "3/3" in out.stderr
+    assert "running" in out.stderr  # the status changes, as they happened
+
+
+@pytest.mark.slow
+def test_tlab_up_prints_its_url_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
+    import time
+
+    import httpx
+    import psutil
+
+    from tests.service.conftest import tlab_up
+
+    home = tmp_path / "home"
+    with tlab_up(home, "--num-cpus", "1", "--num-gpus", "2") as (proc, url, _printed):  # GPUs advertised only
+        token = (home / "admin.token").read_text().strip()
+        assert (home / "api.url").read_text().strip() == url
+        me = httpx.get(f"{url}/v1/me", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert me.status_code == 200 and me.json()["role"] == "admin"
+        deadline = time.monotonic() + 30  # the scheduler reports the Ray node it found
+        while time.monotonic() < deadline and httpx.get(f"{url}/readyz", timeout=10).status_code != 200:
+            time.sleep(0.3)
+        assert httpx.get(f"{url}/readyz", timeout=10).status_code == 200
+        deadline = time.monotonic() + 30  # ready may come a tick before the scheduler's first view of the nodes
+        while "GPUs 2 free of 2" not in (cluster := tlab("cluster", env={
+                "TLAB_URL": url, "TLAB_TOKEN": token, "TLAB_HOME": str(home)})).stdout and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert "GPUs 2 free of 2" in cluster.stdout and "GPU MODEL" in cluster.stdout, cluster.stdout
+        children = psutil.Process(proc.pid).children(recursive=True)
+        names = " ".join(" ".join(c.cmdline()) for c in children)
+        assert "redis" in names and "raylet" in names and "service.api" in names and "service.scheduler" in names
+    assert proc.returncode == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/healthz", timeout=5)
+    time.sleep(1.0)
+    assert [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
+
+
+@pytest.mark.slow
+def test_demo_end_to_end_in_a_pipe_says_seconds_and_epochs_without_cursor_codes(tmp_path: Path) -> None:
+    """`tlab demo` (what `make demo` runs) into a pipe, as CI or a log reads it: one plain line per epoch, no tqdm
+    cursor codes; its verdict names wall-clock seconds as well as epochs; curves.png has both axes."""
+    out = tlab("demo", "--home", str(tmp_path / "demo"), env={"RAY_AUTH_MODE": "disabled"})  # 20 epochs
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "\x1b[" not in out.stdout + out.stderr and "\r" not in out.stderr
+    progress = [m for m in (re.search(r" epoch (\d+)/20 ", line) for line in out.stderr.splitlines()) if m]
+    assert {m.group(1) for m in progress} == {str(e) for e in range(1, 21)}
+    lines = [m.string for m in progress if m.string.startswith("with teleport")]
+    # every epoch once per run, one run's line never glued to the other's (a fresh-clone run under load once counted
+    # 21: the two followers' threads interleaved print's text and newline, and the teleport run's budget line took the
+    # baseline's epoch line onto its own)
+    assert len(lines) == 20 and all(len(m.string.split(" epoch ")) == 2 for m in progress), "\n".join(
+        out.stderr.splitlines()[-80:])
+    verdict = next(line for line in out.stdout.splitlines() if line.startswith(("teleport", "neither")))
+    assert "seconds" in verdict and "epochs" in verdict and "% of its run" in verdict, out.stdout
+    assert (tmp_path / "demo" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_run_local_with_overrides_writes_the_outputs(tmp_path: Path) -> None:
+    out_dir = tmp_path / "run"
+    out = tlab("run", "digits/teleport", "--local", "--no-progress", "--out", str(out_dir), "--set",
+               "training.epochs=2", "dataset.max_train=200", "dataset.max_test=100", "model.hidden=[16]",
+               "teleport.batches=2", "teleport.steps=2", "teleport.epochs=[1]", "teleport.budget=null")
+    assert out.returncode == 0, out.stderr
+    assert "train loss" in out.stdout and "metrics.jsonl" in out.stdout
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records if r["kind"] == "epoch"] == [0, 1]
+    assert [(r["epoch"], r["batch"]) for r in records if r["kind"] == "teleport"] == [(1, 0), (1, 1)]
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary["spec"]["model"]["hidden"] == [16] and summary["spec"]["dataset"]["max_train"] == 200
+    assert (out_dir / "curves.png").stat().st_size > 10_000
