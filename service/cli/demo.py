@@ -26,6 +26,9 @@ from service.stack.embedded import Stack
 TARGET_LOSS = 0.05
 PRINTING = threading.Lock()  # one plain line at a time from the two followers' threads
 BATCHES = 4  # teleport batches per scheduled epoch: the convergence benchmark's digits setting
+# Under this many seconds to the target, two demos' seconds ratios differed by more than their lead: seed 0 gave
+# 1.06x fewer seconds in one `make demo` and 1.24x more in the next, 13 vs 16 epochs both times (docs/results.md)
+SHORT_RUN_S = 5.0
 
 
 def follow(c: Client, job_id: str, label: str, position: int, epochs: int, done: dict[str, str]) -> None:
@@ -90,6 +93,16 @@ def verdict(tele: dict[str, Any], base: dict[str, Any]) -> str:
     return f"teleport reached the target in {_times(st, sb)} fewer seconds and {epochs} ({share})"
 
 
+def noise_note(tele: dict[str, Any], base: dict[str, Any]) -> str | None:
+    """When both runs reached the target in seconds too few to time on a shared machine: say which ratio holds."""
+    seconds = [s.get("seconds_to_target") for s in (tele, base)]
+    if None in seconds or max(seconds) >= SHORT_RUN_S:
+        return None
+    return (f"(both runs reached the target in under {SHORT_RUN_S:.0f} s, too few to time beside a live stack: two "
+            "demos on a 2-core machine gave 1.06x fewer and 1.24x more seconds for the same epochs; docs/results.md "
+            "has both ratios over 3 seeds)")
+
+
 def row(label: str, job: dict[str, Any]) -> str:
     s = job.get("summary") or {}
 
@@ -133,6 +146,9 @@ def main(home: Path, epochs: int = 20) -> int:
           f"{'test acc':>9} {'wall s':>7}")
     for label in ("with teleport", "without teleport"):
         print(row(label, views[label]))
-    print(verdict(views["with teleport"].get("summary") or {}, views["without teleport"].get("summary") or {}))
+    summaries = [views[label].get("summary") or {} for label in ("with teleport", "without teleport")]
+    print(verdict(*summaries))
+    if note := noise_note(*summaries):
+        print(note)
     print(f"curves: {out} (against epochs and against seconds, teleport time shaded)")
     return 0 if all(v["state"] == "succeeded" for v in views.values()) else 1

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.cli.demo import verdict
+from service.cli.demo import SHORT_RUN_S, noise_note, verdict
 
 TELE = {"epochs_to_target": 8, "seconds_to_target": 1.1, "teleport_share": 0.59}
 BASE = {"epochs_to_target": 16, "seconds_to_target": 0.5, "teleport_share": 0.0}
@@ -32,3 +32,10 @@ def test_a_run_that_missed_the_target_is_named() -> None:
     assert verdict({**missed, **ended}, {**ended, "final_train_loss": 0.1533, "seconds": 0.6}) == (
         "neither run reached the target; after 6 epochs train loss 0.1427 with teleport vs 0.1533, in 0.5 vs 0.6 "
         "seconds (teleport took 59 % of its run)")
+
+
+def test_runs_too_short_to_time_say_the_epochs_are_the_steady_ratio() -> None:
+    assert noise_note(TELE, BASE).startswith("(both runs reached the target in under 5 s, too few to time")
+    slow = {**BASE, "seconds_to_target": SHORT_RUN_S}
+    assert noise_note(TELE, slow) is None  # one run long enough to time: the verdict stands alone
+    assert noise_note(TELE, {**BASE, "seconds_to_target": None}) is None  # nothing to compare
