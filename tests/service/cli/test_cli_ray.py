@@ -91,10 +91,12 @@ def test_demo_end_to_end_in_a_pipe_says_seconds_and_epochs_without_cursor_codes(
     assert {m.group(1) for m in progress} == {str(e) for e in range(1, 21)}
     lines = [m.string for m in progress if m.string.startswith("with teleport")]
     # every epoch once per run, one run's line never glued to the other's (a fresh-clone run under load once counted
-    # 21: the two followers' threads interleaved print's text and newline, and the teleport run's budget line took the
-    # baseline's epoch line onto its own)
+    # 21 when two followers' threads printed side by side)
     assert len(lines) == 20 and all(len(m.string.split(" epoch ")) == 2 for m in progress), "\n".join(
         out.stderr.splitlines()[-80:])
+    # one run after the other, each timed on an idle stack: the baseline's last epoch before teleport's first
+    runs = [m.string.split()[0] for m in progress]
+    assert runs == ["without"] * 20 + ["with"] * 20, "\n".join(out.stderr.splitlines()[-80:])
     verdict = next(line for line in out.stdout.splitlines() if line.startswith(("teleport", "neither")))
     assert "seconds" in verdict and "epochs" in verdict and "% of its run" in verdict, out.stdout
     assert (tmp_path / "demo" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

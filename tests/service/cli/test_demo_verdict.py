@@ -35,7 +35,7 @@ def test_a_run_that_missed_the_target_is_named() -> None:
 
 
 def test_runs_too_short_to_time_say_the_epochs_are_the_steady_ratio() -> None:
-    assert noise_note(TELE, BASE).startswith("(both runs reached the target in under 5 s, too few to time")
+    assert noise_note(TELE, BASE).startswith("(both runs reached the target in under 5 s: between demos")
     slow = {**BASE, "seconds_to_target": SHORT_RUN_S}
     assert noise_note(TELE, slow) is None  # one run long enough to time: the verdict stands alone
     assert noise_note(TELE, {**BASE, "seconds_to_target": None}) is None  # nothing to compare
