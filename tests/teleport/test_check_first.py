@@ -23,11 +23,13 @@ CHECKED = ["linear", "tied_lm", "transformer-encoder-batch_first=True", "conv-co
 
 
 def _modes_seen(loss_fn: families.LossFn) -> tuple[families.LossFn, list[int]]:
-    """``loss_fn``, and the torch-function modes active at each of its calls (the recorder is one)."""
+    """``loss_fn``, and the torch-function modes active at each of its calls beyond the test's own (the recorder is
+    one; ``TLAB_TEST_DEVICE``'s default device is one the test itself runs under)."""
     seen: list[int] = []
+    own = torch._C._len_torch_function_stack()
 
     def counted(out: Tensor, y: Tensor) -> Tensor:
-        seen.append(torch._C._len_torch_function_stack())
+        seen.append(torch._C._len_torch_function_stack() - own)
         return loss_fn(out, y)
 
     return counted, seen
