@@ -277,8 +277,9 @@ class ResourcesSpec(_Strict):
                                 "max_time_limit_s quota and TLAB_MAX_TIME_LIMIT_S. In a sweep: each trial's limit")
     memory_gb: float | None = Field(
         None, gt=0, le=65536, description="GiB of host memory each worker's process needs: Ray reserves it on the "
-                                          "node (a job whose driver the kernel's OOM killer ended is told to set "
-                                          "it); none: no reservation")
+                                          "node, and a training whose processes hold more is killed and the job "
+                                          "fails saying so (a job whose driver the kernel's OOM killer ended is "
+                                          "told to set it); none: no reservation and no limit")
     max_retries: int = Field(
         2, ge=0, le=10, description="times the job starts again from its last checkpoint after a process of it died "
                                     "(a signal, the OOM killer, a lost node, a vanished Ray job), all attempts "

@@ -81,6 +81,21 @@ def test_a_diverging_job_fails_once_with_the_epoch_and_reason(
     assert redis.Redis.from_url(redis_server).hget(keys.job("nan"), "summary") is None
 
 
+@pytest.mark.slow
+def test_a_job_over_its_memory_gb_is_killed_once_saying_what_it_held(
+    ray_local: object, redis_server: str, job_env: None
+) -> None:
+    """resources.memory_gb is held, not only reserved: 0.1 GiB is less than torch's import (~0.2 GiB resident); the
+    payload is killed, the job fails once (a retry would hold as much), naming the field and what to set."""
+    put_job(redis_server, "big", resources={"workers": 1, "cpus_per_worker": 0.5, "memory_gb": 0.1})
+    assert run.main(["--job", "big"]) == 1
+    events = read_events(redis_server, "big")
+    assert not [e for e in events if "retry" in str(e["data"].get("message", ""))]
+    reason = events[-1]["data"]["message"]
+    assert "GiB of host memory, over resources.memory_gb=0.1: raise resources.memory_gb" in reason, reason
+    assert redis.Redis.from_url(redis_server).hget(keys.job("big"), "summary") is None
+
+
 def metric_values(url: str, job: str) -> list[tuple[float, ...]]:
     """Each epoch's numbers, as the job's stream has them (times left out: they differ run to run)."""
     return [(e["data"]["epoch"], e["data"]["train_loss"], e["data"]["test_loss"], e["data"]["test_acc"])

@@ -28,6 +28,7 @@ from typing import Any
 
 from api_schemas import ExperimentSpec
 from workers.job import sandbox
+from workers.job.memory_limit import MemoryLimit, first_to_go
 from workers.job.orders import Orders, Outcome
 from workers.job.redis_sink import RedisSink
 
@@ -81,8 +82,11 @@ def payload_argv(spec: ExperimentSpec, job_dir: Path, start_from: str | None) ->
     return sandbox.bwrap_argv(command, env, box), {}  # bwrap's own, none: the sandbox reads its /proc/1/environ
 
 
-def no_sigterm() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # bwrap dies of one and takes the payload with it: Ray's stop
+def before_payload() -> None:
+    """In the payload's process before it starts: SIGTERM ignored (bwrap dies of one and takes the payload with it:
+    Ray's stop), and the kernel's first OOM victim (``workers.job.memory_limit``)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    first_to_go()
 
 
 def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ranks | None = None,
@@ -95,7 +99,9 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
         (lines, orders.report_fd), (orders.answer_fd, answers) = os.pipe(), os.pipe()
     theirs = [fd for fd in (orders.result_fd, orders.report_fd, orders.answer_fd) if fd is not None]
     shared = [orders.listen_fd] if orders.listen_fd is not None else []  # (the gang's socket stays its Ranks')
-    proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, pass_fds=theirs + shared, preexec_fn=no_sigterm)
+    proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, pass_fds=theirs + shared,
+                            preexec_fn=before_payload)
+    memory = MemoryLimit(json.loads(orders.spec)["resources"].get("memory_gb")).start(proc.pid)
     for fd in theirs:
         os.close(fd)
     try:
@@ -104,14 +110,17 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
         proc.stdin.close()
         if relay is not None and lines is not None and answers is not None:
             relayed(relay, lines, answers)
-        rank_error = wait(proc, ranks, orders)
+        rank_ended = wait(proc, ranks, orders)
     except BaseException:  # a stop (SIGTERM raised here): the payload saves and exports, then ends
         stop(proc)
         raise
     finally:
+        memory.close()
         with os.fdopen(read_fd) as result:
             raw = result.read()
-    return outcome(raw, proc.returncode, rank_error)
+    if memory.error:  # killed over resources.memory_gb: the job's own failure, not retried
+        return Outcome(error=memory.error)
+    return outcome(raw, proc.returncode, rank_ended)
 
 
 def relayed(relay: Callable[[bytes], None], lines: int, answers: int) -> None:
@@ -123,17 +132,17 @@ def relayed(relay: Callable[[bytes], None], lines: int, answers: int) -> None:
             out.flush()
 
 
-def wait(proc: subprocess.Popen, ranks: Ranks | None, orders: Orders) -> str:
-    """Until the payload ends; a rank of its gang that fails first ends it, and its error is returned."""
+def wait(proc: subprocess.Popen, ranks: Ranks | None, orders: Orders) -> Outcome | None:
+    """Until the payload ends; a rank of its gang that fails first ends it, and how it ended is returned."""
     from workers.job.bucket import push
 
     pushed = time.monotonic()
     while proc.poll() is None:
         if ranks is not None and ranks.refs:
-            error = rank_failure(ranks)
-            if error:
+            failed = rank_failure(ranks)
+            if failed:
                 stop(proc)
-                return error
+                return failed
         try:
             proc.wait(timeout=WATCH_S)
         except subprocess.TimeoutExpired:
@@ -141,11 +150,12 @@ def wait(proc: subprocess.Popen, ranks: Ranks | None, orders: Orders) -> str:
         if time.monotonic() - pushed > PUSH_EVERY_S:  # (nothing without a bucket)
             push(orders.storage, orders.job_id)
             pushed = time.monotonic()
-    return ""
+    return None
 
 
-def rank_failure(ranks: Ranks) -> str:
-    """The error of a rank that ended with one ('' while none did)."""
+def rank_failure(ranks: Ranks) -> Outcome | None:
+    """How a rank that ended with an error ended (None while none did): retried unless the error was the job's
+    own (``JobFailed``: a retry would meet it again)."""
     import ray
 
     done, ranks.refs = ray.wait(ranks.refs, num_returns=len(ranks.refs), timeout=0)
@@ -155,8 +165,9 @@ def rank_failure(ranks: Ranks) -> str:
         except Exception as err:
             from workers.train.failure import failure_reason
 
-            return f"a rank of the gang failed: {failure_reason(err)}"
-    return ""
+            return Outcome(error=f"a rank of the gang failed: {failure_reason(err)}",
+                           retried=not isinstance(err, JobFailed))  # (Ray's error is an instance of its cause's)
+    return None
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
@@ -175,16 +186,14 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
         proc.wait()
 
 
-def outcome(raw: str, code: int | None, rank_error: str) -> Outcome:
+def outcome(raw: str, code: int | None, rank_ended: Outcome | None) -> Outcome:
     """The payload's own account; without one, its exit status in words (killed: its memory, likely)."""
     if raw:
         done = Outcome(**json.loads(raw))
         adopt(done.startup)  # the start-up timeline: the payload's phases are the job's
-        if rank_error and done.summary is None:
-            return Outcome(error=rank_error, retried=True)
-        return done
-    if rank_error:
-        return Outcome(error=rank_error, retried=True)
+        return rank_ended if rank_ended and done.summary is None else done
+    if rank_ended:
+        return rank_ended
     how = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
     return Outcome(error=f"the training process ended with {how} and said nothing (killed: out of memory?)",
                    retried=True)
@@ -244,8 +253,8 @@ def supervise_rank(spec_json: str, job_id: str, redis_url: str, storage: str, ra
         orders = Orders(spec_json, job_id, redis_url, storage, -1, artifacts, str(start) if start else None,
                         rank=rank, host=host, port=port)
         done = run_payload(orders, argv, env)
-        if done.summary is None:
-            raise RuntimeError(done.error)
+        if done.summary is None:  # the job's own error (its memory, its code) fails the job; anything else a try
+            raise (JobFailed if not done.retried and not done.stopped else RuntimeError)(done.error)
 
 
 def supervise_preflight(job_id: str, redis_url: str, storage: str) -> int:

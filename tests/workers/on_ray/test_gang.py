@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -155,3 +156,25 @@ def test_a_rank_that_cannot_start_fails_the_try_at_once_not_after_the_gang_timeo
     with pytest.raises(Exception, match="(?i)node|unschedulable|infeasible"):  # rank 1 planned on a node gone
         run_in_driver(spec, "gone", redis_server, tmp_path, max_failures=0, placement=[head, "ab" * 28])
     assert time.monotonic() - start < 60  # not TLAB_GANG_TIMEOUT_S
+
+
+def test_a_rank_that_failed_of_its_own_fails_the_job_and_one_that_died_retries_the_try(ray_local: Any) -> None:
+    """A rank's payload whose error is the job's own (its memory limit, its code: ``supervise_rank`` raises
+    ``JobFailed``) ends the try without a retry, which would meet it again; any other error of a rank retries."""
+    import ray
+
+    from workers.on_ray.supervisor import rank_failure
+    from workers.train.failure import JobFailed
+
+    @ray.remote(max_retries=0)
+    def failing(own: bool) -> None:
+        raise (JobFailed if own else RuntimeError)("the training held 0.15 GiB of host memory, over "
+                                                   "resources.memory_gb=0.1")
+
+    for own in (True, False):
+        ranks = SimpleNamespace(refs=[failing.remote(own)])
+        ray.wait(ranks.refs)
+        ended = rank_failure(ranks)
+        assert ended is not None and ended.retried is not own and ranks.refs == []
+        assert ended.error.startswith("a rank of the gang failed: ") and "resources.memory_gb=0.1" in ended.error
+    assert rank_failure(SimpleNamespace(refs=[])) is None
