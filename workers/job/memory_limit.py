@@ -14,11 +14,14 @@ scheduler, a job's supervisor); a payload may undo that, to 0, never put itself 
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+
+from workers.job.vitals import descendants
 
 GIB = 2**30
 OOM_SCORE_ADJ = "1000"  # the most a process can be preferred by the OOM killer; raising it needs no privilege
@@ -35,11 +38,15 @@ def first_to_go() -> None:
 
 
 def processes(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return []
+    """``pid`` and its descendants, found from its own ``/proc`` entries (psutil's ``children`` reads every process
+    of the node: ~1.6 ms for 77 here, far more on a busy node, 5 times a second)."""
+    out = []
+    for p in [pid, *descendants(pid)] if os.path.exists(f"/proc/{pid}") else []:
+        try:
+            out.append(psutil.Process(p))
+        except psutil.Error:
+            continue  # ended between the two reads
+    return out
 
 
 def kill(procs: list[psutil.Process]) -> None:
