@@ -158,6 +158,9 @@ def test_kill9_scheduler_and_api_mid_run_loses_and_doubles_nothing(stack: Stack)
         assert kinds.count("succeeded") == 1
 
 
+RESTART_EPOCHS = 30
+
+
 def test_tlab_up_restart_mid_run_resumes_from_checkpoint(tmp_path: Path) -> None:
     """Stop the whole embedded stack (Redis, Ray, API, scheduler) mid-run and start it again with the
     same TLAB_HOME: the job goes back to the queue, resumes from its last checkpoint, and every
@@ -165,7 +168,9 @@ def test_tlab_up_restart_mid_run_resumes_from_checkpoint(tmp_path: Path) -> None
     home = tmp_path / "tlab"
     env = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}
     with Stack(home, num_cpus=2, tick_s=0.2, extra_env=env) as s1, Client(s1.url, s1.admin_token) as c:
-        job = c.submit(tiny(training={"epochs": 12}))["id"]
+        # 30 epochs: the first 3 seen, the other 27 must outlast the stop of the API and the scheduler before Ray's
+        # (12 once finished in it, under a full test run's load: 1 attempt, not 2)
+        job = c.submit(tiny(training={"epochs": RESTART_EPOCHS}))["id"]
         seen = 0
         for event in c.events(job):
             seen += event.kind == "metric"
@@ -175,11 +180,11 @@ def test_tlab_up_restart_mid_run_resumes_from_checkpoint(tmp_path: Path) -> None
         events = list(c.events(job))
         view = c.get(job)
         assert view["state"] == "succeeded" and view["attempts"] == 2, view
-        assert epochs_in(events) == list(range(12))
+        assert epochs_in(events) == list(range(RESTART_EPOCHS))
         states = [e.data["state"] for e in events if e.kind == "status" and "at" in e.data]
         assert states.count("queued") == 2 and "vanished" in json.dumps([e.data for e in events])
         # it resumed: the second attempt did not redo the first three epochs
-        assert view["summary"]["epochs"] == 12
+        assert view["summary"]["epochs"] == RESTART_EPOCHS
         # both attempts' logs outlive the first cluster: kept in storage, the last words of the second included
         first, second = c.logs(job, attempt=1), c.logs(job)
         assert first.startswith("[tlab] driver of job") and ", attempt 1: pid" in first
