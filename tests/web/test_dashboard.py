@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import redis
 from PIL import Image
 
 from service.stack.embedded import Stack
@@ -135,11 +136,19 @@ def test_sign_in_tables_errors_and_cancel_without_ray(api_only: Api, tab_factory
     sink.emit({"kind": "epoch", "epoch": 0, "train_loss": 1.0, "test_loss": 1.0, "gpu_memory_mb": 640.0,
                "gpu_memory_mb_ranks": [640.0, 598.5]})
     sink.close()
+    # and its summary's device line (``workers.train.gpu_share.device_report``): the peak host memory beside the GPU's
+    from workers.job.record import write_summary
+
+    with redis.Redis.from_url(api_only.stack.redis_url or "") as r:
+        write_summary(r, job, json.dumps({"device": "cuda:0", "cuda_visible_devices": "1",
+                                          "host_memory_peak_mb": 412.5, "gpu_memory_peak_mb": 812.0}))
     # cancel the queued job from its page: two clicks, then REST agrees
     tab.goto(f"#/job/{job}")
     page.wait_for_selector("#cancel:not([hidden])")
     assert "why pending" in page.inner_text("#job-facts")
     assert "rank 0 640 · rank 1 598.5 MiB at most so far" in page.inner_text("#job-facts")
+    assert ('cuda:0 · CUDA_VISIBLE_DEVICES="1" · peak host memory 412.5 MiB · peak GPU memory 812 MiB'
+            in page.inner_text("#job-facts")), page.inner_text("#job-facts")
     page.click("#cancel")
     assert page.inner_text("#cancel") == "Click again to cancel"
     page.click("#cancel")
@@ -171,8 +180,6 @@ def test_sign_in_tables_errors_and_cancel_without_ray(api_only: Api, tab_factory
     page.click("#nav a[data-route=cluster]")
     page.wait_for_selector("#cluster-summary .state-failed")  # no scheduler in this fixture: said so
     # what a scheduler publishes when other Ray work holds CPUs on a shared cluster: the page says so
-    import redis
-
     from api_schemas import keys
     from api_schemas.jobs import ClusterView, NodeShare, NodeView
 

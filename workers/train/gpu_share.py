@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -128,8 +129,11 @@ def each_rank(value: float, rank: int, world_size: int, sum_ranks: SumRanks) -> 
 
 def device_report(device: torch.device) -> dict[str, Any]:
     """What a job's summary says of its device: the device, the GPUs Ray let the process see
-    (``CUDA_VISIBLE_DEVICES``; None when unset), and on CUDA its tensors' peak memory in MiB."""
-    report: dict[str, Any] = {"device": str(device), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    (``CUDA_VISIBLE_DEVICES``; None when unset), the process's peak resident memory in MiB (what
+    ``resources.memory_gb`` is held against, less a DataLoader's workers), and on CUDA its tensors' peak memory."""
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # (Linux counts KiB)
+    report: dict[str, Any] = {"device": str(device), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                              "host_memory_peak_mb": round(peak_kib / 1024, 1)}
     if peak := gpu_memory(device):
         report["gpu_memory_peak_mb"] = peak["gpu_memory_mb"]
     return report

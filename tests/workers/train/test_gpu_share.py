@@ -93,8 +93,13 @@ def test_out_of_memory_fails_the_job_naming_its_own_limit() -> None:
 
 
 def test_the_summary_says_the_device_and_the_gpus_the_process_saw(monkeypatch: pytest.MonkeyPatch) -> None:
+    import psutil
+
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert device_report(torch.device("cpu")) == {"device": "cpu", "cuda_visible_devices": ""}
+    report = device_report(torch.device("cpu"))
+    peak = report.pop("host_memory_peak_mb")
+    assert report == {"device": "cpu", "cuda_visible_devices": ""}
+    assert peak >= psutil.Process().memory_info().rss / 2**20 - 1  # its peak resident set, in MiB: at least now's
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert device_report(torch.device("cpu"))["cuda_visible_devices"] is None
 

@@ -68,9 +68,11 @@ const gpuMemoryText = (p) => (p.gpu_memory_mb_ranks?.length > 1
   ? `${p.gpu_memory_mb_ranks.map((m, r) => `rank ${r} ${num(m)}`).join(" · ")} MiB at most so far`
   : `${num(p.gpu_memory_mb)} MiB at most so far`);
 
-// where the job trained: its device, the GPUs Ray let it see, its tensors' peak GPU memory (rank 0's)
+// where the job trained: its device, the GPUs Ray let it see, its process's peak host memory and its tensors' peak
+// GPU memory (rank 0's)
 const deviceText = (s) => [s.device, s.cuda_visible_devices === null || s.cuda_visible_devices === undefined ? ""
   : `CUDA_VISIBLE_DEVICES="${s.cuda_visible_devices}"`,
+  s.host_memory_peak_mb === undefined ? "" : `peak host memory ${num(s.host_memory_peak_mb)} MiB`,
   s.gpu_memory_peak_mb === undefined ? "" : `peak GPU memory ${num(s.gpu_memory_peak_mb)} MiB`].filter(Boolean).join(" · ");
 
 function jobFacts(j) {
