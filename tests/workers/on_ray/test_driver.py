@@ -194,8 +194,9 @@ def test_a_failure_retries_from_the_last_checkpoint_and_reports_every_epoch_once
     assert exported["complete"] and exported["epochs"] == 5 and (artifacts / "model.safetensors").is_file()
     assert (artifacts / "metrics.csv").read_text().count("\n") == 6
     # run again (the cluster went down after the last epoch, before the scheduler saw the job end): nothing left
-    # to train, the same summary
-    assert in_process("flaky", redis_server, str(tmp_path), max_failures=1) == summary
+    # to train, the same summary (but the peak memory of the process that wrote it, which may have grown since)
+    again = in_process("flaky", redis_server, str(tmp_path), max_failures=1)
+    assert again.pop("host_memory_peak_mb") >= summary.pop("host_memory_peak_mb") and again == summary
     assert starts_of(read_events(redis_server, "flaky")) == [0, 3, 5]
 
 
