@@ -64,15 +64,24 @@ def resident(procs: list[psutil.Process]) -> int:
 
 
 def proportional(procs: list[psutil.Process]) -> int:
-    """The proportional sets summed: what the processes hold, a page shared by k of them counted 1/k in each."""
-    return sum(_read(p, lambda q: q.memory_full_info().pss) for p in procs)
+    """The proportional sets summed: what the processes hold, a page shared by k of them counted 1/k in each. A
+    process whose ``smaps_rollup`` its supervisor may not read (a supervisor that is not root, a payload the kernel
+    made undumpable) counts its resident set: over, never under, what it holds."""
+    return sum(_read(p, _pss) for p in procs)
+
+
+def _pss(proc: psutil.Process) -> int:
+    try:
+        return proc.memory_full_info().pss
+    except (psutil.AccessDenied, AttributeError):
+        return proc.memory_info().rss
 
 
 def _read(proc: psutil.Process, how: Callable[[psutil.Process], int]) -> int:
     try:
         return int(how(proc))
-    except (psutil.Error, AttributeError):
-        return 0  # gone, or no PSS on this OS: nothing counted
+    except psutil.Error:
+        return 0  # gone: nothing counted
 
 
 class MemoryLimit:

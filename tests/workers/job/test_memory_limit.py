@@ -10,7 +10,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
 
 from workers.job.memory_limit import OOM_SCORE_ADJ, MemoryLimit, kill, processes, proportional, resident
@@ -81,6 +83,20 @@ def test_pages_a_forked_child_shares_count_once() -> None:
         assert rss > 380 and pss < 300, (rss, pss)
         assert watched(proc, 0.3, seconds=1).error == ""
         assert all(p.is_running() for p in procs)
+
+
+def test_a_process_whose_pss_may_not_be_read_counts_its_resident_set() -> None:
+    """A supervisor that is not root may be refused a payload's smaps_rollup: then the payload's RSS counts (an upper
+    bound), never 0, which would let it hold anything."""
+
+    class Refused(psutil.Process):
+        def memory_full_info(self) -> Any:
+            raise psutil.AccessDenied(self.pid)
+
+    with hold(100) as proc:
+        rss = resident([psutil.Process(proc.pid)])
+        assert proportional([Refused(proc.pid)]) == rss > 100 * 2**20
+        assert proportional([psutil.Process(proc.pid)]) <= rss
 
 
 @pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")
