@@ -30,10 +30,10 @@ BATCHES = 4  # teleport batches per scheduled epoch: the convergence benchmark's
 SHORT_RUN_S = 5.0
 
 
-def follow(c: Client, job_id: str, label: str, epochs: int, done: dict[str, str]) -> None:
+def follow(c: Client, job_id: str, label: str, epochs: int) -> None:
     """A progress bar on a terminal; in a log or a pipe (no cursor codes) one plain line per epoch and state."""
     if not sys.stderr.isatty():
-        return follow_plain(c, job_id, label, epochs, done)
+        return follow_plain(c, job_id, label, epochs)
     from tqdm import tqdm
 
     with tqdm(total=epochs, desc=f"{label:<17}", unit="epoch", leave=True) as bar:
@@ -43,13 +43,10 @@ def follow(c: Client, job_id: str, label: str, epochs: int, done: dict[str, str]
                 bar.set_postfix_str(f"train {event.data['train_loss']:.4f} test {event.data['test_loss']:.4f}")
                 bar.refresh()
             elif event.kind == "status" and "at" in event.data:
-                bar.set_description_str(f"{label:<17}")
                 bar.set_postfix_str(event.data["state"])
-            elif event.kind == "end":
-                done[job_id] = event.data["state"]
 
 
-def follow_plain(c: Client, job_id: str, label: str, epochs: int, done: dict[str, str]) -> None:
+def follow_plain(c: Client, job_id: str, label: str, epochs: int) -> None:
     for event in c.events(job_id):
         line = None
         if event.kind == "metric":
@@ -59,8 +56,6 @@ def follow_plain(c: Client, job_id: str, label: str, epochs: int, done: dict[str
             line = event.data.get("message")
         elif event.kind == "status" and "at" in event.data:
             line = event.data["state"]
-        elif event.kind == "end":
-            done[job_id] = event.data["state"]
         if line:
             print(f"{label:<17} {line}", file=sys.stderr, flush=True)
 
@@ -125,11 +120,10 @@ def main(home: Path, epochs: int = 20) -> int:
     with Stack(home.resolve(), num_cpus=2) as stack, Client(stack.url, stack.admin_token) as c:
         print(f"up in {time.monotonic() - t0:.0f} s at {stack.url}; submitting through the API", flush=True)
         jobs: dict[str, str] = {}
-        done: dict[str, str] = {}
         for label, spec in specs.items():  # one after the other: each timed on an idle stack
             tags = ["demo"] + [f"baseline:{j}" for j in jobs.values()]
             jobs[label] = c.submit(spec, name=f"digits {label}", tags=tags)["id"]
-            follow(c, jobs[label], label, epochs, done)
+            follow(c, jobs[label], label, epochs)
         views = {label: c.get(job) for label, job in jobs.items()}
         out = home / "curves.png"
         out.write_bytes(c.plot(list(jobs.values())))

@@ -129,8 +129,8 @@ def each_rank(value: float, rank: int, world_size: int, sum_ranks: SumRanks) -> 
 
 def device_report(device: torch.device) -> dict[str, Any]:
     """What a job's summary says of its device: the device, the GPUs Ray let the process see
-    (``CUDA_VISIBLE_DEVICES``; None when unset), the process's peak resident memory in MiB (what
-    ``resources.memory_gb`` is held against, less a DataLoader's workers), and on CUDA its tensors' peak memory."""
+    (``CUDA_VISIBLE_DEVICES``; None when unset), the process's peak resident set in MiB (a guide for
+    ``resources.memory_gb``; a DataLoader's workers not counted), and on CUDA its tensors' peak memory."""
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # (Linux counts KiB)
     report: dict[str, Any] = {"device": str(device), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                               "host_memory_peak_mb": round(peak_kib / 1024, 1)}
