@@ -174,6 +174,8 @@ class NodeShare(_Strict):
     gpu_memory_mb: float | None = Field(None, description="on a GPU: the peak GPU memory so far (MiB) of the job's "
                                                           "ranks on this node, summed, from its last epoch (only rank "
                                                           "0's known: on its node); null before its first epoch")
+    memory_gb: float | None = Field(None, description="host memory its workers here hold in Ray (resources.memory_gb "
+                                                      "each); null: the job asked for none")
 
 
 class NodeView(_Strict):
@@ -184,6 +186,11 @@ class NodeView(_Strict):
     gpus_total: float
     gpus_free: float
     gpu_type: str | None = Field(None, description="the node's GPU model as Ray names it (resources.gpu_type)")
+    memory_gb_total: float | None = Field(None, description="GiB of host memory Ray may reserve on the node (its "
+                                                            "'memory' resource); null: not known")
+    memory_gb_free: float | None = Field(None, description="GiB of it not reserved (resources.memory_gb of the jobs "
+                                                           "here, and never more than Ray reports free); null: not "
+                                                           "known")
     jobs: list[NodeShare] = Field(default_factory=list, description="the running jobs' shares of this node")
 
 

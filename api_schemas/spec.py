@@ -276,8 +276,9 @@ class ResourcesSpec(_Strict):
                                 "failed; none: the cluster default TLAB_DEFAULT_TIME_LIMIT_S. At most the user's "
                                 "max_time_limit_s quota and TLAB_MAX_TIME_LIMIT_S. In a sweep: each trial's limit")
     memory_gb: float | None = Field(
-        None, gt=0, le=65536, description="GiB of host memory each worker's process needs: Ray reserves it on the "
-                                          "node, and a training whose processes hold more is killed and the job "
+        None, gt=0, le=65536, description="GiB of host memory each worker's process needs: the job starts where Ray "
+                                          "can reserve it on the node (more than any node has: refused), and a "
+                                          "training whose processes hold more is killed and the job "
                                           "fails saying so (a job whose driver the kernel's OOM killer ended is "
                                           "told to set it); none: no reservation and no limit")
     max_retries: int = Field(

@@ -6,6 +6,8 @@ No FastAPI here: the routes in ``service/api/routes/`` turn these answers into r
 
 from __future__ import annotations
 
+import math
+
 from api_schemas.jobs import ClusterView, Demand, DryRun, ExperimentSubmit, JobState, JobView, Role, UserPublic
 from api_schemas.preflight import PreflightResult
 from api_schemas.sweeps import SweepSubmit
@@ -24,7 +26,8 @@ def known_nodes(cluster_nodes: str, view: ClusterView | None) -> list[policy.Nod
         return StaticCluster(cluster_nodes).nodes()
     if view is None:
         return None
-    return [policy.Node(n.id, n.cpus_total, n.gpus_total, gpu_type=n.gpu_type) for n in view.nodes]
+    return [policy.Node(n.id, n.cpus_total, n.gpus_total, gpu_type=n.gpu_type, memory_gb=n.memory_gb_total)
+            for n in view.nodes]
 
 
 def never_fits(demand: Demand, nodes: list[policy.Node] | None) -> str | None:
@@ -35,8 +38,8 @@ def never_fits(demand: Demand, nodes: list[policy.Node] | None) -> str | None:
 def dry_run_view(demand: Demand, view: ClusterView | None, nodes: list[policy.Node] | None) -> DryRun:
     """Whether the gang fits ever and now, and on which nodes (free room from the scheduler's view if any)."""
     why = never_fits(demand, nodes)
-    free = ({n.id: [n.cpus_free, n.gpus_free] for n in view.nodes} if view else
-            {n.id: [n.cpus, n.gpus] for n in nodes or []})
+    free = ({n.id: [n.cpus_free, n.gpus_free, math.inf if n.memory_gb_free is None else n.memory_gb_free]
+             for n in view.nodes} if view else {n.id: n.room() for n in nodes or []})
     placement = policy.place(demand, policy.of_type(free, nodes, demand)) if nodes else None
     reason = why or (None if placement else "no room now: it would wait in the queue" if nodes
                      else "the cluster is not known yet: no scheduler has reported")

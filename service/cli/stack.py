@@ -38,19 +38,26 @@ def cmd_queue(args: argparse.Namespace) -> int:
 
 
 def _print_nodes(view: dict[str, Any]) -> None:
-    rows = [("NODE", "ALIVE", "CPUS FREE/TOTAL", "GPUS FREE/TOTAL", "GPU MODEL")]
+    rows = [("NODE", "ALIVE", "CPUS FREE/TOTAL", "GPUS FREE/TOTAL", "MEMORY GIB FREE/TOTAL", "GPU MODEL")]
     rows += [(n["id"], "yes" if n["alive"] else "no", f"{n['cpus_free']:g}/{n['cpus_total']:g}",
-              f"{n['gpus_free']:g}/{n['gpus_total']:g}", n.get("gpu_type") or "-") for n in view["nodes"]]
+              f"{n['gpus_free']:g}/{n['gpus_total']:g}", _memory(n), n.get("gpu_type") or "-") for n in view["nodes"]]
     print_table(rows)
+
+
+def _memory(node: dict[str, Any]) -> str:
+    """Ray's memory on the node in GiB, free/total ('-': not known)."""
+    total = node.get("memory_gb_total")
+    return "-" if total is None else f"{node['memory_gb_free']:.1f}/{total:.1f}"
 
 
 def _print_shares(view: dict[str, Any]) -> None:
     """Each running job's share of each node it runs on (a GPU count below 1: a share of a card)."""
     rows = [(s["job"], n["id"], str(s["workers"]), f"{s['cpus']:g}", f"{s['gpus']:g}",
+             "-" if s.get("memory_gb") is None else f"{s['memory_gb']:g}",
              "-" if s.get("gpu_memory_mb") is None else f"{s['gpu_memory_mb']:g}")
             for n in view["nodes"] for s in n.get("jobs") or []]
     if rows:
-        print_table([("RUNNING", "NODE", "WORKERS", "CPUS", "GPUS", "GPU MIB"), *rows])
+        print_table([("RUNNING", "NODE", "WORKERS", "CPUS", "GPUS", "MEMORY GIB", "GPU MIB"), *rows])
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:

@@ -12,12 +12,30 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from api_schemas.jobs import Demand
 from service.rules.policy import Node
 
 ACCELERATOR_PREFIX = "accelerator_type:"  # a Ray node's GPU model is a resource of this name (1 per node)
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Used:
+    """What Ray reports in use on a node (None: not known)."""
+
+    cpus: float | None = None
+    gpus: float | None = None
+    memory_gb: float | None = None
+
+    @classmethod
+    def of(cls, usage: dict[str, list[float]]) -> Used:
+        """From the autoscaler's ``usageByNode`` entry: resource -> [used, total] (memory in bytes)."""
+        memory = usage.get("memory")
+        return cls(cpus=float((usage.get("CPU") or [0.0])[0]), gpus=float((usage.get("GPU") or [0.0])[0]),
+                   memory_gb=None if not memory else float(memory[0]) / GIB)
 
 
 class ClusterSource(Protocol):
@@ -25,20 +43,22 @@ class ClusterSource(Protocol):
 
 
 class StaticCluster:
-    """A fixed list of nodes, from JSON ``[{"id": "n1", "cpus": 8, "gpus": 2}, ...]``."""
+    """A fixed list of nodes, from JSON ``[{"id": "n1", "cpus": 8, "gpus": 2, "memory_gb": 64}, ...]`` (no
+    ``memory_gb``: not known, no limit)."""
 
     def __init__(self, spec: str | list[dict]) -> None:
         items = json.loads(spec) if isinstance(spec, str) else spec
         self._nodes = [Node(id=str(n["id"]), cpus=float(n.get("cpus", 0)), gpus=float(n.get("gpus", 0)),
-                            gpu_type=n.get("gpu_type")) for n in items]
+                            gpu_type=n.get("gpu_type"),
+                            memory_gb=None if n.get("memory_gb") is None else float(n["memory_gb"])) for n in items]
 
     def nodes(self) -> list[Node]:
         return list(self._nodes)
 
 
 class RayNodes:
-    """Alive nodes of a Ray cluster: their total CPUs/GPUs (State API over the dashboard address) and what
-    Ray reports in use on each now (the head's autoscaler status, refreshed every few seconds; unknown when
+    """Alive nodes of a Ray cluster: their total CPUs, GPUs and memory (State API over the dashboard address) and
+    what Ray reports in use on each now (the head's autoscaler status, refreshed every few seconds; unknown when
     the head runs no autoscaler monitor or its report is stale)."""
 
     STALE_S = 60.0
@@ -47,7 +67,7 @@ class RayNodes:
     def __init__(self, address: str, refresh_s: float = REFRESH_S) -> None:
         self.address = address.rstrip("/")
         self.refresh_s = refresh_s
-        self._used: tuple[float, dict[str, tuple[float, float]]] | None = None  # (when, what) it last answered
+        self._used: tuple[float, dict[str, Used]] | None = None  # (when, what) it last answered
         try:  # the cluster's token, as Ray's own clients send it
             from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
 
@@ -66,13 +86,14 @@ class RayNodes:
             if n.state != "ALIVE":
                 continue
             res = n.resources_total or {}
-            cpus, gpus = float(res.get("CPU", 0)), float(res.get("GPU", 0))
-            u = used.get(n.node_id)
-            out.append(Node(id=n.node_id, cpus=cpus, gpus=gpus, cpus_used=None if u is None else u[0],
-                            gpus_used=None if u is None else u[1], gpu_type=gpu_type_of(res)))
+            memory = res.get("memory")  # bytes of Ray's logical memory resource: what entrypoint_memory holds
+            u = used.get(n.node_id) or Used()
+            out.append(Node(id=n.node_id, cpus=float(res.get("CPU", 0)), gpus=float(res.get("GPU", 0)),
+                            cpus_used=u.cpus, gpus_used=u.gpus, gpu_type=gpu_type_of(res),
+                            memory_gb=None if memory is None else float(memory) / GIB, memory_used_gb=u.memory_gb))
         return out
 
-    def usage(self) -> dict[str, tuple[float, float]]:
+    def usage(self) -> dict[str, Used]:
         """``ask_usage``'s answer of at most ``refresh_s`` ago: it costs the head and this process ~27 ms of CPU
         (the autoscaler's report it reads is itself refreshed only every ~5 s)."""
         now = time.monotonic()
@@ -80,8 +101,8 @@ class RayNodes:
             self._used = (now, self.ask_usage())
         return self._used[1]
 
-    def ask_usage(self) -> dict[str, tuple[float, float]]:
-        """node id -> (CPUs, GPUs) in use, from ``/api/cluster_status``; empty when not known."""
+    def ask_usage(self) -> dict[str, Used]:
+        """node id -> what is in use on it, from ``/api/cluster_status``; empty when not known."""
         import httpx
 
         try:
@@ -90,8 +111,7 @@ class RayNodes:
             status = r.json()["data"]["clusterStatus"] or {}
             if time.time() - float(status.get("time") or 0) > self.STALE_S:
                 return {}
-            return {node_id: (float((usage.get("CPU") or [0.0])[0]), float((usage.get("GPU") or [0.0])[0]))
-                    for node_id, usage in status["loadMetricsReport"]["usageByNode"].items()}
+            return {node_id: Used.of(usage) for node_id, usage in status["loadMetricsReport"]["usageByNode"].items()}
         except (httpx.HTTPError, ValueError, LookupError, TypeError, AttributeError):
             return {}  # no monitor on the head, another Ray's format, or the head is busy: the ledger alone
 
@@ -124,7 +144,7 @@ def driver_options(demand: Demand | None, placement: Sequence[str] = ()) -> dict
     if demand.gpus_per_worker > 0:
         options["entrypoint_num_gpus"] = demand.gpus_per_worker
     if demand.memory_gb:  # resources.memory_gb: Ray holds it on the node (the OOM killer's victim is told to set it)
-        options["entrypoint_memory"] = int(demand.memory_gb * 2**30)
+        options["entrypoint_memory"] = int(demand.memory_gb * GIB)
     if demand.gpu_type:  # what Ray's own accelerator_type= option asks: a sliver of the node's type resource
         options["entrypoint_resources"] = {accelerator_resource(demand.gpu_type): 0.001}
     if placement and _RAY_NODE_ID.fullmatch(placement[0]):

@@ -8,17 +8,34 @@ running jobs leave, and never more than Ray itself reports free), and within its
 A job over quota is skipped (it does not hold up other users). The first job that finds no room
 reserves what it is short of: later jobs that need that resource wait behind it, so big gangs are
 not starved by streams of small ones; jobs needing only other resources still start.
+
+Host memory is the third resource: a gang's ``resources.memory_gb`` per worker against Ray's ``memory`` resource
+on each node (what Ray reserves for it: ``service.launch.ray_cluster.driver_options``), so a job whose memory
+Ray cannot reserve now waits here, saying so, rather than in Ray as ``starting``; a job without ``memory_gb`` holds
+none. A node whose memory is not known does not limit it.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 
 from api_schemas.jobs import Demand, Quotas
 
 CPU_WEIGHT = 0.125  # a CPU counts as 1/8 of a GPU in fair-share usage
 EPS = 1e-9
+
+
+def per_worker(demand: Demand) -> tuple[float, float, float]:
+    """What one worker of the gang holds on its node: CPUs, GPUs, GiB of host memory (none asked: 0)."""
+    return demand.cpus_per_worker, demand.gpus_per_worker, demand.memory_gb or 0.0
+
+
+def take(room: list[float], demand: Demand, workers: int = 1) -> None:
+    """``room`` (a node's [CPUs, GPUs, memory GiB] free) less ``workers`` of the gang's workers (< 0: given back)."""
+    for i, held in enumerate(per_worker(demand)):
+        room[i] -= workers * held
 
 
 def weight(demand: Demand) -> float:
@@ -36,6 +53,12 @@ class Node:
     cpus_used: float | None = None
     gpus_used: float | None = None
     gpu_type: str | None = None  # the node's GPU model (Ray's accelerator_type:<name> resource); None: not known
+    memory_gb: float | None = None  # Ray's ``memory`` resource on the node in GiB; None: not known (no limit)
+    memory_used_gb: float | None = None  # what Ray reports reserved of it now; None: not known
+
+    def room(self) -> list[float]:
+        """[CPUs, GPUs, memory GiB] of the whole node (memory not known: without end)."""
+        return [self.cpus, self.gpus, math.inf if self.memory_gb is None else self.memory_gb]
 
 
 @dataclass(frozen=True)
@@ -65,24 +88,23 @@ class Decision:
 
 
 def _ledger_free(nodes: list[Node], active: list[ActiveJob]) -> dict[str, list[float]]:
-    free = {n.id: [n.cpus, n.gpus] for n in nodes}
+    free = {n.id: n.room() for n in nodes}
     for job in active:
         for node_id in job.placement:
             if node_id in free:
-                free[node_id][0] -= job.demand.cpus_per_worker
-                free[node_id][1] -= job.demand.gpus_per_worker
+                take(free[node_id], job.demand)
     return free
 
 
 def free_resources(nodes: list[Node], active: list[ActiveJob]) -> dict[str, list[float]]:
-    """node id -> [free CPUs, free GPUs]: what the active jobs' gangs leave, and never more than Ray itself
-    reports free (a gang that Ray cannot place would wait inside Ray with no reason shown)."""
+    """node id -> [free CPUs, free GPUs, free memory GiB]: what the active jobs' gangs leave, and never more than
+    Ray itself reports free (a gang that Ray cannot place would wait inside Ray with no reason shown)."""
     free = _ledger_free(nodes, active)
     for n in nodes:
-        if n.cpus_used is not None:
-            free[n.id][0] = min(free[n.id][0], n.cpus - n.cpus_used)
-        if n.gpus_used is not None:
-            free[n.id][1] = min(free[n.id][1], n.gpus - n.gpus_used)
+        for i, (total, used) in enumerate(((n.cpus, n.cpus_used), (n.gpus, n.gpus_used),
+                                           (n.memory_gb, n.memory_used_gb))):
+            if total is not None and used is not None:
+                free[n.id][i] = min(free[n.id][i], total - used)
     return free
 
 
@@ -96,16 +118,15 @@ def held_outside(nodes: list[Node], active: list[ActiveJob]) -> tuple[float, flo
 def place(demand: Demand, free: dict[str, list[float]]) -> list[str] | None:
     """A node per worker (packing the fullest-fitting nodes first), or None if the gang does not fit."""
     left = {k: list(v) for k, v in free.items()}
+    need = per_worker(demand)
     out: list[str] = []
     for _ in range(demand.workers):
-        fitting = [k for k, (c, g) in left.items()
-                   if c + EPS >= demand.cpus_per_worker and g + EPS >= demand.gpus_per_worker]
+        fitting = [k for k, room in left.items() if all(r + EPS >= n for r, n in zip(room, need, strict=True))]
         if not fitting:
             return None
         # prefer the node already used by this gang (locality), then the one with the least room left
         node = min(fitting, key=lambda k: (k not in out, left[k][1], left[k][0]))
-        left[node][0] -= demand.cpus_per_worker
-        left[node][1] -= demand.gpus_per_worker
+        take(left[node], demand)
         out.append(node)
     return out
 
@@ -120,7 +141,7 @@ def of_type(free: dict[str, list[float]], nodes: list[Node], demand: Demand) -> 
 
 def never_fits(demand: Demand, nodes: list[Node]) -> str | None:
     """Why the gang cannot fit even an empty cluster (None if it can)."""
-    if place(demand, of_type({n.id: [n.cpus, n.gpus] for n in nodes}, nodes, demand)) is not None:
+    if place(demand, of_type({n.id: n.room() for n in nodes}, nodes, demand)) is not None:
         return None
     if demand.gpu_type and not any(n.gpu_type == demand.gpu_type for n in nodes):
         models = sorted({n.gpu_type for n in nodes if n.gpu_type}) or ["none known"]
@@ -136,15 +157,35 @@ def never_fits(demand: Demand, nodes: list[Node]) -> str | None:
     if demand.cpus_per_worker > most_cpu + EPS:
         return (f"resources.cpus_per_worker={demand.cpus_per_worker:g} but the largest node has {most_cpu:g} CPUs: "
                 "lower cpus_per_worker")
+    most_memory = max((n.room()[2] for n in nodes), default=0)
+    if (demand.memory_gb or 0) > most_memory + EPS:
+        return (f"resources.memory_gb={demand.memory_gb:g} but the largest node has {most_memory:.1f} GiB of memory "
+                "Ray can reserve: lower memory_gb (and raise workers)")
     return (f"resources: {demand.workers} workers x ({demand.cpus_per_worker:g} CPU, {demand.gpus_per_worker:g} GPU) "
             f"= {demand.cpus:g} CPUs, {demand.gpus:g} GPUs; the whole cluster has {total_cpu:g} CPUs, "
             f"{total_gpu:g} GPUs: lower resources.workers")
 
 
-def _describe_free(free: dict[str, list[float]]) -> str:
-    cpus = sum(max(0.0, c) for c, _ in free.values())
-    gpus = sum(max(0.0, g) for _, g in free.values())
-    return f"{cpus:g} CPUs, {gpus:g} GPUs free on {len(free)} node(s)"
+def _describe_free(free: dict[str, list[float]], demand: Demand) -> str:
+    cpus, gpus, memory = (sum(max(0.0, room[i]) for room in free.values()) for i in range(3))
+    # memory only for a gang that asks for it, and where it is known
+    held = f", {memory:.1f} GiB of memory" if demand.memory_gb and math.isfinite(memory) else ""
+    return f"{cpus:g} CPUs, {gpus:g} GPUs{held} free on {len(free)} node(s)"
+
+
+def _needs(demand: Demand) -> str:
+    memory = f", {demand.memory_gb:g} GiB" if demand.memory_gb else ""
+    return f"{demand.workers} x ({demand.cpus_per_worker:g} CPU, {demand.gpus_per_worker:g} GPU{memory})"
+
+
+def _short(demand: Demand, free: dict[str, list[float]]) -> tuple[bool, ...]:
+    """What the first gang without room is short of (CPUs, GPUs, memory): later gangs that need any of it wait."""
+    need = per_worker(demand)
+    totals = [sum(max(0.0, room[i]) for room in free.values()) for i in range(3)]
+    biggest = max(free.values(), key=lambda room: (room[1], room[0]), default=[0.0, 0.0, 0.0])
+    short = tuple(demand.workers * n > t + EPS or n > b + EPS for n, t, b in zip(need, totals, biggest, strict=True))
+    # room in total but fragmented across nodes: hold all it needs
+    return short if any(short) else tuple(n > 0 for n in need)
 
 
 @dataclass
@@ -196,7 +237,7 @@ def decide(queued: list[QueuedJob], active: list[ActiveJob], nodes: list[Node], 
 
     decision = Decision()
     reserved: QueuedJob | None = None
-    short_cpu = short_gpu = False
+    short = (False, False, False)  # what the reserved job is short of: CPUs, GPUs, memory
     while per_user:
         user = min(per_user, key=head_key)
         job = heapq.heappop(per_user[user])[3]
@@ -204,30 +245,22 @@ def decide(queued: list[QueuedJob], active: list[ActiveJob], nodes: list[Node], 
             del per_user[user]
         why = (blocked or {}).get(job.id) or _quota_block(job, quotas.get(job.owner, Quotas()),
                                                            held.get(job.owner, Held()))
-        if why is None and reserved is not None and ((short_cpu and job.demand.cpus > 0)
-                                                     or (short_gpu and job.demand.gpus > 0)):
+        if why is None and reserved is not None and any(s and n > 0 for s, n in zip(short, per_worker(job.demand),
+                                                                                     strict=True)):
             why = f"behind {reserved.id}, which is next and waiting for room"
         placement = place(job.demand, of_type(free, nodes, job.demand)) if why is None else None
         if why is None and placement is None and (never := never_fits(job.demand, nodes)):
             why = f"cannot fit the cluster as it is now (nodes missing?): {never}"  # waits without reserving
         elif why is None and placement is None:
-            why = (f"no room: needs {job.demand.workers} x ({job.demand.cpus_per_worker:g} CPU, "
-                   f"{job.demand.gpus_per_worker:g} GPU) at once; {_describe_free(free)}{outside}")
+            why = f"no room: needs {_needs(job.demand)} at once; {_describe_free(free, job.demand)}{outside}"
             if reserved is None:
                 reserved = decision.reserved = job
-                totals_c = sum(max(0.0, c) for c, _ in free.values())
-                totals_g = sum(max(0.0, g) for _, g in free.values())
-                biggest = max(free.values(), key=lambda cg: (cg[1], cg[0]), default=[0.0, 0.0])
-                short_cpu = job.demand.cpus > totals_c + EPS or job.demand.cpus_per_worker > biggest[0] + EPS
-                short_gpu = job.demand.gpus > totals_g + EPS or job.demand.gpus_per_worker > biggest[1] + EPS
-                if not (short_cpu or short_gpu):  # room in total but fragmented across nodes: hold both
-                    short_cpu, short_gpu = job.demand.cpus > 0, job.demand.gpus > 0
+                short = _short(job.demand, free)
         if why is not None or placement is None:
             decision.order.append((job.id, why or "no room"))
             continue
         for node_id in placement:
-            free[node_id][0] -= job.demand.cpus_per_worker
-            free[node_id][1] -= job.demand.gpus_per_worker
+            take(free[node_id], job.demand)
         held.setdefault(job.owner, Held()).add(job.demand)
         usage[job.owner] = usage.get(job.owner, 0.0) + weight(job.demand) * start_charge_s
         decision.starts.append((job, placement))

@@ -18,7 +18,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from api_schemas.jobs import Demand
-from service.rules.policy import ActiveJob, place
+from service.rules.policy import ActiveJob, place, take
 
 MAX_TRIES = 2000  # sets of victims tried exactly; past that, a greedy choice pruned to a minimal set
 
@@ -54,8 +54,7 @@ def freed(free: dict[str, list[float]], jobs: list[ActiveJob]) -> dict[str, list
     for job in jobs:
         for node_id in job.placement:
             if node_id in out:
-                out[node_id][0] += job.demand.cpus_per_worker
-                out[node_id][1] += job.demand.gpus_per_worker
+                take(out[node_id], job.demand, workers=-1)
     return out
 
 
@@ -80,7 +79,8 @@ def _greedy(demand: Demand, free: dict[str, list[float]], ranked: list[Candidate
 def choose_victims(demand: Demand, priority: int, free: dict[str, list[float]], running: list[Candidate],
                    max_tries: int = MAX_TRIES) -> list[Candidate] | None:
     """The victims for a gang of ``demand`` at ``priority`` (module doc), or None when preempting every eligible
-    job would still not make room. ``free``: node id -> [CPUs, GPUs] free now (``policy.free_resources``)."""
+    job would still not make room. ``free``: node id -> [CPUs, GPUs, memory GiB] free now
+    (``policy.free_resources``)."""
     ranked = sorted((c for c in running if c.preemptible and c.priority < priority), key=rank)
     if not ranked or not _fits(demand, free, ranked):
         return None

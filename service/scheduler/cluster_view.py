@@ -1,7 +1,7 @@
 """The cluster as the scheduler publishes it (``GET /v1/cluster``, ``tlab cluster``, the page's cluster view): per
-node its CPUs and GPUs, total and free, its GPU model, and each running job's share of it (from the scheduler's
-ledger: the job's workers placed there times what each holds; a share of a card is a GPU count below 1), and a
-GPU job's memory in use on that node as its ranks there last reported it with an epoch
+node its CPUs, GPUs and host memory Ray may reserve, total and free, its GPU model, and each running job's share of
+it (from the scheduler's ledger: the job's workers placed there times what each holds; a share of a card is a GPU
+count below 1), and a GPU job's memory in use on that node as its ranks there last reported it with an epoch
 (``torch.cuda.max_memory_allocated``, gathered by rank 0: ``workers.train.gpu_share.gpu_memory``)."""
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def node_shares(node_id: str, active: list[ActiveJob], gpu_memory: Mapping[str, 
             ranks = zip(gpu_memory.get(job.id, ()), job.placement, strict=False)  # only rank 0's: the first
             here = [m for m, placed in ranks if placed == node_id]
             out.append(NodeShare(job=job.id, workers=workers, cpus=workers * d.cpus_per_worker,
-                                 gpus=workers * d.gpus_per_worker, gpu_memory_mb=sum(here) if here else None))
+                                 gpus=workers * d.gpus_per_worker, gpu_memory_mb=sum(here) if here else None,
+                                 memory_gb=workers * d.memory_gb if d.memory_gb else None))
     return out
 
 
@@ -56,7 +57,9 @@ def cluster_view(nodes: list[Node], active: list[ActiveJob], gpu_memory: Mapping
     outside = held_outside(nodes, active)
     return ClusterView(
         nodes=[NodeView(id=n.id, alive=True, cpus_total=n.cpus, cpus_free=free[n.id][0], gpus_total=n.gpus,
-                        gpus_free=free[n.id][1], gpu_type=n.gpu_type, jobs=node_shares(n.id, active, gpu_memory))
+                        gpus_free=free[n.id][1], gpu_type=n.gpu_type, memory_gb_total=n.memory_gb,
+                        memory_gb_free=None if n.memory_gb is None else free[n.id][2],
+                        jobs=node_shares(n.id, active, gpu_memory))
                for n in nodes],
         cpus_total=sum(n.cpus for n in nodes), gpus_total=sum(n.gpus for n in nodes),
         cpus_free=sum(f[0] for f in free.values()), gpus_free=sum(f[1] for f in free.values()),

@@ -76,8 +76,8 @@ def preempt(store: Store, launcher: Stopper, settings: Settings, decision: polic
     raws = store.raws(a.id for a in active)
     running, leaving = candidates(raws)
     free = policy.of_type(policy.free_resources(nodes, active), nodes, job.demand)  # its GPU model's nodes only
-    released = (policy.of_type(policy.free_resources([replace(n, cpus_used=None, gpus_used=None) for n in nodes],
-                                                     active), nodes, job.demand)
+    ledger = [replace(n, cpus_used=None, gpus_used=None, memory_used_gb=None) for n in nodes]
+    released = (policy.of_type(policy.free_resources(ledger, active), nodes, job.demand)
                 if now - requeued_at < SETTLE_S else None)
     plan = preemption.plan(job.demand, job.priority, free, running, leaving, released=released)
     decision.order = [(i, why + plan.note if i == job.id else why) for i, why in decision.order]

@@ -121,7 +121,7 @@ class Preflights:
         if refusal:  # user code that Redis cannot isolate: it must not run, not even a preflight
             self.fail(job_id, refusal, now)
             return refusal
-        fitting = [k for k, (cpus, _gpus) in free.items() if cpus + policy.EPS >= PREFLIGHT_CPUS]
+        fitting = [k for k, room in free.items() if room[0] + policy.EPS >= PREFLIGHT_CPUS]
         if not fitting:
             return "preflight waiting for a free CPU: its code is tried on one CPU before its gang is held"
         node = max(fitting, key=lambda k: free[k][0])

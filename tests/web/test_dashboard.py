@@ -184,9 +184,11 @@ def test_sign_in_tables_errors_and_cancel_without_ray(api_only: Api, tab_factory
     from api_schemas.jobs import ClusterView, NodeShare, NodeView
 
     # each running job's share of the node, and the GPU memory its ranks there reported with its last epoch
-    shares = [NodeShare(job="gang-of-halves", workers=2, cpus=2, gpus=1.0, gpu_memory_mb=812.5)]
+    # and the host memory Ray reserves for it (resources.memory_gb); a node whose memory is not known says so
+    shares = [NodeShare(job="gang-of-halves", workers=2, cpus=2, gpus=1.0, gpu_memory_mb=812.5, memory_gb=6)]
     view = ClusterView(nodes=[NodeView(id="n1", alive=True, cpus_total=4, cpus_free=1, gpus_total=2, gpus_free=1,
-                                       gpu_type="H100", jobs=shares)],
+                                       gpu_type="H100", jobs=shares, memory_gb_total=64, memory_gb_free=58),
+                              NodeView(id="n2", alive=True, cpus_total=4, cpus_free=4, gpus_total=0, gpus_free=0)],
                        cpus_total=4, cpus_free=1, gpus_total=1, gpus_free=1, running_jobs=[], scheduler_alive=True,
                        cpus_outside=3)
     with redis.Redis.from_url(api_only.stack.redis_url or "") as r:
@@ -195,6 +197,7 @@ def test_sign_in_tables_errors_and_cancel_without_ray(api_only: Api, tab_factory
     assert "Ray holds 3 CPUs, 0 GPUs beyond Teleport Lab's jobs" in page.inner_text("#outside")
     node = page.inner_text("#nodes-body")
     assert "H100" in node and "gang-of-halves" in node and "1 GPU" in node and "812.5 MiB" in node, node
+    assert "58.0 / 64.0" in node and "6 GiB" in node and "not known" in node, node
     assert "alive" in page.inner_text("#cluster-summary")
     page.click("#signout")
     page.wait_for_function("() => location.hash === '#/signin'")

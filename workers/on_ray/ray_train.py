@@ -17,12 +17,14 @@ from workers.train.sinks import JsonlSink, MetricSink, NullSink
 
 
 def scaling_config(spec: ExperimentSpec) -> ScalingConfig:
-    """The gang: ``resources.workers`` ranks, each with its CPUs and (fractional) GPUs, training on them (Ray Train
-    refuses a GPU held and not used: ``training.device=cpu`` with a share is for the driver-led path only)."""
+    """The gang: ``resources.workers`` ranks, each with its CPUs, (fractional) GPUs and memory, training on them (Ray
+    Train refuses a GPU held and not used: ``training.device=cpu`` with a share is for the driver-led path only)."""
     r = spec.resources
     per_worker: dict[str, float] = {"CPU": r.cpus_per_worker}
     if r.gpus_per_worker > 0:
         per_worker["GPU"] = r.gpus_per_worker
+    if r.memory_gb:
+        per_worker["memory"] = int(r.memory_gb * 2**30)  # bytes, as Ray counts its memory resource
     if r.gpu_type:
         per_worker[f"accelerator_type:{r.gpu_type}"] = 0.001  # what Ray's own accelerator_type= option asks
     return ScalingConfig(num_workers=r.workers, use_gpu=r.gpus_per_worker > 0, resources_per_worker=per_worker)

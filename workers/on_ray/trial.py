@@ -38,9 +38,11 @@ def in_trial(sweep: SweepSubmit) -> bool:
 
 
 def trial_resources(sweep: SweepSubmit) -> dict[str, float]:
-    """What an in-trial trial holds in Ray: its one worker's CPUs and GPUs (the gang the scheduler counts)."""
+    """What an in-trial trial holds in Ray: its one worker's CPUs, GPUs and memory (the gang the scheduler counts)."""
     r = sweep.base.resources
     held = {"cpu": r.cpus_per_worker, **({"gpu": r.gpus_per_worker} if r.gpus_per_worker > 0 else {})}
+    if r.memory_gb:
+        held["memory"] = int(r.memory_gb * 2**30)  # bytes, as Ray counts its memory resource
     return {**held, f"accelerator_type:{r.gpu_type}": 0.001} if r.gpu_type else held  # Ray's accelerator_type=
 
 

@@ -11,7 +11,7 @@ import pytest
 from api_schemas.jobs import Demand
 from service.cli.client import Client
 from service.core.store import Store
-from service.launch.ray_cluster import RayNodes, driver_options, gpu_env, gpu_type_of, trains_in_driver
+from service.launch.ray_cluster import RayNodes, Used, driver_options, gpu_env, gpu_type_of, trains_in_driver
 from service.stack.embedded import Stack
 from tests.service.conftest import ray_rest, ray_state, tiny
 
@@ -47,16 +47,16 @@ class Counted(RayNodes):
 
     asked = 0
 
-    def ask_usage(self) -> dict[str, tuple[float, float]]:
+    def ask_usage(self) -> dict[str, Used]:
         self.asked += 1
-        return {"n1": (float(self.asked), 0.0)}
+        return {"n1": Used(float(self.asked), 0.0)}
 
 
 def test_rays_usage_report_is_asked_again_only_after_refresh_s() -> None:
     nodes = Counted("http://127.0.0.1:9", refresh_s=0.3)
-    assert nodes.usage() == nodes.usage() == {"n1": (1.0, 0.0)} and nodes.asked == 1
+    assert nodes.usage() == nodes.usage() == {"n1": Used(1.0, 0.0)} and nodes.asked == 1
     time.sleep(0.35)
-    assert nodes.usage() == {"n1": (2.0, 0.0)} and nodes.asked == 2
+    assert nodes.usage() == {"n1": Used(2.0, 0.0)} and nodes.asked == 2
 
 
 def test_the_node_list_is_asked_each_time() -> None:
@@ -91,3 +91,42 @@ def test_ray_holds_a_one_worker_jobs_cpu_in_its_driver_on_the_planned_node(stack
         c.cancel(job)
     # the job's driver (Ray's JobSupervisor actor) holds the worker's 1 CPU; no Ray Train worker exists
     assert [(a["class"], a["resources"]["CPU"], a["node"]) for a in held] == [("JobSupervisor", 1.0, placement[0])]
+
+
+def wait_for(what: str, probe, timeout_s: float = 60.0):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout_s
+    while not (found := probe()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.3)
+    return found
+
+
+@pytest.mark.slow
+def test_a_jobs_memory_is_reserved_in_ray_and_one_ray_has_no_memory_for_waits_in_the_queue(stack: Stack) -> None:
+    """``resources.memory_gb`` is Ray's ``memory`` resource on the node: the driver reserves it, the cluster view
+    shows it, a job asking more than any node has is refused at submit, and one asking more than is left waits in
+    the queue saying so (before, it started on the free CPU and sat in Ray as ``starting``)."""
+    from tests.service.conftest import wait_ray_idle
+
+    wait_ray_idle(stack)
+    with Client(stack.url, stack.admin_token) as c:
+        total = wait_for("the cluster's memory", lambda: c.json("GET", "/v1/cluster")["nodes"])[0]["memory_gb_total"]
+        assert total > 1.5, total  # Ray's logical memory of this machine's head, in GiB
+        a = c.submit(tiny(training={"epochs": 100_000}, resources={"memory_gb": 1}))["id"]
+        for event in c.events(a):
+            if event.kind == "metric":
+                break
+        node = c.json("GET", "/v1/cluster")["nodes"][0]
+        assert node["memory_gb_free"] <= total - 1 + 1e-6 and node["jobs"][0]["memory_gb"] == 1
+        driver = wait_for("the driver's memory in Ray", lambda: [
+            x for x in alive_actors(stack) if (x["resources"] or {}).get("memory")])
+        assert [(x["class"], x["resources"]["memory"]) for x in driver] == [("JobSupervisor", float(2**30))]
+        with pytest.raises(Exception, match=r"resources\.memory_gb=.* but the largest node has"):
+            c.submit(tiny(resources={"memory_gb": round(total + 1, 1)}))
+        b = c.submit(tiny(resources={"memory_gb": round(total - 0.5, 2)}))["id"]
+        why = wait_for("b's reason", lambda: (c.get(b).get("pending_reason") or "").startswith("no room")
+                       and c.get(b)["pending_reason"])
+        assert c.get(b)["state"] == "queued" and "GiB of memory free" in why, why
+        c.cancel(a)
+        wait_for("b to start once a's memory is back", lambda: c.get(b)["state"] in ("running", "succeeded"))
+        c.cancel(b)

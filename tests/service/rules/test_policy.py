@@ -4,6 +4,7 @@ gangs, reservations, and a simulated cluster where several users' jobs come and 
 from __future__ import annotations
 
 import itertools
+import math
 import signal
 import subprocess
 
@@ -227,7 +228,7 @@ def test_what_ray_reports_in_use_beyond_the_ledger_is_not_handed_out() -> None:
     one = q("carol", CPU1)
     # Ray sees bob's 1 CPU plus 1.5 more: only 1.5 of the ledger's 3 free CPUs are really free
     nodes = [Node("n", cpus=4, gpus=0, cpus_used=2.5, gpus_used=0.0)]
-    assert policy.free_resources(nodes, [mine]) == {"n": [1.5, 0.0]}
+    assert policy.free_resources(nodes, [mine]) == {"n": [1.5, 0.0, math.inf]}  # memory not known: no limit
     assert policy.held_outside(nodes, [mine]) == (1.5, 0.0)
     d = policy.decide([two], [mine], nodes, {}, {})
     assert not d.starts
@@ -236,10 +237,11 @@ def test_what_ray_reports_in_use_beyond_the_ledger_is_not_handed_out() -> None:
     assert order(policy.decide([one], [mine], nodes, {}, {})) == [one.id]
     # Ray's view lagging behind a job just started (ledger 1 used, Ray 0): the ledger still counts it
     nodes = [Node("n", cpus=4, gpus=0, cpus_used=0.0, gpus_used=0.0)]
-    assert policy.free_resources(nodes, [mine]) == {"n": [3.0, 0.0]} and policy.held_outside(nodes, [mine]) == (0, 0)
+    assert policy.free_resources(nodes, [mine]) == {"n": [3.0, 0.0, math.inf]}
+    assert policy.held_outside(nodes, [mine]) == (0, 0)
     assert order(policy.decide([two, one], [mine], nodes, {}, {})) == [two.id, one.id]
     # not known (no autoscaler report): the ledger alone, as before
-    assert policy.free_resources([Node("n", cpus=4, gpus=0)], [mine]) == {"n": [3.0, 0.0]}
+    assert policy.free_resources([Node("n", cpus=4, gpus=0)], [mine]) == {"n": [3.0, 0.0, math.inf]}
 
 
 # ---- preemption (service.rules.victims): which running jobs make room for a waiting one; pure, no Ray

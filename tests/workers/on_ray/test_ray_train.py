@@ -170,3 +170,7 @@ def test_a_gang_of_card_shares_asks_ray_train_for_gloo_and_the_gpu_model() -> No
     assert torch_config(shares).backend == "gloo" and torch_config(whole).backend == "nccl"
     assert scaling_config(shares).resources_per_worker == {"CPU": 1, "GPU": 0.5, "accelerator_type:H100": 0.001}
     assert rank_options(shares, None)["accelerator_type"] == "H100"  # a gang's other ranks: the same model
+    # resources.memory_gb: each Ray Train worker reserves it (bytes), as the driver and a gang's ranks do
+    held = ExperimentSpec.model_validate({"resources": {"workers": 2, "memory_gb": 0.5}})
+    assert scaling_config(held).resources_per_worker == {"CPU": 1, "memory": 2**29}
+    assert rank_options(held, None)["memory"] == 2**29

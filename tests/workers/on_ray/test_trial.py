@@ -32,6 +32,8 @@ def test_one_worker_trials_train_in_the_trial_holding_the_workers_resources(monk
     assert trial_resources(gpu) == {"cpu": 1, "gpu": 0.5}
     h100 = sweep_of({**TINY, "resources": {"cpus_per_worker": 1, "gpus_per_worker": 0.25, "gpu_type": "H100"}})
     assert trial_resources(h100) == {"cpu": 1, "gpu": 0.25, "accelerator_type:H100": 0.001}  # on an H100 node
+    held = sweep_of({**TINY, "resources": {"cpus_per_worker": 1, "memory_gb": 1.5}})  # the scheduler counts it
+    assert trial_resources(held) == {"cpu": 1, "memory": 1.5 * 2**30}
     assert not in_trial(sweep_of({**TINY, "resources": {"workers": 2, "cpus_per_worker": 0.5}}))
     assert not in_trial(sweep_of(TINY, {"resources.workers": {"grid": [1, 2]}}))  # drawn: a TorchTrainer each
     monkeypatch.setenv("TLAB_IN_DRIVER", "0")

@@ -1,4 +1,4 @@
-// #/cluster: nodes with their free CPUs/GPUs and each running job's share, what Ray holds beyond our jobs, and what is
+// #/cluster: nodes with their free CPUs/GPUs/memory and each running job's share, what Ray holds beyond our jobs, and what is
 // running (polled).
 
 import { api } from "../api.js";
@@ -17,6 +17,7 @@ const summary = (c) => html`${c.nodes.length} node(s) · CPUs <b>${num(c.cpus_fr
 // a running job's share of the node: its workers there, their CPUs and GPUs (below 1: a share of a card), and the
 // GPU memory its ranks on this node reported with its last epoch, summed
 const held = (s) => html`${num(s.cpus)} CPU${s.gpus ? html` · ${num(s.gpus)} GPU` : ""}${
+  s.memory_gb != null ? html` · ${num(s.memory_gb)} GiB` : ""}${
   s.gpu_memory_mb != null ? html` · <span class="gpu-memory">${num(s.gpu_memory_mb)} MiB</span>` : ""}`;
 const share = (s) => s.job === null // another user's job: its share, without its id
   ? html`<span class="chip share muted" title="${s.workers} worker(s) here">another user's job ${held(s)}</span> `
@@ -26,19 +27,21 @@ const nodeRow = (n) => html`<tr><td class="mono">${n.id}${n.gpu_type ? html` <sp
   <td>${n.alive ? "yes" : "no"}</td>
   <td>${num(n.cpus_free)} / ${num(n.cpus_total)}</td><td>${meter(n.cpus_free, n.cpus_total)}</td>
   <td>${num(n.gpus_free)} / ${num(n.gpus_total)}</td><td>${n.gpus_total ? meter(n.gpus_free, n.gpus_total) : ""}</td>
+  ${n.memory_gb_total == null ? html`<td class="muted">not known</td><td></td>`
+    : html`<td class="memory">${n.memory_gb_free.toFixed(1)} / ${n.memory_gb_total.toFixed(1)}</td><td>${meter(n.memory_gb_free, n.memory_gb_total)}</td>`}
   <td>${(n.jobs || []).map(share)}</td></tr>`;
 
 export async function clusterPage(page) {
   put(page.el, html`<section class="card"><h2>Cluster</h2><p id="cluster-summary"></p>
     <table><thead><tr><th>node</th><th>alive</th><th>CPUs free / total</th><th></th><th>GPUs free / total</th><th></th>
-      <th>running jobs' shares</th></tr></thead><tbody id="nodes-body"></tbody></table>
+      <th title="Ray's memory resource: what resources.memory_gb reserves">memory GiB free / total</th><th></th><th>running jobs' shares</th></tr></thead><tbody id="nodes-body"></tbody></table>
     <h3>Running</h3><p id="running"></p></section>`);
   await page.every(POLL_MS, async () => {
     const c = await api("GET", "/v1/cluster");
     if (page.dead) return;
     put($("#cluster-summary"), summary(c));
     put($("#nodes-body"), c.nodes.length ? c.nodes.map(nodeRow)
-      : html`<tr><td colspan="7" class="muted">no nodes known yet: has the scheduler started?</td></tr>`);
+      : html`<tr><td colspan="9" class="muted">no nodes known yet: has the scheduler started?</td></tr>`);
     put($("#running"), c.running_jobs.length ? c.running_jobs.map((j) => html`<a class="chip" href="#/job/${j}">${j}</a> `)
       : html`<span class="muted">nothing is running</span>`);
   });
