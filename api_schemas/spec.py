@@ -280,7 +280,8 @@ class ResourcesSpec(_Strict):
                                           "can reserve it on the node (more than any node has: refused), and a "
                                           "training whose processes hold more is killed and the job "
                                           "fails saying so (a job whose driver the kernel's OOM killer ended is "
-                                          "told to set it); none: no reservation and no limit")
+                                          "told to set it); none: the cluster's TLAB_DEFAULT_MEMORY_GB, set "
+                                          "at submit, else no reservation and no limit")
     max_retries: int = Field(
         2, ge=0, le=10, description="times the job starts again from its last checkpoint after a process of it died "
                                     "(a signal, the OOM killer, a lost node, a vanished Ray job), all attempts "

@@ -75,11 +75,16 @@ def check_code_axes(settings: Settings, user: UserPublic, body: SweepSubmit) -> 
 
 
 def admit_spec(settings: Settings, spec: ExperimentSpec, prefix: str) -> ExperimentSpec:
-    """Sizes, CPU per worker, model-data fit, then the dataset's files; returns the spec with resolved paths."""
+    """Sizes, CPU per worker, model-data fit, then the dataset's files; returns the spec with resolved paths and the
+    cluster's ``TLAB_DEFAULT_MEMORY_GB`` where it asks no memory."""
     check_sizes(settings, spec, prefix)
     check_device(spec, prefix)
     check_compat(spec, prefix)
-    return spec.model_copy(update={"dataset": admit_dataset(settings, spec.dataset, f"{prefix}.dataset")})
+    resources = spec.resources
+    if resources.memory_gb is None and settings.default_memory_gb is not None:
+        resources = resources.model_copy(update={"memory_gb": settings.default_memory_gb})
+    return spec.model_copy(update={"dataset": admit_dataset(settings, spec.dataset, f"{prefix}.dataset"),
+                                   "resources": resources})
 
 
 def check_device(spec: ExperimentSpec, prefix: str) -> None:

@@ -51,6 +51,10 @@ class Settings(BaseSettings):
                                         description="a job's running time limit when its spec gives none")
     max_time_limit_s: float = Field(7 * 86400.0, gt=0, validation_alias="TLAB_MAX_TIME_LIMIT_S",
                                     description="the longest resources.time_limit_s anyone may ask for (422 above)")
+    default_memory_gb: float | None = Field(None, gt=0, le=65536, validation_alias="TLAB_DEFAULT_MEMORY_GB",
+                                            description="resources.memory_gb of a job whose spec gives none, set at "
+                                                        "submit: reserved, placed and held as if asked; unset: such "
+                                                        "a job reserves none and is not held")
     keep_checkpoints: int = Field(2, ge=1, validation_alias="TLAB_KEEP_CHECKPOINTS",
                                   description="checkpoints Ray Train keeps per job (the latest ones)")
     keep_ended_checkpoints: int = Field(1, ge=1, validation_alias="TLAB_KEEP_ENDED_CHECKPOINTS",
