@@ -83,6 +83,11 @@ class Demand(_Strict):
     def gpus(self) -> float:
         return self.workers * self.gpus_per_worker
 
+    @property
+    def memory(self) -> float:
+        """GiB of host memory the whole gang holds (none asked: 0)."""
+        return self.workers * (self.memory_gb or 0.0)
+
 
 class Progress(_Strict):
     epoch: int | None = None
@@ -219,6 +224,10 @@ class Quotas(_Strict):
                                                               "(admins may raise it; admins themselves are not bound)")
     max_cpus: float = Field(64, ge=0, description="CPUs the user's starting/running jobs may hold at once (a gang "
                                                   "over it alone is refused at submit)")
+    max_memory_gb: float | None = Field(None, gt=0, description="GiB of host memory (resources.memory_gb x "
+                                                                "workers) the user's starting/running jobs may "
+                                                                "hold at once (a gang over it alone is refused at "
+                                                                "submit); none: no limit")
     max_time_limit_s: float = Field(7 * 86400, gt=0, description="the longest resources.time_limit_s the user may "
                                                                  "ask for (admins are not bound)")
     max_unpreemptible: int = Field(1, ge=0, description="jobs with resources.preemptible=false the user may have "

@@ -114,6 +114,10 @@ def check_quotas(user: UserPublic, body: ExperimentSubmit | SweepSubmit) -> None
     if demand.cpus > q.max_cpus:
         raise InvalidInput(f"the gang needs {demand.cpus:g} CPUs at once; your max_cpus quota is {q.max_cpus:g}: "
                            "lower workers or cpus_per_worker, or ask an admin", field=f"{field}.cpus_per_worker")
+    if q.max_memory_gb is not None and demand.memory > q.max_memory_gb:
+        raise InvalidInput(f"the gang needs {demand.memory:g} GiB of memory at once; your max_memory_gb quota is "
+                           f"{q.max_memory_gb:g}: lower workers or memory_gb, or ask an admin",
+                           field=f"{field}.memory_gb")
 
 
 def check_notify(settings: Settings, notify: Notify | None) -> None:

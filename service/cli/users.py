@@ -30,6 +30,7 @@ QUOTA_OPTIONS: dict[str, tuple[type, str]] = {
     "max_queued_jobs": (int, "jobs it may have waiting in the queue at once"),
     "max_priority": (int, "the highest priority its jobs may ask for"),
     "max_cpus": (float, "CPUs its starting/running jobs may hold at once"),
+    "max_memory_gb": (float, "GiB of host memory (resources.memory_gb) its starting/running jobs may hold at once"),
     "max_time_limit_s": (float, "the longest resources.time_limit_s its jobs may ask for"),
     "max_unpreemptible": (int, "jobs with resources.preemptible=false it may have queued or running at once"),
     "max_storage_gb": (float, "GB of storage its ended jobs may hold (at or over it, submits are refused)"),

@@ -4,7 +4,7 @@ Order: priority (higher first), then fair share (the user with less decayed rece
 starting a job charges its owner at once, so equal users alternate), then age. A job starts only
 when its whole gang of workers fits on the free resources of the cluster's nodes now (what the
 running jobs leave, and never more than Ray itself reports free), and within its owner's quotas
-(max_running_jobs, and max_gpus/max_cpus counted over all their starting/running jobs plus this one).
+(max_running_jobs, and max_gpus/max_cpus/max_memory_gb counted over all their starting/running jobs plus this one).
 A job over quota is skipped (it does not hold up other users). The first job that finds no room
 reserves what it is short of: later jobs that need that resource wait behind it, so big gangs are
 not starved by streams of small ones; jobs needing only other resources still start.
@@ -195,9 +195,11 @@ class Held:
     jobs: int = 0
     gpus: float = 0.0
     cpus: float = 0.0
+    memory: float = 0.0
 
     def add(self, demand: Demand) -> None:
         self.jobs, self.gpus, self.cpus = self.jobs + 1, self.gpus + demand.gpus, self.cpus + demand.cpus
+        self.memory += demand.memory
 
 
 def _quota_block(job: QueuedJob, quotas: Quotas, held: Held) -> str | None:
@@ -208,6 +210,9 @@ def _quota_block(job: QueuedJob, quotas: Quotas, held: Held) -> str | None:
         return f"quota: needs {job.demand.gpus:g} GPUs; {job.owner} holds {held.gpus:g} of max_gpus={quotas.max_gpus:g}"
     if held.cpus + job.demand.cpus > quotas.max_cpus + EPS:
         return f"quota: needs {job.demand.cpus:g} CPUs; {job.owner} holds {held.cpus:g} of max_cpus={quotas.max_cpus:g}"
+    cap = quotas.max_memory_gb
+    if cap is not None and held.memory + job.demand.memory > cap + EPS:
+        return f"quota: needs {job.demand.memory:g} GiB; {job.owner} holds {held.memory:g} of max_memory_gb={cap:g}"
     return None
 
 

@@ -31,3 +31,15 @@ def test_a_spec_without_memory_gets_the_clusters_default_and_one_with_keeps_its_
         assert big.status_code == 422 and big.json()["errors"][0]["field"] == "spec.resources", big.text
         assert ("resources.memory_gb=20 but the largest node has 16.0 GiB of memory Ray can reserve"
                 in big.json()["detail"]), big.text
+
+
+def test_max_memory_gb_refuses_a_gang_over_it_at_submit(api_only: Api) -> None:
+    api_only.add_user("alice", max_memory_gb=5)
+    with api_only.client("alice") as c:
+        over = c.post("/v1/experiments", json={"spec": tiny(resources={"workers": 2, "memory_gb": 3})})
+        assert over.status_code == 422 and over.json()["errors"][0]["field"] == "spec.resources.memory_gb", over.text
+        assert "the gang needs 6 GiB of memory at once; your max_memory_gb quota is 5" in over.json()["detail"]
+        # the cluster's default counts: 3 GiB a worker
+        assert c.post("/v1/experiments", json={"spec": tiny()}).status_code == 201
+        me = c.get("/v1/me").json()
+        assert me["quotas"]["max_memory_gb"] == 5

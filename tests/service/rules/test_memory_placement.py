@@ -109,3 +109,17 @@ def test_a_dry_run_weighs_memory_against_the_schedulers_view() -> None:
     assert dry_run_view(mem(4), view, known_nodes("", view)).placement == ["n1"]
     never = dry_run_view(mem(20), view, known_nodes("", view))
     assert not never.fits_ever and "resources.memory_gb=20 but the largest node has 16.0 GiB" in (never.reason or "")
+
+
+def test_max_memory_gb_counts_every_running_job_plus_the_new_one() -> None:
+    from api_schemas.jobs import Quotas
+
+    nodes = [Node("n", cpus=16, gpus=0, memory_gb=64.0)]
+    running = [ActiveJob("r", "alice", mem(4, workers=2), ("n", "n"))]  # 8 GiB held
+    fits, over, other = q(mem(2), owner="alice"), q(mem(2, workers=2), owner="alice"), q(mem(12), owner="bob")
+    quotas = {"alice": Quotas(max_memory_gb=10), "bob": Quotas(max_memory_gb=12)}
+    d = policy.decide([fits, over, other], running, nodes, {}, quotas)
+    assert sorted(j for j, _ in starts(d)) == sorted([fits.id, other.id])
+    assert dict(d.order)[over.id] == "quota: needs 4 GiB; alice holds 10 of max_memory_gb=10"
+    assert len(policy.decide([over], [], nodes, {}, quotas).starts) == 1  # her running jobs gone: it starts
+    assert len(policy.decide([q(mem(None, workers=8), owner="alice")], running, nodes, {}, quotas).starts) == 1
