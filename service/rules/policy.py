@@ -161,9 +161,11 @@ def never_fits(demand: Demand, nodes: list[Node]) -> str | None:
     if (demand.memory_gb or 0) > most_memory + EPS:
         return (f"resources.memory_gb={demand.memory_gb:g} but the largest node has {most_memory:.1f} GiB of memory "
                 "Ray can reserve: lower memory_gb (and raise workers)")
-    return (f"resources: {demand.workers} workers x ({demand.cpus_per_worker:g} CPU, {demand.gpus_per_worker:g} GPU) "
-            f"= {demand.cpus:g} CPUs, {demand.gpus:g} GPUs; the whole cluster has {total_cpu:g} CPUs, "
-            f"{total_gpu:g} GPUs: lower resources.workers")
+    memory = f", {demand.memory:g} GiB" if demand.memory_gb else ""
+    total_memory = f", {sum(n.room()[2] for n in nodes):.1f} GiB" if demand.memory_gb else ""
+    return (f"resources: {_needs(demand).replace(' x ', ' workers x ', 1)} = {demand.cpus:g} CPUs, {demand.gpus:g} "
+            f"GPUs{memory}; the whole cluster has {total_cpu:g} CPUs, {total_gpu:g} GPUs{total_memory}: lower "
+            "resources.workers")
 
 
 def _describe_free(free: dict[str, list[float]], demand: Demand) -> str:

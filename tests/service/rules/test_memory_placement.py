@@ -56,7 +56,9 @@ def test_memory_no_node_has_never_fits_and_unknown_memory_is_no_limit() -> None:
     nodes = [Node("a", cpus=8, gpus=0, memory_gb=16.0), Node("b", cpus=8, gpus=0, memory_gb=12.5)]
     assert policy.never_fits(mem(20), nodes) == ("resources.memory_gb=20 but the largest node has 16.0 GiB of memory "
                                                   "Ray can reserve: lower memory_gb (and raise workers)")
-    assert "lower resources.workers" in (policy.never_fits(mem(10, workers=3), nodes) or "")  # 30 GiB in all: no
+    assert policy.never_fits(mem(10, workers=3), nodes) == (  # each fits a node; 30 GiB in all does not
+        "resources: 3 workers x (1 CPU, 0 GPU, 10 GiB) = 3 CPUs, 0 GPUs, 30 GiB; the whole cluster has 16 CPUs, 0 "
+        "GPUs, 28.5 GiB: lower resources.workers")
     assert policy.never_fits(mem(10, workers=2), nodes) is None
     unknown = [Node("u", cpus=8, gpus=0)]  # a static cluster without memory_gb, or a Ray without the resource
     assert policy.never_fits(mem(500), unknown) is None
