@@ -102,7 +102,9 @@ def print_json(data: Any) -> int:
 
 
 def gang(demand: dict[str, Any]) -> str:
-    return f"{demand['workers']} x ({demand['cpus_per_worker']:g} CPU, {demand['gpus_per_worker']:g} GPU)"
+    """``2 x (1 CPU, 0.5 GPU, 4 GiB)``: the workers and what each holds (memory only where it asks some)."""
+    memory = f", {demand['memory_gb']:g} GiB" if demand.get("memory_gb") else ""
+    return f"{demand['workers']} x ({demand['cpus_per_worker']:g} CPU, {demand['gpus_per_worker']:g} GPU{memory})"
 
 
 def progress(job: dict[str, Any]) -> str:

@@ -131,7 +131,8 @@ def test_teleports_are_grouped_by_epoch_and_expand_to_their_batches(api_only: Ap
 
 def test_a_long_reason_is_cut_in_the_tables_with_the_whole_text_in_its_tooltip(api_only: Api, tab_factory: Any) -> None:
     with api_only.client() as c:
-        job = c.post("/v1/experiments", json={"spec": tiny(), "name": "waits-long"}).json()["id"]
+        job = c.post("/v1/experiments", json={"spec": tiny(resources={"memory_gb": 2}), "name": "waits-long"}
+                     ).json()["id"]
     with redis.Redis.from_url(api_only.stack.redis_url or "") as r:  # what the scheduler publishes
         r.hset(keys.queue_view(), job, json.dumps({"position": 1, "reason": LONG_REASON}))
     tab = tab_factory(api_only.url)
@@ -144,4 +145,5 @@ def test_a_long_reason_is_cut_in_the_tables_with_the_whole_text_in_its_tooltip(a
     tab.shot("jobs-long-reason")
     tab.goto(f"#/job/{job}")  # the job's own page says it in full
     page.wait_for_function(f"() => document.querySelector('#job-facts').innerText.includes({json.dumps(LONG_REASON)})")
+    assert "1 × (1 CPU, 2 GiB)" in page.inner_text("#job-facts")  # what it needs: its memory too
     assert not tab.errors, tab.errors

@@ -39,7 +39,8 @@ export function duration(a, b) {
 
 export const badge = (state) => html`<span class="badge state-${state}">${state}</span>`;
 export const jobLink = (j) => html`<a href="#/${j.kind === "sweep" ? "sweep" : "job"}/${encodeURIComponent(j.id)}">${j.name || j.id}</a>`;
-export const demandText = (d) => d ? `${d.workers} × (${num(d.cpus_per_worker)} CPU${d.gpus_per_worker ? `, ${num(d.gpus_per_worker)} GPU` : ""})` : "–";
+export const demandText = (d) => d ? `${d.workers} × (${num(d.cpus_per_worker)} CPU${d.gpus_per_worker ? `, ${num(d.gpus_per_worker)} GPU` : ""}${
+  d.memory_gb ? `, ${num(d.memory_gb)} GiB` : ""})` : "–";
 
 // A long table cell (a failure reason, a config): one line cut with an ellipsis, the whole text in its tooltip.
 export const clip = (text) => (text ? html`<span class="clip" title="${text}">${text}</span>` : "");

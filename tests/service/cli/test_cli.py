@@ -261,3 +261,11 @@ def test_long_cells_are_cut_and_service_commands_end_quietly_on_a_closed_pipe(
     for args in (("ls",), ("ls", "--json"), ("show", job), ("users", "list")):
         out = closed_pipe(*args, env=env)
         assert (out.returncode, out.stderr) == (141, ""), (args, out.stderr[-2000:])
+
+
+def test_a_gang_is_shown_with_its_memory_when_it_asks_some() -> None:
+    from service.cli.common import gang
+
+    demand = {"workers": 2, "cpus_per_worker": 1, "gpus_per_worker": 0.5}
+    assert gang(demand) == gang({**demand, "memory_gb": None}) == "2 x (1 CPU, 0.5 GPU)"
+    assert gang({**demand, "memory_gb": 4}) == "2 x (1 CPU, 0.5 GPU, 4 GiB)"
