@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from api_schemas.jobs import Tag
 from api_schemas.notify import After, Notify
-from api_schemas.spec import ExperimentSpec
+from api_schemas.spec import ExperimentSpec, ResourcesSpec
 from api_schemas.spec_io import apply_overrides, format_validation_error
 
 DISTRIBUTIONS = ("loguniform", "uniform", "randint", "choice", "grid")
@@ -72,6 +72,9 @@ def factory_arg(base: ExperimentSpec, path: str) -> bool:
     section, _, name = path.partition(".args.")
     custom = {"model": base.model.kind == "custom", "dataset": base.dataset.name == "custom"}
     return custom.get(section, False) and name.isidentifier()
+
+
+WIDEST = ("workers", "cpus_per_worker", "gpus_per_worker", "memory_gb")  # resources a trial's axis may widen
 
 
 def probe_values(kind: str, args: list[Any]) -> list[Any]:
@@ -165,6 +168,23 @@ class SweepSubmit(_Strict):
     def trial_count(self) -> int:
         grid = [len(next(iter(d.values()))) for d in self.search_space.values() if next(iter(d)) == "grid"]
         return self.num_samples * math.prod(grid)  # Tune runs every grid point num_samples times
+
+    def widest_resources(self) -> ResourcesSpec:
+        """The base's resources with each of ``WIDEST`` at the largest value its axis can draw: the most one trial
+        may hold in Ray (a trial with a ``resources.*`` axis runs a TorchTrainer of its own values), which the
+        scheduler reserves per concurrent trial, checks against quotas and the nodes."""
+        update: dict[str, Any] = {}
+        for name in WIDEST:
+            dist = self.search_space.get(f"resources.{name}")
+            if dist:
+                kind, args = next(iter(dist.items()))
+                drawn = [0 if v is None else v for v in probe_values(kind, args)]  # memory_gb null: none held
+                numbers = [v for v in drawn if isinstance(v, int | float) and not isinstance(v, bool)]
+                if numbers:
+                    update[name] = max(numbers)
+        if update.get("memory_gb") == 0:
+            update["memory_gb"] = None
+        return self.base.resources.model_copy(update=update)
 
     def grid_points(self) -> list[dict[str, Any]]:
         """Every combination of the grid axes (one empty dict when there are none)."""

@@ -91,9 +91,10 @@ def merged_quotas(quotas: Quotas, change: dict[str, Any]) -> Quotas:
 
 
 def demand_of(submit: ExperimentSubmit | SweepSubmit) -> Demand:
-    """An experiment's gang is its workers; a sweep's is its workers times the trials run at once."""
+    """An experiment's gang is its workers; a sweep's is its workers times the trials run at once, each trial at the
+    most its ``resources.*`` axes may draw (``SweepSubmit.widest_resources``)."""
     if isinstance(submit, SweepSubmit):
-        r, concurrent = submit.base.resources, submit.max_concurrent_trials
+        r, concurrent = submit.widest_resources(), submit.max_concurrent_trials
     else:
         r, concurrent = submit.spec.resources, 1
     return Demand(workers=r.workers * concurrent, cpus_per_worker=r.cpus_per_worker,

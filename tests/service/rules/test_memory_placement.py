@@ -125,3 +125,24 @@ def test_max_memory_gb_counts_every_running_job_plus_the_new_one() -> None:
     assert dict(d.order)[over.id] == "quota: needs 4 GiB; alice holds 10 of max_memory_gb=10"
     assert len(policy.decide([over], [], nodes, {}, quotas).starts) == 1  # her running jobs gone: it starts
     assert len(policy.decide([q(mem(None, workers=8), owner="alice")], running, nodes, {}, quotas).starts) == 1
+
+
+def test_a_sweep_reserves_per_trial_the_most_its_resources_axes_draw() -> None:
+    """A trial with a ``resources.*`` axis runs a TorchTrainer of its own values: the scheduler's gang for the sweep
+    must cover the largest (before, it counted the base's: a trial drawing 8 GiB or 2 CPUs held more in Ray than
+    the ledger had, and waited inside Ray)."""
+    from api_schemas.sweeps import SweepSubmit
+    from service.core.store import demand_of
+
+    def sweep(space: dict, **base: object) -> SweepSubmit:
+        return SweepSubmit.model_validate({"base": {"resources": base}, "search_space": space,
+                                           "max_concurrent_trials": 2})
+
+    wide = sweep({"resources.memory_gb": {"grid": [1, 8]}, "resources.cpus_per_worker": {"uniform": [0.5, 2]},
+                  "resources.workers": {"randint": [1, 4]}, "optimizer.lr": {"loguniform": [1e-3, 1e-1]}},
+                 memory_gb=2)
+    assert demand_of(wide) == Demand(workers=3 * 2, cpus_per_worker=2, gpus_per_worker=0, memory_gb=8)
+    assert demand_of(sweep({"optimizer.lr": {"grid": [0.1, 0.2]}}, memory_gb=2)).memory_gb == 2  # the base's
+    # a choice of no memory or some: the most is some; of none at all: none
+    assert demand_of(sweep({"resources.memory_gb": {"choice": [None, 4]}})).memory_gb == 4
+    assert demand_of(sweep({"resources.memory_gb": {"choice": [None]}}, memory_gb=2)).memory_gb is None
