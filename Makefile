@@ -56,4 +56,4 @@ bench: setup
 	$(BIN)/python -m benchmarks.run_all
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
