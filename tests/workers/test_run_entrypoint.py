@@ -82,12 +82,14 @@ def test_a_diverging_job_fails_once_with_the_epoch_and_reason(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
 def test_a_job_over_its_memory_gb_is_killed_once_saying_what_it_held(
-    ray_local: object, redis_server: str, job_env: None
+    ray_local: object, redis_server: str, job_env: None, workers: int
 ) -> None:
     """resources.memory_gb is held, not only reserved: 0.1 GiB is less than torch's import (~0.2 GiB resident); the
-    payload is killed, the job fails once (a retry would hold as much), naming the field and what to set."""
-    put_job(redis_server, "big", resources={"workers": 1, "cpus_per_worker": 0.5, "memory_gb": 0.1})
+    payload is killed, the job fails once (a retry would hold as much), naming the field and what to set. A gang's
+    rank over it (rank 0 in the driver, rank 1 a Ray task) fails the job the same way, without a retry."""
+    put_job(redis_server, "big", resources={"workers": workers, "cpus_per_worker": 0.5, "memory_gb": 0.1})
     assert run.main(["--job", "big"]) == 1
     events = read_events(redis_server, "big")
     assert not [e for e in events if "retry" in str(e["data"].get("message", ""))]
