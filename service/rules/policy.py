@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from api_schemas.jobs import Demand, Quotas
 
 CPU_WEIGHT = 0.125  # a CPU counts as 1/8 of a GPU in fair-share usage
+MEMORY_WEIGHT = 1 / 64  # a GiB of resources.memory_gb counts as 1/64 of a GPU (a node's memory per GPU, as 8 CPUs)
 EPS = 1e-9
 
 
@@ -39,8 +40,8 @@ def take(room: list[float], demand: Demand, workers: int = 1) -> None:
 
 
 def weight(demand: Demand) -> float:
-    """Fair-share cost of a gang per second: GPUs + CPUs/8."""
-    return demand.gpus + CPU_WEIGHT * demand.cpus
+    """Fair-share cost of a gang per second: GPUs + CPUs/8 + memory GiB/64."""
+    return demand.gpus + CPU_WEIGHT * demand.cpus + MEMORY_WEIGHT * demand.memory
 
 
 @dataclass(frozen=True)

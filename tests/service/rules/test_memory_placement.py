@@ -146,3 +146,15 @@ def test_a_sweep_reserves_per_trial_the_most_its_resources_axes_draw() -> None:
     # a choice of no memory or some: the most is some; of none at all: none
     assert demand_of(sweep({"resources.memory_gb": {"choice": [None, 4]}})).memory_gb == 4
     assert demand_of(sweep({"resources.memory_gb": {"choice": [None]}}, memory_gb=2)).memory_gb is None
+
+
+def test_reserved_memory_is_charged_in_fair_share() -> None:
+    """A job holding a node's memory with one CPU is charged for it: 64 GiB weigh as much as a GPU."""
+    assert policy.weight(mem(None)) == 0.125 and policy.weight(mem(64)) == 1.125
+    assert policy.weight(mem(8, workers=2)) == 2 * 0.125 + 16 / 64
+    nodes = [Node("n", cpus=8, gpus=0, memory_gb=256.0)]
+    big, small = q(mem(64), owner="alice"), q(mem(None), owner="bob")
+    d = policy.decide([big, small, q(mem(None), owner="alice"), q(mem(None), owner="bob")], [], nodes, {}, {},
+                      start_charge_s=60)
+    # alice's 64-GiB start charged her 9 times bob's: bob's second job goes before her second
+    assert [j.owner for j, _ in d.starts] == ["alice", "bob", "bob", "alice"]
