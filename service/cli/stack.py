@@ -66,8 +66,10 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         return print_json(view)
     if not view["scheduler_alive"]:
         print("no scheduler has reported the cluster yet (is `python -m service.scheduler` running?)")
+    memory = ("" if view.get("memory_gb_total") is None else
+              f"memory {view['memory_gb_free']:.1f} GiB free of {view['memory_gb_total']:.1f}   ")
     print(f"CPUs {view['cpus_free']:g} free of {view['cpus_total']:g}   "
-          f"GPUs {view['gpus_free']:g} free of {view['gpus_total']:g}   "
+          f"GPUs {view['gpus_free']:g} free of {view['gpus_total']:g}   {memory}"
           f"running {len(view['running_jobs'])}")
     print(f"sandbox {view.get('sandbox') or '-'}")  # where a job's code runs (docs/security.md)
     if view.get("cpus_outside") or view.get("gpus_outside"):

@@ -63,4 +63,14 @@ def cluster_view(nodes: list[Node], active: list[ActiveJob], gpu_memory: Mapping
                for n in nodes],
         cpus_total=sum(n.cpus for n in nodes), gpus_total=sum(n.gpus for n in nodes),
         cpus_free=sum(f[0] for f in free.values()), gpus_free=sum(f[1] for f in free.values()),
-        running_jobs=[a.id for a in active], scheduler_alive=True, cpus_outside=outside[0], gpus_outside=outside[1])
+        running_jobs=[a.id for a in active], scheduler_alive=True, cpus_outside=outside[0], gpus_outside=outside[1],
+        **memory_totals(nodes, free))
+
+
+def memory_totals(nodes: list[Node], free: Mapping[str, list[float]]) -> dict[str, float | None]:
+    """The memory Ray may reserve on the nodes that say, total and free (both None when no node says)."""
+    known = [n for n in nodes if n.memory_gb is not None]
+    if not known:
+        return {"memory_gb_total": None, "memory_gb_free": None}
+    return {"memory_gb_total": sum(n.memory_gb or 0.0 for n in known),
+            "memory_gb_free": sum(max(0.0, free[n.id][2]) for n in known)}

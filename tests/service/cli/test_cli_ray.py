@@ -72,6 +72,7 @@ def test_tlab_up_prints_its_url_and_ctrl_c_stops_everything(tmp_path: Path) -> N
         assert "GPUs 2 free of 2" in cluster.stdout and "GPU MODEL" in cluster.stdout, cluster.stdout
         # the node's memory Ray may reserve (resources.memory_gb), read from the real head: free/total in GiB
         assert re.search(r"MEMORY GIB FREE/TOTAL.*\n.* (\d+\.\d)/\1 ", cluster.stdout), cluster.stdout
+        assert re.search(r"memory (\d+\.\d) GiB free of \1", cluster.stdout), cluster.stdout
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert "redis" in names and "raylet" in names and "service.api" in names and "service.scheduler" in names

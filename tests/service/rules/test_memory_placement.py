@@ -91,6 +91,8 @@ def test_the_cluster_view_and_a_static_cluster_carry_memory() -> None:
     assert (view.nodes[0].memory_gb_total, view.nodes[0].memory_gb_free) == (16.0, 13.0)
     assert view.nodes[0].jobs[0].memory_gb == 3.0
     assert (view.nodes[1].memory_gb_total, view.nodes[1].memory_gb_free) == (None, None)
+    assert (view.memory_gb_total, view.memory_gb_free) == (16.0, 13.0)  # the node whose memory is known
+    assert cluster_view([n2], []).memory_gb_total is None
 
 
 def test_rays_usage_report_gives_memory_in_gib() -> None:
