@@ -210,6 +210,8 @@ class ClusterView(_Strict):
     cpus_outside: float = Field(0.0, description="CPUs Ray reports in use beyond Teleport Lab's running jobs "
                                                  "(other Ray work, or a finished job's workers being released)")
     gpus_outside: float = Field(0.0, description="GPUs Ray reports in use beyond Teleport Lab's running jobs")
+    memory_gb_outside: float = Field(0.0, description="GiB of memory Ray reports reserved beyond Teleport Lab's "
+                                                      "running jobs")
     memory_gb_total: float | None = Field(None, description="GiB of host memory Ray may reserve on the nodes whose "
                                                             "memory is known; null: none known")
     memory_gb_free: float | None = Field(None, description="GiB of it not reserved; null: none known")

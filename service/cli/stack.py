@@ -72,8 +72,9 @@ def cmd_cluster(args: argparse.Namespace) -> int:
           f"GPUs {view['gpus_free']:g} free of {view['gpus_total']:g}   {memory}"
           f"running {len(view['running_jobs'])}")
     print(f"sandbox {view.get('sandbox') or '-'}")  # where a job's code runs (docs/security.md)
-    if view.get("cpus_outside") or view.get("gpus_outside"):
-        print(f"Ray reports {view['cpus_outside']:g} CPUs, {view['gpus_outside']:g} GPUs in use beyond Teleport "
+    if view.get("cpus_outside") or view.get("gpus_outside") or view.get("memory_gb_outside"):
+        held = f", {view['memory_gb_outside']:.1f} GiB" if view.get("memory_gb_outside") else ""
+        print(f"Ray reports {view['cpus_outside']:g} CPUs, {view['gpus_outside']:g} GPUs{held} in use beyond Teleport "
               "Lab's running jobs (other Ray work, or a finished job's workers being released)")
     if view["nodes"]:
         _print_nodes(view)

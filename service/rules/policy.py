@@ -26,6 +26,7 @@ from api_schemas.jobs import Demand, Quotas
 CPU_WEIGHT = 0.125  # a CPU counts as 1/8 of a GPU in fair-share usage
 MEMORY_WEIGHT = 1 / 64  # a GiB of resources.memory_gb counts as 1/64 of a GPU (a node's memory per GPU, as 8 CPUs)
 EPS = 1e-9
+MEMORY_NOISE_GB = 0.05  # less memory than this held beyond the ledger is not reported
 
 
 def per_worker(demand: Demand) -> tuple[float, float, float]:
@@ -109,11 +110,13 @@ def free_resources(nodes: list[Node], active: list[ActiveJob]) -> dict[str, list
     return free
 
 
-def held_outside(nodes: list[Node], active: list[ActiveJob]) -> tuple[float, float]:
-    """CPUs and GPUs that Ray reports in use beyond what Teleport Lab's active jobs hold."""
+def held_outside(nodes: list[Node], active: list[ActiveJob]) -> tuple[float, float, float]:
+    """CPUs, GPUs and memory GiB that Ray reports in use beyond what Teleport Lab's active jobs hold."""
     ledger, free = _ledger_free(nodes, active), free_resources(nodes, active)
-    return (sum(max(0.0, ledger[k][0] - free[k][0]) for k in free),
-            sum(max(0.0, ledger[k][1] - free[k][1]) for k in free))
+    cpus, gpus, memory = (sum(max(0.0, ledger[k][i] - free[k][i]) for k in free if math.isfinite(ledger[k][i]))
+                          for i in range(3))  # a node's memory not known: nothing to compare
+    # a sweep's trial drivers hold 1 MiB tokens (workers.sweep.DRIVER_MEMORY) the ledger does not count: not news
+    return cpus, gpus, memory if memory >= MEMORY_NOISE_GB else 0.0
 
 
 def place(demand: Demand, free: dict[str, list[float]]) -> list[str] | None:
@@ -176,6 +179,15 @@ def _describe_free(free: dict[str, list[float]], demand: Demand) -> str:
     return f"{cpus:g} CPUs, {gpus:g} GPUs{held} free on {len(free)} node(s)"
 
 
+def _outside(cpus: float, gpus: float, memory: float) -> str:
+    """What a waiting job's reason says of Ray's use beyond the running jobs ('' when there is none)."""
+    if max(cpus, gpus, memory) <= EPS:
+        return ""
+    held = f", {memory:.1f} GiB" if memory > EPS else ""
+    return (f" (Ray reports {cpus:g} CPUs, {gpus:g} GPUs{held} in use beyond Teleport Lab's running jobs: other Ray "
+            "work on the cluster, or a finished job's workers still being released)")
+
+
 def _needs(demand: Demand) -> str:
     memory = f", {demand.memory_gb:g} GiB" if demand.memory_gb else ""
     return f"{demand.workers} x ({demand.cpus_per_worker:g} CPU, {demand.gpus_per_worker:g} GPU{memory})"
@@ -225,10 +237,7 @@ def decide(queued: list[QueuedJob], active: list[ActiveJob], nodes: list[Node], 
     """Which queued jobs start now (and where), and the order and reason of those that wait. ``blocked`` (job id
     -> why: waiting for a dependency) keeps a job in its place in the order without starting or reserving."""
     free = free_resources(nodes, active)
-    outside_cpus, outside_gpus = held_outside(nodes, active)
-    outside = "" if outside_cpus <= EPS and outside_gpus <= EPS else (
-        f" (Ray reports {outside_cpus:g} CPUs, {outside_gpus:g} GPUs in use beyond Teleport Lab's running jobs: "
-        "other Ray work on the cluster, or a finished job's workers still being released)")
+    outside = _outside(*held_outside(nodes, active))
     usage = dict(usage)
     held: dict[str, Held] = {}
     for job in active:

@@ -64,6 +64,7 @@ def cluster_view(nodes: list[Node], active: list[ActiveJob], gpu_memory: Mapping
         cpus_total=sum(n.cpus for n in nodes), gpus_total=sum(n.gpus for n in nodes),
         cpus_free=sum(f[0] for f in free.values()), gpus_free=sum(f[1] for f in free.values()),
         running_jobs=[a.id for a in active], scheduler_alive=True, cpus_outside=outside[0], gpus_outside=outside[1],
+        memory_gb_outside=outside[2],
         **memory_totals(nodes, free))
 
 

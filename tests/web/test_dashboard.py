@@ -190,11 +190,11 @@ def test_sign_in_tables_errors_and_cancel_without_ray(api_only: Api, tab_factory
                                        gpu_type="H100", jobs=shares, memory_gb_total=64, memory_gb_free=58),
                               NodeView(id="n2", alive=True, cpus_total=4, cpus_free=4, gpus_total=0, gpus_free=0)],
                        cpus_total=4, cpus_free=1, gpus_total=1, gpus_free=1, running_jobs=[], scheduler_alive=True,
-                       cpus_outside=3, memory_gb_total=64, memory_gb_free=58)
+                       cpus_outside=3, memory_gb_total=64, memory_gb_free=58, memory_gb_outside=2)
     with redis.Redis.from_url(api_only.stack.redis_url or "") as r:
         r.set(keys.cluster(), json.dumps({"view": view.model_dump(), "at": time.time()}))
     page.wait_for_selector("#cluster-summary #outside", timeout=15_000)
-    assert "Ray holds 3 CPUs, 0 GPUs beyond Teleport Lab's jobs" in page.inner_text("#outside")
+    assert "Ray holds 3 CPUs, 0 GPUs, 2.0 GiB beyond Teleport Lab's jobs" in page.inner_text("#outside")
     node = page.inner_text("#nodes-body")
     assert "H100" in node and "gang-of-halves" in node and "1 GPU" in node and "812.5 MiB" in node, node
     assert "58.0 / 64.0" in node and "6 GiB" in node and "not known" in node, node

@@ -72,6 +72,12 @@ def test_ray_reporting_memory_reserved_beyond_the_ledger_is_not_handed_out() -> 
     assert policy.free_resources(nodes, []) == {"n": [8.0, 0.0, 4.0]}
     d = policy.decide([q(mem(6))], [], nodes, {}, {})
     assert not d.starts and "4.0 GiB of memory free" in d.order[0][1]
+    assert policy.held_outside(nodes, []) == (0.0, 0.0, 12.0)
+    assert "(Ray reports 0 CPUs, 0 GPUs, 12.0 GiB in use beyond Teleport Lab's running jobs" in d.order[0][1]
+    assert cluster_view(nodes, []).memory_gb_outside == 12.0
+    assert policy.held_outside([Node("u", cpus=8, gpus=0, cpus_used=0.0, gpus_used=0.0)], []) == (0, 0, 0)
+    tokens = [Node("n", cpus=8, gpus=0, memory_gb=16.0, cpus_used=0.0, gpus_used=0.0, memory_used_gb=4 / 1024)]
+    assert policy.held_outside(tokens, []) == (0, 0, 0)  # four trial drivers' 1-MiB tokens: not reported
 
 
 def test_preempting_a_job_gives_back_its_memory() -> None:

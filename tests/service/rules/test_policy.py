@@ -229,7 +229,7 @@ def test_what_ray_reports_in_use_beyond_the_ledger_is_not_handed_out() -> None:
     # Ray sees bob's 1 CPU plus 1.5 more: only 1.5 of the ledger's 3 free CPUs are really free
     nodes = [Node("n", cpus=4, gpus=0, cpus_used=2.5, gpus_used=0.0)]
     assert policy.free_resources(nodes, [mine]) == {"n": [1.5, 0.0, math.inf]}  # memory not known: no limit
-    assert policy.held_outside(nodes, [mine]) == (1.5, 0.0)
+    assert policy.held_outside(nodes, [mine]) == (1.5, 0.0, 0.0)
     d = policy.decide([two], [mine], nodes, {}, {})
     assert not d.starts
     why = dict(d.order)[two.id]
@@ -238,7 +238,7 @@ def test_what_ray_reports_in_use_beyond_the_ledger_is_not_handed_out() -> None:
     # Ray's view lagging behind a job just started (ledger 1 used, Ray 0): the ledger still counts it
     nodes = [Node("n", cpus=4, gpus=0, cpus_used=0.0, gpus_used=0.0)]
     assert policy.free_resources(nodes, [mine]) == {"n": [3.0, 0.0, math.inf]}
-    assert policy.held_outside(nodes, [mine]) == (0, 0)
+    assert policy.held_outside(nodes, [mine]) == (0, 0, 0)
     assert order(policy.decide([two, one], [mine], nodes, {}, {})) == [two.id, one.id]
     # not known (no autoscaler report): the ledger alone, as before
     assert policy.free_resources([Node("n", cpus=4, gpus=0)], [mine]) == {"n": [3.0, 0.0, math.inf]}

@@ -12,7 +12,7 @@ const alive = (ok) => (ok ? html`<span class="badge state-succeeded">alive</span
 const summary = (c) => html`${c.nodes.length} node(s) · CPUs <b>${num(c.cpus_free)}</b> free of ${num(c.cpus_total)} ·
   GPUs <b>${num(c.gpus_free)}</b> free of ${num(c.gpus_total)} ·
   ${c.memory_gb_total != null ? html`memory <b>${c.memory_gb_free.toFixed(1)}</b> GiB free of ${c.memory_gb_total.toFixed(1)} · ` : ""}
-  ${c.cpus_outside || c.gpus_outside ? html`<span id="outside" title="other Ray work on the cluster, or a finished job's workers still being released">Ray holds ${num(c.cpus_outside)} CPUs, ${num(c.gpus_outside)} GPUs beyond Teleport Lab's jobs</span> · ` : ""}
+  ${c.cpus_outside || c.gpus_outside || c.memory_gb_outside ? html`<span id="outside" title="other Ray work on the cluster, or a finished job's workers still being released">Ray holds ${num(c.cpus_outside)} CPUs, ${num(c.gpus_outside)} GPUs${c.memory_gb_outside ? `, ${c.memory_gb_outside.toFixed(1)} GiB` : ""} beyond Teleport Lab's jobs</span> · ` : ""}
   scheduler ${alive(c.scheduler_alive)}`;
 
 // a running job's share of the node: its workers there, their CPUs and GPUs (below 1: a share of a card), and the
