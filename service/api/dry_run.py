@@ -88,7 +88,7 @@ def _run(settings: Settings, r: Any, jobs: PreflightJobs, user: UserPublic, spec
     env = acl.credentials(job_id, pf.preflight_sid(job_id), pf.preflight_user(job_id))
     r.hset(keys.job_run(job_id), mapping={keys.JOB_RUN_MARK: job_id, "spec": spec.model_dump_json()})
     deadline = time.monotonic() + settings.preflight_timeout_s
-    jobs.start(job_id, runtime_env_for(settings, user.name, spec), env)
+    jobs.start(job_id, runtime_env_for(settings, user.name, spec), env, memory_gb=spec.resources.memory_gb)
     sid = pf.preflight_sid(job_id)
     while (status := jobs.status(sid)) not in RAY_DONE:
         if time.monotonic() > deadline:

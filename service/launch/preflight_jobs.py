@@ -1,7 +1,8 @@
 """Starting a preflight on Ray (``python -m workers.preflight --job ID`` as a small Ray job), and reading its verdict.
 
 Shared by the scheduler (``service.scheduler.preflight``: every queued job that runs the user's code) and the API's dry
-run (``service.api.dry_run``). The Ray job asks for ``PREFLIGHT_CPUS`` CPU and no GPU, on the node the scheduler chose
+run (``service.api.dry_run``). The Ray job asks for ``PREFLIGHT_CPUS`` CPU, no GPU and the job's
+``resources.memory_gb`` (its supervisor holds the preflight to it, as the training), on the node the scheduler chose
 when it is a Ray node; it runs in the job's runtime_env (its package as ``working_dir``, its requirements as ``pip``)
 and reaches Redis as a user of its own, ``tlab-preflight-<id>``, allowed the job's keys only
 (``service.launch.job_acl.rules``; a name ``JobAcl.sync`` leaves alone), whose ``REDIS_URL`` it redeems at start with
@@ -15,7 +16,7 @@ from typing import Any
 from api_schemas import keys
 from api_schemas.preflight import PreflightResult
 from service.launch.job_acl import ticket_user
-from service.launch.ray_cluster import _RAY_NODE_ID, NODE_ID_LABEL, RayJobs, with_credentials
+from service.launch.ray_cluster import _RAY_NODE_ID, GIB, NODE_ID_LABEL, RayJobs, with_credentials
 from service.launch.ray_reasons import reason_from_ray
 
 PREFLIGHT_CPUS = 1.0
@@ -42,10 +43,13 @@ def timeout_reason(timeout_s: float) -> str:
 class PreflightJobs(RayJobs):
     """``RayJobs`` (status, stop, message) plus the preflight's own submit."""
 
-    def start(self, job_id: str, code_env: dict[str, Any], env: dict[str, str], node: str = "") -> None:
+    def start(self, job_id: str, code_env: dict[str, Any], env: dict[str, str], node: str = "",
+              memory_gb: float | None = None) -> None:
         """Submit the preflight of ``job_id`` (a second call for the same job is a no-op)."""
         python = "python" if code_env.get("pip") else self.python
         options: dict[str, Any] = {"entrypoint_num_cpus": PREFLIGHT_CPUS}
+        if memory_gb:
+            options["entrypoint_memory"] = int(memory_gb * GIB)
         if node and _RAY_NODE_ID.fullmatch(node):
             options["entrypoint_label_selector"] = {NODE_ID_LABEL: node}
         try:

@@ -3,12 +3,13 @@
 Each tick, before the policy decides (``Preflights.step``), for every queued job whose spec runs the user's code
 (``ExperimentSpec.user_code_fields``):
 
-- not tried yet: its preflight starts when one of ``TLAB_PREFLIGHT_MAX`` slots and a free CPU are there (the
-  node with the most free CPUs): the job hash gets ``preflight=running``, its node and start time *before* the
-  submit (a scheduler killed in between finds it and submits the same id again; Ray refuses a duplicate), and the
-  id joins ``keys.preflights()``;
-- running: its CPU is held in the policy's view of the nodes (``hold``) until it ends; over
-  ``TLAB_PREFLIGHT_TIMEOUT_S`` (from its submit: runtime env and pip included) it is stopped and the job fails;
+- not tried yet: its preflight starts when one of ``TLAB_PREFLIGHT_MAX`` slots and a free CPU (with the job's
+  ``resources.memory_gb``) are there (the node with the most free CPUs): the job hash gets ``preflight=running``,
+  its node and start time *before* the submit (a scheduler killed in between finds it and submits the same id
+  again; Ray refuses a duplicate), and the id joins ``keys.preflights()``;
+- running: its CPU and memory (which its Ray job reserves) are held in the policy's view of the nodes (``hold``)
+  until it ends; over ``TLAB_PREFLIGHT_TIMEOUT_S`` (from its submit: runtime env and pip included) it is stopped
+  and the job fails;
 - ended: the verdict it wrote (``keys.preflight``) is copied into the job hash (``preflight_result``): passed, the
   job competes for its gang from the next decision; failed, the job ends ``failed`` with the verdict's one line (or
   Ray's, when it died without one: a requirement that could not be installed);
@@ -63,22 +64,25 @@ class Preflights:
         self.code = code  # job id -> its runtime_env part (service.core.code_store.JobCode)
         self.needs: dict[str, bool] = {}  # job id -> runs the user's code and has not passed yet (cached)
         self.nodes_held: dict[str, str] = {}  # job id -> node of each preflight in flight
+        self.memory: dict[str, float] = {}  # queued job id -> GiB its preflight reserves (resources.memory_gb)
 
     # ---- the policy's view ------------------------------------------------------------------
     def hold(self, nodes: list[Node]) -> list[Node]:
-        """The nodes less the CPUs the preflights in flight hold (in Ray's own count of what is used too)."""
-        held: dict[str, float] = {}
-        for node in self.nodes_held.values():
-            held[node] = held.get(node, 0.0) + PREFLIGHT_CPUS
-        return [replace(n, cpus=n.cpus - held[n.id],
-                        cpus_used=None if n.cpus_used is None else max(0.0, n.cpus_used - held[n.id]))
-                if n.id in held else n for n in nodes]
+        """The nodes less the CPUs and memory the preflights in flight hold (in Ray's own count of what is used
+        too)."""
+        held: dict[str, list[float]] = {}  # node -> [CPUs, GiB]
+        for job_id, node in self.nodes_held.items():
+            h = held.setdefault(node, [0.0, 0.0])
+            h[0] += PREFLIGHT_CPUS
+            h[1] += self.memory.get(job_id, 0.0)
+        return [_less(n, *held[n.id]) if n.id in held else n for n in nodes]
 
     # ---- each tick ------------------------------------------------------------------------------
     def step(self, queued: list[QueuedJob], nodes: list[Node], active: list[ActiveJob], now: float
              ) -> dict[str, str]:
         """Settle, time out and start preflights; the queued jobs that must not start yet -> why."""
         self.forget_gone()
+        self.memory = {q.id: q.demand.memory_gb or 0.0 for q in queued}  # a preflight's job is queued
         self.needs = {q.id: self.needs[q.id] for q in queued if q.id in self.needs}
         fresh = [q.id for q in queued if q.id not in self.needs]
         if fresh:
@@ -121,11 +125,15 @@ class Preflights:
         if refusal:  # user code that Redis cannot isolate: it must not run, not even a preflight
             self.fail(job_id, refusal, now)
             return refusal
-        fitting = [k for k, room in free.items() if room[0] + policy.EPS >= PREFLIGHT_CPUS]
+        memory = self.memory.get(job_id, 0.0)
+        fitting = [k for k, room in free.items()
+                   if room[0] + policy.EPS >= PREFLIGHT_CPUS and room[2] + policy.EPS >= memory]
         if not fitting:
-            return "preflight waiting for a free CPU: its code is tried on one CPU before its gang is held"
+            also = f" and {memory:g} GiB of memory" if memory else ""
+            return f"preflight waiting for a free CPU{also}: its code is tried on one CPU before its gang is held"
         node = max(fitting, key=lambda k: free[k][0])
         free[node][0] -= PREFLIGHT_CPUS
+        free[node][2] -= memory
         self.r.hset(keys.job(job_id), mapping={"preflight": "running", "preflight_started": repr(now),
                                                "preflight_node": node})
         self.r.sadd(keys.preflights(), job_id)
@@ -146,7 +154,7 @@ class Preflights:
             if self.jobs.status(preflight_sid(job_id)) is not None:
                 return True  # Ray has it: never arm its (maybe redeemed) ticket again (``RayJobs.submit``)
             env = self.acl.credentials(job_id, preflight_sid(job_id), preflight_user(job_id)) if self.acl else {}
-            self.jobs.start(job_id, code, env, node)
+            self.jobs.start(job_id, code, env, node, memory_gb=self.memory.get(job_id) or None)
         except Unstartable as err:
             self.fail(job_id, one_line(str(err)), now)
             return False
@@ -219,3 +227,11 @@ class Preflights:
             self.r.hset(keys.job(job_id), "preflight", "stopped")
             self.done(job_id)
         self.nodes_held = {k: v for k, v in self.nodes_held.items() if k in set(ids)}
+
+
+def _less(node: Node, cpus: float, memory: float) -> Node:
+    """``node`` less what its preflights hold, in the totals and in Ray's count of what is used."""
+    return replace(node, cpus=node.cpus - cpus,
+                   cpus_used=None if node.cpus_used is None else max(0.0, node.cpus_used - cpus),
+                   memory_gb=None if node.memory_gb is None else node.memory_gb - memory,
+                   memory_used_gb=None if node.memory_used_gb is None else max(0.0, node.memory_used_gb - memory))

@@ -166,3 +166,17 @@ def test_reserved_memory_is_charged_in_fair_share() -> None:
                       start_charge_s=60)
     # alice's 64-GiB start charged her 9 times bob's: bob's second job goes before her second
     assert [j.owner for j, _ in d.starts] == ["alice", "bob", "bob", "alice"]
+
+
+def test_a_preflight_in_flight_holds_its_jobs_memory_in_the_policys_view(redis_server: str) -> None:
+    from service.core.settings import Settings
+    from service.core.store import Store
+    from service.scheduler.preflight import Preflights
+
+    flights = Preflights(Store.from_url(redis_server), Settings(redis_url=redis_server), None, None, None)
+    flights.nodes_held, flights.memory = {"p": "n"}, {"p": 6.0}
+    node = Node("n", cpus=8, gpus=0, memory_gb=16.0, cpus_used=1.0, gpus_used=0.0, memory_used_gb=6.0)
+    (held,) = flights.hold([node])
+    assert (held.cpus, held.cpus_used, held.memory_gb, held.memory_used_gb) == (7.0, 0.0, 10.0, 0.0)
+    # a gang that would have fitted beside the preflight's CPU alone waits for its memory
+    assert not policy.decide([q(mem(12))], [], [held], {}, {}).starts

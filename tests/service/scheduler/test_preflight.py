@@ -13,7 +13,7 @@ import pytest
 from service.cli.client import ApiError, Client
 from service.cli.code_zip import upload
 from service.stack.embedded import Stack, release_scheduler_lock
-from tests.service.conftest import ray_holders, wait_for
+from tests.service.conftest import ray_holders, ray_rest, ray_state, wait_for
 from tests.service.test_code_packages import wait_end
 
 pytestmark = pytest.mark.slow
@@ -86,8 +86,10 @@ def test_a_good_package_passes_its_preflight_then_trains(stack: Stack, tmp_path:
 def test_a_preflight_in_flight_survives_a_scheduler_restart_and_a_cancel_stops_it(stack: Stack,
                                                                                   tmp_path: Path) -> None:
     with Client(stack.url, stack.admin_token) as c:
-        job = c.submit(spec(package(c, tmp_path), "slow"))["id"]
+        job = c.submit({**spec(package(c, tmp_path), "slow"), "resources": {"memory_gb": 1}})["id"]
         wait_for(lambda: c.get(job)["preflight"]["state"] == "running" and running_preflight(stack, job), 30)
+        # the preflight's Ray job reserves the job's memory (its supervisor holds the preflight to it)
+        wait_for(lambda: float(2**30) in preflight_memory(stack), 30)
         stack.kill("scheduler")
         release_scheduler_lock(stack.redis_url or "")
         stack.restart("scheduler")
@@ -98,6 +100,13 @@ def test_a_preflight_in_flight_survives_a_scheduler_restart_and_a_cancel_stops_i
         wait_for(lambda: not running_preflight(stack, job), 30)
         view = c.get(job)
         assert view["attempts"] == 0 and view["preflight"]["state"] == "stopped"
+
+
+def preflight_memory(stack: Stack) -> list[float]:
+    """What the alive JobSupervisor actors (a Ray job's driver each) reserve of Ray's memory."""
+    with ray_rest(stack) as http:
+        return [float((a.get("required_resources") or {}).get("memory") or 0) for a in ray_state(http, "actors")
+                if a["state"] == "ALIVE" and a["class_name"] == "JobSupervisor"]
 
 
 def running_preflight(stack: Stack, job: str) -> bool:
