@@ -3,13 +3,15 @@
 Each tick, before the policy decides (``Preflights.step``), for every queued job whose spec runs the user's code
 (``ExperimentSpec.user_code_fields``):
 
-- not tried yet: its preflight starts when one of ``TLAB_PREFLIGHT_MAX`` slots and a free CPU (with the job's
-  ``resources.memory_gb``) are there (the node with the most free CPUs): the job hash gets ``preflight=running``,
-  its node and start time *before* the submit (a scheduler killed in between finds it and submits the same id
-  again; Ray refuses a duplicate), and the id joins ``keys.preflights()``;
-- running: its CPU and memory (which its Ray job reserves) are held in the policy's view of the nodes (``hold``)
-  until it ends; over ``TLAB_PREFLIGHT_TIMEOUT_S`` (from its submit: runtime env and pip included) it is stopped
-  and the job fails;
+- not tried yet: its preflight starts when one of ``TLAB_PREFLIGHT_MAX`` slots and a free CPU are there (the
+  node with the most free CPUs, among those with the job's ``resources.memory_gb`` free if any: its Ray job then
+  reserves it; else unreserved, held to it by its supervisor, rather than wait for memory a stream of smaller jobs
+  could keep taking): the job hash gets ``preflight=running``, its node, memory and start time *before* the submit
+  (a scheduler killed in between finds it and submits the same id again; Ray refuses a duplicate), and the id
+  joins ``keys.preflights()``;
+- running: its CPU and the memory it reserved are held in the policy's view of the nodes (``hold``) until it
+  ends; over ``TLAB_PREFLIGHT_TIMEOUT_S`` (from its submit: runtime env and pip included) it is stopped and the
+  job fails;
 - ended: the verdict it wrote (``keys.preflight``) is copied into the job hash (``preflight_result``): passed, the
   job competes for its gang from the next decision; failed, the job ends ``failed`` with the verdict's one line (or
   Ray's, when it died without one: a requirement that could not be installed);
@@ -47,7 +49,8 @@ from service.rules import policy
 from service.rules.policy import ActiveJob, Node, QueuedJob
 
 log = logging.getLogger("tlab.scheduler")
-FIELDS = ["preflight", "preflight_started", "preflight_node"]  # the scheduler's own, in the job hash
+# the scheduler's own, in the job hash (preflight_memory: the GiB its Ray job reserves)
+FIELDS = ["preflight", "preflight_started", "preflight_node", "preflight_memory"]
 
 
 def needs_preflight(raw_spec: str | None) -> bool:
@@ -64,7 +67,8 @@ class Preflights:
         self.code = code  # job id -> its runtime_env part (service.core.code_store.JobCode)
         self.needs: dict[str, bool] = {}  # job id -> runs the user's code and has not passed yet (cached)
         self.nodes_held: dict[str, str] = {}  # job id -> node of each preflight in flight
-        self.memory: dict[str, float] = {}  # queued job id -> GiB its preflight reserves (resources.memory_gb)
+        self.memory: dict[str, float] = {}  # queued job id -> its resources.memory_gb (0: none)
+        self.reserved: dict[str, float] = {}  # job id -> GiB each preflight in flight reserves in Ray
 
     # ---- the policy's view ------------------------------------------------------------------
     def hold(self, nodes: list[Node]) -> list[Node]:
@@ -74,7 +78,7 @@ class Preflights:
         for job_id, node in self.nodes_held.items():
             h = held.setdefault(node, [0.0, 0.0])
             h[0] += PREFLIGHT_CPUS
-            h[1] += self.memory.get(job_id, 0.0)
+            h[1] += self.reserved.get(job_id, 0.0)
         return [_less(n, *held[n.id]) if n.id in held else n for n in nodes]
 
     # ---- each tick ------------------------------------------------------------------------------
@@ -125,17 +129,20 @@ class Preflights:
         if refusal:  # user code that Redis cannot isolate: it must not run, not even a preflight
             self.fail(job_id, refusal, now)
             return refusal
-        memory = self.memory.get(job_id, 0.0)
-        fitting = [k for k, room in free.items()
-                   if room[0] + policy.EPS >= PREFLIGHT_CPUS and room[2] + policy.EPS >= memory]
+        fitting = [k for k, room in free.items() if room[0] + policy.EPS >= PREFLIGHT_CPUS]
         if not fitting:
-            also = f" and {memory:g} GiB of memory" if memory else ""
-            return f"preflight waiting for a free CPU{also}: its code is tried on one CPU before its gang is held"
-        node = max(fitting, key=lambda k: free[k][0])
+            return "preflight waiting for a free CPU: its code is tried on one CPU before its gang is held"
+        # the job's memory reserved where it is free; else the preflight runs unreserved (held to it by its
+        # supervisor) rather than wait for memory that a stream of smaller jobs could keep taking
+        memory = self.memory.get(job_id, 0.0)
+        roomy = [k for k in fitting if free[k][2] + policy.EPS >= memory]
+        node = max(roomy or fitting, key=lambda k: free[k][0])
+        memory = memory if roomy else 0.0
         free[node][0] -= PREFLIGHT_CPUS
         free[node][2] -= memory
+        self.reserved[job_id] = memory
         self.r.hset(keys.job(job_id), mapping={"preflight": "running", "preflight_started": repr(now),
-                                               "preflight_node": node})
+                                               "preflight_node": node, "preflight_memory": repr(memory)})
         self.r.sadd(keys.preflights(), job_id)
         self.nodes_held[job_id] = node
         if not self.submit(job_id, node, now):
@@ -154,7 +161,7 @@ class Preflights:
             if self.jobs.status(preflight_sid(job_id)) is not None:
                 return True  # Ray has it: never arm its (maybe redeemed) ticket again (``RayJobs.submit``)
             env = self.acl.credentials(job_id, preflight_sid(job_id), preflight_user(job_id)) if self.acl else {}
-            self.jobs.start(job_id, code, env, node, memory_gb=self.memory.get(job_id) or None)
+            self.jobs.start(job_id, code, env, node, memory_gb=self.reserved.get(job_id) or None)
         except Unstartable as err:
             self.fail(job_id, one_line(str(err)), now)
             return False
@@ -165,6 +172,7 @@ class Preflights:
     def check(self, job_id: str, data: dict[str, Any], now: float) -> str:
         sid = preflight_sid(job_id)
         self.nodes_held.setdefault(job_id, data["preflight_node"] or "")
+        self.reserved.setdefault(job_id, float(data["preflight_memory"] or 0))
         status = self.jobs.status(sid)
         elapsed = now - float(data["preflight_started"] or now)
         if status in RAY_ACTIVE or status is None:
@@ -202,22 +210,25 @@ class Preflights:
     def done(self, job_id: str) -> None:
         self.r.srem(keys.preflights(), job_id)
         self.nodes_held.pop(job_id, None)
+        self.reserved.pop(job_id, None)
         drop_user(self.r, job_id)
         self.r.delete(keys.job_run(job_id))
 
     def forget_gone(self) -> None:
         """Preflights of jobs no longer queued (cancelled meanwhile) are stopped; the rest are known again after a
-        restart (their nodes held)."""
+        restart (their nodes and memory held)."""
         ids = sorted(self.r.smembers(keys.preflights()))
         if not ids:
             self.nodes_held.clear()
+            self.reserved.clear()
             return
         pipe = self.r.pipeline(transaction=False)
         for job_id in ids:
-            pipe.hmget(keys.job(job_id), ["state", "preflight_node"])
-        for job_id, (state, node) in zip(ids, pipe.execute(), strict=True):
+            pipe.hmget(keys.job(job_id), ["state", "preflight_node", "preflight_memory"])
+        for job_id, (state, node, memory) in zip(ids, pipe.execute(), strict=True):
             if state == JobState.QUEUED.value:
                 self.nodes_held[job_id] = node or ""
+                self.reserved[job_id] = float(memory or 0)
                 continue
             try:
                 self.jobs.stop(preflight_sid(job_id))
@@ -227,6 +238,7 @@ class Preflights:
             self.r.hset(keys.job(job_id), "preflight", "stopped")
             self.done(job_id)
         self.nodes_held = {k: v for k, v in self.nodes_held.items() if k in set(ids)}
+        self.reserved = {k: v for k, v in self.reserved.items() if k in self.nodes_held}
 
 
 def _less(node: Node, cpus: float, memory: float) -> Node:

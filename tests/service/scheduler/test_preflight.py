@@ -111,3 +111,22 @@ def preflight_memory(stack: Stack) -> list[float]:
 
 def running_preflight(stack: Stack, job: str) -> bool:
     return any(j["id"] == f"tlab-{job}-preflight" for j in ray_holders(stack)["ray_jobs"])
+
+
+def test_a_preflight_without_room_for_its_memory_runs_unreserved(stack: Stack, tmp_path: Path) -> None:
+    """Where no node has the job's memory free (another job reserved it), the preflight does not wait for it (a
+    stream of smaller jobs could keep taking it): it runs without a reservation, held to memory_gb by its supervisor."""
+    with Client(stack.url, stack.admin_token) as c:
+        wait_for(lambda: c.json("GET", "/v1/cluster")["nodes"], 30)
+        total = c.json("GET", "/v1/cluster")["nodes"][0]["memory_gb_total"]
+        hog = c.submit({"dataset": {"name": "digits"}, "model": {"kind": "mlp", "hidden": [16]},
+                        "training": {"epochs": 100_000}, "teleport": {"enabled": False},
+                        "resources": {"memory_gb": round(total - 0.5, 2)}})["id"]
+        wait_for(lambda: c.get(hog)["state"] == "running", 60)
+        job = c.submit({**spec(package(c, tmp_path), "slow"), "resources": {"memory_gb": 1}})["id"]
+        wait_for(lambda: (c.get(job).get("preflight") or {}).get("state") == "running"
+                 and running_preflight(stack, job), 60)
+        wait_for(lambda: len(preflight_memory(stack)) == 2, 30)  # the hog's driver and the preflight's
+        assert sorted(preflight_memory(stack)) == [0.0, float(int(round(total - 0.5, 2) * 2**30))]
+        c.cancel(job)
+        c.cancel(hog)
