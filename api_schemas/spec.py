@@ -257,6 +257,14 @@ class TeleportSpec(_Strict):
 
 # ------------------------------------------------------------------------- resources
 
+GIB = 2**30
+
+
+def ray_memory(memory_gb: float) -> int:
+    """Bytes of Ray's ``memory`` resource for ``memory_gb`` GiB: what a job's driver (``entrypoint_memory``), a gang's
+    rank (``memory=``), a Ray Train worker and a Tune trial (``"memory"``) and a preflight reserve."""
+    return int(memory_gb * GIB)
+
 
 class ResourcesSpec(_Strict):
     workers: int = Field(1, ge=1)

@@ -102,9 +102,11 @@ def print_json(data: Any) -> int:
 
 
 def gang(demand: dict[str, Any]) -> str:
-    """``2 x (1 CPU, 0.5 GPU, 4 GiB)``: the workers and what each holds (memory only where it asks some)."""
-    memory = f", {demand['memory_gb']:g} GiB" if demand.get("memory_gb") else ""
-    return f"{demand['workers']} x ({demand['cpus_per_worker']:g} CPU, {demand['gpus_per_worker']:g} GPU{memory})"
+    """A job view's ``demand`` as the scheduler's reasons write it (``policy.gang_text``)."""
+    from api_schemas.jobs import Demand
+    from service.rules.policy import gang_text
+
+    return gang_text(Demand.model_validate(demand))
 
 
 def progress(job: dict[str, Any]) -> str:

@@ -15,8 +15,9 @@ from typing import Any
 
 from api_schemas import keys
 from api_schemas.preflight import PreflightResult
+from api_schemas.spec import ray_memory
 from service.launch.job_acl import ticket_user
-from service.launch.ray_cluster import _RAY_NODE_ID, GIB, NODE_ID_LABEL, RayJobs, with_credentials
+from service.launch.ray_cluster import _RAY_NODE_ID, NODE_ID_LABEL, RayJobs, with_credentials
 from service.launch.ray_reasons import reason_from_ray
 
 PREFLIGHT_CPUS = 1.0
@@ -49,7 +50,7 @@ class PreflightJobs(RayJobs):
         python = "python" if code_env.get("pip") else self.python
         options: dict[str, Any] = {"entrypoint_num_cpus": PREFLIGHT_CPUS}
         if memory_gb:
-            options["entrypoint_memory"] = int(memory_gb * GIB)
+            options["entrypoint_memory"] = ray_memory(memory_gb)
         if node and _RAY_NODE_ID.fullmatch(node):
             options["entrypoint_label_selector"] = {NODE_ID_LABEL: node}
         try:

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from api_schemas.jobs import Demand
+from api_schemas.spec import GIB, ray_memory
 from service.rules.policy import Node
 
 ACCELERATOR_PREFIX = "accelerator_type:"  # a Ray node's GPU model is a resource of this name (1 per node)
-GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ def driver_options(demand: Demand | None, placement: Sequence[str] = ()) -> dict
     if demand.gpus_per_worker > 0:
         options["entrypoint_num_gpus"] = demand.gpus_per_worker
     if demand.memory_gb:  # resources.memory_gb: Ray holds it on the node (the OOM killer's victim is told to set it)
-        options["entrypoint_memory"] = int(demand.memory_gb * GIB)
+        options["entrypoint_memory"] = ray_memory(demand.memory_gb)
     if demand.gpu_type:  # what Ray's own accelerator_type= option asks: a sliver of the node's type resource
         options["entrypoint_resources"] = {accelerator_resource(demand.gpu_type): 0.001}
     if placement and _RAY_NODE_ID.fullmatch(placement[0]):

@@ -167,7 +167,7 @@ def never_fits(demand: Demand, nodes: list[Node]) -> str | None:
                 "Ray can reserve: lower memory_gb (and raise workers)")
     memory = f", {demand.memory:g} GiB" if demand.memory_gb else ""
     total_memory = f", {sum(n.room()[2] for n in nodes):.1f} GiB" if demand.memory_gb else ""
-    return (f"resources: {_needs(demand).replace(' x ', ' workers x ', 1)} = {demand.cpus:g} CPUs, {demand.gpus:g} "
+    return (f"resources: {gang_text(demand, ' workers')} = {demand.cpus:g} CPUs, {demand.gpus:g} "
             f"GPUs{memory}; the whole cluster has {total_cpu:g} CPUs, {total_gpu:g} GPUs{total_memory}: lower "
             "resources.workers")
 
@@ -188,9 +188,10 @@ def _outside(cpus: float, gpus: float, memory: float) -> str:
             "work on the cluster, or a finished job's workers still being released)")
 
 
-def _needs(demand: Demand) -> str:
+def gang_text(demand: Demand, noun: str = "") -> str:
+    """``2 x (1 CPU, 0.5 GPU, 4 GiB)``: the workers and what each holds (memory only where it asks some)."""
     memory = f", {demand.memory_gb:g} GiB" if demand.memory_gb else ""
-    return f"{demand.workers} x ({demand.cpus_per_worker:g} CPU, {demand.gpus_per_worker:g} GPU{memory})"
+    return f"{demand.workers}{noun} x ({demand.cpus_per_worker:g} CPU, {demand.gpus_per_worker:g} GPU{memory})"
 
 
 def _short(demand: Demand, free: dict[str, list[float]]) -> tuple[bool, ...]:
@@ -269,7 +270,7 @@ def decide(queued: list[QueuedJob], active: list[ActiveJob], nodes: list[Node], 
         if why is None and placement is None and (never := never_fits(job.demand, nodes)):
             why = f"cannot fit the cluster as it is now (nodes missing?): {never}"  # waits without reserving
         elif why is None and placement is None:
-            why = f"no room: needs {_needs(job.demand)} at once; {_describe_free(free, job.demand)}{outside}"
+            why = f"no room: needs {gang_text(job.demand)} at once; {_describe_free(free, job.demand)}{outside}"
             if reserved is None:
                 reserved = decision.reserved = job
                 short = _short(job.demand, free)

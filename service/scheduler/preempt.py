@@ -76,7 +76,7 @@ def preempt(store: Store, launcher: Stopper, settings: Settings, decision: polic
     raws = store.raws(a.id for a in active)
     running, leaving = candidates(raws)
     free = policy.of_type(policy.free_resources(nodes, active), nodes, job.demand)  # its GPU model's nodes only
-    ledger = [replace(n, cpus_used=None, gpus_used=None, memory_used_gb=None) for n in nodes]
+    ledger = [replace(n, cpus_used=None, gpus_used=None, memory_used_gb=None) for n in nodes]  # Ray's count aside
     released = (policy.of_type(policy.free_resources(ledger, active), nodes, job.demand)
                 if now - requeued_at < SETTLE_S else None)
     plan = preemption.plan(job.demand, job.priority, free, running, leaving, released=released)

@@ -66,19 +66,18 @@ class Preflights:
         self.store, self.r, self.settings, self.jobs, self.acl = store, store.r, settings, jobs, acl
         self.code = code  # job id -> its runtime_env part (service.core.code_store.JobCode)
         self.needs: dict[str, bool] = {}  # job id -> runs the user's code and has not passed yet (cached)
-        self.nodes_held: dict[str, str] = {}  # job id -> node of each preflight in flight
-        self.memory: dict[str, float] = {}  # queued job id -> its resources.memory_gb (0: none)
-        self.reserved: dict[str, float] = {}  # job id -> GiB each preflight in flight reserves in Ray
+        # job id -> (node, GiB of memory its Ray job reserves) of each preflight in flight
+        self.held: dict[str, tuple[str, float]] = {}
 
     # ---- the policy's view ------------------------------------------------------------------
     def hold(self, nodes: list[Node]) -> list[Node]:
         """The nodes less the CPUs and memory the preflights in flight hold (in Ray's own count of what is used
         too)."""
         held: dict[str, list[float]] = {}  # node -> [CPUs, GiB]
-        for job_id, node in self.nodes_held.items():
+        for node, memory in self.held.values():
             h = held.setdefault(node, [0.0, 0.0])
             h[0] += PREFLIGHT_CPUS
-            h[1] += self.reserved.get(job_id, 0.0)
+            h[1] += memory
         return [_less(n, *held[n.id]) if n.id in held else n for n in nodes]
 
     # ---- each tick ------------------------------------------------------------------------------
@@ -86,7 +85,6 @@ class Preflights:
              ) -> dict[str, str]:
         """Settle, time out and start preflights; the queued jobs that must not start yet -> why."""
         self.forget_gone()
-        self.memory = {q.id: q.demand.memory_gb or 0.0 for q in queued}  # a preflight's job is queued
         self.needs = {q.id: self.needs[q.id] for q in queued if q.id in self.needs}
         fresh = [q.id for q in queued if q.id not in self.needs]
         if fresh:
@@ -99,16 +97,17 @@ class Preflights:
         blocked: dict[str, str] = {}
         for job in queued:
             if self.needs.get(job.id):
-                why = self.one(job.id, free, now)
+                why = self.one(job, free, now)
                 if why:
                     blocked[job.id] = why
                 else:
                     self.needs[job.id] = False
         return blocked
 
-    def one(self, job_id: str, free: dict[str, list[float]], now: float) -> str:
+    def one(self, job: QueuedJob, free: dict[str, list[float]], now: float) -> str:
         """Move one job's preflight along; why the job waits ('' once it passed)."""
-        if job_id not in self.nodes_held and len(self.nodes_held) >= self.settings.preflight_max:
+        job_id = job.id
+        if job_id not in self.held and len(self.held) >= self.settings.preflight_max:
             return self.no_slot()
         data = dict(zip(FIELDS, self.r.hmget(keys.job(job_id), FIELDS), strict=True))
         state = data["preflight"] or ""
@@ -117,13 +116,16 @@ class Preflights:
         if state == "failed":
             return "its preflight failed"
         try:
-            return self.check(job_id, data, now) if state == "running" else self.start(job_id, free, now)
+            if state == "running":
+                return self.check(job_id, data, now)
+            return self.start(job_id, job.demand.memory_gb or 0.0, free, now)
         except Exception:  # one job's Ray trouble must not stop this tick's other decisions
             log.exception("preflight of %s", job_id)
             return "preflight running: its code is tried on one CPU before its gang is held"
 
-    def start(self, job_id: str, free: dict[str, list[float]], now: float) -> str:
-        if len(self.nodes_held) >= self.settings.preflight_max:
+    def start(self, job_id: str, memory: float, free: dict[str, list[float]], now: float) -> str:
+        """Start the preflight of a job whose workers need ``memory`` GiB each, if a slot and a CPU are free."""
+        if len(self.held) >= self.settings.preflight_max:
             return self.no_slot()
         refusal = self.acl.refusal(job_id) if self.acl else ""
         if refusal:  # user code that Redis cannot isolate: it must not run, not even a preflight
@@ -134,23 +136,21 @@ class Preflights:
             return "preflight waiting for a free CPU: its code is tried on one CPU before its gang is held"
         # the job's memory reserved where it is free; else the preflight runs unreserved (held to it by its
         # supervisor) rather than wait for memory that a stream of smaller jobs could keep taking
-        memory = self.memory.get(job_id, 0.0)
         roomy = [k for k in fitting if free[k][2] + policy.EPS >= memory]
         node = max(roomy or fitting, key=lambda k: free[k][0])
         memory = memory if roomy else 0.0
         free[node][0] -= PREFLIGHT_CPUS
         free[node][2] -= memory
-        self.reserved[job_id] = memory
         self.r.hset(keys.job(job_id), mapping={"preflight": "running", "preflight_started": repr(now),
                                                "preflight_node": node, "preflight_memory": repr(memory)})
         self.r.sadd(keys.preflights(), job_id)
-        self.nodes_held[job_id] = node
+        self.held[job_id] = (node, memory)
         if not self.submit(job_id, node, now):
             return "it cannot start"
         return "preflight running: its code is tried on one CPU before its gang is held"
 
     def no_slot(self) -> str:
-        return (f"waiting for a preflight slot ({len(self.nodes_held)} of TLAB_PREFLIGHT_MAX="
+        return (f"waiting for a preflight slot ({len(self.held)} of TLAB_PREFLIGHT_MAX="
                 f"{self.settings.preflight_max} running): its code is tried on one CPU before its gang is held")
 
     def submit(self, job_id: str, node: str, now: float) -> bool:
@@ -161,7 +161,7 @@ class Preflights:
             if self.jobs.status(preflight_sid(job_id)) is not None:
                 return True  # Ray has it: never arm its (maybe redeemed) ticket again (``RayJobs.submit``)
             env = self.acl.credentials(job_id, preflight_sid(job_id), preflight_user(job_id)) if self.acl else {}
-            self.jobs.start(job_id, code, env, node, memory_gb=self.reserved.get(job_id) or None)
+            self.jobs.start(job_id, code, env, node, memory_gb=self.held[job_id][1] or None)
         except Unstartable as err:
             self.fail(job_id, one_line(str(err)), now)
             return False
@@ -171,8 +171,7 @@ class Preflights:
 
     def check(self, job_id: str, data: dict[str, Any], now: float) -> str:
         sid = preflight_sid(job_id)
-        self.nodes_held.setdefault(job_id, data["preflight_node"] or "")
-        self.reserved.setdefault(job_id, float(data["preflight_memory"] or 0))
+        self.held.setdefault(job_id, (data["preflight_node"] or "", float(data["preflight_memory"] or 0)))
         status = self.jobs.status(sid)
         elapsed = now - float(data["preflight_started"] or now)
         if status in RAY_ACTIVE or status is None:
@@ -209,8 +208,7 @@ class Preflights:
 
     def done(self, job_id: str) -> None:
         self.r.srem(keys.preflights(), job_id)
-        self.nodes_held.pop(job_id, None)
-        self.reserved.pop(job_id, None)
+        self.held.pop(job_id, None)
         drop_user(self.r, job_id)
         self.r.delete(keys.job_run(job_id))
 
@@ -219,16 +217,14 @@ class Preflights:
         restart (their nodes and memory held)."""
         ids = sorted(self.r.smembers(keys.preflights()))
         if not ids:
-            self.nodes_held.clear()
-            self.reserved.clear()
+            self.held.clear()
             return
         pipe = self.r.pipeline(transaction=False)
         for job_id in ids:
             pipe.hmget(keys.job(job_id), ["state", "preflight_node", "preflight_memory"])
         for job_id, (state, node, memory) in zip(ids, pipe.execute(), strict=True):
             if state == JobState.QUEUED.value:
-                self.nodes_held[job_id] = node or ""
-                self.reserved[job_id] = float(memory or 0)
+                self.held[job_id] = (node or "", float(memory or 0))
                 continue
             try:
                 self.jobs.stop(preflight_sid(job_id))
@@ -237,8 +233,7 @@ class Preflights:
                 continue
             self.r.hset(keys.job(job_id), "preflight", "stopped")
             self.done(job_id)
-        self.nodes_held = {k: v for k, v in self.nodes_held.items() if k in set(ids)}
-        self.reserved = {k: v for k, v in self.reserved.items() if k in self.nodes_held}
+        self.held = {k: v for k, v in self.held.items() if k in set(ids)}
 
 
 def _less(node: Node, cpus: float, memory: float) -> Node:

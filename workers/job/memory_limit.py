@@ -20,9 +20,9 @@ from pathlib import Path
 
 import psutil
 
+from api_schemas.spec import GIB
 from workers.job.vitals import descendants
 
-GIB = 2**30
 OOM_SCORE_ADJ = "1000"  # the most a process can be preferred by the OOM killer; raising it needs no privilege
 
 

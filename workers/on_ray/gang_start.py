@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from api_schemas import ExperimentSpec
+from api_schemas.spec import ray_memory
 
 _RAY_NODE_ID = re.compile(r"[0-9a-f]{56}")  # a Ray node id (a static cluster's node names are not)
 STOP_GRACE_S = 1.0  # how long a failed try's ranks may take to end on their own before a cancel
@@ -28,7 +29,7 @@ def rank_options(spec: ExperimentSpec, node: str | None) -> dict[str, Any]:
     r = spec.resources
     options: dict[str, Any] = {"num_cpus": r.cpus_per_worker, "num_gpus": r.gpus_per_worker, "max_retries": 0}
     if r.memory_gb:
-        options["memory"] = int(r.memory_gb * 2**30)  # resources.memory_gb, reserved on the rank's node
+        options["memory"] = ray_memory(r.memory_gb)  # resources.memory_gb, reserved on the rank's node
     if r.gpu_type:
         options["accelerator_type"] = r.gpu_type  # a node with accelerator_type:<gpu_type> (resources.gpu_type)
     if node and _RAY_NODE_ID.fullmatch(node):

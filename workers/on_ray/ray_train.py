@@ -12,6 +12,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from api_schemas import ExperimentSpec
+from api_schemas.spec import ray_memory
 from workers.train.context import keep_checkpoints
 from workers.train.sinks import JsonlSink, MetricSink, NullSink
 
@@ -24,7 +25,7 @@ def scaling_config(spec: ExperimentSpec) -> ScalingConfig:
     if r.gpus_per_worker > 0:
         per_worker["GPU"] = r.gpus_per_worker
     if r.memory_gb:
-        per_worker["memory"] = int(r.memory_gb * 2**30)  # bytes, as Ray counts its memory resource
+        per_worker["memory"] = ray_memory(r.memory_gb)
     if r.gpu_type:
         per_worker[f"accelerator_type:{r.gpu_type}"] = 0.001  # what Ray's own accelerator_type= option asks
     return ScalingConfig(num_workers=r.workers, use_gpu=r.gpus_per_worker > 0, resources_per_worker=per_worker)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from api_schemas import ExperimentSpec
+from api_schemas.spec import ray_memory
 from api_schemas.sweeps import SweepSubmit
 from workers.train.context import RunContext, read_checkpoint, write_checkpoint
 from workers.train.sinks import MetricSink
@@ -42,7 +43,7 @@ def trial_resources(sweep: SweepSubmit) -> dict[str, float]:
     r = sweep.base.resources
     held = {"cpu": r.cpus_per_worker, **({"gpu": r.gpus_per_worker} if r.gpus_per_worker > 0 else {})}
     if r.memory_gb:
-        held["memory"] = int(r.memory_gb * 2**30)  # bytes, as Ray counts its memory resource
+        held["memory"] = ray_memory(r.memory_gb)
     return {**held, f"accelerator_type:{r.gpu_type}": 0.001} if r.gpu_type else held  # Ray's accelerator_type=
 
 

@@ -23,10 +23,9 @@ from typing import Any
 import torch
 
 from api_schemas import ExperimentSpec
-from api_schemas.spec import ResourcesSpec
+from api_schemas.spec import GIB, ResourcesSpec
 from workers.train.failure import JobFailed
 
-GIB = float(1 << 30)
 MIB = float(1 << 20)
 SumRanks = Callable[[list[float]], list[float]]  # a sum over the ranks, elementwise (``RunContext.all_reduce_sum``)
 

@@ -93,24 +93,17 @@ def test_ray_holds_a_one_worker_jobs_cpu_in_its_driver_on_the_planned_node(stack
     assert [(a["class"], a["resources"]["CPU"], a["node"]) for a in held] == [("JobSupervisor", 1.0, placement[0])]
 
 
-def wait_for(what: str, probe, timeout_s: float = 60.0):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout_s
-    while not (found := probe()):
-        assert time.monotonic() < deadline, what
-        time.sleep(0.3)
-    return found
-
-
 @pytest.mark.slow
 def test_a_jobs_memory_is_reserved_in_ray_and_one_ray_has_no_memory_for_waits_in_the_queue(stack: Stack) -> None:
     """``resources.memory_gb`` is Ray's ``memory`` resource on the node: the driver reserves it, the cluster view
     shows it, a job asking more than any node has is refused at submit, and one asking more than is left waits in
     the queue saying so (before, it started on the free CPU and sat in Ray as ``starting``)."""
-    from tests.service.conftest import wait_ray_idle
+    from tests.service.conftest import wait_for, wait_ray_idle
 
     wait_ray_idle(stack)
     with Client(stack.url, stack.admin_token) as c:
-        total = wait_for("the cluster's memory", lambda: c.json("GET", "/v1/cluster")["nodes"])[0]["memory_gb_total"]
+        wait_for(lambda: c.json("GET", "/v1/cluster")["nodes"], 60, "the cluster's nodes")
+        total = c.json("GET", "/v1/cluster")["nodes"][0]["memory_gb_total"]
         assert total > 1.5, total  # Ray's logical memory of this machine's head, in GiB
         a = c.submit(tiny(training={"epochs": 100_000}, resources={"memory_gb": 1}))["id"]
         for event in c.events(a):
@@ -118,14 +111,14 @@ def test_a_jobs_memory_is_reserved_in_ray_and_one_ray_has_no_memory_for_waits_in
                 break
         node = c.json("GET", "/v1/cluster")["nodes"][0]
         assert node["memory_gb_free"] <= total - 1 + 1e-6 and node["jobs"][0]["memory_gb"] == 1
-        wait_for("the driver's 1 GiB in Ray", lambda: ("JobSupervisor", float(2**30)) in [
-            (x["class"], (x["resources"] or {}).get("memory")) for x in alive_actors(stack)])
+        wait_for(lambda: ("JobSupervisor", float(2**30)) in [
+            (x["class"], (x["resources"] or {}).get("memory")) for x in alive_actors(stack)], 60, "the driver's 1 GiB")
         with pytest.raises(Exception, match=r"resources\.memory_gb=.* but the largest node has"):
             c.submit(tiny(resources={"memory_gb": round(total + 1, 1)}))
         b = c.submit(tiny(resources={"memory_gb": round(total - 0.5, 2)}))["id"]
-        why = wait_for("b's reason", lambda: (c.get(b).get("pending_reason") or "").startswith("no room")
-                       and c.get(b)["pending_reason"])
-        assert c.get(b)["state"] == "queued" and "GiB of memory free" in why, why
+        wait_for(lambda: (c.get(b).get("pending_reason") or "").startswith("no room"), 60, "b's reason")
+        view = c.get(b)
+        assert view["state"] == "queued" and "GiB of memory free" in view["pending_reason"], view
         c.cancel(a)
-        wait_for("b to start once a's memory is back", lambda: c.get(b)["state"] in ("running", "succeeded"))
+        wait_for(lambda: c.get(b)["state"] in ("running", "succeeded"), 60, "b to start once a's memory is back")
         c.cancel(b)

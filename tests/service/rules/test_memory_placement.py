@@ -174,7 +174,7 @@ def test_a_preflight_in_flight_holds_its_jobs_memory_in_the_policys_view(redis_s
     from service.scheduler.preflight import Preflights
 
     flights = Preflights(Store.from_url(redis_server), Settings(redis_url=redis_server), None, None, None)
-    flights.nodes_held, flights.reserved = {"p": "n"}, {"p": 6.0}
+    flights.held = {"p": ("n", 6.0)}
     node = Node("n", cpus=8, gpus=0, memory_gb=16.0, cpus_used=1.0, gpus_used=0.0, memory_used_gb=6.0)
     (held,) = flights.hold([node])
     assert (held.cpus, held.cpus_used, held.memory_gb, held.memory_used_gb) == (7.0, 0.0, 10.0, 0.0)
