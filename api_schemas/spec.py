@@ -161,6 +161,17 @@ class OptimizerSpec(_Strict):
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
+    schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="the learning rate over the run's optimizer steps (training.warmup_steps' "
+                                "included), after lr_warmup_steps: constant at lr, or decayed from lr to "
+                                "lr x final_lr_ratio at the last step along a half cosine or a line")
+    lr_warmup_steps: int = Field(
+        0, ge=0, description="optimizer steps over which the learning rate climbs linearly from lr/(n+1) to lr "
+                             "before the schedule (not training.warmup_steps, the plain steps before the first "
+                             "teleport)")
+    final_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="schedule cosine or linear: the last step's learning rate as a share of lr "
+                                     "(constant: unused, so that one sweep can compare constant with a decay)")
 
 
 # -------------------------------------------------------------------------- training
@@ -180,6 +191,11 @@ class TrainingSpec(_Strict):
                             "model's device (CPU or CUDA); weights, gradients, optimizer state, evaluation and "
                             "teleport stay in training.dtype (float32). fp32: no autocast")
     eval_batch_size: int = Field(1024, ge=1)
+    grad_clip_norm: float | None = Field(
+        None, gt=0, description="before each optimizer step, scale the gradients down so that their global L2 "
+                                "norm is at most this (torch.nn.utils.clip_grad_norm_); each epoch then reports "
+                                "grad_norm (its steps' mean norm before clipping) and clipped (the share of its "
+                                "steps clipped). none: no clipping")
     loss: LossRef | None = Field(None, description="cross_entropy, mse, or package.module:function(pred, target) "
                                                   "-> scalar; none: cross_entropy for integer targets, mse for "
                                                   "float ones")

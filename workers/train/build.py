@@ -7,6 +7,8 @@ returns a plain object, so the training loop reads as flat calls.
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import os
 import random
 from collections.abc import Iterable
@@ -45,6 +47,39 @@ def build_optimizer(spec: OptimizerSpec, params: Iterable[nn.Parameter]) -> torc
     if spec.name == "adamw":
         return torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
     raise ValueError(f"optimizer.name={spec.name!r}: use one of {', '.join(OPTIMIZER_NAMES)}")
+
+
+def lr_factor(spec: OptimizerSpec, step: int, total: int) -> float:
+    """The learning rate of optimizer step ``step`` (0, 1, ...) of a run of ``total`` as a share of ``optimizer.lr``:
+    ``(step + 1) / (n + 1)`` in the first ``n = lr_warmup_steps``, then constant, or a half cosine or a line from 1
+    to ``final_lr_ratio`` at the last step (and held there past it).
+
+    >>> spec = OptimizerSpec(schedule="cosine", lr_warmup_steps=1, final_lr_ratio=0.1)
+    >>> [round(lr_factor(spec, s, 4), 3) for s in range(5)]
+    [0.5, 1.0, 0.55, 0.1, 0.1]
+    """
+    warmup = spec.lr_warmup_steps
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if spec.schedule == "constant":
+        return 1.0
+    done = min(1.0, (step - warmup) / max(1, total - 1 - warmup))
+    left = 0.5 * (1 + math.cos(math.pi * done)) if spec.schedule == "cosine" else 1 - done
+    return spec.final_lr_ratio + (1 - spec.final_lr_ratio) * left
+
+
+def build_lr_schedule(spec: OptimizerSpec, optimizer: torch.optim.Optimizer, total: int,
+                      done: int) -> torch.optim.lr_scheduler.LambdaLR | None:
+    """``optimizer.schedule`` and ``lr_warmup_steps`` -> the scheduler to step after each optimizer step of a run of
+    ``total`` steps, ``done`` of them already taken (a resumed run); None for a constant lr. Its base is the spec's
+    ``optimizer.lr``, not a checkpoint's (a PBT trial goes on with its mutated lr), and the optimizer's lr is set to
+    step ``done``'s at once."""
+    if spec.schedule == "constant" and not spec.lr_warmup_steps:
+        return None
+    for group in optimizer.param_groups:
+        group["initial_lr"] = spec.lr  # what LambdaLR scales; a resumed optimizer's groups hold the checkpoint's
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, spec, total=total),
+                                             last_epoch=done - 1)
 
 
 def reset_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -50,6 +50,7 @@ from workers.train.gpu_share import device_report, gpu_memory
 from workers.train.own_loop import run_own_loop
 from workers.train.shared import TrainingDiverged, diverged, param_count, summarize
 from workers.train.sinks import JsonlSink, MemorySink, MetricSink, SaySink, TeeSink
+from workers.train.stepping import Stepper
 from workers.train.teleporting import (
     TeleportDiverged,
     Teleporter,
@@ -162,6 +163,9 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
         start_epoch, history, seconds = state["epoch"], state["history"], state["seconds"]
         tele_seconds, tele_batches = state["teleport_seconds"], state["teleport_batches"]
         teleporter.restore(state.get("teleport_budget"))
+    epoch_steps = steps_per_epoch(len(data.train), tr.batch_size, ctx.world_size, tr.max_steps_per_epoch)
+    taken = 0 if state is None else state.get("optimizer_steps", tr.warmup_steps + start_epoch * epoch_steps)
+    stepper = Stepper.build(spec, optimizer, net, tr.warmup_steps + tr.epochs * epoch_steps, taken)
     ctx.sink.emit({
         "kind": "start", "dataset": data.name, "task": data.task, "train_size": len(data.train),
         "test_size": len(data.test), "model": spec.model.kind, "params": param_count(model),
@@ -185,7 +189,7 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
                 loss = loss_fn(net(x), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP all-reduces the gradients here
-            optimizer.step()
+            stepper.step()  # clipped, stepped, the lr moved along its schedule
             loss_sum += loss.detach()  # summed on the device: no host sync per step
             steps += 1
         return float(loss_sum), steps
@@ -205,7 +209,7 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
             raise diverged(ctx, "warm-up", 0, f"warm-up loss is {loss_sum / steps}",
                             f"lower optimizer.lr (now {spec.optimizer.lr:g})")
         ctx.sink.emit({"kind": "warmup", "steps": done, "train_loss": loss_sum / steps,
-                       "seconds": time.perf_counter() - t0})
+                       "seconds": time.perf_counter() - t0, **stepper.report()})
 
     def run_summary() -> dict[str, Any]:
         """Losses, time and targets, the budget's cuts, and the device (the GPUs it saw, its peak memory)."""
@@ -218,8 +222,7 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
         # -- teleport before the epoch: b batches of n random training samples, t ascent steps each
         if epoch in teleport_epochs:
             if not history:  # the budget projects the run's length from one timed training step
-                teleporter.probe(net, tr.batch_size, steps_per_epoch(len(data.train), tr.batch_size, ctx.world_size,
-                                                                     tr.max_steps_per_epoch))
+                teleporter.probe(net, tr.batch_size, epoch_steps)
             t_tele = time.perf_counter()
             try:
                 tele_batches += teleporter.before_epoch(epoch, tele_seconds, t_tele - t0 - tele_seconds,
@@ -241,12 +244,12 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
             if not _finite(value):
                 raise diverged(ctx, "training", epoch, f"{name} is {value}",
                                 f"lower optimizer.lr (now {spec.optimizer.lr:g}) or teleport.lr / cap")
-        record = {"kind": "epoch", "epoch": epoch, "train_loss": train_loss, **metrics,
+        record = {"kind": "epoch", "epoch": epoch, "train_loss": train_loss, **metrics, **stepper.report(),
                   "seconds": time.perf_counter() - t0, "teleport_seconds": tele_seconds,
                   **gpu_memory(ctx.device, ctx.all_reduce_sum, ctx.rank, ctx.world_size)}
         ctx.sink.emit(record)
         history.append(record)
-        shown = {"train": "train_loss", "test": "test_loss", "acc": "test_acc"}
+        shown = {"train": "train_loss", "test": "test_loss", "acc": "test_acc", "lr": "lr"}
         bar.set_postfix({short: f"{record[key]:.4g}" for short, key in shown.items() if key in record})
         if show and bar.disable:
             print(f"epoch {epoch + 1}/{tr.epochs}  " + "  ".join(f"{short} {record[key]:.4g}" for short, key
@@ -257,7 +260,8 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
         summary = run_summary()
         state = {"epoch": epoch + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "history": history, "seconds": record["seconds"], "teleport_seconds": tele_seconds,
-                 "teleport_batches": tele_batches, "teleport_budget": teleporter.saved()}
+                 "teleport_batches": tele_batches, "teleport_budget": teleporter.saved(),
+                 "optimizer_steps": stepper.steps}
         ctx.save(state, summary)
     bar.close()
 

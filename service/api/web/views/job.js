@@ -20,7 +20,10 @@ const layout = (id) => html`
     style="background:${TRAIN}"></span>train <span class="swatch" style="background:${TEST}"></span>test
     <span class="swatch mark"></span>teleport epochs</span></div>
     <div id="loss-chart" class="chart"></div><p id="no-points" class="muted small">waiting for the first epoch…</p>
-    <div id="acc-wrap" hidden><h3>Test accuracy</h3><div id="acc-chart" class="chart"></div></div></section>
+    <div id="acc-wrap" hidden><h3>Test accuracy</h3><div id="acc-chart" class="chart"></div></div>
+    <div id="lr-wrap" hidden><h3>Learning rate</h3><div id="lr-chart" class="chart"></div></div>
+    <div id="grad-wrap" hidden><h3>Gradient norm before clipping <span id="clipped" class="small muted"></span></h3>
+      <div id="grad-chart" class="chart"></div></div></section>
   <section class="card"><div class="row"><h3>Teleport diagnostics</h3><span id="tele-method" class="badge"></span>
     <span id="tele-count" class="small muted"></span></div>
     <p class="muted small">Each teleport climbs ‖∇L‖² at (nearly) unchanged loss on its batch; free directions per
@@ -102,13 +105,23 @@ function diagnostics(page) {
     yLabel: "loss", series: [{ label: "train loss", color: TRAIN }, { label: "test loss", color: TEST }],
     marks: () => [...new Set([...teleports.values()].map((t) => t.epoch))],
   });
-  let accChart = null;
   let teleChart = null;
-  const drawAccuracy = (rows) => {
-    if (!rows.some((r) => r.test_acc !== undefined)) return;
-    $("#acc-wrap").hidden = false;
-    accChart ||= page.chart("acc", $("#acc-chart"), { yLabel: "accuracy", height: 180, series: [{ label: "test acc", color: PALETTE[2] }] });
-    accChart.setData([rows.map((r) => r.epoch), rows.map((r) => r.test_acc ?? null)]);
+  // a chart of one more epoch metric, shown once a record has it: accuracy (classification), the learning rate
+  // (optimizer.schedule), the gradient norm (training.grad_clip_norm)
+  const optional = (key, name, label, color) => {
+    let chart = null;
+    return (rows) => {
+      if (!rows.some((r) => r[key] !== undefined)) return;
+      $(`#${name}-wrap`).hidden = false;
+      chart ||= page.chart(name, $(`#${name}-chart`), { yLabel: label, height: 180, series: [{ label, color }] });
+      chart.setData([rows.map((r) => r.epoch), rows.map((r) => r[key] ?? null)]);
+    };
+  };
+  const extras = [optional("test_acc", "acc", "test acc", PALETTE[2]), optional("lr", "lr", "learning rate", PALETTE[5]),
+    optional("grad_norm", "grad", "gradient norm", PALETTE[6])];
+  const clippedText = (rows) => {
+    const last = rows.findLast((r) => r.clipped !== undefined);
+    if (last) $("#clipped").textContent = `(epoch ${last.epoch}: ${Math.round(100 * last.clipped)} % of steps clipped)`;
   };
   const drawTeleports = () => {
     const all = [...teleports.values()];
@@ -131,7 +144,8 @@ function diagnostics(page) {
     const rows = [...epochs.values()].sort((a, b) => a.epoch - b.epoch);
     lossChart.setData([rows.map((r) => r.epoch), rows.map((r) => r.train_loss ?? null), rows.map((r) => r.test_loss ?? null)]);
     $("#no-points").hidden = rows.length > 0;
-    drawAccuracy(rows);
+    extras.forEach((draw) => draw(rows));
+    clippedText(rows);
     if (teleports.size) drawTeleports();
   });
   return {
