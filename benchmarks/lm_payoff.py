@@ -16,13 +16,14 @@ Two parts, on the device given (``--device cpu|cuda``), side by side in one run:
    where a batch's setup goes (``benchmarks.lm_setup``: the recorded evaluation, the bases, their eigh on the
    device and on the host).
 2. **Payoff** on ``examples/tiny_lm`` (a char LM on Python source; ``benchmarks.lm_payoff_runs``): baseline
-   against teleport with SGD and Adam, and Adam teleporting before epoch 0 only (``adam_first``: what a run
-   with Adam is told to do), through the product's own loop (``workers.train.loop.train``) with
-   ``teleport.budget`` at its default: seconds to the baseline's final train loss as a ratio, and teleport's
-   share of the run, for each of ``--seeds`` seeds (3; quick 1) and their median. ``--quick`` and
-   the CPU default are small (CPU: d = 128, 2 layers, context 32, 6 epochs, 2 teleport batches of 2
-   sequences, 64 token columns < d); ``--size gpu`` is the issue's size (d = 256, 4 layers, context 64,
-   batch 64, 12 epochs, teleport before epochs 0-4, 8 batches × 8 steps).
+   against teleport with SGD and Adam, Adam teleporting before epoch 0 only (``adam_first``: what a run
+   with Adam is told to do), and the way LMs are trained (``adamw_recipe``: AdamW, weight decay 0.1, 20 warm-up
+   steps, a cosine to 0.1 × lr, gradients clipped to 1.0; teleport before epoch 0 only), through the product's
+   own loop (``workers.train.loop.train``) with ``teleport.budget`` at its default: seconds to the baseline's
+   final train loss as a ratio, and teleport's share of the run, for each of ``--seeds`` seeds (3; quick 1) and
+   their median. ``--quick`` and the CPU default are small (CPU: d = 128, 2 layers, context 32, 6 epochs, 2
+   teleport batches of 2 sequences, 64 token columns < d); ``--size gpu`` is the issue's size (d = 256, 4
+   layers, context 64, batch 64, 12 epochs, teleport before epochs 0-4, 8 batches × 8 steps).
 
 Floors (issue 27; printed, not asserted): one teleport ≤ 0.5 training steps on the CPU, ≤ 5 on CUDA; host
 reads per ascent step ≤ 1; on CUDA at the GPU size, teleport share ≤ 15 % and seconds to the baseline's loss

@@ -13,15 +13,19 @@ import torch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_lm"
 
-# a payoff row -> its optimizer; "_first": teleport before epoch 0 only (what a run with Adam is told to do)
-SCHEDULES = {"sgd": "sgd", "adam": "adam", "adam_first": "adam"}
+# a payoff row -> its optimizer; "_first" and the recipe: teleport before epoch 0 only (what a run with Adam is told
+# to do); "adamw_recipe": the way LMs are trained, AdamW with weight decay, a warm-up, a cosine decay and a clip
+SCHEDULES = {"sgd": "sgd", "adam": "adam", "adam_first": "adam", "adamw_recipe": "adamw"}
+FIRST_ONLY = {"adam_first", "adamw_recipe"}
+RECIPE = {"optimizer": {"weight_decay": 0.1, "schedule": "cosine", "lr_warmup_steps": 20, "final_lr_ratio": 0.1},
+          "training": {"grad_clip_norm": 1.0}}
 
 
 def lm_spec(optimizer: str, teleport: bool, size: str, quick: bool, ascent: str = "auto", seed: int = 0,
             hvp: str = "exact") -> Any:
     """The char LM's spec for a payoff row (``SCHEDULES``): teleport before epochs 0-4 (issue 27's runs), or before
-    epoch 0 only for a "_first" row (what a run with Adam is told to do: ``workers.train.teleporting``)."""
-    first = optimizer.endswith("_first")
+    epoch 0 only for a ``FIRST_ONLY`` row (what a run with Adam is told to do: ``workers.train.teleporting``)."""
+    first, recipe = optimizer in FIRST_ONLY, RECIPE if optimizer == "adamw_recipe" else {}
     optimizer = SCHEDULES[optimizer]
     from api_schemas.spec_io import build_spec
 
@@ -36,8 +40,10 @@ def lm_spec(optimizer: str, teleport: bool, size: str, quick: bool, ascent: str 
         "dataset": {"name": "custom", "factory": "tiny_lm.data:python_source",
                     "args": {"module": "json.decoder", "seq_len": ctx, "stride": ctx // 2,
                              **({"max_chars": chars} if chars else {})}},
-        "training": {"epochs": epochs, "batch_size": batch, "loss": "tiny_lm.loss:next_token", "seed": seed},
-        "optimizer": {"name": optimizer, "lr": {"sgd": 0.3, "adam": 0.003}[optimizer]},
+        "training": {"epochs": epochs, "batch_size": batch, "loss": "tiny_lm.loss:next_token", "seed": seed,
+                     **recipe.get("training", {})},
+        "optimizer": {"name": optimizer, "lr": {"sgd": 0.3, "adam": 0.003, "adamw": 0.003}[optimizer],
+                      **recipe.get("optimizer", {})},
         "teleport": {"enabled": teleport, "epochs": [0] if first else list(range(min(5, epochs))),
                      "batches": 8 if gpu else 2, "steps": 8, "batch_size": 2, "ascent": ascent, "hvp": hvp},
     })

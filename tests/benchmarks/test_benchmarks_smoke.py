@@ -111,7 +111,7 @@ def test_lm_payoff_quick(results: Path) -> None:
     assert 1 - diff["direction_cosine"] < 1e-3  # float32: ~2e-5 on the GPT-style LM (measured)
     assert cost["default_ascent"] == "host" and body["ascent"] == "auto"  # what auto runs on the CPU
     assert cost["launches_per_step"] == cost["by_ascent"]["host"]["launches_per_step"]
-    assert set(pay) == {"sgd", "adam", "adam_first"}  # adam_first: Adam teleporting before epoch 0 only
+    assert set(pay) == {"sgd", "adam", "adam_first", "adamw_recipe"}  # _first, recipe: teleport before epoch 0
     assert pay["adam_first"]["baseline_final_train_loss"] == pay["adam"]["baseline_final_train_loss"]  # one baseline
     for p in pay.values():
         assert p["baseline_final_train_loss"] > 0 and 0 <= p["teleport_share"] < 1
