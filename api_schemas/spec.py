@@ -182,7 +182,14 @@ class TrainingSpec(_Strict):
     batch_size: int = Field(32, ge=1)
     seed: int = 0
     warmup_steps: int = Field(0, ge=0, description="optimizer steps before the first teleport (paper: 40 for CNNs)")
-    max_steps_per_epoch: int | None = Field(None, ge=1, description="cap the batches per epoch (LM runs)")
+    max_steps_per_epoch: int | None = Field(None, ge=1, description="cap the optimizer steps per epoch (LM runs; "
+                                                                   "a step is grad_accumulation batches)")
+    grad_accumulation: int = Field(
+        1, ge=1, le=1024, description="batches whose gradients add up before each optimizer step: the step of a "
+                                      "batch of batch_size x this (x workers) in the memory of batch_size, each "
+                                      "sample weighing alike (under DDP the gradients are all-reduced once a "
+                                      "step). The optimizer steps (warmup_steps, the lr schedule, "
+                                      "max_steps_per_epoch) count such steps")
     target_loss: float | None = Field(None, description="report the first epoch whose train loss is below this")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "float64"] = "float32"

@@ -119,4 +119,5 @@ class MemoryLimit:
         if held <= self.limit:
             return ""
         return (f"the training held {held / GIB:.2f} GiB of host memory, over resources.memory_gb="
-                f"{self.memory_gb:g}: raise resources.memory_gb, or lower training.batch_size")
+                f"{self.memory_gb:g}: raise resources.memory_gb, or lower training.batch_size (raise "
+                f"training.grad_accumulation to keep the step's batch)")

@@ -103,7 +103,8 @@ def oom_named(resources: ResourcesSpec) -> Iterator[None]:
     except torch.OutOfMemoryError as err:
         first = str(err).split("\n", 1)[0]
         raise JobFailed(f"out of GPU memory within this process's share ({fence_text(resources)}): raise "
-                        f"resources.gpu_memory_gb or gpus_per_worker, or lower the batch size ({first})") from err
+                        f"resources.gpu_memory_gb or gpus_per_worker, or lower training.batch_size (raise "
+                        f"training.grad_accumulation to keep the step's batch) ({first})") from err
 
 
 def gpu_memory(device: torch.device, sum_ranks: SumRanks | None = None, rank: int = 0,

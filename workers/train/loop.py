@@ -18,6 +18,7 @@ and ``DIR/curves.png``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -50,13 +51,12 @@ from workers.train.gpu_share import device_report, gpu_memory
 from workers.train.own_loop import run_own_loop
 from workers.train.shared import TrainingDiverged, diverged, param_count, summarize
 from workers.train.sinks import JsonlSink, MemorySink, MetricSink, SaySink, TeeSink
-from workers.train.stepping import Stepper
+from workers.train.stepping import Stepper, accumulated, epoch_length
 from workers.train.teleporting import (
     TeleportDiverged,
     Teleporter,
     sample_batch,
     schedule_hint,
-    steps_per_epoch,
     to_device,
 )
 
@@ -139,6 +139,7 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
     if state is not None:
         model.load_state_dict(state["model"])
     net = ctx.prepare_model(model)  # what the optimizer steps through (DDP-wrapped on Ray)
+    no_sync = getattr(net, "no_sync", contextlib.nullcontext)  # DDP: forward + backward whose gradients wait
     optimizer = build_optimizer(spec.optimizer, net.parameters())
     executor = basis_executor(tp) if tp.enabled and tp.method == "nullspace" else None
     teleport_epochs = set(tp.epochs) if tp.enabled else set()
@@ -163,7 +164,8 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
         start_epoch, history, seconds = state["epoch"], state["history"], state["seconds"]
         tele_seconds, tele_batches = state["teleport_seconds"], state["teleport_batches"]
         teleporter.restore(state.get("teleport_budget"))
-    epoch_steps = steps_per_epoch(len(data.train), tr.batch_size, ctx.world_size, tr.max_steps_per_epoch)
+    epoch_batches, epoch_steps = epoch_length(len(data.train), tr.batch_size, ctx.world_size, tr.max_steps_per_epoch,
+                                              tr.grad_accumulation)
     taken = 0 if state is None else state.get("optimizer_steps", tr.warmup_steps + start_epoch * epoch_steps)
     stepper = Stepper.build(spec, optimizer, net, tr.warmup_steps + tr.epochs * epoch_steps, taken)
     ctx.sink.emit({
@@ -176,39 +178,45 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
     if start_epoch == 0 and (hint := schedule_hint(spec.optimizer.name, tp, tr.epochs)):
         ctx.sink.emit(hint)
 
-    def train_steps(epoch_seed: int, limit: int | None) -> tuple[float, int]:
-        """Primary optimizer steps over one shuffled pass (at most ``limit``): (summed loss, steps)."""
+    def train_steps(epoch_seed: int, limit: int | None) -> tuple[float, int, int]:
+        """Primary optimizer steps over one shuffled pass (at most ``limit``), ``training.grad_accumulation`` batches
+        each: (summed batch loss, batches, steps)."""
         net.train()
+        optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
-        steps = 0
-        for batch in ctx.loader(data.train, tr.batch_size, shuffle=True, seed=tr.seed, epoch=epoch_seed):
+        batches = steps = 0
+        loader = ctx.loader(data.train, tr.batch_size, shuffle=True, seed=tr.seed, epoch=epoch_seed)
+        for batch, share, steps_after in accumulated(loader, tr.grad_accumulation):
             if limit is not None and steps >= limit:
                 break
             x, y = to_device(batch, ctx.device, dtype)
-            with autocast(tr, ctx.device):  # training.precision=bf16: forward and loss in bfloat16
-                loss = loss_fn(net(x), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # DDP all-reduces the gradients here
-            stepper.step()  # clipped, stepped, the lr moved along its schedule
+            with contextlib.nullcontext() if steps_after else no_sync():  # DDP all-reduces once a step
+                with autocast(tr, ctx.device):  # training.precision=bf16: forward and loss in bfloat16
+                    loss = loss_fn(net(x), y)
+                (loss * share if tr.grad_accumulation > 1 else loss).backward()
             loss_sum += loss.detach()  # summed on the device: no host sync per step
-            steps += 1
-        return float(loss_sum), steps
+            batches += 1
+            if steps_after:
+                stepper.step()  # clipped, stepped, the lr moved along its schedule
+                optimizer.zero_grad(set_to_none=True)
+                steps += 1
+        return float(loss_sum), batches, steps
 
     t0 = time.perf_counter() - seconds  # cumulative across a resume
 
     # -- warm-up: primary steps before the first teleport (paper: 40 for the CNNs); baselines get them too
     if start_epoch == 0 and tr.warmup_steps:
-        done, total, passes = 0, 0.0, 0
+        done, total, counted, passes = 0, 0.0, 0, 0
         while done < tr.warmup_steps:
-            loss_sum, steps = train_steps(WARMUP_EPOCH + passes, tr.warmup_steps - done)
+            loss_sum, batches, steps = train_steps(WARMUP_EPOCH + passes, tr.warmup_steps - done)
             if steps == 0:
                 raise ValueError("training.warmup_steps: the training set gives no batches")
-            total, done, passes = total + loss_sum, done + steps, passes + 1
-        loss_sum, steps = ctx.all_reduce_sum([total, float(done)])
+            total, done, counted, passes = total + loss_sum, done + steps, counted + batches, passes + 1
+        loss_sum, batches = ctx.all_reduce_sum([total, float(counted)])
         if not _finite(loss_sum):
-            raise diverged(ctx, "warm-up", 0, f"warm-up loss is {loss_sum / steps}",
+            raise diverged(ctx, "warm-up", 0, f"warm-up loss is {loss_sum / batches}",
                             f"lower optimizer.lr (now {spec.optimizer.lr:g})")
-        ctx.sink.emit({"kind": "warmup", "steps": done, "train_loss": loss_sum / steps,
+        ctx.sink.emit({"kind": "warmup", "steps": done, "train_loss": loss_sum / batches,
                        "seconds": time.perf_counter() - t0, **stepper.report()})
 
     def run_summary() -> dict[str, Any]:
@@ -222,7 +230,7 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
         # -- teleport before the epoch: b batches of n random training samples, t ascent steps each
         if epoch in teleport_epochs:
             if not history:  # the budget projects the run's length from one timed training step
-                teleporter.probe(net, tr.batch_size, epoch_steps)
+                teleporter.probe(net, tr.batch_size, epoch_batches)
             t_tele = time.perf_counter()
             try:
                 tele_batches += teleporter.before_epoch(epoch, tele_seconds, t_tele - t0 - tele_seconds,
@@ -235,9 +243,9 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
             tele_seconds += time.perf_counter() - t_tele
 
         # -- one epoch of the primary optimizer, then evaluation on the test set
-        loss_sum, steps = train_steps(epoch, tr.max_steps_per_epoch)
-        loss_sum, steps = ctx.all_reduce_sum([loss_sum, float(steps)])
-        train_loss = loss_sum / max(steps, 1.0)
+        loss_sum, batches, _ = train_steps(epoch, tr.max_steps_per_epoch)
+        loss_sum, batches = ctx.all_reduce_sum([loss_sum, float(batches)])
+        train_loss = loss_sum / max(batches, 1.0)
         test_loader = ctx.loader(data.test, tr.eval_batch_size, shuffle=False, seed=tr.seed, epoch=epoch)
         metrics = evaluate(model, test_loader, loss_fn, data.task, ctx, dtype)
         for name, value in [("train loss", train_loss), ("test loss", metrics["test_loss"])]:

@@ -1,5 +1,6 @@
-"""One optimizer step of the built-in loop, after the backward: the gradients clipped to ``training.grad_clip_norm``,
-the optimizer's step, the learning rate moved along ``optimizer.schedule``; and what an epoch record says of them.
+"""One optimizer step of the built-in loop: the batches whose gradients add up to it (``training.grad_accumulation``),
+then the gradients clipped to ``training.grad_clip_norm``, the optimizer's step, the learning rate moved along
+``optimizer.schedule``; and what an epoch record says of them.
 
 The norms are summed on the device (no host sync per step), read once an epoch. Under DDP the gradients are
 all-reduced before the clip, so every rank clips the same gradients by the same factor and the replicas stay
@@ -8,14 +9,44 @@ identical.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from api_schemas.spec import ExperimentSpec
 from workers.train.build import build_lr_schedule
+
+
+def epoch_length(samples: int, batch_size: int, world_size: int, limit: int | None, accumulate: int) -> tuple[int, int]:
+    """(batches, optimizer steps) of one epoch on each rank: the rank's ``ceil(samples / world_size)`` samples in
+    batches of ``batch_size`` (the last may be short), ``accumulate`` batches a step, at most ``limit`` steps.
+
+    >>> epoch_length(300, 16, 1, None, 2), epoch_length(300, 16, 2, 3, 2)
+    ((19, 10), (6, 3))
+    """
+    batches = max(1, math.ceil(math.ceil(samples / world_size) / batch_size))
+    steps = math.ceil(batches / accumulate) if limit is None else min(math.ceil(batches / accumulate), limit)
+    return min(batches, steps * accumulate), steps
+
+
+def accumulated(loader: DataLoader, accumulate: int) -> Iterator[tuple[Any, float, bool]]:
+    """Each batch of ``loader`` with its share of its step's samples (what its mean loss is scaled by, so that a
+    step's gradient is the mean over all its samples, as one batch of them would give) and whether the optimizer
+    steps after it (its step's last batch; the epoch's last step may have fewer batches, its last a short one)."""
+    samples, size, batches = len(loader.sampler), loader.batch_size or 1, len(loader)  # type: ignore[arg-type]
+
+    def count(j: int) -> int:  # samples in batch j: batch_size, the last one what is left
+        return min(size, samples - j * size)
+
+    for i, batch in enumerate(loader):
+        first = i - i % accumulate
+        last = min(first + accumulate, batches) - 1
+        yield batch, count(i) / sum(count(j) for j in range(first, last + 1)), i == last
 
 
 @dataclass

@@ -39,12 +39,6 @@ def sample_batch(dataset: Dataset, indices: Tensor) -> tuple[Tensor, Tensor]:
     return x, y
 
 
-def steps_per_epoch(samples: int, batch_size: int, world_size: int, limit: int | None) -> int:
-    """Optimizer steps of one epoch on each rank (the last batch may be short), at most ``limit``."""
-    steps = max(1, math.ceil(samples / (batch_size * world_size)))
-    return steps if limit is None else min(steps, limit)
-
-
 IDLE = {  # a stop reason that leaves every batch of an epoch where it was -> what to change
     "cap": "every batch's ‖∇L‖² ({low:.3g} to {high:.3g}) was already at or over teleport.cap ({cap:g}): no step; "
            "raise teleport.cap above {high:.3g} to let teleport move",
@@ -136,7 +130,7 @@ class Teleporter:
     def sharded(self) -> bool:
         return self.ctx.comm is not None and self.tp.method == "nullspace"
 
-    def probe(self, net: nn.Module, batch_size: int, steps_per_epoch: int) -> None:
+    def probe(self, net: nn.Module, batch_size: int, batches_per_epoch: int) -> None:
         """Before any epoch ran: time one forward + backward on a training batch (eval mode: no running
         statistic moves), to project the run's length and a teleport unit's cost."""
         if self.budget.share is None or self.budget.probe_epoch_s is not None:
@@ -157,7 +151,7 @@ class Teleporter:
             seconds = probe_seconds(step)
         finally:
             net.train(was)
-        self.budget.probe_epoch_s = seconds * steps_per_epoch
+        self.budget.probe_epoch_s = seconds * batches_per_epoch
         self.budget.probe_unit_s = FIRST_UNIT_PER_STEP * seconds * self.tp.batch_size / max(len(idx), 1)
 
     def before_epoch(self, epoch: int, spent: float, train_seconds: float, epochs_done: int) -> int:

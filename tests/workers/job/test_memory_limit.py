@@ -63,7 +63,7 @@ def test_a_payload_over_its_memory_gb_is_killed_saying_what_it_held_and_what_to_
         held = float(limit.error.split("held ")[1].split(" GiB")[0])
         assert held > 0.29, limit.error
         assert limit.error.endswith("over resources.memory_gb=0.2: raise resources.memory_gb, or lower "
-                                    "training.batch_size")
+                                    "training.batch_size (raise training.grad_accumulation to keep the step's batch)")
 
 
 def test_within_its_memory_gb_or_without_one_a_payload_runs_on() -> None:

@@ -1,5 +1,6 @@
-"""The learning-rate schedule and gradient clipping of the built-in loop: the rate each step trains with, a resumed
-run that goes on as if never stopped, a clip that bounds every step, and DDP replicas that stay identical."""
+"""The learning-rate schedule, gradient clipping and gradient accumulation of the built-in loop: the rate each step
+trains with, a resumed run that goes on as if never stopped, a clip that bounds every step, accumulated batches that
+step as one batch of them would, and DDP replicas that stay identical."""
 
 from __future__ import annotations
 
@@ -136,20 +137,75 @@ def test_a_clipped_step_moves_the_weights_at_most_lr_times_the_clip() -> None:
     assert loose["train_loss"] == unclipped["train_loss"]  # a clip no step reaches changes nothing
 
 
+# ----------------------------------------------------------------------------- accumulation
+
+
+def accumulating(batch_size: int, accumulate: int, epochs: int = 2, **training: Any) -> ExperimentSpec:
+    """Adam on digits in float64, no teleport: one step's gradient is the mean over its samples whatever the split."""
+    base = tiny(epochs=epochs, teleport={"enabled": False}, batch_size=batch_size, grad_accumulation=accumulate,
+                dtype="float64", **training)
+    return build_spec({**base.model_dump(mode="json"), "optimizer": {"name": "adam", "lr": 0.01}})
+
+
+@pytest.mark.parametrize(("batch_size", "accumulate"), [(16, 2), (8, 4), (4, 8)])
+def test_accumulated_batches_step_as_one_batch_of_them_would(batch_size: int, accumulate: int) -> None:
+    # 300 samples: 10 batches of 32 (the last 12) against 19 of 16, 38 of 8, 75 of 4 in steps of 32 samples (the
+    # last step the same 12): each step's gradient is the same mean, so Adam takes the same steps
+    whole, split = _Kept(), _Kept()
+    train(accumulating(32, 1), whole)
+    train(accumulating(batch_size, accumulate), split)
+    assert [s["optimizer_steps"] for s in split.saved] == [STEPS, 2 * STEPS]
+    for name, value in whole.saved[-1]["model"].items():
+        assert torch.allclose(split.saved[-1]["model"][name], value, rtol=0, atol=1e-12), name
+
+
+def test_the_last_short_step_weighs_its_samples_alike() -> None:
+    # with 16 x 4 the pass's last step is two batches of 16 and one of 12 (300 = 4 x 64 + 44): the 12 weigh as
+    # the others' samples, not a third of the step; with 20 x 3 the pass ends on a full step (300 = 5 x 60)
+    for batch_size, accumulate, whole_batch in ((16, 4, 64), (20, 3, 60)):
+        whole, split = _Kept(), _Kept()
+        train(accumulating(whole_batch, 1, epochs=1), whole)
+        train(accumulating(batch_size, accumulate, epochs=1), split)
+        for name, value in whole.saved[-1]["model"].items():
+            assert torch.allclose(split.saved[-1]["model"][name], value, rtol=0, atol=1e-12), (batch_size, name)
+
+
+def test_max_steps_per_epoch_and_the_schedule_count_optimizer_steps() -> None:
+    spec = build_spec({**accumulating(8, 4, max_steps_per_epoch=3, warmup_steps=2).model_dump(mode="json"),
+                       "optimizer": {"name": "sgd", "lr": 0.1, "schedule": "linear"}})
+    run = _Kept()
+    sink = MemorySink()
+    run.sink = sink
+    train(spec, run)
+    assert [s["optimizer_steps"] for s in run.saved] == [2 + 3, 2 + 6]
+    assert run.saved[-1]["history"][-1]["lr"] == 0.0  # the linear decay's last step: the run's 8th
+    warmup = next(r for r in sink.records if r["kind"] == "warmup")
+    assert warmup["steps"] == 2
+
+
 # ------------------------------------------------------------------------------------ DDP
 
 
 class _Rank(RunContext):
-    """One rank of a 2-process gloo group: the model DDP-wrapped (and kept, to read its weights), no checkpoints."""
+    """One rank of a 2-process gloo group: the model DDP-wrapped (kept, to read its weights), its gradient
+    all-reduces counted (a comm hook), no checkpoints."""
 
     net: nn.Module | None = None
+    all_reduces: int = 0
 
     @property
     def comm(self) -> Collective | None:
         return TorchDistributed()
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def counted(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses a hook annotated otherwise
+            self.all_reduces += 1
+            return allreduce_hook(state, bucket)
+
         self.net = nn.parallel.DistributedDataParallel(model)
+        self.net.register_comm_hook(None, counted)
         return self.net
 
 
@@ -161,19 +217,22 @@ def _train_rank(rank: int, spec_json: str, store: str, out: str) -> None:
         train(ExperimentSpec.model_validate_json(spec_json), ctx, threads=1)
         assert ctx.net is not None
         lrs = [r["lr"] for r in sink.records if r["kind"] == "epoch"]
-        torch.save({"lrs": lrs, "weights": ctx.net.module.state_dict()}, Path(out) / f"rank{rank}.pt")
+        torch.save({"lrs": lrs, "weights": ctx.net.module.state_dict(), "all_reduces": ctx.all_reduces},
+                   Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_ddp_replicas_stay_identical_under_a_schedule_clipping_and_teleport(tmp_path: Path) -> None:
+def test_ddp_replicas_stay_identical_under_a_schedule_clipping_accumulation_and_teleport(tmp_path: Path) -> None:
     spec = scheduled(epochs=2, clip=0.05)  # the gradients' norms are over 0.05: most steps clip
-    spec = build_spec({**spec.model_dump(mode="json"), "teleport": tiny().teleport.model_dump(mode="json")})
+    spec = build_spec({**spec.model_dump(mode="json"), "teleport": tiny().teleport.model_dump(mode="json"),
+                       "training": {**spec.training.model_dump(mode="json"), "grad_accumulation": 2}})
     mp.spawn(_train_rank, args=(spec.model_dump_json(), str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     assert ranks[0]["lrs"] == ranks[1]["lrs"] and len(ranks[0]["lrs"]) == 2
-    steps = 4 + 2 * 5  # 150 samples a rank: 5 steps an epoch
+    steps = 4 + 2 * 3  # 150 samples a rank: 5 batches of 32, 3 steps an epoch
     assert ranks[0]["lrs"][-1] == pytest.approx(0.1 * lr_factor(spec.optimizer, steps - 1, steps))
+    assert [r["all_reduces"] for r in ranks] == [steps, steps]  # once a step, not once a batch (no_sync)
     for name, value in ranks[0]["weights"].items():
         assert torch.equal(ranks[1]["weights"][name], value), name
 
