@@ -193,10 +193,13 @@ class TrainingSpec(_Strict):
     target_loss: float | None = Field(None, description="report the first epoch whose train loss is below this")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "float64"] = "float32"
-    precision: Literal["fp32", "bf16"] = Field(
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="bf16: each training step's forward and loss run under torch.autocast(bfloat16) on the "
                             "model's device (CPU or CUDA); weights, gradients, optimizer state, evaluation and "
-                            "teleport stay in training.dtype (float32). fp32: no autocast")
+                            "teleport stay in training.dtype (float32). fp16: the same in float16 (GPUs without "
+                            "fast bf16: V100, T4), the loss scaled by a torch.amp.GradScaler (a step whose gradients "
+                            "overflow is skipped and the scale lowered; the scale is checkpointed). fp32: no "
+                            "autocast")
     eval_batch_size: int = Field(1024, ge=1)
     grad_clip_norm: float | None = Field(
         None, gt=0, description="before each optimizer step, scale the gradients down so that their global L2 "
@@ -217,8 +220,9 @@ class TrainingSpec(_Strict):
     def _cross_field(self) -> TrainingSpec:
         if self.entrypoint_args and not self.entrypoint:
             raise ValueError("training.entrypoint_args is for training.entrypoint: set the entrypoint, or drop them")
-        if self.precision == "bf16" and self.dtype != "float32":  # autocast leaves float64 tensors as they are
-            raise ValueError("training.precision=bf16 needs training.dtype=float32 (autocast does not cast float64)")
+        if self.precision != "fp32" and self.dtype != "float32":  # autocast leaves float64 tensors as they are
+            raise ValueError(f"training.precision={self.precision} needs training.dtype=float32 (autocast does not "
+                             "cast float64)")
         return self
 
 

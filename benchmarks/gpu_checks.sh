@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of issues 18, 27 and 28 in one run, for a lent GPU machine (or any machine with CUDA and PyTorch):
-# the teleport tests on CUDA, the step-cost benchmark on CUDA, a bf16-autocast training run with teleport
+# the teleport tests on CUDA, the step-cost benchmark on CUDA, bf16- and fp16-autocast training runs with teleport
 # through the worker's own loop, float32 drift (1 seed) and the convergence benchmark there. Logs and result
 # JSONs go to $DIR (default /tmp/gpu-checks), packed into $OUT/gpu_checks.tgz at the end when $OUT is set. Each part has its own time limit,
 # cut to what is left of DEADLINE seconds (default 540); a part that fails does not stop the rest.
@@ -62,6 +62,8 @@ part teleport_tests_on_device 120 env TLAB_TEST_DEVICE=$DEV $PY -m pytest -q -rf
 part step_cost 120 $PY -m benchmarks.step_cost --device $DEV --wait 0 --threads 4 $QUICK
 part bf16_run 60 $PY -m workers.cli run digits/teleport --local --no-progress --out "$DIR/bf16_run" \
     --set training.device=$DEV --set training.precision=bf16
+part fp16_run 60 $PY -m workers.cli run digits/teleport --local --no-progress --out "$DIR/fp16_run" \
+    --set training.device=$DEV --set training.precision=fp16 --set training.grad_clip_norm=1.0  # GradScaler on CUDA
 part float32_drift 90 $PY -m benchmarks.float32_drift --seeds 1 $QUICK
 part convergence 240 $PY -m benchmarks.convergence $QUICK
 [[ -n "$TGZ" ]] && tar czf "$TGZ" -C "$DIR" --exclude '*.safetensors' --exclude '*.pt' . && echo "packed $TGZ"

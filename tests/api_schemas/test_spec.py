@@ -37,7 +37,7 @@ def test_defaults_are_the_papers_mnist_settings() -> None:
         ({"teleport": {"method": "symmetry"}}, "model.activation=leaky_relu"),
         ({"model": {"kind": "cnn"}, "teleport": {"method": "symmetry"}}, "model.kind=mlp"),
         ({"resources": {"workers": 0}}, "resources.workers"),
-        ({"training": {"precision": "fp16"}}, "training.precision"),
+        ({"training": {"precision": "fp8"}}, "training.precision"),
         ({"training": {"precision": "bf16", "dtype": "float64"}}, "training.precision=bf16 needs training.dtype"),
         ({"resources": {"gpus_per_worker": 1.5}}, "resources.gpus_per_worker=1.5: above 1 it is a whole number"),
         ({"resources": {"gpu_memory_gb": 8}}, "resources.gpu_memory_gb is for a job with GPUs"),

@@ -141,11 +141,18 @@ def select_dtype(spec: TrainingSpec) -> torch.dtype:
 
 
 def autocast(spec: TrainingSpec, device: torch.device) -> contextlib.AbstractContextManager[object]:
-    """``training.precision``: ``torch.autocast`` to bfloat16 on ``device``'s type (CPU and CUDA alike) for bf16,
-    a context that does nothing for fp32. Wrap the forward and the loss only, never the backward or a teleport."""
+    """``training.precision``: ``torch.autocast`` to bfloat16 (bf16) or float16 (fp16) on ``device``'s type (CPU and
+    CUDA alike), a context that does nothing for fp32. Wrap the forward and the loss only, never the backward or a
+    teleport."""
     if spec.precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if spec.precision == "bf16" else torch.float16)
+
+
+def grad_scaler(spec: TrainingSpec, device: torch.device) -> torch.amp.GradScaler | None:
+    """``training.precision: fp16``: the scaler of the loss (float16's range would flush small gradients to 0);
+    None otherwise (bf16 has float32's range)."""
+    return torch.amp.GradScaler(device.type) if spec.precision == "fp16" else None
 
 
 def num_threads(spec: ResourcesSpec) -> int:

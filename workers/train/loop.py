@@ -166,8 +166,9 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
         teleporter.restore(state.get("teleport_budget"))
     epoch_batches, epoch_steps = epoch_length(len(data.train), tr.batch_size, ctx.world_size, tr.max_steps_per_epoch,
                                               tr.grad_accumulation)
-    taken = 0 if state is None else state.get("optimizer_steps", tr.warmup_steps + start_epoch * epoch_steps)
-    stepper = Stepper.build(spec, optimizer, net, tr.warmup_steps + tr.epochs * epoch_steps, taken)
+    stepper = Stepper.build(spec, optimizer, net, ctx.device, tr.warmup_steps + tr.epochs * epoch_steps,
+                            None if state is None else {"optimizer_steps": tr.warmup_steps + start_epoch * epoch_steps,
+                                                        **state})  # the count, in a checkpoint from before it was kept
     ctx.sink.emit({
         "kind": "start", "dataset": data.name, "task": data.task, "train_size": len(data.train),
         "test_size": len(data.test), "model": spec.model.kind, "params": param_count(model),
@@ -193,7 +194,7 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
             with contextlib.nullcontext() if steps_after else no_sync():  # DDP all-reduces once a step
                 with autocast(tr, ctx.device):  # training.precision=bf16: forward and loss in bfloat16
                     loss = loss_fn(net(x), y)
-                (loss * share if tr.grad_accumulation > 1 else loss).backward()
+                stepper.backward(loss * share if tr.grad_accumulation > 1 else loss)
             loss_sum += loss.detach()  # summed on the device: no host sync per step
             batches += 1
             if steps_after:
@@ -269,7 +270,7 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
         state = {"epoch": epoch + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "history": history, "seconds": record["seconds"], "teleport_seconds": tele_seconds,
                  "teleport_batches": tele_batches, "teleport_budget": teleporter.saved(),
-                 "optimizer_steps": stepper.steps}
+                 **stepper.state()}
         ctx.save(state, summary)
     bar.close()
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from api_schemas.spec import ExperimentSpec
-from workers.train.build import build_lr_schedule
+from workers.train.build import build_lr_schedule, grad_scaler
 
 
 def epoch_length(samples: int, batch_size: int, world_size: int, limit: int | None, accumulate: int) -> tuple[int, int]:
@@ -52,36 +52,53 @@ def accumulated(loader: DataLoader, accumulate: int) -> Iterator[tuple[Any, floa
 @dataclass
 class Stepper:
     """Steps ``optimizer`` for the loop; ``steps`` counts every step of the run (a resumed run's included), what the
-    schedule reads and a checkpoint keeps."""
+    schedule reads and a checkpoint keeps. With ``training.precision: fp16`` a ``GradScaler`` scales each loss before
+    its backward and unscales the gradients before the clip; a step whose gradients overflowed is skipped by it."""
 
     optimizer: torch.optim.Optimizer
     params: list[nn.Parameter]
     clip: float | None
     schedule: torch.optim.lr_scheduler.LambdaLR | None
+    scaler: torch.amp.GradScaler | None
     steps: int
     lr: float = 0.0  # the learning rate of the last step taken
-    _norms: torch.Tensor | None = field(default=None, repr=False)
-    _clipped: torch.Tensor | None = field(default=None, repr=False)
-    _counted: int = 0
+    _norms: torch.Tensor | None = field(default=None, repr=False)  # [Σ finite norms, finite norms, clipped]
 
     @classmethod
-    def build(cls, spec: ExperimentSpec, optimizer: torch.optim.Optimizer, net: nn.Module, total: int,
-              done: int) -> Stepper:
-        """For a run of ``total`` optimizer steps of which ``done`` were taken before (a checkpoint's)."""
-        schedule = build_lr_schedule(spec.optimizer, optimizer, total, done)
-        return cls(optimizer, list(net.parameters()), spec.training.grad_clip_norm, schedule, done,
-                   lr=float(optimizer.param_groups[0]["lr"]))
+    def build(cls, spec: ExperimentSpec, optimizer: torch.optim.Optimizer, net: nn.Module, device: torch.device,
+              total: int, saved: dict[str, Any] | None) -> Stepper:
+        """For a run of ``total`` optimizer steps, going on from ``saved`` (``Stepper.state`` of a checkpoint)."""
+        saved = saved or {}
+        schedule = build_lr_schedule(spec.optimizer, optimizer, total, saved.get("optimizer_steps", 0))
+        scaler = grad_scaler(spec.training, device)
+        if scaler is not None and saved.get("grad_scaler"):
+            scaler.load_state_dict(saved["grad_scaler"])
+        return cls(optimizer, list(net.parameters()), spec.training.grad_clip_norm, schedule, scaler,
+                   saved.get("optimizer_steps", 0), lr=float(optimizer.param_groups[0]["lr"]))
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps to go on: the step count, the loss scale (fp16)."""
+        return {"optimizer_steps": self.steps,
+                **({"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {})}
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
     def step(self) -> None:
-        """Clip (when asked), step the optimizer, move the learning rate."""
+        """Clip (when asked), step the optimizer (unless fp16's gradients overflowed), move the learning rate."""
         if self.clip is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)  # clip the gradients, not the scaled ones
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip).detach().double()
-            self._norms = norm if self._norms is None else self._norms + norm
-            over = (norm > self.clip).double()
-            self._clipped = over if self._clipped is None else self._clipped + over
-            self._counted += 1
+            finite = torch.isfinite(norm)  # an overflowed fp16 step: skipped, not counted
+            row = torch.stack([torch.where(finite, norm, 0.0), finite.double(), (finite & (norm > self.clip)).double()])
+            self._norms = row if self._norms is None else self._norms + row
         self.lr = float(self.optimizer.param_groups[0]["lr"])
-        self.optimizer.step()
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
         if self.schedule is not None:
             self.schedule.step()
         self.steps += 1
@@ -90,8 +107,9 @@ class Stepper:
         """What the record of the steps since the last report says: ``lr`` (the last step's) when the rate moves,
         ``grad_norm`` (the mean norm before clipping) and ``clipped`` (the share of steps clipped) when clipping."""
         out: dict[str, Any] = {"lr": self.lr} if self.schedule is not None else {}
-        if self._norms is not None and self._clipped is not None and self._counted:
-            out["grad_norm"] = float(self._norms) / self._counted
-            out["clipped"] = float(self._clipped) / self._counted
-        self._norms, self._clipped, self._counted = None, None, 0
+        if self._norms is not None:
+            total, counted, clipped = self._norms.tolist()
+            if counted:
+                out["grad_norm"], out["clipped"] = total / counted, clipped / counted
+        self._norms = None
         return out
