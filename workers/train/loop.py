@@ -192,7 +192,7 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
                 break
             x, y = to_device(batch, ctx.device, dtype)
             with contextlib.nullcontext() if steps_after else no_sync():  # DDP all-reduces once a step
-                with autocast(tr, ctx.device):  # training.precision=bf16: forward and loss in bfloat16
+                with autocast(tr, ctx.device):  # training.precision bf16/fp16: forward and loss in it
                     loss = loss_fn(net(x), y)
                 stepper.backward(loss * share if tr.grad_accumulation > 1 else loss)
             loss_sum += loss.detach()  # summed on the device: no host sync per step

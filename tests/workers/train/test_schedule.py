@@ -246,3 +246,26 @@ def test_a_sweep_compares_schedules_and_clips_with_one_final_ratio() -> None:
     assert {(t.optimizer.schedule, t.training.grad_clip_norm) for t in trials} == {
         (s, c) for s in ("constant", "cosine", "linear") for c in (0.5, None)}
     assert {t.optimizer.final_lr_ratio for t in trials} == {0.1}  # the base's, unused by the constant trials
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_gpt_trains_with_the_lm_recipe_accumulated_and_teleports_on_its_level_set(
+        precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # examples/tiny_lm's GPT with lm_payoff's recipe (AdamW, warm-up, cosine to 0.1 x lr, clip 1.0, teleport before
+    # epoch 0), its batches accumulated in pairs
+    from benchmarks.lm_payoff_runs import EXAMPLE, lm_spec
+
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    base = lm_spec("adamw_recipe", True, "cpu", quick=True)
+    spec = build_spec({**base.model_dump(mode="json"), "training": {
+        **base.training.model_dump(mode="json"), "grad_accumulation": 2, "precision": precision, "device": "cpu"}})
+    sink = MemorySink()
+    train(spec, RunContext(sink=sink), threads=1)
+    epochs = [r for r in sink.records if r["kind"] == "epoch"]
+    assert all(math.isfinite(r["train_loss"]) and math.isfinite(r["grad_norm"]) for r in epochs)
+    assert epochs[-1]["train_loss"] < epochs[0]["train_loss"]
+    assert epochs[-1]["lr"] == pytest.approx(0.003 * 0.1)  # the cosine's end: lr x final_lr_ratio
+    teleports = [r for r in sink.records if r["kind"] == "teleport"]
+    assert teleports and all(r["epoch"] == 0 for r in teleports)
+    for t in teleports:  # outside autocast, in float32: the loss on its batch kept
+        assert abs(t["loss_after"] - t["loss_before"]) <= spec.teleport.loss_tol * abs(t["loss_before"]) * 1.01
