@@ -9,7 +9,9 @@ is scheduled, one epoch of the primary optimizer, and an evaluation. Every recor
 - ``{"kind": "teleport", "epoch", "batch", **TeleportReport.to_dict()}`` per teleport batch, and
   ``{"kind": "budget", ...}`` when ``teleport.budget`` cut an epoch's teleport short (``workers.train.teleporting``);
 - ``{"kind": "epoch", "epoch", "train_loss", "test_loss", "test_acc" (classification),
-  "test_ppl" (lm), "seconds", "teleport_seconds"}`` per epoch (times are cumulative);
+  "test_ppl" (lm), "seconds", "teleport_seconds"}`` per epoch (times are cumulative; both losses are means over
+  samples, the train loss over the epoch's steps as they went; ``lr``, ``grad_norm``, ``clipped``:
+  ``workers.train.stepping``);
 - ``{"kind": "error", ...}`` before ``TrainingDiverged`` is raised; ``{"kind": "summary", ...}`` last.
 
 ``run_local(spec, out_dir)`` wraps it for one process: ``DIR/metrics.jsonl``, ``DIR/summary.json``
@@ -181,11 +183,11 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
 
     def train_steps(epoch_seed: int, limit: int | None) -> tuple[float, int, int]:
         """Primary optimizer steps over one shuffled pass (at most ``limit``), ``training.grad_accumulation`` batches
-        each: (summed batch loss, batches, steps)."""
+        each: (the batches' mean losses summed weighted by their samples, samples, steps)."""
         net.train()
         optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
-        batches = steps = 0
+        samples = steps = 0
         loader = ctx.loader(data.train, tr.batch_size, shuffle=True, seed=tr.seed, epoch=epoch_seed)
         for batch, share, steps_after in accumulated(loader, tr.grad_accumulation):
             if limit is not None and steps >= limit:
@@ -195,13 +197,13 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
                 with autocast(tr, ctx.device):  # training.precision bf16/fp16: forward and loss in it
                     loss = loss_fn(net(x), y)
                 stepper.backward(loss * share if tr.grad_accumulation > 1 else loss)
-            loss_sum += loss.detach()  # summed on the device: no host sync per step
-            batches += 1
+            loss_sum += loss.detach() * y.shape[0]  # summed on the device: no host sync per step
+            samples += y.shape[0]
             if steps_after:
                 stepper.step()  # clipped, stepped, the lr moved along its schedule
                 optimizer.zero_grad(set_to_none=True)
                 steps += 1
-        return float(loss_sum), batches, steps
+        return float(loss_sum), samples, steps
 
     t0 = time.perf_counter() - seconds  # cumulative across a resume
 
@@ -209,15 +211,15 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
     if start_epoch == 0 and tr.warmup_steps:
         done, total, counted, passes = 0, 0.0, 0, 0
         while done < tr.warmup_steps:
-            loss_sum, batches, steps = train_steps(WARMUP_EPOCH + passes, tr.warmup_steps - done)
+            loss_sum, samples, steps = train_steps(WARMUP_EPOCH + passes, tr.warmup_steps - done)
             if steps == 0:
                 raise ValueError("training.warmup_steps: the training set gives no batches")
-            total, done, counted, passes = total + loss_sum, done + steps, counted + batches, passes + 1
-        loss_sum, batches = ctx.all_reduce_sum([total, float(counted)])
+            total, done, counted, passes = total + loss_sum, done + steps, counted + samples, passes + 1
+        loss_sum, samples = ctx.all_reduce_sum([total, float(counted)])
         if not _finite(loss_sum):
-            raise diverged(ctx, "warm-up", 0, f"warm-up loss is {loss_sum / batches}",
+            raise diverged(ctx, "warm-up", 0, f"warm-up loss is {loss_sum / samples}",
                             f"lower optimizer.lr (now {spec.optimizer.lr:g})")
-        ctx.sink.emit({"kind": "warmup", "steps": done, "train_loss": loss_sum / batches,
+        ctx.sink.emit({"kind": "warmup", "steps": done, "train_loss": loss_sum / samples,
                        "seconds": time.perf_counter() - t0, **stepper.report()})
 
     def run_summary() -> dict[str, Any]:
@@ -244,9 +246,9 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
             tele_seconds += time.perf_counter() - t_tele
 
         # -- one epoch of the primary optimizer, then evaluation on the test set
-        loss_sum, batches, _ = train_steps(epoch, tr.max_steps_per_epoch)
-        loss_sum, batches = ctx.all_reduce_sum([loss_sum, float(batches)])
-        train_loss = loss_sum / max(batches, 1.0)
+        loss_sum, samples, _ = train_steps(epoch, tr.max_steps_per_epoch)  # the mean over samples, every rank's
+        loss_sum, samples = ctx.all_reduce_sum([loss_sum, float(samples)])
+        train_loss = loss_sum / max(samples, 1.0)
         test_loader = ctx.loader(data.test, tr.eval_batch_size, shuffle=False, seed=tr.seed, epoch=epoch)
         metrics = evaluate(model, test_loader, loss_fn, data.task, ctx, dtype)
         for name, value in [("train loss", train_loss), ("test loss", metrics["test_loss"])]:

@@ -157,6 +157,8 @@ def test_accumulated_batches_step_as_one_batch_of_them_would(batch_size: int, ac
     assert [s["optimizer_steps"] for s in split.saved] == [STEPS, 2 * STEPS]
     for name, value in whole.saved[-1]["model"].items():
         assert torch.allclose(split.saved[-1]["model"][name], value, rtol=0, atol=1e-12), name
+    losses = [[h["train_loss"] for h in run.saved[-1]["history"]] for run in (whole, split)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-12)  # the mean over the samples, whatever the batches
 
 
 def test_the_last_short_step_weighs_its_samples_alike() -> None:
