@@ -84,7 +84,9 @@ def test_a_gang_of_two_half_gpus_shares_one_card_on_gloo(stack: Stack) -> None:
     from tests.service.conftest import wait_ray_idle
 
     wait_ray_idle(stack)  # the gang needs both CPUs of the head
-    spec = tiny(training={"epochs": 3, "device": "cpu"},  # the share held, the CPU training (no card is there)
+    spec = tiny(training={"epochs": 3, "device": "cpu",  # the share held, the CPU training (no card is there)
+                          "grad_accumulation": 2, "grad_clip_norm": 0.5},  # the LM recipe's step, over the gang
+                optimizer={"name": "adamw", "lr": 0.01, "schedule": "cosine", "lr_warmup_steps": 2},
                 resources={"workers": 2, "gpus_per_worker": 0.5, "gpu_type": "H100"})
     with Client(stack.url, stack.admin_token) as c:
         job = c.submit(spec)["id"]
@@ -97,6 +99,10 @@ def test_a_gang_of_two_half_gpus_shares_one_card_on_gloo(stack: Stack) -> None:
         assert shares == [(2, 1.0, "H100")], cluster  # both ranks on the one node: 2 x 0.5 of its 2 GPUs
         events = list(c.events(job))
         assert epochs_in(events) == [0, 1, 2] and c.get(job)["state"] == "succeeded", c.get(job)
+        metrics = [e.data for e in events if e.kind == "metric"]
+        lrs = [m["lr"] for m in metrics]
+        assert lrs == sorted(lrs, reverse=True) and lrs[-1] == 0.0  # the cosine's end (final_lr_ratio 0)
+        assert all(m["grad_norm"] > 0 and 0 <= m["clipped"] <= 1 for m in metrics)
         logs = {rank: c.logs(job, rank=rank) for rank in ("0", "1")}
         joined = {rank: re.search(r"rank \d of 2 joined on (\w+) \(cpu; resources.gpus_per_worker=0.5, "
                                   r"CUDA_VISIBLE_DEVICES='(\d)'\)", text) for rank, text in logs.items()}
