@@ -138,14 +138,15 @@ class RunContext:
         return model.to(self.device)
 
     def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool, seed: int, epoch: int) -> DataLoader:
+        pin = self.device.type == "cuda"  # a pinned batch's copy to the GPU does not make the host wait
         if self.world_size == 1:
             g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-            return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=g)
+            return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=g, pin_memory=pin)
         # each rank reads its own shard; set_epoch reshuffles identically on every rank
         sampler = DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle,
                                      seed=seed, drop_last=False)
         sampler.set_epoch(epoch)
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, pin_memory=pin)
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Sum over the ranks (of the default process group when there are several)."""

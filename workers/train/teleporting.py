@@ -25,12 +25,14 @@ from workers.train.budget import FIRST_UNIT_PER_STEP, TeleportBudget, agree_acro
 from workers.train.context import RunContext
 
 
-def to_device(batch: Any, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(x, y) on ``device``; floating inputs/targets in the run's dtype, token ids and labels untouched."""
+def to_device(batch: Any, device: torch.device, dtype: torch.dtype, *,
+              non_blocking: bool = False) -> tuple[Tensor, Tensor]:
+    """(x, y) on ``device``; floating inputs/targets in the run's dtype (cast there), token ids and labels untouched.
+    ``non_blocking``: a batch in pinned memory is copied without the host waiting for it (a CUDA training step: the
+    copy is ordered on the current stream, where the step uses it; never for a batch another stream reads)."""
     x, y = batch
-    x = x.to(device, dtype) if x.is_floating_point() else x.to(device)
-    y = y.to(device, dtype) if y.is_floating_point() else y.to(device)
-    return x, y
+    x, y = x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)
+    return (x.to(dtype) if x.is_floating_point() else x), (y.to(dtype) if y.is_floating_point() else y)
 
 
 def sample_batch(dataset: Dataset, indices: Tensor) -> tuple[Tensor, Tensor]:

@@ -134,3 +134,32 @@ def test_on_cuda_every_epoch_reports_the_gpu_memory_so_far_and_the_summary_its_p
     summary = train(spec, RunContext(device=torch.device("cuda"), sink=sink))
     memory = [r["gpu_memory_mb"] for r in sink.records if r["kind"] == "epoch"]
     assert len(memory) == 2 and 0 < memory[0] <= memory[1] <= summary["gpu_memory_peak_mb"], (memory, summary)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts a CUDA device's host syncs")
+def test_a_cuda_training_step_does_not_make_the_host_wait() -> None:
+    # CUDA's sync debug mode warns at each host sync: an epoch of 20 steps syncs as often as one of 5 (the epoch's
+    # loss read, its evaluation), so a step syncs never: its batch comes pinned and is copied without waiting
+    import warnings
+
+    from api_schemas import build_spec
+    from workers.train.context import RunContext
+    from workers.train.loop import train
+
+    def syncs(steps: int) -> int:
+        spec = build_spec({"model": {"kind": "mlp", "hidden": [32]}, "optimizer": {"name": "sgd", "lr": 0.1},
+                           "dataset": {"name": "digits", "max_train": 400, "max_test": 100},
+                           "training": {"epochs": 1, "batch_size": 16, "max_steps_per_epoch": steps,
+                                        "device": "cuda", "grad_clip_norm": 1.0},
+                           "teleport": {"enabled": False}})
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                train(spec, RunContext(device=torch.device("cuda")), threads=1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in seen)
+
+    syncs(5)  # warm: CUDA's and the allocator's first calls
+    assert syncs(20) == syncs(5)
