@@ -168,9 +168,10 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
         teleporter.restore(state.get("teleport_budget"))
     epoch_batches, epoch_steps = epoch_length(len(data.train), tr.batch_size, ctx.world_size, tr.max_steps_per_epoch,
                                               tr.grad_accumulation)
-    stepper = Stepper.build(spec, optimizer, net, ctx.device, tr.warmup_steps + tr.epochs * epoch_steps,
-                            None if state is None else {"optimizer_steps": tr.warmup_steps + start_epoch * epoch_steps,
-                                                        **state})  # the count, in a checkpoint from before it was kept
+    saved = None if state is None else {  # a checkpoint from before the count was kept: its epochs' steps
+        "optimizer_steps": state.get("optimizer_steps", tr.warmup_steps + start_epoch * epoch_steps),
+        "grad_scaler": state.get("grad_scaler")}
+    stepper = Stepper.build(spec, optimizer, net, ctx.device, tr.warmup_steps + tr.epochs * epoch_steps, saved)
     ctx.sink.emit({
         "kind": "start", "dataset": data.name, "task": data.task, "train_size": len(data.train),
         "test_size": len(data.test), "model": spec.model.kind, "params": param_count(model),
