@@ -14,6 +14,10 @@ the SGD time to target, and reaches the target in fewer seconds than the baselin
 momentum and Adagrad (Adam reported).
 
     python -m benchmarks.convergence [--quick] [--optimizers sgd ...] [--presets cnn-sgd transformer-sgd]
+                                     [--clips 1.0 ...]
+
+``--clips``: each optimizer's row again with ``training.grad_clip_norm`` at each value, side by side with the
+unclipped row (written to ``convergence_clip.json``): what a clip leaves of teleport's payoff.
 """
 
 from __future__ import annotations
@@ -53,15 +57,16 @@ class Case:
 
 
 def mlp_case(optimizer: str, seeds: int, epochs: int, hidden: list[int], batches: int,
-             max_train: int | None) -> Case:
-    """The paper's MNIST row on digits (the table's optimizer rows)."""
+             max_train: int | None, clip: float | None = None) -> Case:
+    """The paper's MNIST row on digits (the table's optimizer rows); ``clip``: training.grad_clip_norm."""
     def spec(seed: int, teleport: bool) -> dict[str, Any]:
         return {"model": {"kind": "mlp", "hidden": hidden},
                 "dataset": {"name": "digits", "max_train": max_train},
                 "optimizer": {"name": optimizer, "lr": 2e-4},
-                "training": {"epochs": epochs, "batch_size": 32, "seed": seed, "target_loss": TARGETS[optimizer]},
+                "training": {"epochs": epochs, "batch_size": 32, "seed": seed, "target_loss": TARGETS[optimizer],
+                             "grad_clip_norm": clip},
                 "teleport": {**TELEPORT, "enabled": teleport, "batches": batches, "lr": 0.2, "cap": 5.0}}
-    return Case(optimizer, TARGETS[optimizer], epochs, seeds, spec)
+    return Case(optimizer if clip is None else f"{optimizer}, clip {clip:g}", TARGETS[optimizer], epochs, seeds, spec)
 
 
 def preset_case(name: str, epochs: int) -> Case:
@@ -195,15 +200,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--optimizers", nargs="+", default=list(TARGETS))
     parser.add_argument("--presets", nargs="*", default=list(PRESET_TARGETS), choices=list(PRESET_TARGETS),
                         help="the CNN / transformer rows (default both; none with an empty list)")
+    parser.add_argument("--clips", nargs="*", type=float, default=[],
+                        help="each optimizer's row again at these training.grad_clip_norm values")
     args = parser.parse_args(argv)
+    clips = [None, *args.clips]
     if args.quick:
-        result = {**run([mlp_case("sgd", 1, 3, [32], 1, 200)]), "quick": True}
+        result = {**run([mlp_case("sgd", 1, 3, [32], 1, 200, clip) for clip in clips]), "quick": True}
     else:
         wait_for_quiet()
-        cases = [mlp_case(o, 3, 100, [1024, 1024], 4, None) for o in args.optimizers]
+        cases = [mlp_case(o, 3, 100, [1024, 1024], 4, None, clip) for o in args.optimizers for clip in clips]
         cases += [preset_case(p, 20 if p.startswith("cnn") else 12) for p in args.presets]
         result = run(cases)
-    write_result("convergence", result)
+    write_result("convergence_clip" if args.clips else "convergence", result)
     return result
 
 

@@ -56,6 +56,13 @@ def test_convergence_reports_the_wall_clock_floors(results: Path) -> None:
     assert _load(results / "convergence.json")["quick"] is True
 
 
+def test_convergence_puts_clipped_rows_beside_the_unclipped_in_a_file_of_their_own(results: Path) -> None:
+    body = convergence.main(["--quick", "--clips", "0.5"])
+    assert set(body["table"]) == {"sgd", "sgd, clip 0.5"} and not (results / "convergence.json").exists()
+    assert body["cases"]["sgd, clip 0.5"]["spec"]["training"]["grad_clip_norm"] == 0.5
+    assert _load(results / "convergence_clip.json")["table"].keys() == body["table"].keys()
+
+
 def test_step_cost_quick(results: Path) -> None:
     step_cost.main(["--quick", "--threads", "1"])
     body = _load(results / "step_cost.json")
