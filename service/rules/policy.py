@@ -172,8 +172,13 @@ def never_fits(demand: Demand, nodes: list[Node]) -> str | None:
             "resources.workers")
 
 
+def totals(free: dict[str, list[float]]) -> list[float]:
+    """[CPUs, GPUs, memory GiB] free over all nodes (a node over-held counts 0, not less)."""
+    return [sum(max(0.0, room[i]) for room in free.values()) for i in range(3)]
+
+
 def _describe_free(free: dict[str, list[float]], demand: Demand) -> str:
-    cpus, gpus, memory = (sum(max(0.0, room[i]) for room in free.values()) for i in range(3))
+    cpus, gpus, memory = totals(free)
     # memory only for a gang that asks for it, and where it is known
     held = f", {memory:.1f} GiB of memory" if demand.memory_gb and math.isfinite(memory) else ""
     return f"{cpus:g} CPUs, {gpus:g} GPUs{held} free on {len(free)} node(s)"
@@ -197,9 +202,9 @@ def gang_text(demand: Demand, noun: str = "") -> str:
 def _short(demand: Demand, free: dict[str, list[float]]) -> tuple[bool, ...]:
     """What the first gang without room is short of (CPUs, GPUs, memory): later gangs that need any of it wait."""
     need = per_worker(demand)
-    totals = [sum(max(0.0, room[i]) for room in free.values()) for i in range(3)]
     biggest = max(free.values(), key=lambda room: (room[1], room[0]), default=[0.0, 0.0, 0.0])
-    short = tuple(demand.workers * n > t + EPS or n > b + EPS for n, t, b in zip(need, totals, biggest, strict=True))
+    short = tuple(demand.workers * n > t + EPS or n > b + EPS
+                  for n, t, b in zip(need, totals(free), biggest, strict=True))
     # room in total but fragmented across nodes: hold all it needs
     return short if any(short) else tuple(n > 0 for n in need)
 

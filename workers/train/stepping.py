@@ -30,7 +30,7 @@ def epoch_length(samples: int, batch_size: int, world_size: int, limit: int | No
     ((19, 10), (6, 3))
     """
     batches = max(1, math.ceil(math.ceil(samples / world_size) / batch_size))
-    steps = math.ceil(batches / accumulate) if limit is None else min(math.ceil(batches / accumulate), limit)
+    steps = min(math.ceil(batches / accumulate), limit or batches)
     return min(batches, steps * accumulate), steps
 
 
@@ -39,14 +39,11 @@ def accumulated(loader: DataLoader, accumulate: int) -> Iterator[tuple[Any, floa
     step's gradient is the mean over all its samples, as one batch of them would give) and whether the optimizer
     steps after it (its step's last batch; the epoch's last step may have fewer batches, its last a short one)."""
     samples, size, batches = len(loader.sampler), loader.batch_size or 1, len(loader)  # type: ignore[arg-type]
-
-    def count(j: int) -> int:  # samples in batch j: batch_size, the last one what is left
-        return min(size, samples - j * size)
-
     for i, batch in enumerate(loader):
         first = i - i % accumulate
         last = min(first + accumulate, batches) - 1
-        yield batch, count(i) / sum(count(j) for j in range(first, last + 1)), i == last
+        in_step = min(samples, (last + 1) * size) - first * size  # batches first..last: full, the epoch's last short
+        yield batch, min(size, samples - i * size) / in_step, i == last
 
 
 @dataclass
