@@ -168,9 +168,11 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
         teleporter.restore(state.get("teleport_budget"))
     epoch_batches, epoch_steps = epoch_length(len(data.train), tr.batch_size, ctx.world_size, tr.max_steps_per_epoch,
                                               tr.grad_accumulation)
-    saved = None if state is None else {  # a checkpoint from before the count was kept: its epochs' steps
-        "optimizer_steps": state.get("optimizer_steps", tr.warmup_steps + start_epoch * epoch_steps),
-        "grad_scaler": state.get("grad_scaler")}
+    # the schedule goes on from this run's own step count at its start epoch: a checkpoint of the same run kept that
+    # count; a fork or a PBT trial whose epochs have other steps (batch size, workers, accumulation) goes on from the
+    # same point of its epochs, not from the parent's count (in the parent's steps: too far or not far enough)
+    saved = None if state is None else {"optimizer_steps": tr.warmup_steps + start_epoch * epoch_steps,
+                                        "grad_scaler": state.get("grad_scaler")}
     stepper = Stepper.build(spec, optimizer, net, ctx.device, tr.warmup_steps + tr.epochs * epoch_steps, saved)
     ctx.sink.emit({
         "kind": "start", "dataset": data.name, "task": data.task, "train_size": len(data.train),

@@ -111,6 +111,19 @@ def test_a_resumed_trial_follows_its_mutated_lr_along_the_schedule() -> None:
     assert resumed.saved[-1]["optimizer"]["param_groups"][0]["initial_lr"] == 0.4
 
 
+def test_a_fork_with_other_steps_an_epoch_goes_on_from_its_epoch_of_its_own_schedule() -> None:
+    parent = _Kept()
+    train(scheduled(), parent)  # 10 steps an epoch: the checkpoint after epoch 0 has taken 4 + 10
+    child_spec = scheduled(epochs=3)
+    child_spec.training.grad_accumulation = 2  # the fork's epochs take 5 steps: epoch 1 starts at its step 4 + 5
+    child = _Kept(resume=parent.saved[0])
+    train(child_spec, child)
+    total = 4 + 3 * 5
+    assert [h["lr"] for h in child.saved[-1]["history"][1:]] == pytest.approx(
+        [0.1 * lr_factor(child_spec.optimizer, 4 + (e + 1) * 5 - 1, total) for e in (1, 2)])
+    assert child.saved[-1]["optimizer_steps"] == total  # the parent's count (14) would have ended the schedule at 24
+
+
 # ---------------------------------------------------------------------------------- clipping
 
 
