@@ -206,6 +206,62 @@ def tiny_lm() -> Case:
     return Case(TinyLM(), tokens, tokens, ["wte.weight", "block.linear2.weight"], lm_loss)
 
 
+def rotary(x: Tensor, base: float = 10000.0) -> Tensor:
+    """Rotary position embedding of (B, heads, T, head_size): each pair of features turned by its position's angle."""
+    half = torch.arange(0, x.shape[-1], 2, dtype=x.dtype, device=x.device) / x.shape[-1]
+    angle = torch.arange(x.shape[-2], dtype=x.dtype, device=x.device)[:, None] * base ** -half
+    even, odd = x[..., ::2], x[..., 1::2]
+    return torch.stack([even * angle.cos() - odd * angle.sin(), even * angle.sin() + odd * angle.cos()], -1).flatten(-2)
+
+
+class LlamaBlock(nn.Module):
+    """A Llama-style block: RMSNorm, grouped-query causal attention with rotary positions, a SwiGLU MLP, no biases."""
+
+    def __init__(self, d: int = 16, heads: int = 4, kv_heads: int = 2, hidden: int = 24) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.hs = heads, kv_heads, d // heads
+        self.norm1, self.norm2 = nn.RMSNorm(d), nn.RMSNorm(d)
+        self.q, self.o = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
+        self.k, self.v = nn.Linear(d, kv_heads * self.hs, bias=False), nn.Linear(d, kv_heads * self.hs, bias=False)
+        self.gate, self.up = nn.Linear(d, hidden, bias=False), nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        a = self.norm1(x)
+        q, k, v = (proj(a).view(b, t, n, self.hs).transpose(1, 2)
+                   for proj, n in ((self.q, self.heads), (self.k, self.kv_heads), (self.v, self.kv_heads)))
+        group = self.heads // self.kv_heads
+        y = F.scaled_dot_product_attention(rotary(q), rotary(k).repeat_interleave(group, 1),
+                                           v.repeat_interleave(group, 1), is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, d))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nn.Module):
+    """Token embedding, two Llama blocks, a final RMSNorm and an untied LM head."""
+
+    def __init__(self, vocab: int = 20, d: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([LlamaBlock(d), LlamaBlock(d)])
+        self.norm, self.head = nn.RMSNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def llama() -> Case:
+    torch.manual_seed(7)
+    tokens = torch.randint(0, 20, (2, 6))  # 12 positions < 16 inputs of every projection
+    moved = [f"blocks.{i}.{name}.weight" for i in (0, 1) for name in ("q", "k", "v", "o", "gate", "up", "down")]
+    return Case(Llama(), tokens, tokens, [*moved, "head.weight"], lm_loss)
+
+
 class Shared(nn.Module):
     """One weight in two Linear modules (own biases), and one Linear applied three times in a loop."""
 
@@ -263,7 +319,7 @@ def _every_case() -> dict[str, Callable[[], Case]]:
             cases[f"transformer-{'decoder' if decoder else 'encoder'}-{batch_first=}"] = (
                 lambda b=batch_first, d=decoder: transformer(b, d))
     cases |= {f"functional-{k}": (lambda k=k: functional(k)) for k in ("conv1d_gpt2", "raw_f_linear")}
-    return cases | {"linear": linear, "tied_lm": tiny_lm, "shared_and_loop": shared, "untouched": odd}
+    return cases | {"linear": linear, "tied_lm": tiny_lm, "llama": llama, "shared_and_loop": shared, "untouched": odd}
 
 
 CASES = _every_case()  # name -> builder (seeded: the same case in every process)

@@ -74,6 +74,15 @@ def test_tied_embedding_and_lm_head_move_exactly_and_looked_up_rows_stay() -> No
     assert (case.model.wte.weight[others] - table[others]).norm() > 0
 
 
+def test_a_llama_moves_its_projections_and_swiglu_exactly_and_leaves_its_norms() -> None:
+    # RMSNorm, rotary positions, grouped-query attention through scaled_dot_product_attention, SwiGLU, untied head
+    untouched = assert_exact(families.llama())
+    assert untouched["blocks.0.norm1.weight"] == "used by rms_norm (not a linear map)"
+    assert untouched["embed.weight"].startswith("only looked up")
+    assert set(untouched) == {"embed.weight", "norm.weight"} | {f"blocks.{i}.norm{j}.weight" for i in (0, 1)
+                                                                for j in (1, 2)}
+
+
 def test_shared_weights_and_a_linear_in_a_loop_move_exactly() -> None:
     untouched = assert_exact(families.shared())
     assert set(untouched) == {"b.bias"} and "a.weight" in untouched["b.bias"]
