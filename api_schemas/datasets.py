@@ -21,6 +21,7 @@ MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-image
 MNIST_SUBDIRS = ("", "raw", "MNIST/raw", "FashionMNIST/raw")
 PTB_FILES = ["ptb.train.txt", "ptb.valid.txt", "ptb.test.txt"]
 FILELESS = ("digits", "synthetic")  # generated or bundled: no dataset.root, no files
+TOKEN_SPLITS = (("train",), ("val", "test"))  # tokens: train.bin (or .npy), and val.bin or test.bin (or .npy)
 TINY_NEEDED = ["wnids.txt", "train/<wnid>/images/*.JPEG", "val/val_annotations.txt", "val/images/*.JPEG"]
 
 
@@ -51,6 +52,7 @@ def sample_shape(spec: DatasetSpec) -> SampleShape | None:
         "electricity": SampleShape("regression", (spec.seq_len or DEFAULT_WINDOW, None)),
         "traffic": SampleShape("regression", (spec.seq_len or DEFAULT_WINDOW, None)),
         "ptb": SampleShape("lm", (spec.seq_len or DEFAULT_PTB_LEN,)),
+        "tokens": SampleShape("lm", (spec.seq_len or DEFAULT_PTB_LEN,)),
     }
     return shapes.get(spec.name)
 
@@ -116,6 +118,17 @@ def ptb_files(root: Path) -> tuple[Path, Path | None, Path]:
     return train, valid, test
 
 
+def token_files(root: Path) -> tuple[Path, Path]:
+    """tokens: the train and test token files in ``root``: ``train.bin`` and ``val.bin`` (nanoGPT's; or
+    ``test.bin``), or the same names as ``.npy``."""
+    found = [next((root / f"{n}.{ext}" for ext in ("bin", "npy") for n in names if (root / f"{n}.{ext}").is_file()),
+                  None) for names in TOKEN_SPLITS]
+    train, test = found
+    if train is None or test is None:
+        raise missing("tokens", root, ["train.bin and val.bin (or test.bin; or the same as .npy)"])
+    return train, test
+
+
 def npz_file(path: Path) -> Path:
     if not path.is_file():
         raise DatasetNotFound(f"dataset.path: {path}: no such file — set dataset.path to a .npz with arrays X, y")
@@ -137,6 +150,8 @@ def required_files(spec: DatasetSpec) -> list[Path]:
         return [series_file(spec.name, root)]
     if spec.name == "ptb":
         return [p for p in ptb_files(root) if p is not None]
+    if spec.name == "tokens":
+        return list(token_files(root))
     if spec.name == "npz":
         return [npz_file(Path(spec.path or ""))]
     return []

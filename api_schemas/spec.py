@@ -111,16 +111,17 @@ DatasetName = Literal[
     "electricity",
     "traffic",
     "ptb",
+    "tokens",
     "npz",
     "custom",
 ]
 
 _NEEDS_ROOT = {"mnist", "fashion_mnist", "cifar10", "cifar100", "tiny_imagenet", "smnist", "electricity",
-               "traffic", "ptb"}
+               "traffic", "ptb", "tokens"}
 
 
 class DatasetSpec(_Strict):
-    """Where the data lives. Offline formats only: IDX, CIFAR pickles, image folders, text matrices."""
+    """Where the data lives. Offline formats only: IDX, CIFAR pickles, image folders, text matrices, token files."""
 
     name: DatasetName = "digits"
     root: str | None = Field(None, description="directory holding the dataset's standard files")
@@ -128,8 +129,12 @@ class DatasetSpec(_Strict):
     max_train: int | None = Field(None, ge=1, description="use only the first N training samples")
     max_test: int | None = Field(None, ge=1, description="use only the first N test samples")
     test_fraction: float = Field(0.2, gt=0, lt=1, description="held-out share where the data has no split")
-    seq_len: int | None = Field(None, ge=2, description="PTB tokens per sample (default 256), "
+    seq_len: int | None = Field(None, ge=2, description="ptb/tokens: tokens per sample (default 256); "
                                                         "electricity/traffic window (default 168)")
+    token_dtype: Literal["uint16", "uint32"] | None = Field(
+        None, description="name=tokens: the integer type of train.bin/val.bin (default uint16, as nanoGPT writes)")
+    vocab_size: int | None = Field(None, ge=2, le=16_777_216, description="name=tokens: the vocabulary size "
+                                                                          "(default: the largest token id + 1)")
     horizon: int = Field(24, ge=1, description="electricity/traffic: predict the value this many steps later")
     image_size: int | None = Field(None, ge=8, description="tiny_imagenet: resize side (default 64)")
     normalize: bool = True
@@ -143,6 +148,8 @@ class DatasetSpec(_Strict):
             raise ValueError("dataset.factory is required for name=custom: give package.module:function")
         if self.name != "custom" and (self.factory or self.args):
             raise ValueError("dataset.factory and dataset.args are for name=custom only: set dataset.name=custom")
+        if self.name != "tokens" and (self.token_dtype or self.vocab_size):
+            raise ValueError("dataset.token_dtype and dataset.vocab_size are for name=tokens only")
         if self.name == "npz" and not self.path:
             raise ValueError("dataset.path is required for name=npz: give the .npz file with arrays X and y")
         if self.name in _NEEDS_ROOT and not self.root:

@@ -147,3 +147,27 @@ def read_npz_xy(path: Path) -> tuple[np.ndarray, np.ndarray]:
             return f["X"].astype(np.float32), f["y"]
         except ValueError as err:  # an object array would need pickle: refused
             raise DataFormatError(f"dataset.path: {path}: X or y is not a numeric array ({err})") from None
+
+
+# ---------------------------------------------------------------------------- token files
+
+
+def read_tokens(path: Path, dtype: str) -> np.ndarray:
+    """A 1-D array of token ids, mapped from disk, not read into memory: a ``.bin`` of raw ``dtype`` integers
+    (nanoGPT's train.bin, ``np.array(ids, dtype).tofile(path)``) or a ``.npy`` of one integer dimension (read
+    without unpickling anything)."""
+    if path.suffix == ".npy":
+        try:
+            ids = np.load(path, mmap_mode="r", allow_pickle=False)
+        except Exception as err:  # numpy's message may quote the header's bytes
+            raise DataFormatError(f"dataset tokens: {path}: not a .npy array ({type(err).__name__}): write it "
+                                  f"with numpy.save(path, ids)") from None
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise DataFormatError(f"dataset tokens: {path} holds a {ids.dtype} array of shape {ids.shape}: it needs "
+                                  f"one dimension of integer token ids")
+        return ids
+    size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
+    if size == 0 or size % itemsize:
+        raise DataFormatError(f"dataset tokens: {path} has {size} bytes, not a whole number of {dtype} token ids: "
+                              f"set dataset.token_dtype to the type it was written with (uint16 or uint32)")
+    return np.memmap(path, dtype=dtype, mode="r")

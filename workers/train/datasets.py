@@ -1,7 +1,7 @@
 """Offline datasets in their standard on-disk formats, as in-memory tensor datasets.
 
 No downloads: each loader reads the files a lab already has (IDX, CIFAR pickles, image folders,
-text matrices, PTB text) from ``dataset.root``; a missing file raises ``DatasetNotFound`` naming
+text matrices, PTB text, token files) from ``dataset.root``; a missing file raises ``DatasetNotFound`` naming
 the directory searched and the files expected. ``digits`` (bundled with scikit-learn) and
 ``synthetic`` need no files; ``npz`` reads a user's own arrays ``X`` and ``y``; ``custom`` calls the user's
 own factory (``workers.train.custom_data``).
@@ -46,6 +46,7 @@ from workers.train.data_files import (
     read_pickled_batch,
     read_text,
 )
+from workers.train.token_data import load_tokens  # dataset.name: tokens (train.bin / val.bin)
 
 
 def _standardize(train: np.ndarray, test: np.ndarray, axis: int | tuple[int, ...] | None = None
@@ -272,6 +273,7 @@ LOADERS: dict[str, Callable[[DatasetSpec, int], DataBundle]] = {
     "electricity": load_series,
     "traffic": load_series,
     "ptb": load_ptb,
+    "tokens": load_tokens,
     "npz": load_npz,
     "custom": load_custom,
 }

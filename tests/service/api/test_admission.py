@@ -113,6 +113,12 @@ def test_data_is_read_only_under_the_data_roots(api: Api, tmp_path: Path) -> Non
     (a / "elec").mkdir()
     (a / "elec" / "electricity.txt").symlink_to("/etc/passwd")
     np.savez(b / "own.npz", X=np.zeros((4, 2)), y=np.zeros(4, dtype=np.int64))
+    for corpus, train in ((b / "corpus", b / "corpus" / "train.bin"), (a / "leaky", a / "leaky" / "val.bin")):
+        corpus.mkdir()
+        np.arange(64, dtype=np.uint16).tofile(train)
+    (b / "corpus" / "val.bin").write_bytes((b / "corpus" / "train.bin").read_bytes())
+    np.arange(64, dtype=np.uint16).tofile(outside / "ids.bin")
+    (a / "leaky" / "train.bin").symlink_to(outside / "ids.bin")
     with api.client() as c:
         r = post(c, tiny(dataset={"name": "mnist", "root": "data/mnist"}))  # a preset's root: found in root b
         assert r.status_code == 201, r.text
@@ -132,6 +138,14 @@ def test_data_is_read_only_under_the_data_roots(api: Api, tmp_path: Path) -> Non
         refused(post(c, tiny(dataset={"name": "npz", "path": "nope.npz"})), "spec.dataset.path", "no such file")
         r = post(c, tiny(dataset={"name": "npz", "path": "own.npz"}))
         assert r.status_code == 201 and r.json()["spec"]["dataset"]["path"] == str(b / "own.npz"), r.text
+        tokens, lm = {"name": "tokens", "seq_len": 8}, {"kind": "transformer", "head_dim": 8}
+        r = post(c, with_model(tiny(dataset={**tokens, "root": "corpus"}), **lm))  # nanoGPT's train.bin, val.bin
+        assert r.status_code == 201 and r.json()["spec"]["dataset"]["root"] == str(b / "corpus"), r.text
+        refused(post(c, tiny(dataset={**tokens, "root": "corpus"})), "spec.model", "cannot do language modelling")
+        refused(post(c, with_model(tiny(dataset={**tokens, "root": "leaky"}), **lm)), "spec.dataset.root",
+                "train.bin is a link that leaves the data roots")
+        refused(post(c, with_model(tiny(dataset={**tokens, "root": "elec"}), **lm)), "spec.dataset.root",
+                "expected train.bin and val.bin")
 
 
 def sweep(c: httpx.Client, space: dict[str, Any], **kw: Any) -> httpx.Response:
