@@ -308,7 +308,8 @@ class ResourcesSpec(_Strict):
     cpus_per_worker: float = Field(1, gt=0)
     gpu_memory_gb: float | None = Field(
         None, gt=0, description="GiB of its card's memory each process may allocate (its allocations beyond fail "
-                                "naming this limit); none: the gpus_per_worker share of the card when it is < 1")
+                                "naming this limit; with a share < 1, at most that share of the card); none: the "
+                                "gpus_per_worker share of the card when it is < 1")
     gpu_type: str | None = Field(
         None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
         description="the GPU model each worker needs, as Ray names it (H100, A100, L4, ...: a node's "

@@ -15,6 +15,7 @@ A job that asks for no GPU is not shown any (the service sets ``CUDA_VISIBLE_DEV
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import resource
 from collections.abc import Callable, Iterator
@@ -60,19 +61,26 @@ def process_group_backend(resources: ResourcesSpec, device: torch.device) -> str
 
 
 def memory_fraction(resources: ResourcesSpec, total_bytes: int) -> float | None:
-    """The share of a card of ``total_bytes`` one process may allocate: ``gpu_memory_gb`` of it when set, else
-    ``gpus_per_worker`` when below 1 (four trials at 0.25: a quarter each); None for whole GPUs (no fence).
+    """The share of a card of ``total_bytes`` one process may allocate: ``gpu_memory_gb`` of it when set (within
+    ``gpus_per_worker`` when that is below 1: Ray packs shares onto a card, so more memory than the share could be
+    another job's), else ``gpus_per_worker`` when below 1 (four trials at 0.25: a quarter each); None for whole GPUs
+    (no fence).
 
     >>> memory_fraction(ResourcesSpec(gpus_per_worker=0.25), 80 << 30)
     0.25
     """
+    share = resources.gpus_per_worker
     if resources.gpu_memory_gb is not None:
         fraction = resources.gpu_memory_gb * GIB / total_bytes
         if fraction > 1:
             raise ValueError(f"resources.gpu_memory_gb={resources.gpu_memory_gb:g} but this GPU has "
                              f"{total_bytes / GIB:.1f} GiB: lower gpu_memory_gb")
+        if 0 < share < 1 and fraction > share + 1e-9:  # Ray packs shares, not memory: the rest may be others'
+            raise ValueError(f"resources.gpu_memory_gb={resources.gpu_memory_gb:g} is more than this process's "
+                             f"share of its {total_bytes / GIB:.1f}-GiB card (gpus_per_worker={share:g}: "
+                             f"{share * total_bytes / GIB:.1f} GiB), whose rest Ray may give other jobs: raise "
+                             f"gpus_per_worker to {math.ceil(fraction * 100) / 100:g} or lower gpu_memory_gb")
         return fraction
-    share = resources.gpus_per_worker
     return share if 0 < share < 1 else None
 
 

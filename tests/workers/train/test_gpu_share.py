@@ -43,6 +43,15 @@ def test_a_limit_above_the_card_is_refused_naming_the_field() -> None:
         memory_fraction(ResourcesSpec(gpus_per_worker=1, gpu_memory_gb=100), CARD)
 
 
+def test_a_limit_above_the_share_is_refused_naming_the_share_to_ask() -> None:
+    # two jobs at 0.25 with 60 GiB each: Ray may pack both onto one 80-GiB card, and the second would run out
+    with pytest.raises(ValueError, match=r"resources.gpu_memory_gb=60 is more than this process's share of its "
+                                         r"80.0-GiB card \(gpus_per_worker=0.25: 20.0 GiB\), whose rest Ray may give "
+                                         r"other jobs: raise gpus_per_worker to 0.75 or lower gpu_memory_gb"):
+        memory_fraction(ResourcesSpec(gpus_per_worker=0.25, gpu_memory_gb=60), CARD)
+    assert memory_fraction(ResourcesSpec(gpus_per_worker=0.25, gpu_memory_gb=20), CARD) == 0.25  # the share itself
+
+
 @pytest.mark.parametrize(("share", "device", "backend"), [
     (0.5, CUDA, "gloo"),  # two ranks may be given the same card: NCCL would refuse ("Duplicate GPU detected")
     (0.25, CUDA, "gloo"),
