@@ -10,8 +10,10 @@ a one-line ``DataFormatError`` that names the file.
 from __future__ import annotations
 
 import gzip
+import os
 import pickle
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -152,22 +154,41 @@ def read_npz_xy(path: Path) -> tuple[np.ndarray, np.ndarray]:
 # ---------------------------------------------------------------------------- token files
 
 
-def read_tokens(path: Path, dtype: str) -> np.ndarray:
-    """A 1-D array of token ids, mapped from disk, not read into memory: a ``.bin`` of raw ``dtype`` integers
-    (nanoGPT's train.bin, ``np.array(ids, dtype).tofile(path)``) or a ``.npy`` of one integer dimension (read
-    without unpickling anything)."""
+@dataclass(frozen=True)
+class TokenFile:
+    """A file of token ids, read where asked (``os.pread``), never mapped: a mapped page a process touched counts in
+    its resident memory (what ``resources.memory_gb`` holds a job to), and an epoch over a mapped corpus touches all
+    of it; a read leaves the pages to the kernel's cache."""
+
+    path: Path
+    dtype: np.dtype
+    offset: int  # bytes before the first id (a .npy's header)
+    count: int  # ids
+
+    def read(self, fd: int, start: int, n: int) -> np.ndarray:
+        """Ids ``[start, start + n)`` from ``fd`` (this file, opened by the caller)."""
+        size = self.dtype.itemsize
+        data = os.pread(fd, n * size, self.offset + start * size)
+        return np.frombuffer(data, dtype=self.dtype, count=len(data) // size)
+
+
+def read_tokens(path: Path, dtype: str) -> TokenFile:
+    """A file of token ids: a ``.bin`` of raw ``dtype`` integers (nanoGPT's train.bin,
+    ``np.array(ids, dtype).tofile(path)``) or a ``.npy`` of one integer dimension (read without unpickling)."""
     if path.suffix == ".npy":
-        try:
-            ids = np.load(path, mmap_mode="r", allow_pickle=False)
+        try:  # mapped for its header only (dtype, shape, where the ids begin); no id is touched
+            mapped = np.load(path, mmap_mode="r", allow_pickle=False)
         except Exception as err:  # numpy's message may quote the header's bytes
             raise DataFormatError(f"dataset tokens: {path}: not a .npy array ({type(err).__name__}): write it "
                                   f"with numpy.save(path, ids)") from None
-        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise DataFormatError(f"dataset tokens: {path} holds a {ids.dtype} array of shape {ids.shape}: it needs "
-                                  f"one dimension of integer token ids")
-        return ids
+        kind, shape, offset = mapped.dtype, mapped.shape, int(getattr(mapped, "offset", 0))
+        del mapped
+        if len(shape) != 1 or not np.issubdtype(kind, np.integer):
+            raise DataFormatError(f"dataset tokens: {path} holds a {kind} array of shape {shape}: it needs one "
+                                  f"dimension of integer token ids")
+        return TokenFile(path, kind, offset, shape[0])
     size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
     if size == 0 or size % itemsize:
         raise DataFormatError(f"dataset tokens: {path} has {size} bytes, not a whole number of {dtype} token ids: "
                               f"set dataset.token_dtype to the type it was written with (uint16 or uint32)")
-    return np.memmap(path, dtype=dtype, mode="r")
+    return TokenFile(path, np.dtype(dtype), 0, size // itemsize)

@@ -1,15 +1,18 @@
 """``dataset.name: tokens``: a language model's corpus as token ids a lab's own tokenizer wrote, trained on without
 code of theirs: ``train.bin`` and ``val.bin`` (nanoGPT's format: raw uint16 or uint32 ids), or ``.npy`` arrays.
 
-The files are mapped, not read: a sample is cut from the map when the loader asks for it, so a corpus of billions
-of tokens costs no memory up front. Each sample is ``dataset.seq_len`` tokens and its next-token targets (windows
-that do not overlap, as for ptb). Every id is checked against the vocabulary once, at load: an id past it would
-index out of the embedding (on CUDA, a device-side assert that ends the process, naming nothing).
+The files are not loaded: a sample's ids are read from its file when the loader asks for them (``os.pread``, not a
+memory map, whose touched pages would count in the job's memory), so a corpus of billions of tokens costs none.
+Each sample is ``dataset.seq_len`` tokens and its next-token targets (windows that do not overlap, as for ptb).
+Every id is checked against the vocabulary once, at load: an id past it would index out of the embedding (on
+CUDA, a device-side assert that ends the process, naming nothing).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,17 +22,19 @@ from torch.utils.data import Dataset
 from api_schemas.datasets import DEFAULT_PTB_LEN, token_files
 from api_schemas.spec import DatasetSpec
 from workers.train.data_bundle import DataBundle
-from workers.train.data_files import DataFormatError, read_tokens
+from workers.train.data_files import DataFormatError, TokenFile, read_tokens
 
-CHUNK = 1 << 24  # ids scanned at a time for the vocabulary check (128 MiB as int64 at most)
+CHUNK = 1 << 22  # ids read at a time for the vocabulary check (32 MiB of uint64 at most)
 
 
 class TokenWindows(Dataset):
-    """Sample i: ids ``[i·T, (i+1)·T)`` as x and the ids one further as y (int64 tensors of T), read from the map."""
+    """Sample i: ids ``[i·T, (i+1)·T)`` as x and the ids one further as y (int64 tensors of T), read from the file
+    when asked (its descriptor opened once per process)."""
 
-    def __init__(self, ids: np.ndarray, seq_len: int, limit: int | None) -> None:
-        self.ids, self.seq_len = ids, seq_len
-        self.count = min((len(ids) - 1) // seq_len, limit or len(ids))
+    def __init__(self, tokens: TokenFile, seq_len: int, limit: int | None) -> None:
+        self.tokens, self.seq_len = tokens, seq_len
+        self.count = min((tokens.count - 1) // seq_len, limit or tokens.count)
+        self._fd: int | None = None
 
     def __len__(self) -> int:
         return self.count
@@ -37,34 +42,47 @@ class TokenWindows(Dataset):
     def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
         if not 0 <= i < self.count:
             raise IndexError(f"sample {i} of {self.count}")
-        window = torch.from_numpy(np.array(self.ids[i * self.seq_len: (i + 1) * self.seq_len + 1], dtype=np.int64))
+        if self._fd is None:
+            self._fd = os.open(self.tokens.path, os.O_RDONLY)
+        ids = self.tokens.read(self._fd, i * self.seq_len, self.seq_len + 1)
+        window = torch.from_numpy(ids.astype(np.int64))
         return window[:-1], window[1:]
 
+    def __getstate__(self) -> dict[str, Any]:  # a copy in another process opens its own descriptor
+        return {**self.__dict__, "_fd": None}
 
-def id_range(ids: np.ndarray) -> tuple[int, int]:
-    """The smallest and largest id, scanned a chunk at a time."""
+    def __del__(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+
+
+def id_range(tokens: TokenFile) -> tuple[int, int]:
+    """The smallest and largest id of the file, read a chunk at a time."""
     low, high = 0, 0
-    for start in range(0, len(ids), CHUNK):
-        chunk = ids[start: start + CHUNK]
-        low, high = min(low, int(chunk.min())), max(high, int(chunk.max()))
+    fd = os.open(tokens.path, os.O_RDONLY)
+    try:
+        for start in range(0, tokens.count, CHUNK):
+            chunk = tokens.read(fd, start, min(CHUNK, tokens.count - start))
+            low, high = min(low, int(chunk.min())), max(high, int(chunk.max()))
+    finally:
+        os.close(fd)
     return low, high
 
 
 def load_tokens(spec: DatasetSpec, seed: int) -> DataBundle:
     """train.bin/val.bin (or .npy) under ``dataset.root`` as next-token windows of ``dataset.seq_len``."""
     seq = spec.seq_len or DEFAULT_PTB_LEN
-    splits = []
-    for path, limit in zip(token_files(Path(spec.root or ".")), (spec.max_train, spec.max_test), strict=True):
-        ids = read_tokens(path, spec.token_dtype or "uint16")
-        if len(ids) <= seq:
-            raise ValueError(f"dataset tokens: {path} has {len(ids)} tokens, too few for one sample of "
+    files = [read_tokens(path, spec.token_dtype or "uint16") for path in token_files(Path(spec.root or "."))]
+    for tokens in files:
+        if tokens.count <= seq:
+            raise ValueError(f"dataset tokens: {tokens.path} has {tokens.count} tokens, too few for one sample of "
                              f"dataset.seq_len={seq} and its next token: lower dataset.seq_len")
-        splits.append((path, ids, TokenWindows(ids, seq, limit)))
-    ranges = [id_range(ids) for _, ids, _ in splits]
+    ranges = [id_range(tokens) for tokens in files]
     vocab = spec.vocab_size or max(high for _, high in ranges) + 1
-    for (path, _, _), (low, high) in zip(splits, ranges, strict=True):
+    for path, (low, high) in zip((t.path for t in files), ranges, strict=True):
         if low < 0 or high >= vocab:
             raise DataFormatError(f"dataset tokens: {path} holds token id {low if low < 0 else high}, outside the "
                                   f"vocabulary of dataset.vocab_size={vocab}: raise dataset.vocab_size (or leave "
                                   f"it unset: the largest id + 1)")
-    return DataBundle(splits[0][2], splits[1][2], "lm", (seq,), vocab, None, "tokens")
+    train, test = (TokenWindows(t, seq, limit) for t, limit in zip(files, (spec.max_train, spec.max_test), strict=True))
+    return DataBundle(train, test, "lm", (seq,), vocab, None, "tokens")

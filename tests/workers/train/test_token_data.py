@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -37,9 +38,22 @@ def test_windows_are_the_files_ids_and_their_next_ones(tmp_path: Path) -> None:
     assert b.train[9][1].tolist() == ids[91:101].tolist()  # the last full window and its next tokens
     with pytest.raises(IndexError):
         b.train[10]
-    assert isinstance(b.train.ids, np.memmap)  # mapped, not read: a corpus of billions of ids costs no memory
     limited = load(name="tokens", root=str(tmp_path), seq_len=10, max_train=4, max_test=1, vocab_size=64)
     assert len(limited.train) == 4 and len(limited.test) == 1 and limited.num_classes == 64
+
+
+def test_an_epoch_over_a_corpus_holds_none_of_it_in_the_jobs_memory(tmp_path: Path) -> None:
+    # what resources.memory_gb holds a job to is its processes' proportional set: a mapped page a process touched
+    # counts in it (a 32-MiB corpus read through a map: +32 MiB), a page read into the kernel's cache does not
+    write_bins(tmp_path, np.arange(1 << 24) % 60_000, np.arange(1 << 17) % 60_000)  # 32 MiB of uint16
+    me = psutil.Process()
+    before = me.memory_full_info().pss
+    b = load(name="tokens", root=str(tmp_path), seq_len=1 << 16)  # its vocabulary check reads every id
+    for i in range(len(b.train)):
+        b.train[i]
+    grown = (me.memory_full_info().pss - before) / (1 << 20)
+    assert len(b.train) == 255 and b.num_classes == 60_000
+    assert grown < 12, f"the process grew {grown:.1f} MiB over an epoch of a 32-MiB corpus"
 
 
 def test_uint32_bins_and_npy_arrays_and_test_bin(tmp_path: Path) -> None:
