@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -319,7 +319,15 @@ def build_custom_model(spec: CustomModel) -> nn.Module:
         where = definition(resolve(spec.factory, "model.factory"))
         raise UserCodeError(f"{where + ': ' if where else ''}model.factory {spec.factory} returned a "
                             f"{type(model).__name__}, not a torch.nn.Module: return the model itself")
+    model.register_forward_hook(logits_output)
     return model
+
+
+def logits_output(module: nn.Module, args: Any, output: Any) -> Tensor | None:
+    """A forward hook: a model that answers with an object holding ``logits`` (a Hugging Face ``ModelOutput``) is
+    read as its logits, which the losses, the evaluation and teleport take; any other output is kept (None)."""
+    logits = getattr(output, "logits", None)
+    return logits if not isinstance(output, Tensor) and isinstance(logits, Tensor) else None
 
 
 def build_model_for(spec: AnyModelSpec, data: DataBundle) -> nn.Module:

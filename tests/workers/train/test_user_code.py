@@ -10,10 +10,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from api_schemas import build_spec
 from workers.train.build import build_parts
+from workers.train.loop import run_local
 from workers.train.sinks import MemorySink
 from workers.train.user_code import UserCodeError, add_code_dir
 
@@ -86,6 +88,40 @@ def test_run_local_with_code_dir_trains_the_example_lm_with_teleport(tmp_path: P
     assert teleports and any(r["steps"] > 0 for r in teleports)  # the tied LM could move
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_test_ppl"] > 1 and summary["epochs"] == 2
+
+
+HF_GPT2 = '''
+import transformers
+
+
+def gpt2(vocab=40, width=16):
+    config = transformers.GPT2Config(vocab_size=vocab, n_positions=32, n_embd=width, n_layer=1, n_head=2,
+                                     bos_token_id=None, eos_token_id=None)
+    return transformers.GPT2LMHeadModel(config)  # answers with a ModelOutput, not a tensor
+'''
+
+
+def test_a_factory_may_return_a_transformers_model_as_it_is(tmp_path: Path) -> None:
+    # its ModelOutput is read as its logits: the loss, the evaluation's perplexity and teleport all take them
+    name, _ = package(tmp_path, HF_GPT2)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    ids = (np.arange(4000) * 7) % 40
+    ids[:3600].astype(np.uint16).tofile(corpus / "train.bin")
+    ids[3600:].astype(np.uint16).tofile(corpus / "val.bin")
+    spec = build_spec({
+        "model": {"kind": "custom", "factory": f"{name}.models:gpt2"},
+        "dataset": {"name": "tokens", "root": str(corpus), "seq_len": 16},
+        "optimizer": {"name": "adamw", "lr": 0.01}, "training": {"epochs": 2, "batch_size": 32},
+        "teleport": {"epochs": [0], "batches": 2, "batch_size": 1, "steps": 2, "cap": 1e6, "budget": None},
+    })
+    summary = run_local(spec, tmp_path / "run", progress=False)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    teleports = [r for r in records if r["kind"] == "teleport"]
+    assert len(teleports) == 2 and all(r["steps"] > 0 for r in teleports)
+    assert all(abs(r["loss_after"] - r["loss_before"]) <= 1e-3 * r["loss_before"] for r in teleports)
+    losses = [r["train_loss"] for r in records if r["kind"] == "epoch"]
+    assert losses[1] < losses[0] and summary["final_test_ppl"] < 40  # below a uniform guess over the vocabulary
 
 
 def test_factories_build_model_data_and_loss(tmp_path: Path) -> None:
