@@ -1,11 +1,13 @@
 """Exact teleport on the Hugging Face models labs train, as ``transformers`` builds them (tiny configs, random
 weights, no download): GPT-2 (Conv1D projections, a tied head), Llama (RMSNorm, rotary positions, grouped-query
-attention, SwiGLU), BERT for classification and ViT for images, each with its SDPA and its eager attention. The batch
-loss is kept to 1e-9 while every linear projection moves, and the norms stay, saying why: ``test_uses``' checks."""
+attention, SwiGLU), BERT for classification and ViT for images, each with its SDPA and its eager attention, and
+each H·∇L (exact, difference). The batch loss is kept to 1e-9 while every linear projection moves, and the norms
+stay, saying why: ``test_uses``' checks."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -14,7 +16,7 @@ import torch.nn.functional as F
 import transformers
 from torch import Tensor, nn
 
-from tests.teleport.families import Case, lm_loss
+from tests.teleport.families import OPEN, Case, lm_loss
 from tests.teleport.test_uses import assert_exact
 
 pytestmark = pytest.mark.usefixtures("float64")
@@ -74,11 +76,13 @@ def vit(attention: str) -> Case:
 MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit}
 
 
+@pytest.mark.parametrize("hvp", ["exact", "difference"])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_a_transformers_model_moves_its_projections_exactly_and_leaves_its_norms(name: str, attention: str) -> None:
+def test_a_transformers_model_moves_its_projections_exactly_and_leaves_its_norms(name: str, attention: str,
+                                                                                 hvp: str) -> None:
     built = MODELS[name](attention)
     assert len(built.moved) >= 5, built.moved
-    untouched = assert_exact(built)
+    untouched = assert_exact(built, replace(OPEN, hvp=hvp))
     norms = [n for n, m in built.model.named_modules() if "norm" in type(m).__name__.lower()]
     assert norms and all(f"{n}.weight" in untouched for n in norms), untouched
