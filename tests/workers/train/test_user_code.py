@@ -124,6 +124,27 @@ def test_a_factory_may_return_a_transformers_model_as_it_is(tmp_path: Path) -> N
     assert losses[1] < losses[0] and summary["final_test_ppl"] < 40  # below a uniform guess over the vocabulary
 
 
+def test_the_hf_lm_example_prepares_its_token_files_and_trains_a_llama_with_teleport(tmp_path: Path) -> None:
+    example = REPO / "examples" / "hf_lm"
+    done = subprocess.run([sys.executable, str(example / "prepare.py"), str(tmp_path / "data"), "--modules",
+                           "json.decoder"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "val.bin" in done.stdout, done.stderr
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "workers.cli", "run", str(example / "spec.yaml"), "--local", "--code", str(example),
+           "--out", str(out), "--no-progress", "--set", f"dataset.root={tmp_path / 'data'}", "training.epochs=2",
+           "training.max_steps_per_epoch=4", "teleport.budget=null"]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    start = next(r for r in records if r["kind"] == "start")
+    assert start["task"] == "lm" and start["dataset"] == "tokens" and start["model"] == "custom"
+    teleports = [r for r in records if r["kind"] == "teleport"]
+    assert teleports and all(r["grad_norm_sq_after"] > r["grad_norm_sq_before"] for r in teleports)
+    assert any(r["name"].endswith("mlp.down_proj") and r["free"] > 0 for r in teleports[0]["layers"])
+    assert "model.norm.weight" in teleports[0]["untouched"]
+    assert [r["epoch"] for r in records if r["kind"] == "epoch"] == [0, 1]
+
+
 def test_factories_build_model_data_and_loss(tmp_path: Path) -> None:
     name, _ = package(tmp_path, GOOD)
     data, model, loss_fn = build_parts(spec_for(name, args={"width": 5}), MemorySink(), 0)
