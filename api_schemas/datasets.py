@@ -129,6 +129,36 @@ def token_files(root: Path) -> tuple[Path, Path]:
     return train, test
 
 
+class TokenFileError(ValueError):
+    """A token file that cannot fit the spec, known from its size alone; ``field`` is the dataset field to change."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+BYTES_PER_ID = {"uint16": 2, "uint32": 4}
+
+
+def raw_token_count(path: Path, dtype: str) -> int:
+    """The ids in a raw ``.bin`` token file of ``dtype`` integers, from its size (a stat, nothing read)."""
+    size, itemsize = path.stat().st_size, BYTES_PER_ID[dtype]
+    if size == 0 or size % itemsize:
+        raise TokenFileError(f"dataset tokens: {path} has {size} bytes, not a whole number of {dtype} token ids: set "
+                             f"dataset.token_dtype to the type it was written with (uint16 or uint32)", "token_dtype")
+    return size // itemsize
+
+
+def check_token_sizes(spec: DatasetSpec) -> None:
+    """``tokens``: each ``.bin`` holds whole ids of ``dataset.token_dtype`` and more than one sample of ``seq_len``
+    (TokenFileError naming the field); a ``.npy``'s count is in its header, read by the loader."""
+    seq = spec.seq_len or DEFAULT_PTB_LEN
+    for path in token_files(Path(spec.root or ".")):
+        if path.suffix == ".bin" and (count := raw_token_count(path, spec.token_dtype or "uint16")) <= seq:
+            raise TokenFileError(f"dataset tokens: {path} has {count} tokens, too few for one sample of "
+                                 f"dataset.seq_len={seq} and its next token: lower dataset.seq_len", "seq_len")
+
+
 def npz_file(path: Path) -> Path:
     if not path.is_file():
         raise DatasetNotFound(f"dataset.path: {path}: no such file — set dataset.path to a .npz with arrays X, y")

@@ -15,7 +15,14 @@ import json
 from pathlib import Path
 
 from api_schemas.compat import check_model_data
-from api_schemas.datasets import FILELESS, DatasetNotFound, required_files, sample_shape
+from api_schemas.datasets import (
+    FILELESS,
+    DatasetNotFound,
+    TokenFileError,
+    check_token_sizes,
+    required_files,
+    sample_shape,
+)
 from api_schemas.jobs import ExperimentSubmit, Role, UserPublic
 from api_schemas.notify import Notify, webhook_host
 from api_schemas.spec import DatasetSpec, ExperimentSpec, MLPModel, TransformerModel
@@ -227,6 +234,11 @@ def admit_dataset(settings: Settings, ds: DatasetSpec, prefix: str) -> DatasetSp
         if not inside(f.resolve(), roots):
             raise InvalidInput(f"{f.relative_to(real) if f != real else f.name} is a link that leaves the data "
                                "roots: copy the file in instead", field=field)
+    if ds.name == "tokens":  # what the files' sizes tell now, not when the job loads them
+        try:
+            check_token_sizes(resolved)
+        except TokenFileError as err:
+            raise InvalidInput(str(err), field=f"{prefix}.{err.field}") from None
     return resolved
 
 

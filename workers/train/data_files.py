@@ -19,6 +19,8 @@ from typing import BinaryIO
 
 import numpy as np
 
+from api_schemas.datasets import TokenFileError, raw_token_count
+
 
 class DataFormatError(ValueError):
     """A data file is not in its format; the message names the file (and line), never its contents."""
@@ -187,8 +189,7 @@ def read_tokens(path: Path, dtype: str) -> TokenFile:
             raise DataFormatError(f"dataset tokens: {path} holds a {kind} array of shape {shape}: it needs one "
                                   f"dimension of integer token ids")
         return TokenFile(path, kind, offset, shape[0])
-    size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
-    if size == 0 or size % itemsize:
-        raise DataFormatError(f"dataset tokens: {path} has {size} bytes, not a whole number of {dtype} token ids: "
-                              f"set dataset.token_dtype to the type it was written with (uint16 or uint32)")
-    return TokenFile(path, np.dtype(dtype), 0, size // itemsize)
+    try:
+        return TokenFile(path, np.dtype(dtype), 0, raw_token_count(path, dtype))
+    except TokenFileError as err:
+        raise DataFormatError(str(err)) from None

@@ -146,6 +146,11 @@ def test_data_is_read_only_under_the_data_roots(api: Api, tmp_path: Path) -> Non
                 "train.bin is a link that leaves the data roots")
         refused(post(c, with_model(tiny(dataset={**tokens, "root": "elec"}), **lm)), "spec.dataset.root",
                 "expected train.bin and val.bin")
+        refused(post(c, with_model(tiny(dataset={**tokens, "root": "corpus", "seq_len": 64}), **lm)),
+                "spec.dataset.seq_len", "train.bin has 64 tokens, too few for one sample of dataset.seq_len=64")
+        (b / "corpus" / "val.bin").write_bytes(b"\x00" * 129)  # 129 bytes: no whole number of uint16 ids
+        refused(post(c, with_model(tiny(dataset={**tokens, "root": "corpus"}), **lm)), "spec.dataset.token_dtype",
+                "val.bin has 129 bytes, not a whole number of uint16 token ids")
 
 
 def sweep(c: httpx.Client, space: dict[str, Any], **kw: Any) -> httpx.Response:
