@@ -288,6 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "one_teleport_default_le_floor": cost["teleport_default_in_train_steps"] <= floor,
         "host_reads_per_step_le_1": cost["host_reads_per_step"] <= 1.0,
         "adam_seconds_ratio_le_1": (pay["adam"]["median_seconds_ratio"] or math.inf) <= 1.0,
+        "adam_lr2_seconds_ratio_le_1": (pay["adam_lr2"]["median_seconds_ratio"] or math.inf) <= 1.0,
     }
     print_table(["teleport on 2 sequences", "seconds", "training steps", "steps taken"], [
         ["8 steps forced", f"{cost['teleport_8_steps_s']:.3f}", f"{cost['teleport_8_steps_in_train_steps']:.2f}", 8],
@@ -332,7 +333,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{opt}: median over {len(p['seeds'])} seeds {median} the baseline's seconds, reached in "
               f"{p['reached']}/{len(p['seeds'])}, teleport share {p['median_teleport_share']:.1%}")
     print(f"one teleport (defaults) <= {floor:g} training steps: {verdict(floors['one_teleport_default_le_floor'])}; "
-          f"Adam to the baseline's loss in <= 1.0x its seconds: {verdict(floors['adam_seconds_ratio_le_1'])}")
+          f"Adam to the baseline's loss in <= 1.0x its seconds: {verdict(floors['adam_seconds_ratio_le_1'])} "
+          f"(teleport.lr 2, cap 1e4: {verdict(floors['adam_lr2_seconds_ratio_le_1'])})")
     print(f"payoff runs: teleport.ascent {ascent}, teleport.hvp {hvp} (asked: {args.ascent}, {args.hvp})")
     result = {"quick": args.quick, "device": str(device), "size": size, "ascent": ascent, "hvp": hvp,
               "ascent_asked": args.ascent, "hvp_asked": args.hvp,

@@ -14,18 +14,22 @@ import torch
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_lm"
 
 # a payoff row -> its optimizer; "_first" and the recipe: teleport before epoch 0 only (what a run with Adam is told
-# to do); "adamw_recipe": the way LMs are trained, AdamW with weight decay, a warm-up, a cosine decay and a clip
-SCHEDULES = {"sgd": "sgd", "adam": "adam", "adam_first": "adam", "adamw_recipe": "adamw"}
-FIRST_ONLY = {"adam_first", "adamw_recipe"}
+# to do); "adamw_recipe": the way LMs are trained, AdamW with weight decay, a warm-up, a cosine decay and a clip;
+# "_lr2": teleport.lr 2 and teleport.cap 1e4 (LM_TELEPORT), where the default η 0.2 raises a char LM's ‖∇L‖² by ~1 %
+SCHEDULES = {"sgd": "sgd", "adam": "adam", "adam_first": "adam", "adamw_recipe": "adamw", "adam_lr2": "adam",
+             "adamw_recipe_lr2": "adamw"}
+FIRST_ONLY = {"adam_first", "adamw_recipe", "adamw_recipe_lr2"}
 RECIPE = {"optimizer": {"weight_decay": 0.1, "schedule": "cosine", "lr_warmup_steps": 20, "final_lr_ratio": 0.1},
           "training": {"grad_clip_norm": 1.0}}
+LM_TELEPORT = {"lr": 2.0, "cap": 1e4}
 
 
 def lm_spec(optimizer: str, teleport: bool, size: str, quick: bool, ascent: str = "auto", seed: int = 0,
             hvp: str = "exact") -> Any:
     """The char LM's spec for a payoff row (``SCHEDULES``): teleport before epochs 0-4 (issue 27's runs), or before
     epoch 0 only for a ``FIRST_ONLY`` row (what a run with Adam is told to do: ``workers.train.teleporting``)."""
-    first, recipe = optimizer in FIRST_ONLY, RECIPE if optimizer == "adamw_recipe" else {}
+    first, recipe = optimizer in FIRST_ONLY, RECIPE if optimizer.startswith("adamw_recipe") else {}
+    tuned = LM_TELEPORT if optimizer.endswith("_lr2") else {}
     optimizer = SCHEDULES[optimizer]
     from api_schemas.spec_io import build_spec
 
@@ -45,7 +49,8 @@ def lm_spec(optimizer: str, teleport: bool, size: str, quick: bool, ascent: str 
         "optimizer": {"name": optimizer, "lr": {"sgd": 0.3, "adam": 0.003, "adamw": 0.003}[optimizer],
                       **recipe.get("optimizer", {})},
         "teleport": {"enabled": teleport, "epochs": [0] if first else list(range(min(5, epochs))),
-                     "batches": 8 if gpu else 2, "steps": 8, "batch_size": 2, "ascent": ascent, "hvp": hvp},
+                     "batches": 8 if gpu else 2, "steps": 8, "batch_size": 2, "ascent": ascent, "hvp": hvp,
+                     **tuned},
     })
 
 

@@ -49,16 +49,38 @@ IDLE = {  # a stop reason that leaves every batch of an epoch where it was -> wh
 }
 
 
+SMALL_RISE = 1.1  # a teleport batch whose every step was taken as asked yet raised ‖∇L‖² by less: η is too small
+
+
 def idle_hint(epoch: int, reports: list[TeleportReport], tp: TeleportSpec) -> dict[str, Any] | None:
     """A ``hint`` record when every teleport batch of the epoch took no step for one reason a setting decides (an
-    LM's ‖∇L‖² is far over the default CAP of 5: its teleports cost time and move nothing), else None."""
+    LM's ‖∇L‖² is far over the default CAP of 5: its teleports cost time and move nothing), or took every step at
+    ``teleport.lr`` without a back-off and still raised ‖∇L‖² by under 10 % (``small_steps_hint``), else None."""
     reasons = {r.stop_reason for r in reports}
+    if reports and reasons == {"steps"}:
+        return small_steps_hint(epoch, reports, tp)
     if not reports or any(r.steps for r in reports) or len(reasons) != 1 or next(iter(reasons)) not in IDLE:
         return None
     norms = [r.grad_norm_sq_before for r in reports]
     text = IDLE[reports[0].stop_reason].format(low=min(norms), high=max(norms), cap=tp.cap, n=tp.batch_size)
     return {"kind": "hint", "epoch": epoch, "reason": reports[0].stop_reason,
             "message": f"teleport at epoch {epoch}: {text}"}
+
+
+def small_steps_hint(epoch: int, reports: list[TeleportReport], tp: TeleportSpec) -> dict[str, Any] | None:
+    """The ``small_steps`` hint: η (``teleport.lr``) moved every batch along without a back-off, by too little to
+    matter (the paper's η from its MNIST table is ~10x too small for a char LM: ``docs/algorithm.md``; where few
+    directions are free, a larger η may only meet ``loss_tol``, hence "try")."""
+    rises = [r.grad_norm_sq_after / r.grad_norm_sq_before for r in reports if r.grad_norm_sq_before > 0]
+    if any(r.backoffs or not r.steps for r in reports) or not rises or max(rises) >= SMALL_RISE:
+        return None
+    best = max(reports, key=lambda r: r.grad_norm_sq_after / r.grad_norm_sq_before)
+    return {"kind": "hint", "epoch": epoch, "reason": "small_steps",
+            "message": f"teleport at epoch {epoch}: every step was taken without a back-off, yet ‖∇L‖² rose by at "
+                       f"most {max(rises) - 1:.1%} ({best.grad_norm_sq_before:.3g} to {best.grad_norm_sq_after:.3g} "
+                       f"in {best.steps} steps): teleport moved too little to matter; try a larger teleport.lr (now "
+                       f"{tp.lr:g}) and teleport.cap, or sweep them (on a char LM with Adam, lr 2 with a cap of 1e4 "
+                       f"paid where 0.2 did not: docs/algorithm.md)"}
 
 
 ADAPTIVE = ("adam", "adamw")  # optimizers whose step does not grow with the gradient's scale

@@ -167,8 +167,25 @@ def test_a_teleport_at_cap_on_every_batch_says_once_what_to_change(capsys: pytes
     assert hints[0]["message"].startswith(f"teleport at epoch 0: every batch's ‖∇L‖² ({low:.3g} to ")
     assert "raise teleport.cap above" in hints[0]["message"]
     assert f"hint: {hints[0]['message']}" in capsys.readouterr().err
-    records, _ = run(None)  # teleport that moves says nothing
-    assert not [r for r in records if r["kind"] == "hint"]
+    records, _ = run(None)  # teleport that moves says nothing of the cap
+    assert not [r for r in records if r["kind"] == "hint" and r["reason"] == "cap"]
+
+
+def test_teleport_steps_too_small_to_matter_are_told_once_with_the_rise_seen() -> None:
+    """Every step taken at teleport.lr without a back-off, ‖∇L‖² up by under 10 %: η is too small for the model (the
+    default 0.2 on a char LM: +1 %). The run says so once, with the rise and the setting to raise."""
+    base = spec(None)
+    timid = base.model_copy(update={"teleport": base.teleport.model_copy(update={"lr": 1e-5})})
+    sink = MemorySink()
+    train(timid, RunContext(sink=sink))
+    tele = [r for r in sink.records if r["kind"] == "teleport"]
+    assert tele and all(r["stop_reason"] == "steps" and not r["backoffs"] for r in tele)
+    hints = [r for r in sink.records if r["kind"] == "hint"]
+    assert [(h["epoch"], h["reason"]) for h in hints] == [(0, "small_steps")]
+    rise = max(r["grad_norm_sq_after"] / r["grad_norm_sq_before"] for r in tele if r["epoch"] == 0) - 1
+    assert hints[0]["message"].startswith(f"teleport at epoch 0: every step was taken without a back-off, yet ‖∇L‖² "
+                                          f"rose by at most {rise:.1%} (")
+    assert "teleport moved too little to matter; try a larger teleport.lr (now 1e-05)" in hints[0]["message"]
 
 
 @pytest.mark.parametrize(("optimizer", "epochs", "said"), [("adam", [0, 1, 2], True), ("adamw", [1], True),
@@ -184,7 +201,7 @@ def test_adam_teleporting_after_epoch_0_is_told_once_at_the_start(optimizer: str
                                 "teleport": base.teleport.model_copy(update={"epochs": epochs})})
     sink = MemorySink()
     train(s, RunContext(sink=sink))
-    hints = [(i, r) for i, r in enumerate(sink.records) if r["kind"] == "hint"]
+    hints = [(i, r) for i, r in enumerate(sink.records) if r["kind"] == "hint" and r["reason"] != "small_steps"]
     assert [r["reason"] for _, r in hints] == (["adaptive_optimizer"] if said else [])
     if said:
         first_epoch = next(i for i, r in enumerate(sink.records) if r["kind"] == "epoch")
