@@ -78,9 +78,9 @@ def small_steps_hint(epoch: int, reports: list[TeleportReport], tp: TeleportSpec
     return {"kind": "hint", "epoch": epoch, "reason": "small_steps",
             "message": f"teleport at epoch {epoch}: every step was taken without a back-off, yet ‖∇L‖² rose by at "
                        f"most {max(rises) - 1:.1%} ({best.grad_norm_sq_before:.3g} to {best.grad_norm_sq_after:.3g} "
-                       f"in {best.steps} steps): teleport moved too little to matter; try a larger teleport.lr (now "
-                       f"{tp.lr:g}) and teleport.cap, or sweep them (on a char LM with Adam, lr 2 with a cap of 1e4 "
-                       f"paid where 0.2 did not: docs/algorithm.md)"}
+                       f"in {best.steps} steps): teleport moved too little to matter; sweep a larger teleport.lr (now "
+                       f"{tp.lr:g}) with teleport.cap (on a char LM with Adam, lr 2 and a cap of 1e4 paid where 0.2 "
+                       f"did not; with SGD the larger ‖∇L‖ made its steps overshoot: docs/algorithm.md)"}
 
 
 ADAPTIVE = ("adam", "adamw")  # optimizers whose step does not grow with the gradient's scale
