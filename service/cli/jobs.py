@@ -111,6 +111,8 @@ def preflight_lines(pf: dict[str, Any] | None) -> list[str]:
         lines += [f"    {layer['name']:<28} {layer['free']:>6} free of {layer['input_dim']}"
                   for layer in pf.get("layers") or []]
         lines += [f"    {name:<28} untouched: {why}" for name, why in (pf.get("untouched") or {}).items()]
+        if pf.get("step_advice"):
+            lines.append(f"  teleport step: {pf['step_advice']}")
     return lines
 
 

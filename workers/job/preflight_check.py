@@ -10,12 +10,16 @@ import json
 import sys
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from api_schemas import ExperimentSpec, keys
 from api_schemas.preflight import PreflightResult
 from api_schemas.sweeps import preflighted_spec
 from workers.train.sinks import MetricSink
+
+if TYPE_CHECKING:
+    from api_schemas.spec import TeleportSpec
+    from teleport import TeleportReport
 
 SMALL_BATCH = 8  # samples in the forward/backward pass
 
@@ -64,7 +68,30 @@ def _step(spec: ExperimentSpec, sink: MetricSink, out: dict[str, Any]) -> None:
 
         report = teleport_batch(model, loss_fn, x, y, config)
     out.update(teleport=tp.method, tau=tp.tau, free_directions=report.free_directions,
-               layers=[dataclasses.asdict(layer) for layer in report.layers], untouched=dict(report.untouched))
+               layers=[dataclasses.asdict(layer) for layer in report.layers], untouched=dict(report.untouched),
+               grad_norm_sq=report.grad_norm_sq_before, grad_norm_sq_after_step=report.grad_norm_sq_after,
+               step_advice=step_advice(report, tp))
+
+
+def step_advice(report: TeleportReport, tp: TeleportSpec) -> str:
+    """One line on the preflight's teleport step (``report``, taken with no CAP) against the spec's ``teleport``:
+    a ‖∇L‖² already over ``cap`` (teleport would take no step), a rise that ``teleport.steps`` such steps keep under
+    ``SMALL_RISE`` (``teleport.lr`` too small to matter, as the paper's 0.2 is for an LM), else the rise itself."""
+    from workers.train.teleporting import SMALL_RISE
+
+    before, after = report.grad_norm_sq_before, report.grad_norm_sq_after
+    seen = f"‖∇L‖² {before:.3g} at the model's first weights"
+    if before >= tp.cap:
+        return f"{seen}, over teleport.cap={tp.cap:g}: no step would be taken; raise the cap above {before:.3g}"
+    if report.stop_reason == "no_free_directions":
+        return f"{seen}; no layer has a free direction: lower teleport.batch_size (now {tp.batch_size})"
+    if not report.steps:
+        return f"{seen}; one step at teleport.lr={tp.lr:g} was refused ({report.stop_reason}): lower teleport.lr"
+    rise = f"one step at teleport.lr={tp.lr:g} took it to {after:.3g} ({after / before - 1:+.1%})"
+    if (after / before) ** tp.steps < SMALL_RISE:  # at that rate, a batch's teleport.steps
+        return (f"{seen}; {rise}: at that rate {tp.steps} steps raise it by under {SMALL_RISE - 1:.0%}, too little to "
+                f"matter; sweep a larger teleport.lr with teleport.cap")
+    return f"{seen}; {rise}"
 
 
 def preflight(spec: ExperimentSpec, sink: MetricSink) -> PreflightResult:

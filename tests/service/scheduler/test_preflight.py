@@ -12,6 +12,7 @@ import pytest
 
 from service.cli.client import ApiError, Client
 from service.cli.code_zip import upload
+from service.cli.jobs import preflight_lines
 from service.stack.embedded import Stack, release_scheduler_lock
 from tests.service.conftest import ray_holders, ray_rest, ray_state, wait_for
 from tests.service.test_code_packages import wait_end
@@ -78,6 +79,8 @@ def test_a_good_package_passes_its_preflight_then_trains(stack: Stack, tmp_path:
         pf = view["preflight"]
         assert pf["state"] == "passed" and pf["train_size"] > 0 and pf["sample_shape"] == [1, 8, 8]
         assert pf["teleport"] == "nullspace" and pf["free_directions"] == sum(x["free"] for x in pf["layers"])
+        seen = f"‖∇L‖² {pf['grad_norm_sq']:.3g} at the model's first weights"  # what teleport will do, before the gang
+        assert pf["step_advice"].startswith(seen) and f"  teleport step: {pf['step_advice']}" in preflight_lines(pf)
         assert view["attempts"] == 1
         messages = [e.data.get("message", "") for e in c.events(job, reconnect=False) if e.kind == "log"]
         assert any(m.startswith("preflight passed") for m in messages)

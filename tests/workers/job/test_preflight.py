@@ -65,6 +65,30 @@ def test_a_good_package_reports_its_model_data_and_teleportable_layers(tmp_path:
     assert all(layer.free == layer.input_dim - layer.rank for layer in result.layers)
 
 
+def with_teleport(base: object, **teleport: object) -> object:
+    return base.model_copy(update={"teleport": base.teleport.model_copy(update=teleport)})
+
+
+def test_the_teleport_step_says_what_it_tells_of_the_cap_and_the_lr(tmp_path: Path) -> None:
+    # before the gang is held, the user sees whether teleport will move at all, and by how much
+    base = spec(package(tmp_path))
+    moved = preflight(with_teleport(base, lr=1.0, cap=1e9, steps=8), MemorySink())
+    before, after = moved.grad_norm_sq, moved.grad_norm_sq_after_step
+    assert before > 0 and (after / before) ** 8 > 1.1
+    assert moved.step_advice == (f"‖∇L‖² {before:.3g} at the model's first weights; one step at teleport.lr=1 took it "
+                                 f"to {after:.3g} ({after / before - 1:+.1%})")
+    timid = preflight(with_teleport(base, lr=1e-6, cap=1e9), MemorySink()).step_advice
+    assert timid.endswith("(+0.0%): at that rate 2 steps raise it by under 10%, too little to matter; sweep a larger "
+                          "teleport.lr with teleport.cap")
+    refused = preflight(with_teleport(base, lr=50.0, cap=1e9), MemorySink()).step_advice
+    assert refused.endswith("one step at teleport.lr=50 was refused (loss_tol): lower teleport.lr")
+    capped = preflight(with_teleport(base, cap=1e-9), MemorySink()).step_advice
+    assert capped == (f"‖∇L‖² {before:.3g} at the model's first weights, over teleport.cap=1e-09: no step would be "
+                      f"taken; raise the cap above {before:.3g}")
+    full = preflight(with_teleport(base, batch_size=512, tau=1.0), MemorySink()).step_advice
+    assert full.endswith("no layer has a free direction: lower teleport.batch_size (now 512)")
+
+
 def test_a_name_error_in_a_factory_is_one_line_at_the_users_file_and_line(tmp_path: Path) -> None:
     name = package(tmp_path)
     sink = MemorySink()

@@ -62,6 +62,7 @@ function preflightFacts(pf) {
       + (pf.layers || []).map((l) => `${l.name} ${l.free}/${l.input_dim}`).join(", ")]);
     const untouched = Object.entries(pf.untouched || {});
     if (untouched.length) facts.push(["untouched", untouched.map(([k, v]) => `${k}: ${v}`).join("; ")]);
+    if (pf.step_advice) facts.push(["teleport step", pf.step_advice]);
   }
   return facts;
 }
