@@ -1,8 +1,8 @@
 """What each built-in dataset is without reading it: its task, one sample's shape, the files it needs.
 
 Shared by the workers' loaders (``workers/train/datasets.py`` finds its files here) and the service's checks at
-submit (``service/api/admission.py``), so the two never disagree on a file name. Pure stdlib: existence checks
-only, nothing is opened.
+submit (``service/api/admission.py``), so the two never disagree on a file name. Pure stdlib: existence and
+size checks only, nothing is opened.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def idle_hint(epoch: int, reports: list[TeleportReport], tp: TeleportSpec) -> di
 def small_steps_hint(epoch: int, reports: list[TeleportReport], tp: TeleportSpec) -> dict[str, Any] | None:
     """The ``small_steps`` hint: η (``teleport.lr``) moved every batch along without a back-off, by too little to
     matter (the paper's η from its MNIST table is ~10x too small for a char LM: ``docs/algorithm.md``; where few
-    directions are free, a larger η may only meet ``loss_tol``, hence "try")."""
+    directions are free, a larger η may only meet ``loss_tol``, hence a sweep rather than a value)."""
     rises = [r.grad_norm_sq_after / r.grad_norm_sq_before for r in reports if r.grad_norm_sq_before > 0]
     if any(r.backoffs or not r.steps for r in reports) or not rises or max(rises) >= SMALL_RISE:
         return None

@@ -52,7 +52,7 @@ class TokenWindows(Dataset):
         return {**self.__dict__, "_fd": None}
 
     def __del__(self) -> None:
-        if self._fd is not None:
+        if getattr(self, "_fd", None) is not None:
             os.close(self._fd)
 
 
