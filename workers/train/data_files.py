@@ -173,6 +173,11 @@ class TokenFile:
         data = os.pread(fd, n * size, self.offset + start * size)
         return np.frombuffer(data, dtype=self.dtype, count=len(data) // size)
 
+    def read_into(self, fd: int, start: int, out: np.ndarray) -> np.ndarray:
+        """Ids ``[start, start + len(out))`` read into ``out``; the part filled (all of it unless the file ends)."""
+        got = os.preadv(fd, [memoryview(out).cast("B")], self.offset + start * self.dtype.itemsize)
+        return out[: got // self.dtype.itemsize]
+
 
 def read_tokens(path: Path, dtype: str) -> TokenFile:
     """A file of token ids: a ``.bin`` of raw ``dtype`` integers (nanoGPT's train.bin,

@@ -57,12 +57,14 @@ class TokenWindows(Dataset):
 
 
 def id_range(tokens: TokenFile) -> tuple[int, int]:
-    """The smallest and largest id of the file, read a chunk at a time."""
+    """The smallest and largest id of the file, read a chunk at a time into one buffer (a fresh buffer a chunk
+    would stay in the allocator's heap once freed: glibc raises its mmap threshold to a freed block's size)."""
     low, high = 0, 0
+    buffer = np.empty(min(CHUNK, tokens.count), dtype=tokens.dtype)
     fd = os.open(tokens.path, os.O_RDONLY)
     try:
         for start in range(0, tokens.count, CHUNK):
-            chunk = tokens.read(fd, start, min(CHUNK, tokens.count - start))
+            chunk = tokens.read_into(fd, start, buffer[: min(CHUNK, tokens.count - start)])
             low, high = min(low, int(chunk.min())), max(high, int(chunk.max()))
     finally:
         os.close(fd)
