@@ -188,7 +188,12 @@ def test_tlab_up_restart_mid_run_resumes_from_checkpoint(tmp_path: Path) -> None
         assert view["state"] == "succeeded" and view["attempts"] == 2, view
         assert epochs_in(events) == list(range(RESTART_EPOCHS))
         states = [e.data["state"] for e in events if e.kind == "status" and "at" in e.data]
-        assert states.count("queued") == 2 and "vanished" in json.dumps([e.data for e in events])
+        assert states.count("queued") == 2
+        # why it went back: its Ray job gone with the cluster, or (when the stop reached Ray before the scheduler, as
+        # a loaded machine may order it) its driver ended by the stop's signal; either way from its checkpoint
+        requeue = [e.data.get("reason", "") for e in events if e.kind == "status" and e.data.get("state") == "queued"]
+        assert ("its Ray job vanished" in requeue[1] or requeue[1].startswith("driver killed by")) and (
+            "; retrying from epoch" in requeue[1]), requeue
         # it resumed: the second attempt did not redo the first three epochs
         assert view["summary"]["epochs"] == RESTART_EPOCHS
         # both attempts' logs outlive the first cluster: kept in storage, the last words of the second included
