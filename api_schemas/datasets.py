@@ -152,11 +152,17 @@ def raw_token_count(path: Path, dtype: str) -> int:
 def check_token_sizes(spec: DatasetSpec) -> None:
     """``tokens``: each ``.bin`` holds whole ids of ``dataset.token_dtype`` and more than one sample of ``seq_len``
     (TokenFileError naming the field); a ``.npy``'s count is in its header, read by the loader."""
-    seq = spec.seq_len or DEFAULT_PTB_LEN
+    dtype, seq = spec.token_dtype or "uint16", spec.seq_len or DEFAULT_PTB_LEN
     for path in token_files(Path(spec.root or ".")):
-        if path.suffix == ".bin" and (count := raw_token_count(path, spec.token_dtype or "uint16")) <= seq:
-            raise TokenFileError(f"dataset tokens: {path} has {count} tokens, too few for one sample of "
-                                 f"dataset.seq_len={seq} and its next token: lower dataset.seq_len", "seq_len")
+        if path.suffix == ".bin":
+            check_token_count(path, raw_token_count(path, dtype), seq)
+
+
+def check_token_count(path: Path, count: int, seq: int) -> None:
+    """A token file of ``count`` ids gives a sample of ``seq`` and its next token, else TokenFileError."""
+    if count <= seq:
+        raise TokenFileError(f"dataset tokens: {path} has {count} tokens, too few for one sample of "
+                             f"dataset.seq_len={seq} and its next token: lower dataset.seq_len", "seq_len")
 
 
 def npz_file(path: Path) -> Path:

@@ -1,11 +1,12 @@
 """The payoff part of ``benchmarks.lm_payoff``: the char LM of ``examples/tiny_lm`` trained with and without teleport
-through the product's own loop, seconds to the baseline's final train loss as a ratio, per row of ``SCHEDULES``."""
+through the product's own loop, seconds to the baseline's final train loss as a ratio, per row of ``ROWS``."""
 
 from __future__ import annotations
 
 import math
 import statistics
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,24 +14,38 @@ import torch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_lm"
 
-# a payoff row -> its optimizer; "_first" and the recipe: teleport before epoch 0 only (what a run with Adam is told
-# to do); "adamw_recipe": the way LMs are trained, AdamW with weight decay, a warm-up, a cosine decay and a clip;
-# "_lr2": teleport.lr 2 and teleport.cap 1e4 (LM_TELEPORT), where the default η 0.2 raises a char LM's ‖∇L‖² by ~1 %
-SCHEDULES = {"sgd": "sgd", "adam": "adam", "adam_first": "adam", "adamw_recipe": "adamw", "adam_lr2": "adam",
-             "adamw_recipe_lr2": "adamw"}
-FIRST_ONLY = {"adam_first", "adamw_recipe", "adamw_recipe_lr2"}
 RECIPE = {"optimizer": {"weight_decay": 0.1, "schedule": "cosine", "lr_warmup_steps": 20, "final_lr_ratio": 0.1},
           "training": {"grad_clip_norm": 1.0}}
-LM_TELEPORT = {"lr": 2.0, "cap": 1e4}
+LM_TELEPORT = {"lr": 2.0, "cap": 1e4}  # where the default η 0.2 raises a char LM's ‖∇L‖² by ~1 %
 
 
-def lm_spec(optimizer: str, teleport: bool, size: str, quick: bool, ascent: str = "auto", seed: int = 0,
+@dataclass(frozen=True)
+class Row:
+    """A payoff row: its optimizer; ``first_only``: teleport before epoch 0 only (what a run with Adam is told to do:
+    ``workers.train.teleporting``), else before epochs 0-4 (issue 27's runs); ``recipe``: the way LMs are trained
+    (``RECIPE``: AdamW's weight decay, a warm-up, a cosine decay, a clip); ``teleport``: teleport fields set."""
+
+    optimizer: str
+    first_only: bool = False
+    recipe: bool = False
+    teleport: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def baseline(self) -> tuple[str, bool]:
+        """What its baseline run depends on: rows that agree on it share one."""
+        return self.optimizer, self.recipe
+
+
+ROWS = {"sgd": Row("sgd"), "adam": Row("adam"), "adam_first": Row("adam", first_only=True),
+        "adamw_recipe": Row("adamw", first_only=True, recipe=True), "adam_lr2": Row("adam", teleport=LM_TELEPORT),
+        "adamw_recipe_lr2": Row("adamw", first_only=True, recipe=True, teleport=LM_TELEPORT)}
+
+
+def lm_spec(row_name: str, teleport: bool, size: str, quick: bool, ascent: str = "auto", seed: int = 0,
             hvp: str = "exact") -> Any:
-    """The char LM's spec for a payoff row (``SCHEDULES``): teleport before epochs 0-4 (issue 27's runs), or before
-    epoch 0 only for a ``FIRST_ONLY`` row (what a run with Adam is told to do: ``workers.train.teleporting``)."""
-    first, recipe = optimizer in FIRST_ONLY, RECIPE if optimizer.startswith("adamw_recipe") else {}
-    tuned = LM_TELEPORT if optimizer.endswith("_lr2") else {}
-    optimizer = SCHEDULES[optimizer]
+    """The char LM's spec for a payoff row (``ROWS``), with teleport on or off."""
+    row = ROWS[row_name]
+    recipe = RECIPE if row.recipe else {}
     from api_schemas.spec_io import build_spec
 
     gpu = size == "gpu"
@@ -46,11 +61,11 @@ def lm_spec(optimizer: str, teleport: bool, size: str, quick: bool, ascent: str 
                              **({"max_chars": chars} if chars else {})}},
         "training": {"epochs": epochs, "batch_size": batch, "loss": "tiny_lm.loss:next_token", "seed": seed,
                      **recipe.get("training", {})},
-        "optimizer": {"name": optimizer, "lr": {"sgd": 0.3, "adam": 0.003, "adamw": 0.003}[optimizer],
+        "optimizer": {"name": row.optimizer, "lr": {"sgd": 0.3, "adam": 0.003, "adamw": 0.003}[row.optimizer],
                       **recipe.get("optimizer", {})},
-        "teleport": {"enabled": teleport, "epochs": [0] if first else list(range(min(5, epochs))),
+        "teleport": {"enabled": teleport, "epochs": [0] if row.first_only else list(range(min(5, epochs))),
                      "batches": 8 if gpu else 2, "steps": 8, "batch_size": 2, "ascent": ascent, "hvp": hvp,
-                     **tuned},
+                     **row.teleport},
     })
 
 
@@ -60,8 +75,8 @@ def payoff(device: torch.device, size: str, quick: bool, ascent: str = "auto", s
     teleport's share), and over the seeds the median ratio ("never" counts as infinite) and how many reached it.
     The final losses differ in the third decimal at these sizes, so one seed's ratio is mostly noise."""
     out: dict[str, Any] = {}
-    baselines: dict[tuple[str, int], Any] = {}  # (optimizer, seed) -> its baseline run: "adam_first" shares adam's
-    for opt in SCHEDULES:
+    baselines: dict[tuple[tuple[str, bool], int], Any] = {}  # (Row.baseline, seed) -> its baseline run
+    for opt in ROWS:
         runs = [_payoff_seed(device, size, quick, (ascent, hvp), opt, seed, baselines) for seed in range(seeds)]
         median = statistics.median(math.inf if r["seconds_ratio"] is None else r["seconds_ratio"] for r in runs)
         out[opt] = runs[0] | {  # seed 0's figures stay at the top (the earlier, single-seed layout)
@@ -73,9 +88,9 @@ def payoff(device: torch.device, size: str, quick: bool, ascent: str = "auto", s
 
 
 def _payoff_seed(device: torch.device, size: str, quick: bool, how: tuple[str, str], opt: str,
-                 seed: int, baselines: dict[tuple[str, int], Any]) -> dict[str, Any]:
+                 seed: int, baselines: dict[tuple[tuple[str, bool], int], Any]) -> dict[str, Any]:
     """One seed: the baseline and the teleport run through the product's loop (``how``: teleport.ascent, .hvp); a
-    baseline already in ``baselines`` (same optimizer and seed) is not run again."""
+    baseline already in ``baselines`` (the same ``Row.baseline`` and seed) is not run again."""
     from workers.train.context import RunContext
     from workers.train.loop import train
     from workers.train.sinks import MemorySink
@@ -84,15 +99,15 @@ def _payoff_seed(device: torch.device, size: str, quick: bool, how: tuple[str, s
         sys.path.insert(0, str(EXAMPLE))
     runs = {}
     for label, tele in (("baseline", False), ("teleport", True)):
-        if not tele and (SCHEDULES[opt], seed) in baselines:
-            runs[label] = baselines[(SCHEDULES[opt], seed)]
+        if not tele and (ROWS[opt].baseline, seed) in baselines:
+            runs[label] = baselines[(ROWS[opt].baseline, seed)]
             continue
         spec = lm_spec(opt, tele, size, quick, how[0], seed, how[1])
         spec = spec.model_copy(update={"training": spec.training.model_copy(update={"device": device.type})})
         sink = MemorySink()
         summary = train(spec, RunContext(device=device, sink=sink))
         runs[label] = (summary, [r for r in sink.records if r["kind"] == "epoch"])
-    baselines[(SCHEDULES[opt], seed)] = runs["baseline"]
+    baselines[(ROWS[opt].baseline, seed)] = runs["baseline"]
     target = runs["baseline"][0]["final_train_loss"]
     hit = next((e for e in runs["teleport"][1] if e["train_loss"] <= target), None)
     return {

@@ -167,14 +167,9 @@ class TokenFile:
     offset: int  # bytes before the first id (a .npy's header)
     count: int  # ids
 
-    def read(self, fd: int, start: int, n: int) -> np.ndarray:
-        """Ids ``[start, start + n)`` from ``fd`` (this file, opened by the caller)."""
-        size = self.dtype.itemsize
-        data = os.pread(fd, n * size, self.offset + start * size)
-        return np.frombuffer(data, dtype=self.dtype, count=len(data) // size)
-
     def read_into(self, fd: int, start: int, out: np.ndarray) -> np.ndarray:
-        """Ids ``[start, start + len(out))`` read into ``out``; the part filled (all of it unless the file ends)."""
+        """Ids ``[start, start + len(out))`` from ``fd`` (this file, opened by the caller) read into ``out``; the part
+        filled (all of it unless the file ends)."""
         got = os.preadv(fd, [memoryview(out).cast("B")], self.offset + start * self.dtype.itemsize)
         return out[: got // self.dtype.itemsize]
 

@@ -171,9 +171,9 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
     # the schedule goes on from this run's own step count at its start epoch: a checkpoint of the same run kept that
     # count; a fork or a PBT trial whose epochs have other steps (batch size, workers, accumulation) goes on from the
     # same point of its epochs, not from the parent's count (in the parent's steps: too far or not far enough)
-    saved = None if state is None else {"optimizer_steps": tr.warmup_steps + start_epoch * epoch_steps,
-                                        "grad_scaler": state.get("grad_scaler")}
-    stepper = Stepper.build(spec, optimizer, net, ctx.device, tr.warmup_steps + tr.epochs * epoch_steps, saved)
+    done = 0 if state is None else tr.warmup_steps + start_epoch * epoch_steps
+    stepper = Stepper.build(spec, optimizer, net, ctx.device, tr.warmup_steps + tr.epochs * epoch_steps, done,
+                            None if state is None else state.get("grad_scaler"))
     ctx.sink.emit({
         "kind": "start", "dataset": data.name, "task": data.task, "train_size": len(data.train),
         "test_size": len(data.test), "model": spec.model.kind, "params": param_count(model),

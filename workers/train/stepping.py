@@ -63,18 +63,19 @@ class Stepper:
 
     @classmethod
     def build(cls, spec: ExperimentSpec, optimizer: torch.optim.Optimizer, net: nn.Module, device: torch.device,
-              total: int, saved: dict[str, Any] | None) -> Stepper:
-        """For a run of ``total`` optimizer steps, going on from ``saved`` (``Stepper.state`` of a checkpoint)."""
-        saved = saved or {}
-        schedule = build_lr_schedule(spec.optimizer, optimizer, total, saved.get("optimizer_steps", 0))
+              total: int, done: int = 0, scale: dict[str, Any] | None = None) -> Stepper:
+        """For a run of ``total`` optimizer steps, ``done`` of them taken (a resumed run: its start epoch's), with
+        fp16's loss scale ``scale`` (a checkpoint's ``grad_scaler``) when it has one."""
+        schedule = build_lr_schedule(spec.optimizer, optimizer, total, done)
         scaler = grad_scaler(spec.training, device)
-        if scaler is not None and saved.get("grad_scaler"):
-            scaler.load_state_dict(saved["grad_scaler"])
-        return cls(optimizer, list(net.parameters()), spec.training.grad_clip_norm, schedule, scaler,
-                   saved.get("optimizer_steps", 0), lr=float(optimizer.param_groups[0]["lr"]))
+        if scaler is not None and scale:
+            scaler.load_state_dict(scale)
+        return cls(optimizer, list(net.parameters()), spec.training.grad_clip_norm, schedule, scaler, done,
+                   lr=float(optimizer.param_groups[0]["lr"]))
 
     def state(self) -> dict[str, Any]:
-        """What a checkpoint keeps to go on: the step count, the loss scale (fp16)."""
+        """What a checkpoint keeps: the steps taken (a record: a resume counts them from its epoch), the loss scale
+        (fp16)."""
         return {"optimizer_steps": self.steps,
                 **({"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {})}
 

@@ -71,13 +71,15 @@ def small_steps_hint(epoch: int, reports: list[TeleportReport], tp: TeleportSpec
     """The ``small_steps`` hint: η (``teleport.lr``) moved every batch along without a back-off, by too little to
     matter (the paper's η from its MNIST table is ~10x too small for a char LM: ``docs/algorithm.md``; where few
     directions are free, a larger η may only meet ``loss_tol``, hence a sweep rather than a value)."""
-    rises = [r.grad_norm_sq_after / r.grad_norm_sq_before for r in reports if r.grad_norm_sq_before > 0]
-    if any(r.backoffs or not r.steps for r in reports) or not rises or max(rises) >= SMALL_RISE:
+    if any(r.backoffs or not r.steps or r.grad_norm_sq_before <= 0 for r in reports):
         return None
     best = max(reports, key=lambda r: r.grad_norm_sq_after / r.grad_norm_sq_before)
+    rise = best.grad_norm_sq_after / best.grad_norm_sq_before
+    if rise >= SMALL_RISE:
+        return None
     return {"kind": "hint", "epoch": epoch, "reason": "small_steps",
             "message": f"teleport at epoch {epoch}: every step was taken without a back-off, yet ‖∇L‖² rose by at "
-                       f"most {max(rises) - 1:.1%} ({best.grad_norm_sq_before:.3g} to {best.grad_norm_sq_after:.3g} "
+                       f"most {rise - 1:.1%} ({best.grad_norm_sq_before:.3g} to {best.grad_norm_sq_after:.3g} "
                        f"in {best.steps} steps): teleport moved too little to matter; sweep a larger teleport.lr (now "
                        f"{tp.lr:g}) with teleport.cap (on a char LM with Adam, lr 2 and a cap of 1e4 paid where 0.2 "
                        f"did not; with SGD the larger ‖∇L‖ made its steps overshoot: docs/algorithm.md)"}

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from api_schemas.datasets import DEFAULT_PTB_LEN, token_files
+from api_schemas.datasets import DEFAULT_PTB_LEN, check_token_count, token_files
 from api_schemas.spec import DatasetSpec
 from workers.train.data_bundle import DataBundle
 from workers.train.data_files import DataFormatError, TokenFile, read_tokens
@@ -44,7 +44,7 @@ class TokenWindows(Dataset):
             raise IndexError(f"sample {i} of {self.count}")
         if self._fd is None:
             self._fd = os.open(self.tokens.path, os.O_RDONLY)
-        ids = self.tokens.read(self._fd, i * self.seq_len, self.seq_len + 1)
+        ids = self.tokens.read_into(self._fd, i * self.seq_len, np.empty(self.seq_len + 1, self.tokens.dtype))
         window = torch.from_numpy(ids.astype(np.int64))
         return window[:-1], window[1:]
 
@@ -76,9 +76,7 @@ def load_tokens(spec: DatasetSpec, seed: int) -> DataBundle:
     seq = spec.seq_len or DEFAULT_PTB_LEN
     files = [read_tokens(path, spec.token_dtype or "uint16") for path in token_files(Path(spec.root or "."))]
     for tokens in files:
-        if tokens.count <= seq:
-            raise ValueError(f"dataset tokens: {tokens.path} has {tokens.count} tokens, too few for one sample of "
-                             f"dataset.seq_len={seq} and its next token: lower dataset.seq_len")
+        check_token_count(tokens.path, tokens.count, seq)
     ranges = [id_range(tokens) for tokens in files]
     vocab = spec.vocab_size or max(high for _, high in ranges) + 1
     for path, (low, high) in zip((t.path for t in files), ranges, strict=True):

@@ -89,7 +89,7 @@ def test_an_fp16_step_whose_gradients_overflow_is_skipped_and_the_scale_lowered(
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    stepper = Stepper.build(spec(precision="fp16", grad_clip_norm=1.0), opt, model, torch.device("cpu"), 10, None)
+    stepper = Stepper.build(spec(precision="fp16", grad_clip_norm=1.0), opt, model, torch.device("cpu"), 10)
     x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
     before = [p.detach().clone() for p in model.parameters()]
     for scale in (1e6, 1.0):  # x 65536: the first loss's gradients pass float16's 65504 in the backward
