@@ -49,8 +49,8 @@ class PreflightResult(BaseModel):
     untouched: dict[str, str] = Field(default_factory=dict,
                                       description="parameter -> why teleport leaves it as it is")
     grad_norm_sq: float | None = Field(None, description="‖∇L‖² of a teleport batch at the model's first weights")
-    grad_norm_sq_after_step: float | None = Field(None, description="the same after one step at teleport.lr")
-    step_advice: str | None = Field(None, description="what that step says of teleport.cap and teleport.lr, in a "
+    grad_norm_sq_after_step: float | None = Field(None, description="the same after one step at teleport.lr (or .rise)")
+    step_advice: str | None = Field(None, description="what that step says of teleport.cap and the step size, in a "
                                                       "line: over the cap, a rise too small to matter, or the rise")
 
 

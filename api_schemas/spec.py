@@ -249,6 +249,12 @@ class TeleportSpec(_Strict):
     steps: int = Field(8, ge=1, description="t: ascent steps per teleport batch")
     batch_size: int = Field(32, ge=1, description="n: samples per teleport batch")
     lr: float = Field(0.2, gt=0, description="eta_tele: teleport learning rate")
+    rise: float | None = Field(
+        None, gt=0, le=100,
+        description="instead of a fixed lr: each step's eta is the one predicted to raise ||grad L||^2 by this share "
+                    "of itself (0.1: 10 %), from the step's own direction, so one value fits models of any scale and "
+                    "any point of training; cap and the back-offs apply as to lr; null: the fixed lr (the paper's)",
+    )
     cap: float = Field(5.0, gt=0, description="CAP: stop ascent once ||grad L||^2 reaches this")
     tau: float = Field(1.0, gt=0, le=1, description="eq. 3 threshold: kept share of ||R||_F^2")
     tau_rule: Literal["numerical_rank", "energy"] = Field(
@@ -285,8 +291,25 @@ class TeleportSpec(_Strict):
     def _epochs_sorted(self) -> TeleportSpec:
         if len(set(self.epochs)) != len(self.epochs):
             raise ValueError("teleport.epochs has duplicates: list each epoch once")
+        if self.rise is not None and self.method != "nullspace":
+            raise ValueError("teleport.rise is for method nullspace: symmetry teleport steps by teleport.lr; "
+                             "drop teleport.rise")
         object.__setattr__(self, "epochs", sorted(self.epochs))
         return self
+
+    @property
+    def step_field(self) -> str:
+        """The field that sizes a step: ``teleport.rise`` when set, else ``teleport.lr``."""
+        return "teleport.rise" if self.rise is not None else "teleport.lr"
+
+    @property
+    def step_value(self) -> float:
+        return self.rise if self.rise is not None else self.lr
+
+    @property
+    def calmer(self) -> str:
+        """What to do when a teleport made the loss diverge."""
+        return f"lower {self.step_field} (now {self.step_value:g}) or teleport.cap (now {self.cap:g})"
 
 
 # ------------------------------------------------------------------------- resources

@@ -109,21 +109,26 @@ def own_stream(device: torch.device, enabled: bool) -> Iterator[None]:
 
 
 def aim_on_device(eta: float | Tensor, grad_norm_sq: float | Tensor, direction: list[Tensor],
-                  cap: float) -> tuple[Tensor, Tensor]:
+                  cap: float, rise: float | None = None) -> tuple[Tensor, Tensor]:
     """η, or — when the first-order prediction overshoots CAP — the η predicted to cover ``AIM`` of the way there.
 
     d‖∇L‖²/dη at η = 0 along U = π(G), G = H·∇L, is 2⟨G, π(G)⟩ = 2‖π(G)‖² (π is an orthogonal
     projector), so ‖∇L‖²(η) ≈ ‖∇L‖² + 2η‖U‖². ‖∇L‖² is convex along the step here: the prediction
     falls short by 4-25 % of the rise (digits MLP), so aiming at 80 % of the gap lands under CAP
-    and saves the evaluation of a step that overshoots it. Decided on the device: (η, shortened) are
-    0-d tensors, read back with the next evaluation's L and ‖∇L‖² (``objective``'s ``fetch``), so the
-    step has one host sync.
+    and saves the evaluation of a step that overshoots it. ``rise`` (``TeleportConfig.rise``): η is the one
+    predicted to raise ‖∇L‖² by ``rise``·‖∇L‖² (``eta`` where the slope is 0: U = 0 moves nothing). Decided on the
+    device: (η, shortened) are 0-d tensors, read back with the next evaluation's L and ‖∇L‖² (``objective``'s
+    ``fetch``), so the step has one host sync.
     """
     slope = 2.0 * squared_norm(direction)  # float64, on the weights' device
+    sloped = torch.isfinite(slope) & (slope > 0)
+    safe_slope = torch.where(sloped, slope, torch.ones_like(slope))
+    eta = eta if isinstance(eta, Tensor) else torch.full_like(slope, eta)
+    if rise is not None:
+        eta = torch.where(sloped, rise * grad_norm_sq / safe_slope, eta)
     gap = cap - grad_norm_sq
-    shorten = torch.isfinite(slope) & (slope > 0) & (eta * slope > gap)
-    aimed_eta = AIM * gap / torch.where(shorten, slope, torch.ones_like(slope))
-    return torch.where(shorten, aimed_eta, eta if isinstance(eta, Tensor) else torch.full_like(slope, eta)), shorten
+    shorten = sloped & (eta * slope > gap)
+    return torch.where(shorten, AIM * gap / safe_slope, eta), shorten
 
 
 class DeviceAscent:
@@ -241,7 +246,7 @@ class DeviceAscent:
             at_cap = free & ~finished & (gn_now >= c.cap)
             start = free & ~finished & ~at_cap
             u_new = self.direction(obj) if full else self.u
-            aimed_eta, aimed = aim_on_device(eta, gn_now, u_new, c.cap)
+            aimed_eta, aimed = aim_on_device(eta, gn_now, u_new, c.cap, c.rise)
             factor = self._shorten(verdict, gn, gn_now)
             eta_try = torch.where(start, aimed_eta, torch.where(retry, self.eta_try * factor, self.eta_try))
             self.flat.move(start, retry, exhausted, eta_try, u_new)  # W₀, U and W: ``teleport.flat_move``

@@ -14,7 +14,10 @@ HVPS = ("exact", "difference")
 class TeleportConfig:
     """Hyperparameters of one teleport batch (paper symbols).
 
-    steps: t ascent steps; lr: η_tele; cap: CAP on ‖∇L‖²; tau: eq. 3 threshold;
+    steps: t ascent steps; lr: η_tele; cap: CAP on ‖∇L‖²; tau: eq. 3 threshold; rise: when set, each step's η is
+    the one predicted (to first order, from the step's own direction) to raise ‖∇L‖² by this share of itself —
+    η = rise·‖∇L‖² / (2‖π(H·∇L)‖²) — in place of a fixed ``lr``: a step scale that does not depend on the model's
+    units (``docs/algorithm.md``); CAP and the back-offs apply to it as to ``lr``;
     loss_tol: largest relative change of the batch loss, either way, a step may cause before it is
     backed off; max_backoff: halvings of η tried before the teleport stops; tau_rule: how eq. 3 reads
     τ ("numerical_rank": exact, never fewer directions than the numerical rank; "energy": the
@@ -42,12 +45,15 @@ class TeleportConfig:
     ascent: str = "auto"
     hvp: str = "exact"
     check_first: bool | None = None
+    rise: float | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise ValueError(f"teleport.steps must be >= 0, got {self.steps}")
         if not self.lr > 0:
             raise ValueError(f"teleport.lr must be > 0, got {self.lr}")
+        if self.rise is not None and not self.rise > 0:
+            raise ValueError(f"teleport.rise must be > 0 (or None: a fixed teleport.lr), got {self.rise}")
         if not self.cap > 0:
             raise ValueError(f"teleport.cap must be > 0, got {self.cap}")
         if not 0 < self.tau <= 1:

@@ -118,8 +118,10 @@ def test_lm_payoff_quick(results: Path) -> None:
     assert 1 - diff["direction_cosine"] < 1e-3  # float32: ~2e-5 on the GPT-style LM (measured)
     assert cost["default_ascent"] == "host" and body["ascent"] == "auto"  # what auto runs on the CPU
     assert cost["launches_per_step"] == cost["by_ascent"]["host"]["launches_per_step"]
-    assert set(pay) == {"sgd", "adam", "adam_first", "adamw_recipe", "adam_lr2", "adamw_recipe_lr2"}
-    for row, base in (("adam_first", "adam"), ("adam_lr2", "adam"), ("adamw_recipe_lr2", "adamw_recipe")):
+    assert set(pay) == {"sgd", "adam", "adam_first", "adamw_recipe", "adam_lr2", "adamw_recipe_lr2", "adam_rise",
+                        "sgd_rise"}
+    for row, base in (("adam_first", "adam"), ("adam_lr2", "adam"), ("adamw_recipe_lr2", "adamw_recipe"),
+                      ("adam_rise", "adam"), ("sgd_rise", "sgd")):
         assert pay[row]["baseline_final_train_loss"] == pay[base]["baseline_final_train_loss"]  # one baseline
     for p in pay.values():
         assert p["baseline_final_train_loss"] > 0 and 0 <= p["teleport_share"] < 1
@@ -128,6 +130,7 @@ def test_lm_payoff_quick(results: Path) -> None:
     assert (body["ascent"], body["hvp"], body["ascent_asked"], body["hvp_asked"]) == ("auto", "exact", "auto", "exact")
     assert set(body["floors"]) == {"one_teleport_default_le_floor", "host_reads_per_step_le_1",
                                    "adam_seconds_ratio_le_1", "adam_lr2_seconds_ratio_le_1",
+                                   "adam_rise_seconds_ratio_le_1",
                                    "launches_per_step_le_fifth"}
     assert body["floors"]["launches_per_step_le_fifth"] is None  # a CUDA floor
     setup = cost["setup_phases"]  # a batch's setup: on the CPU no host eigh beside the device's (one route)

@@ -76,8 +76,8 @@ def _step(spec: ExperimentSpec, sink: MetricSink, out: dict[str, Any]) -> None:
 def step_advice(report: TeleportReport, tp: TeleportSpec) -> str:
     """One line on the preflight's teleport step (``report``, taken with no CAP) against the spec's ``teleport``:
     a ‖∇L‖² already over ``cap`` (teleport would take no step), a rise that ``teleport.steps`` such steps keep under
-    ``SMALL_RISE`` (``teleport.lr`` too small to matter, as the paper's 0.2 is for an LM), else the rise itself."""
-    from workers.train.teleporting import SMALL_RISE
+    ``SMALL_RISE`` (the step too small to matter, as the paper's η 0.2 is for an LM), else the rise itself."""
+    from workers.train.teleporting import SMALL_RISE, larger_steps
 
     before, after = report.grad_norm_sq_before, report.grad_norm_sq_after
     seen = f"‖∇L‖² {before:.3g} at the model's first weights"
@@ -85,12 +85,16 @@ def step_advice(report: TeleportReport, tp: TeleportSpec) -> str:
         return f"{seen}, over teleport.cap={tp.cap:g}: no step would be taken; raise the cap above {before:.3g}"
     if report.stop_reason == "no_free_directions":
         return f"{seen}; no layer has a free direction: lower teleport.batch_size (now {tp.batch_size})"
+    step = f"one step at {tp.step_field}={tp.step_value:g}"
     if not report.steps:
-        return f"{seen}; one step at teleport.lr={tp.lr:g} was refused ({report.stop_reason}): lower teleport.lr"
-    rise = f"one step at teleport.lr={tp.lr:g} took it to {after:.3g} ({after / before - 1:+.1%})"
+        return f"{seen}; {step} was refused ({report.stop_reason}): lower {tp.step_field}"
+    rise = f"{step} took it to {after:.3g} ({after / before - 1:+.1%})"
+    if report.backoffs:  # a larger step would move the batch loss more: the limit is loss_tol, not the step's size
+        return (f"{seen}; {rise} once halved {report.backoffs} times: a longer step moved the batch loss by over "
+                f"teleport.loss_tol={tp.loss_tol:g}")
     if (after / before) ** tp.steps < SMALL_RISE:  # at that rate, a batch's teleport.steps
         return (f"{seen}; {rise}: at that rate {tp.steps} steps raise it by under {SMALL_RISE - 1:.0%}, too little to "
-                f"matter; sweep a larger teleport.lr with teleport.cap")
+                f"matter; {larger_steps(tp)}")
     return f"{seen}; {rise}"
 
 

@@ -116,7 +116,8 @@ def build_parts(spec: ExperimentSpec, sink: MetricSink, seed: int
 def teleport_config(spec: TeleportSpec) -> TeleportConfig:
     """``teleport`` section -> the algorithm's hyperparameters (paper symbols: t, η, CAP, τ)."""
     return TeleportConfig(steps=spec.steps, lr=spec.lr, cap=spec.cap, tau=spec.tau, loss_tol=spec.loss_tol,
-                          max_backoff=spec.max_backoff, tau_rule=spec.tau_rule, ascent=spec.ascent, hvp=spec.hvp)
+                          max_backoff=spec.max_backoff, tau_rule=spec.tau_rule, ascent=spec.ascent, hvp=spec.hvp,
+                          rise=spec.rise)
 
 
 def basis_executor(spec: TeleportSpec) -> BasisExecutor:

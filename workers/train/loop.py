@@ -243,7 +243,7 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
                                                         len(history))
             except TeleportDiverged as e:
                 raise diverged(ctx, f"teleport batch {e.batch}", epoch, f"teleport batch loss is {e.loss}",
-                                f"lower teleport.lr (now {tp.lr:g}) or teleport.cap (now {tp.cap:g})") from None
+                                tp.calmer) from None
             if tp.reset_optimizer:
                 reset_optimizer_state(optimizer)
             tele_seconds += time.perf_counter() - t_tele
@@ -257,7 +257,7 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
         for name, value in [("train loss", train_loss), ("test loss", metrics["test_loss"])]:
             if not _finite(value):
                 raise diverged(ctx, "training", epoch, f"{name} is {value}",
-                                f"lower optimizer.lr (now {spec.optimizer.lr:g}) or teleport.lr / cap")
+                                f"lower optimizer.lr (now {spec.optimizer.lr:g}) or {tp.step_field} / cap")
         record = {"kind": "epoch", "epoch": epoch, "train_loss": train_loss, **metrics, **stepper.report(),
                   "seconds": time.perf_counter() - t0, "teleport_seconds": tele_seconds,
                   **gpu_memory(ctx.device, ctx.all_reduce_sum, ctx.rank, ctx.world_size)}

@@ -215,7 +215,7 @@ class OwnLoopContext:
             self.run.sink.emit(teleport_record(epoch, i, rep, calibrating))
             if not math.isfinite(rep.loss_after):
                 raise diverged(self.run, f"teleport batch {i}", epoch, f"teleport batch loss is {rep.loss_after}",
-                                f"lower teleport.lr (now {tp.lr:g}) or teleport.cap (now {tp.cap:g})")
+                                tp.calmer)
             reports.append(rep)
         self.teleport_batches += len(reports)
         if hint := self._hints.after(epoch, reports, tp):
@@ -270,7 +270,8 @@ class OwnLoopContext:
         for name in REQUIRED:
             if not math.isfinite(values[name]):
                 raise diverged(self.run, "training", epoch, f"{name} is {values[name]}",
-                                f"lower optimizer.lr (now {self.spec.optimizer.lr:g}) or teleport.lr / cap")
+                                f"lower optimizer.lr (now {self.spec.optimizer.lr:g}) or "
+                                f"{self.spec.teleport.step_field} / cap")
         self.run.sink.emit(record)
         self.history.append(record)
         self._set_epoch(epoch + 1)

@@ -50,6 +50,7 @@ IDLE = {  # a stop reason that leaves every batch of an epoch where it was -> wh
 
 
 SMALL_RISE = 1.1  # a teleport batch whose every step was taken as asked yet raised ‖∇L‖² by less: η is too small
+SUGGESTED_RISE = 0.3  # teleport.rise that paid on the char LM and matched η 0.2 on the digits MLP (docs/algorithm.md)
 
 
 def idle_hint(epoch: int, reports: list[TeleportReport], tp: TeleportSpec) -> dict[str, Any] | None:
@@ -68,9 +69,9 @@ def idle_hint(epoch: int, reports: list[TeleportReport], tp: TeleportSpec) -> di
 
 
 def small_steps_hint(epoch: int, reports: list[TeleportReport], tp: TeleportSpec) -> dict[str, Any] | None:
-    """The ``small_steps`` hint: η (``teleport.lr``) moved every batch along without a back-off, by too little to
-    matter (the paper's η from its MNIST table is ~10x too small for a char LM: ``docs/algorithm.md``; where few
-    directions are free, a larger η may only meet ``loss_tol``, hence a sweep rather than a value)."""
+    """The ``small_steps`` hint: η (``teleport.lr``, or the one ``teleport.rise`` chose) moved every batch along
+    without a back-off, by too little to matter (the paper's η from its MNIST table is ~10x too small for a char LM:
+    ``docs/algorithm.md``)."""
     if any(r.backoffs or not r.steps or r.grad_norm_sq_before <= 0 for r in reports):
         return None
     best = max(reports, key=lambda r: r.grad_norm_sq_after / r.grad_norm_sq_before)
@@ -80,9 +81,15 @@ def small_steps_hint(epoch: int, reports: list[TeleportReport], tp: TeleportSpec
     return {"kind": "hint", "epoch": epoch, "reason": "small_steps",
             "message": f"teleport at epoch {epoch}: every step was taken without a back-off, yet ‖∇L‖² rose by at "
                        f"most {rise - 1:.1%} ({best.grad_norm_sq_before:.3g} to {best.grad_norm_sq_after:.3g} "
-                       f"in {best.steps} steps): teleport moved too little to matter; sweep a larger teleport.lr (now "
-                       f"{tp.lr:g}) with teleport.cap (on a char LM with Adam, lr 2 and a cap of 1e4 paid where 0.2 "
-                       f"did not; with SGD the larger ‖∇L‖ made its steps overshoot: docs/algorithm.md)"}
+                       f"in {best.steps} steps): teleport moved too little to matter; {larger_steps(tp)}"}
+
+
+def larger_steps(tp: TeleportSpec) -> str:
+    """What to set when teleport's steps are too small to matter (the hint above, the preflight's advice)."""
+    if tp.rise is not None:
+        return f"raise teleport.rise (now {tp.rise:g})"
+    return (f"set teleport.rise: {SUGGESTED_RISE:g} (each step sized to raise ‖∇L‖² by {SUGGESTED_RISE:.0%}, "
+            f"whatever the model's scale: docs/algorithm.md) in place of teleport.lr (now {tp.lr:g})")
 
 
 ADAPTIVE = ("adam", "adamw")  # optimizers whose step does not grow with the gradient's scale

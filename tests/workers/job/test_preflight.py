@@ -5,6 +5,7 @@ naming the user's file and line (the traceback as a log event); a sweep tried at
 from __future__ import annotations
 
 import itertools
+import re
 import textwrap
 from pathlib import Path
 
@@ -72,14 +73,25 @@ def with_teleport(base: object, **teleport: object) -> object:
 def test_the_teleport_step_says_what_it_tells_of_the_cap_and_the_lr(tmp_path: Path) -> None:
     # before the gang is held, the user sees whether teleport will move at all, and by how much
     base = spec(package(tmp_path))
-    moved = preflight(with_teleport(base, lr=1.0, cap=1e9, steps=8), MemorySink())
+    moved = preflight(with_teleport(base, lr=1.0, cap=1e9, steps=8, tau=1.0), MemorySink())
     before, after = moved.grad_norm_sq, moved.grad_norm_sq_after_step
     assert before > 0 and (after / before) ** 8 > 1.1
     assert moved.step_advice == (f"‖∇L‖² {before:.3g} at the model's first weights; one step at teleport.lr=1 took it "
                                  f"to {after:.3g} ({after / before - 1:+.1%})")
     timid = preflight(with_teleport(base, lr=1e-6, cap=1e9), MemorySink()).step_advice
-    assert timid.endswith("(+0.0%): at that rate 2 steps raise it by under 10%, too little to matter; sweep a larger "
-                          "teleport.lr with teleport.cap")
+    assert timid.endswith("(+0.0%): at that rate 2 steps raise it by under 10%, too little to matter; set "
+                          "teleport.rise: 0.3 (each step sized to raise ‖∇L‖² by 30%, whatever the model's scale: "
+                          "docs/algorithm.md) in place of teleport.lr (now 1e-06)")
+    risen = preflight(with_teleport(base, rise=0.3, cap=1e9, tau=1.0), MemorySink())  # the suggested step
+    gained = risen.grad_norm_sq_after_step / before
+    assert risen.step_advice == (f"‖∇L‖² {before:.3g} at the model's first weights; one step at teleport.rise=0.3 "
+                                 f"took it to {risen.grad_norm_sq_after_step:.3g} ({gained - 1:+.1%})")
+    assert 1.3 <= gained < 1.6  # first order, and over it: ‖∇L‖² is convex along the step (here +45 %)
+    assert preflight(with_teleport(base, rise=1e-4, cap=1e9, tau=1.0), MemorySink()).step_advice.endswith(
+        "too little to matter; raise teleport.rise (now 0.0001)")
+    halved = preflight(with_teleport(base, lr=1.0, cap=1e9), MemorySink()).step_advice  # τ 0.9: the loss moves
+    assert re.search(r"\(\+\d+\.\d%\) once halved \d times: a longer step moved the batch loss by over "
+                     r"teleport.loss_tol=0.001$", halved), halved
     refused = preflight(with_teleport(base, lr=50.0, cap=1e9), MemorySink()).step_advice
     assert refused.endswith("one step at teleport.lr=50 was refused (loss_tol): lower teleport.lr")
     capped = preflight(with_teleport(base, cap=1e-9), MemorySink()).step_advice

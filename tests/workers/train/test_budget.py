@@ -185,7 +185,9 @@ def test_teleport_steps_too_small_to_matter_are_told_once_with_the_rise_seen() -
     rise = max(r["grad_norm_sq_after"] / r["grad_norm_sq_before"] for r in tele if r["epoch"] == 0) - 1
     assert hints[0]["message"].startswith(f"teleport at epoch 0: every step was taken without a back-off, yet ‖∇L‖² "
                                           f"rose by at most {rise:.1%} (")
-    assert "teleport moved too little to matter; sweep a larger teleport.lr (now 1e-05)" in hints[0]["message"]
+    assert hints[0]["message"].endswith("teleport moved too little to matter; set teleport.rise: 0.3 (each step sized "
+                                        "to raise ‖∇L‖² by 30%, whatever the model's scale: docs/algorithm.md) in "
+                                        "place of teleport.lr (now 1e-05)")
 
 
 @pytest.mark.parametrize(("optimizer", "epochs", "said"), [("adam", [0, 1, 2], True), ("adamw", [1], True),

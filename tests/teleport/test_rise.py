@@ -1,0 +1,78 @@
+"""``teleport.rise``: each step's η from the relative rise of ‖∇L‖² it is predicted to make, not a fixed η.
+
+A fixed η_tele moves models of other scales, and one model at other points of its training, by amounts that differ by
+orders of magnitude (a char LM: η 2 took ‖∇L‖² from 2.5 to 5,000 at its first weights and from 3.91 to 3.912
+after 31 Adam steps); a rise is the same share of ‖∇L‖² wherever it is taken.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import Tensor
+
+from teleport import TeleportConfig, teleport_batch
+from teleport.on_device import aim_on_device
+from tests.teleport.families import CASES, OPEN
+from tests.teleport.test_on_device import assert_same, both, mlp
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+def test_the_step_aims_at_the_share_of_grad_norm_sq_given() -> None:
+    u = [torch.full((2, 2), 0.5)]  # ‖U‖² = 1: the predicted rise of ‖∇L‖² is 2η
+    eta, aimed = aim_on_device(7.0, 3.0, u, 1e9, rise=0.1)  # η ignored: 0.1 · 3 = 2η
+    assert (float(eta), bool(aimed)) == (pytest.approx(0.15), False)
+    eta, aimed = aim_on_device(7.0, 3.0, u, 3.2, rise=0.1)  # the rise would pass CAP: aimed under it as with lr
+    assert bool(aimed) and float(eta) < 0.1
+    eta, _ = aim_on_device(7.0, 3.0, [torch.zeros(2, 2)], 1e9, rise=0.1)  # no slope: η, which moves nothing
+    assert float(eta) == 7.0
+    with pytest.raises(ValueError, match="teleport.rise must be > 0"):
+        TeleportConfig(rise=0.0)
+
+
+@pytest.mark.parametrize("name", ["linear", "conv-conv2d_same_dilated", "transformer-encoder-batch_first=True",
+                                  "tied_lm", "llama"])
+def test_one_small_step_raises_grad_norm_sq_by_about_that_share(name: str) -> None:
+    case = CASES[name]()
+    report = teleport_batch(case.model, case.loss_fn, case.x, case.y, replace(OPEN, steps=1, rise=0.01))
+    rise = report.grad_norm_sq_after / report.grad_norm_sq_before - 1
+    assert 0.008 < rise < 0.013  # first order: convex along the step, so a little over
+    assert abs(report.loss_after - report.loss_before) <= 1e-9 * abs(report.loss_before)
+
+
+def _scaled(loss_fn, c: float):  # noqa: ANN001, ANN202 — a loss in other units: ∇L × c, ‖∇L‖² × c²
+    return lambda out, y: c * loss_fn(out, y)
+
+
+def _moves(case, config: TeleportConfig, c: float) -> list[Tensor]:  # noqa: ANN001
+    model = copy.deepcopy(case.model)
+    before = [p.detach().clone() for p in model.parameters()]
+    teleport_batch(model, _scaled(case.loss_fn, c), case.x, case.y, config)
+    return [p.detach() - b for p, b in zip(model.parameters(), before, strict=True)]
+
+
+def test_a_rise_moves_a_model_the_same_whatever_its_losss_scale_a_fixed_lr_does_not() -> None:
+    case = CASES["linear"]()
+    rise, fixed = replace(OPEN, steps=3, rise=0.2), replace(OPEN, steps=3, lr=0.5)
+    a, b = _moves(case, rise, 1.0), _moves(case, rise, 10.0)
+    assert any(m.abs().max() > 1e-3 for m in a)
+    for m, n in zip(a, b, strict=True):  # η ∝ 1/c²: the same weights
+        assert torch.allclose(m, n, rtol=1e-7, atol=1e-12)
+    a, b = _moves(case, fixed, 1.0), _moves(case, fixed, 10.0)
+    assert max(float((n - m).abs().max()) for m, n in zip(a, b, strict=True)) > 1e-3
+
+
+@pytest.mark.parametrize("config", [replace(OPEN, steps=4, rise=0.3), replace(OPEN, steps=6, rise=1.0, cap=0.6),
+                                    replace(OPEN, steps=4, rise=0.05, tau=0.8, loss_tol=1e-4)],
+                         ids=["open", "into_cap", "backoffs"])
+def test_the_device_ticks_take_the_host_guards_rise_steps(config: TeleportConfig) -> None:
+    a, b, host, other = both(mlp(), config)
+    assert (a.ascent, b.ascent) == ("host", "device")
+    assert_same(a, b, host, other)
+    assert a.steps > 0 and (a.backoffs > 0 or config.tau == 1)
+    assert config.cap > 1 or a.stop_reason == "cap"
+
