@@ -255,7 +255,13 @@ class TeleportSpec(_Strict):
                     "of itself (0.1: 10 %), from the step's own direction, so one value fits models of any scale and "
                     "any point of training; cap and the back-offs apply as to lr; null: the fixed lr (the paper's)",
     )
-    cap: float = Field(5.0, gt=0, description="CAP: stop ascent once ||grad L||^2 reaches this")
+    cap: float | None = Field(5.0, gt=0, description="CAP: stop ascent once ||grad L||^2 reaches this; null: no "
+                                                    "absolute CAP, cap_ratio alone (it must be set)")
+    cap_ratio: float | None = Field(
+        None, gt=1, le=1e6,
+        description="a CAP of each batch's own: stop its ascent once ||grad L||^2 reaches this multiple of its value "
+                    "at the batch's start (2: doubled), or cap if that comes first; null: cap alone (the paper's)",
+    )
     tau: float = Field(1.0, gt=0, le=1, description="eq. 3 threshold: kept share of ||R||_F^2")
     tau_rule: Literal["numerical_rank", "energy"] = Field(
         "numerical_rank",
@@ -291,9 +297,13 @@ class TeleportSpec(_Strict):
     def _epochs_sorted(self) -> TeleportSpec:
         if len(set(self.epochs)) != len(self.epochs):
             raise ValueError("teleport.epochs has duplicates: list each epoch once")
-        if self.rise is not None and self.method != "nullspace":
-            raise ValueError("teleport.rise is for method nullspace: symmetry teleport steps by teleport.lr; "
-                             "drop teleport.rise")
+        if self.cap is None and self.cap_ratio is None:
+            raise ValueError("teleport.cap: null leaves the ascent unbounded; set teleport.cap_ratio (a CAP of each "
+                             "batch's own, e.g. 2) or a number")
+        for name in ("rise", "cap_ratio"):
+            if getattr(self, name) is not None and self.method != "nullspace":
+                raise ValueError(f"teleport.{name} is for method nullspace (symmetry teleport steps by teleport.lr "
+                                 f"up to teleport.cap): drop teleport.{name}")
         object.__setattr__(self, "epochs", sorted(self.epochs))
         return self
 
@@ -309,7 +319,9 @@ class TeleportSpec(_Strict):
     @property
     def calmer(self) -> str:
         """What to do when a teleport made the loss diverge."""
-        return f"lower {self.step_field} (now {self.step_value:g}) or teleport.cap (now {self.cap:g})"
+        bound = (f"teleport.cap (now {self.cap:g})" if self.cap is not None else
+                 f"teleport.cap_ratio (now {self.cap_ratio:g})")
+        return f"lower {self.step_field} (now {self.step_value:g}) or {bound}"
 
 
 # ------------------------------------------------------------------------- resources

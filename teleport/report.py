@@ -46,6 +46,7 @@ class TeleportConfig:
     hvp: str = "exact"
     check_first: bool | None = None
     rise: float | None = None
+    cap_ratio: float | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -54,6 +55,8 @@ class TeleportConfig:
             raise ValueError(f"teleport.lr must be > 0, got {self.lr}")
         if self.rise is not None and not self.rise > 0:
             raise ValueError(f"teleport.rise must be > 0 (or None: a fixed teleport.lr), got {self.rise}")
+        if self.cap_ratio is not None and not self.cap_ratio > 1:
+            raise ValueError(f"teleport.cap_ratio must be > 1 (or None: CAP alone), got {self.cap_ratio}")
         if not self.cap > 0:
             raise ValueError(f"teleport.cap must be > 0, got {self.cap}")
         if not 0 < self.tau <= 1:

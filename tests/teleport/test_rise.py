@@ -1,4 +1,5 @@
-"""``teleport.rise``: each step's η from the relative rise of ‖∇L‖² it is predicted to make, not a fixed η.
+"""``teleport.rise``: each step's η from the relative rise of ‖∇L‖² it is predicted to make, not a fixed η; and
+``teleport.cap_ratio``: each batch's CAP a multiple of its own ‖∇L‖² at its start.
 
 A fixed η_tele moves models of other scales, and one model at other points of its training, by amounts that differ by
 orders of magnitude (a char LM: η 2 took ‖∇L‖² from 2.5 to 5,000 at its first weights and from 3.91 to 3.912
@@ -55,24 +56,58 @@ def _moves(case, config: TeleportConfig, c: float) -> list[Tensor]:  # noqa: ANN
     return [p.detach() - b for p, b in zip(model.parameters(), before, strict=True)]
 
 
-def test_a_rise_moves_a_model_the_same_whatever_its_losss_scale_a_fixed_lr_does_not() -> None:
+@pytest.mark.parametrize("bounded", [False, True], ids=["open", "cap_ratio"])
+def test_a_rise_moves_a_model_the_same_whatever_its_losss_scale_a_fixed_lr_does_not(bounded: bool) -> None:
     case = CASES["linear"]()
-    rise, fixed = replace(OPEN, steps=3, rise=0.2), replace(OPEN, steps=3, lr=0.5)
+    ratio = {"cap_ratio": 1.5, "cap": 1e9} if bounded else {}  # 4 steps of +20 % would pass ×1.5: CAP by aim
+    rise, fixed = replace(OPEN, steps=4, rise=0.2, **ratio), replace(OPEN, steps=4, lr=0.5, **ratio)
     a, b = _moves(case, rise, 1.0), _moves(case, rise, 10.0)
     assert any(m.abs().max() > 1e-3 for m in a)
-    for m, n in zip(a, b, strict=True):  # η ∝ 1/c²: the same weights
+    for m, n in zip(a, b, strict=True):  # η ∝ 1/c², CAP ∝ c²: the same weights
         assert torch.allclose(m, n, rtol=1e-7, atol=1e-12)
     a, b = _moves(case, fixed, 1.0), _moves(case, fixed, 10.0)
     assert max(float((n - m).abs().max()) for m, n in zip(a, b, strict=True)) > 1e-3
 
 
+@pytest.mark.parametrize("ascent", ["host", "device"])
+def test_cap_ratio_stops_each_batch_at_that_multiple_of_its_own_grad_norm_sq(ascent: str) -> None:
+    case = CASES["tied_lm"]()
+    model = copy.deepcopy(case.model)
+    config = TeleportConfig(steps=8, rise=0.3, cap=1e9, cap_ratio=2.0, ascent=ascent)
+    first = teleport_batch(model, case.loss_fn, case.x, case.y, config)
+    assert first.stop_reason == "cap" and 0 < first.steps < 8  # 8 steps of +30 % would pass ×2
+    assert 1.5 * first.grad_norm_sq_before < first.grad_norm_sq_after <= 2.0 * first.grad_norm_sq_before
+    second = teleport_batch(model, case.loss_fn, case.x, case.y, config)  # from there: ×2 again, not CAP's absolute
+    assert second.grad_norm_sq_before == pytest.approx(first.grad_norm_sq_after, rel=1e-9)
+    assert 1.5 * second.grad_norm_sq_before < second.grad_norm_sq_after <= 2.0 * second.grad_norm_sq_before
+    low = teleport_batch(copy.deepcopy(case.model), case.loss_fn, case.x, case.y,
+                         replace(config, cap=1.2 * first.grad_norm_sq_before))  # cap first: it binds
+    assert low.grad_norm_sq_after <= 1.2 * first.grad_norm_sq_before
+    with pytest.raises(ValueError, match="teleport.cap_ratio must be > 1"):
+        TeleportConfig(cap_ratio=1.0)
+
+
 @pytest.mark.parametrize("config", [replace(OPEN, steps=4, rise=0.3), replace(OPEN, steps=6, rise=1.0, cap=0.6),
-                                    replace(OPEN, steps=4, rise=0.05, tau=0.8, loss_tol=1e-4)],
-                         ids=["open", "into_cap", "backoffs"])
+                                    replace(OPEN, steps=4, rise=0.05, tau=0.8, loss_tol=1e-4),
+                                    replace(OPEN, steps=6, rise=0.3, cap_ratio=1.5)],
+                         ids=["open", "into_cap", "backoffs", "cap_ratio"])
 def test_the_device_ticks_take_the_host_guards_rise_steps(config: TeleportConfig) -> None:
     a, b, host, other = both(mlp(), config)
     assert (a.ascent, b.ascent) == ("host", "device")
     assert_same(a, b, host, other)
     assert a.steps > 0 and (a.backoffs > 0 or config.tau == 1)
-    assert config.cap > 1 or a.stop_reason == "cap"
+    assert (config.cap > 1 and config.cap_ratio is None) or a.stop_reason == "cap"
 
+
+
+def test_a_spec_with_no_absolute_cap_bounds_each_batch_by_its_own() -> None:
+    from api_schemas import build_spec
+    from workers.train.build import teleport_config
+
+    tp = build_spec({"teleport": {"rise": 0.3, "cap": None, "cap_ratio": 2}}).teleport
+    config = teleport_config(tp)
+    assert (config.cap, config.cap_ratio, config.rise) == (float("inf"), 2.0, 0.3)
+    assert tp.calmer == "lower teleport.rise (now 0.3) or teleport.cap_ratio (now 2)"
+    case = CASES["tied_lm"]()
+    report = teleport_batch(case.model, case.loss_fn, case.x, case.y, config)
+    assert report.stop_reason == "cap" and report.grad_norm_sq_after <= 2.0 * report.grad_norm_sq_before

@@ -81,7 +81,7 @@ def step_advice(report: TeleportReport, tp: TeleportSpec) -> str:
 
     before, after = report.grad_norm_sq_before, report.grad_norm_sq_after
     seen = f"‖∇L‖² {before:.3g} at the model's first weights"
-    if before >= tp.cap:
+    if tp.cap is not None and before >= tp.cap:
         return f"{seen}, over teleport.cap={tp.cap:g}: no step would be taken; raise the cap above {before:.3g}"
     if report.stop_reason == "no_free_directions":
         return f"{seen}; no layer has a free direction: lower teleport.batch_size (now {tp.batch_size})"

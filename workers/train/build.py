@@ -115,9 +115,10 @@ def build_parts(spec: ExperimentSpec, sink: MetricSink, seed: int
 
 def teleport_config(spec: TeleportSpec) -> TeleportConfig:
     """``teleport`` section -> the algorithm's hyperparameters (paper symbols: t, η, CAP, τ)."""
-    return TeleportConfig(steps=spec.steps, lr=spec.lr, cap=spec.cap, tau=spec.tau, loss_tol=spec.loss_tol,
+    cap = math.inf if spec.cap is None else spec.cap  # none: each batch's own (cap_ratio) alone
+    return TeleportConfig(steps=spec.steps, lr=spec.lr, cap=cap, tau=spec.tau, loss_tol=spec.loss_tol,
                           max_backoff=spec.max_backoff, tau_rule=spec.tau_rule, ascent=spec.ascent, hvp=spec.hvp,
-                          rise=spec.rise)
+                          rise=spec.rise, cap_ratio=spec.cap_ratio)
 
 
 def basis_executor(spec: TeleportSpec) -> BasisExecutor:

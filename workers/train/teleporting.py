@@ -63,7 +63,11 @@ def idle_hint(epoch: int, reports: list[TeleportReport], tp: TeleportSpec) -> di
     if not reports or any(r.steps for r in reports) or len(reasons) != 1 or next(iter(reasons)) not in IDLE:
         return None
     norms = [r.grad_norm_sq_before for r in reports]
+    if reports[0].stop_reason == "cap" and (tp.cap is None or min(norms) < tp.cap):  # tries over CAP, not a CAP
+        return None
     text = IDLE[reports[0].stop_reason].format(low=min(norms), high=max(norms), cap=tp.cap, n=tp.batch_size)
+    if reports[0].stop_reason == "cap" and tp.cap_ratio is None:
+        text += " (with teleport.cap_ratio: 2 as well, each batch stops at twice its own ‖∇L‖²)"
     return {"kind": "hint", "epoch": epoch, "reason": reports[0].stop_reason,
             "message": f"teleport at epoch {epoch}: {text}"}
 

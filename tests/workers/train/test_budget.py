@@ -166,6 +166,7 @@ def test_a_teleport_at_cap_on_every_batch_says_once_what_to_change(capsys: pytes
     low = min(r["grad_norm_sq_before"] for r in tele if r["epoch"] == 0)
     assert hints[0]["message"].startswith(f"teleport at epoch 0: every batch's ‖∇L‖² ({low:.3g} to ")
     assert "raise teleport.cap above" in hints[0]["message"]
+    assert hints[0]["message"].endswith("(with teleport.cap_ratio: 2 as well, each batch stops at twice its own ‖∇L‖²)")
     assert f"hint: {hints[0]['message']}" in capsys.readouterr().err
     records, _ = run(None)  # teleport that moves says nothing of the cap
     assert not [r for r in records if r["kind"] == "hint" and r["reason"] == "cap"]
