@@ -18,11 +18,15 @@ momentum and Adagrad (Adam reported).
 
 ``--clips``: each optimizer's row again with ``training.grad_clip_norm`` at each value, side by side with the
 unclipped row (written to ``convergence_clip.json``): what a clip leaves of teleport's payoff.
+``--scale-free``: every row again with ``SCALE_FREE``'s teleport (each step sized to raise ‖∇L‖² by 30 %, each batch
+stopped at twice its own ‖∇L‖², no absolute CAP), side by side with the paper's η and CAP, one baseline for both
+(written to ``convergence_scale_free.json``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -43,6 +47,7 @@ TELEPORT = {"epochs": [0, 1, 2, 3, 4], "steps": 8, "batch_size": 32, "tau": 1.0,
 # 40 warm-up steps), and a 2-layer transformer (d = 64) reading each digit as 8 tokens of 8 pixels
 PRESET_TARGETS = {"cnn-sgd": 0.1, "transformer-sgd": 0.35}
 SEQUENCES = Path(tempfile.gettempdir()) / "teleport-bench-digits-seq.npz"
+SCALE_FREE = {"rise": 0.3, "cap": None, "cap_ratio": 2.0}  # ``teleport.rise`` and ``teleport.cap_ratio``
 
 
 @dataclass(frozen=True)
@@ -57,19 +62,22 @@ class Case:
 
 
 def mlp_case(optimizer: str, seeds: int, epochs: int, hidden: list[int], batches: int,
-             max_train: int | None, clip: float | None = None) -> Case:
-    """The paper's MNIST row on digits (the table's optimizer rows); ``clip``: training.grad_clip_norm."""
+             max_train: int | None, clip: float | None = None, scale_free: bool = False) -> Case:
+    """The paper's MNIST row on digits (the table's optimizer rows); ``clip``: training.grad_clip_norm;
+    ``scale_free``: ``SCALE_FREE``'s teleport in place of the paper's η and CAP."""
     def spec(seed: int, teleport: bool) -> dict[str, Any]:
         return {"model": {"kind": "mlp", "hidden": hidden},
                 "dataset": {"name": "digits", "max_train": max_train},
                 "optimizer": {"name": optimizer, "lr": 2e-4},
                 "training": {"epochs": epochs, "batch_size": 32, "seed": seed, "target_loss": TARGETS[optimizer],
                              "grad_clip_norm": clip},
-                "teleport": {**TELEPORT, "enabled": teleport, "batches": batches, "lr": 0.2, "cap": 5.0}}
-    return Case(optimizer if clip is None else f"{optimizer}, clip {clip:g}", TARGETS[optimizer], epochs, seeds, spec)
+                "teleport": {**TELEPORT, "enabled": teleport, "batches": batches, "lr": 0.2, "cap": 5.0,
+                             **(SCALE_FREE if scale_free else {})}}
+    name = optimizer if clip is None else f"{optimizer}, clip {clip:g}"
+    return Case(f"{name}, scale-free" if scale_free else name, TARGETS[optimizer], epochs, seeds, spec)
 
 
-def preset_case(name: str, epochs: int) -> Case:
+def preset_case(name: str, epochs: int, scale_free: bool = False) -> Case:
     """The CNN preset on digits, or the transformer on digits as sequences, SGD at the presets' lr 0.05."""
     cnn = name.startswith("cnn")
     model = ({"kind": "cnn", "channels": [16, 32], "kernel_size": 3, "pool": True} if cnn else
@@ -87,8 +95,8 @@ def preset_case(name: str, epochs: int) -> Case:
                 "training": {"epochs": epochs, "batch_size": 32, "seed": seed, "target_loss": PRESET_TARGETS[name],
                              "warmup_steps": 40 if cnn else 0},
                 "teleport": {**TELEPORT, "enabled": teleport, "batches": 4, "lr": 3e-3 if cnn else 0.2,
-                             "cap": 40.0 if cnn else 5.0}}
-    return Case(name, PRESET_TARGETS[name], epochs, 1, spec)
+                             "cap": 40.0 if cnn else 5.0, **(SCALE_FREE if scale_free else {})}}
+    return Case(f"{name}, scale-free" if scale_free else name, PRESET_TARGETS[name], epochs, 1, spec)
 
 
 def one_run(case: Case, seed: int, teleport: bool) -> dict[str, Any]:
@@ -96,6 +104,15 @@ def one_run(case: Case, seed: int, teleport: bool) -> dict[str, Any]:
     from workers.train.loop import train
 
     return train(build_spec(case.spec(seed, teleport)), RunContext())
+
+
+def _baseline(case: Case, seed: int, baselines: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The case's run without teleport, or the one already run for a row that differs only in its teleport section
+    (``--scale-free``: the paper's and the scale-free row share it)."""
+    plain = json.dumps({k: v for k, v in case.spec(seed, False).items() if k != "teleport"}, sort_keys=True)
+    if plain not in baselines:
+        baselines[plain] = one_run(case, seed, False)
+    return baselines[plain]
 
 
 def _mean_std(values: list[float | None]) -> tuple[float | None, float | None, int]:
@@ -116,12 +133,13 @@ def _fmt(ms: tuple[float | None, float | None, int], seeds: int, digits: int = 3
 def run(cases: list[Case]) -> dict[str, Any]:
     torch.set_num_threads(1)  # as a 1-CPU worker runs; 2 busy cores punish 2 BLAS threads
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    baselines: dict[str, dict[str, Any]] = {}  # the spec without its teleport section -> its baseline run
     for case in cases:
         opt = case.name
         runs[opt] = {"teleport": [], "baseline": []}
         for seed in range(case.seeds):
             for teleport in (True, False):
-                summary = one_run(case, seed, teleport)
+                summary = one_run(case, seed, True) if teleport else _baseline(case, seed, baselines)
                 runs[opt]["teleport" if teleport else "baseline"].append(summary)
                 print(f"{opt:8s} seed {seed} {'teleport' if teleport else 'baseline':8s} "
                       f"epochs to {case.target}: {summary['epochs_to_target']}  "
@@ -202,16 +220,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="the CNN / transformer rows (default both; none with an empty list)")
     parser.add_argument("--clips", nargs="*", type=float, default=[],
                         help="each optimizer's row again at these training.grad_clip_norm values")
+    parser.add_argument("--scale-free", action="store_true",
+                        help="each row again with teleport.rise and teleport.cap_ratio (SCALE_FREE)")
     args = parser.parse_args(argv)
-    clips = [None, *args.clips]
+    clips, ways = [None, *args.clips], [False, True] if args.scale_free else [False]
     if args.quick:
-        result = {**run([mlp_case("sgd", 1, 3, [32], 1, 200, clip) for clip in clips]), "quick": True}
+        result = {**run([mlp_case("sgd", 1, 3, [32], 1, 200, clip, free) for clip in clips for free in ways]),
+                  "quick": True}
     else:
         wait_for_quiet()
-        cases = [mlp_case(o, 3, 100, [1024, 1024], 4, None, clip) for o in args.optimizers for clip in clips]
-        cases += [preset_case(p, 20 if p.startswith("cnn") else 12) for p in args.presets]
+        cases = [mlp_case(o, 3, 100, [1024, 1024], 4, None, clip, free)
+                 for o in args.optimizers for clip in clips for free in ways]
+        cases += [preset_case(p, 20 if p.startswith("cnn") else 12, free) for p in args.presets for free in ways]
         result = run(cases)
-    write_result("convergence_clip" if args.clips else "convergence", result)
+    name = "convergence_clip" if args.clips else "convergence_scale_free" if args.scale_free else "convergence"
+    write_result(name, result)
     return result
 
 

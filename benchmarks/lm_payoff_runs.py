@@ -17,7 +17,9 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_lm"
 RECIPE = {"optimizer": {"weight_decay": 0.1, "schedule": "cosine", "lr_warmup_steps": 20, "final_lr_ratio": 0.1},
           "training": {"grad_clip_norm": 1.0}}
 LM_TELEPORT = {"lr": 2.0, "cap": 1e4}  # where the default η 0.2 raises a char LM's ‖∇L‖² by ~1 %
-RISE = {"rise": 0.3}  # each step sized to raise ‖∇L‖² by 30 %, the default CAP 5 (``teleport.rise``)
+# each step sized to raise ‖∇L‖² by 30 %, each batch stopped at twice its own ‖∇L‖², no absolute CAP (as
+# ``benchmarks.convergence.SCALE_FREE``: ``teleport.rise``, ``teleport.cap_ratio``)
+SCALE_FREE = {"rise": 0.3, "cap": None, "cap_ratio": 2.0}
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,8 @@ class Row:
 ROWS = {"sgd": Row("sgd"), "adam": Row("adam"), "adam_first": Row("adam", first_only=True),
         "adamw_recipe": Row("adamw", first_only=True, recipe=True), "adam_lr2": Row("adam", teleport=LM_TELEPORT),
         "adamw_recipe_lr2": Row("adamw", first_only=True, recipe=True, teleport=LM_TELEPORT),
-        "adam_rise": Row("adam", teleport=RISE), "sgd_rise": Row("sgd", teleport=RISE)}
+        "adam_scale_free": Row("adam", teleport=SCALE_FREE), "sgd_scale_free": Row("sgd", teleport=SCALE_FREE),
+        "adamw_recipe_scale_free": Row("adamw", recipe=True, teleport=SCALE_FREE)}
 
 
 def lm_spec(row_name: str, teleport: bool, size: str, quick: bool, ascent: str = "auto", seed: int = 0,

@@ -63,6 +63,17 @@ def test_convergence_puts_clipped_rows_beside_the_unclipped_in_a_file_of_their_o
     assert _load(results / "convergence_clip.json")["table"].keys() == body["table"].keys()
 
 
+def test_convergence_puts_scale_free_rows_beside_the_papers_with_one_baseline(results: Path) -> None:
+    body = convergence.main(["--quick", "--scale-free"])
+    assert set(body["table"]) == {"sgd", "sgd, scale-free"} and not (results / "convergence.json").exists()
+    paper, free = body["runs"]["sgd"], body["runs"]["sgd, scale-free"]
+    assert paper["baseline"] == free["baseline"]  # one baseline run for both rows
+    assert body["cases"]["sgd, scale-free"]["spec"]["teleport"] | convergence.SCALE_FREE == \
+        body["cases"]["sgd, scale-free"]["spec"]["teleport"]
+    assert all(r["teleport_batches"] > 0 for r in free["teleport"])
+    assert _load(results / "convergence_scale_free.json")["table"].keys() == body["table"].keys()
+
+
 def test_step_cost_quick(results: Path) -> None:
     step_cost.main(["--quick", "--threads", "1"])
     body = _load(results / "step_cost.json")
@@ -118,10 +129,11 @@ def test_lm_payoff_quick(results: Path) -> None:
     assert 1 - diff["direction_cosine"] < 1e-3  # float32: ~2e-5 on the GPT-style LM (measured)
     assert cost["default_ascent"] == "host" and body["ascent"] == "auto"  # what auto runs on the CPU
     assert cost["launches_per_step"] == cost["by_ascent"]["host"]["launches_per_step"]
-    assert set(pay) == {"sgd", "adam", "adam_first", "adamw_recipe", "adam_lr2", "adamw_recipe_lr2", "adam_rise",
-                        "sgd_rise"}
+    assert set(pay) == {"sgd", "adam", "adam_first", "adamw_recipe", "adam_lr2", "adamw_recipe_lr2",
+                        "adam_scale_free", "sgd_scale_free", "adamw_recipe_scale_free"}
     for row, base in (("adam_first", "adam"), ("adam_lr2", "adam"), ("adamw_recipe_lr2", "adamw_recipe"),
-                      ("adam_rise", "adam"), ("sgd_rise", "sgd")):
+                      ("adam_scale_free", "adam"), ("sgd_scale_free", "sgd"),
+                      ("adamw_recipe_scale_free", "adamw_recipe")):
         assert pay[row]["baseline_final_train_loss"] == pay[base]["baseline_final_train_loss"]  # one baseline
     for p in pay.values():
         assert p["baseline_final_train_loss"] > 0 and 0 <= p["teleport_share"] < 1
@@ -130,7 +142,7 @@ def test_lm_payoff_quick(results: Path) -> None:
     assert (body["ascent"], body["hvp"], body["ascent_asked"], body["hvp_asked"]) == ("auto", "exact", "auto", "exact")
     assert set(body["floors"]) == {"one_teleport_default_le_floor", "host_reads_per_step_le_1",
                                    "adam_seconds_ratio_le_1", "adam_lr2_seconds_ratio_le_1",
-                                   "adam_rise_seconds_ratio_le_1",
+                                   "adam_scale_free_seconds_ratio_le_1",
                                    "launches_per_step_le_fifth"}
     assert body["floors"]["launches_per_step_le_fifth"] is None  # a CUDA floor
     setup = cost["setup_phases"]  # a batch's setup: on the CPU no host eigh beside the device's (one route)
