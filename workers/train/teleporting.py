@@ -50,7 +50,7 @@ IDLE = {  # a stop reason that leaves every batch of an epoch where it was -> wh
 
 
 SMALL_RISE = 1.1  # a teleport batch whose every step was taken as asked yet raised ‖∇L‖² by less: η is too small
-SUGGESTED_RISE = 0.3  # teleport.rise that paid on the char LM and matched η 0.2 on the digits MLP (docs/algorithm.md)
+SUGGESTED_RISE, SUGGESTED_RATIO = 0.3, 2.0  # the scale-free teleport measured on digits and the char LM (algorithm.md)
 
 
 def idle_hint(epoch: int, reports: list[TeleportReport], tp: TeleportSpec) -> dict[str, Any] | None:
@@ -67,7 +67,8 @@ def idle_hint(epoch: int, reports: list[TeleportReport], tp: TeleportSpec) -> di
         return None
     text = IDLE[reports[0].stop_reason].format(low=min(norms), high=max(norms), cap=tp.cap, n=tp.batch_size)
     if reports[0].stop_reason == "cap" and tp.cap_ratio is None:
-        text += " (with teleport.cap_ratio: 2 as well, each batch stops at twice its own ‖∇L‖²)"
+        text += (f", or set teleport.cap: null with teleport.cap_ratio: {SUGGESTED_RATIO:g} (each batch stopped at "
+                 "twice its own)")
     return {"kind": "hint", "epoch": epoch, "reason": reports[0].stop_reason,
             "message": f"teleport at epoch {epoch}: {text}"}
 
@@ -92,8 +93,9 @@ def larger_steps(tp: TeleportSpec) -> str:
     """What to set when teleport's steps are too small to matter (the hint above, the preflight's advice)."""
     if tp.rise is not None:
         return f"raise teleport.rise (now {tp.rise:g})"
-    return (f"set teleport.rise: {SUGGESTED_RISE:g} (each step sized to raise ‖∇L‖² by {SUGGESTED_RISE:.0%}, "
-            f"whatever the model's scale: docs/algorithm.md) in place of teleport.lr (now {tp.lr:g})")
+    return (f"set teleport.rise: {SUGGESTED_RISE:g} (each step sized to raise ‖∇L‖² by {SUGGESTED_RISE:.0%}, whatever "
+            f"the model's scale) in place of teleport.lr (now {tp.lr:g}), with teleport.cap_ratio: {SUGGESTED_RATIO:g} "
+            "(each batch stopped at twice its own ‖∇L‖²): docs/algorithm.md")
 
 
 ADAPTIVE = ("adam", "adamw")  # optimizers whose step does not grow with the gradient's scale

@@ -166,7 +166,8 @@ def test_a_teleport_at_cap_on_every_batch_says_once_what_to_change(capsys: pytes
     low = min(r["grad_norm_sq_before"] for r in tele if r["epoch"] == 0)
     assert hints[0]["message"].startswith(f"teleport at epoch 0: every batch's ‖∇L‖² ({low:.3g} to ")
     assert "raise teleport.cap above" in hints[0]["message"]
-    assert hints[0]["message"].endswith("(with teleport.cap_ratio: 2 as well, each batch stops at twice its own ‖∇L‖²)")
+    assert hints[0]["message"].endswith("to let teleport move, or set teleport.cap: null with teleport.cap_ratio: 2 "
+                                        "(each batch stopped at twice its own)")
     assert f"hint: {hints[0]['message']}" in capsys.readouterr().err
     records, _ = run(None)  # teleport that moves says nothing of the cap
     assert not [r for r in records if r["kind"] == "hint" and r["reason"] == "cap"]
@@ -187,8 +188,9 @@ def test_teleport_steps_too_small_to_matter_are_told_once_with_the_rise_seen() -
     assert hints[0]["message"].startswith(f"teleport at epoch 0: every step was taken without a back-off, yet ‖∇L‖² "
                                           f"rose by at most {rise:.1%} (")
     assert hints[0]["message"].endswith("teleport moved too little to matter; set teleport.rise: 0.3 (each step sized "
-                                        "to raise ‖∇L‖² by 30%, whatever the model's scale: docs/algorithm.md) in "
-                                        "place of teleport.lr (now 1e-05)")
+                                        "to raise ‖∇L‖² by 30%, whatever the model's scale) in place of teleport.lr "
+                                        "(now 1e-05), with teleport.cap_ratio: 2 (each batch stopped at twice its own "
+                                        "‖∇L‖²): docs/algorithm.md")
 
 
 @pytest.mark.parametrize(("optimizer", "epochs", "said"), [("adam", [0, 1, 2], True), ("adamw", [1], True),
