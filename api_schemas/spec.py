@@ -300,10 +300,6 @@ class TeleportSpec(_Strict):
         if self.cap is None and self.cap_ratio is None:
             raise ValueError("teleport.cap: null leaves the ascent unbounded; set teleport.cap_ratio (a CAP of each "
                              "batch's own, e.g. 2) or a number")
-        for name in ("rise", "cap_ratio"):
-            if getattr(self, name) is not None and self.method != "nullspace":
-                raise ValueError(f"teleport.{name} is for method nullspace (symmetry teleport steps by teleport.lr "
-                                 f"up to teleport.cap): drop teleport.{name}")
         object.__setattr__(self, "epochs", sorted(self.epochs))
         return self
 

@@ -111,3 +111,23 @@ def test_a_spec_with_no_absolute_cap_bounds_each_batch_by_its_own() -> None:
     case = CASES["tied_lm"]()
     report = teleport_batch(case.model, case.loss_fn, case.x, case.y, config)
     assert report.stop_reason == "cap" and report.grad_norm_sq_after <= 2.0 * report.grad_norm_sq_before
+
+
+def test_symmetry_teleport_takes_the_same_rise_and_cap_ratio() -> None:
+    # the baseline a lab compares with: sized and bounded the same way, so a comparison is of the methods
+    from teleport import symmetry_teleport_batch
+    from tests.teleport.test_teleport import MLP
+
+    torch.manual_seed(6)
+    x, y = torch.randn(16, 20), torch.randint(0, 5, (16,))
+    def step(**config: float) -> float:  # ‖∇L‖² after one step
+        torch.manual_seed(7)
+        return symmetry_teleport_batch(MLP([20, 32, 32, 5]), torch.nn.functional.cross_entropy, x, y,
+                                       TeleportConfig(steps=1, cap=1e9, loss_tol=1.0, **config)).grad_norm_sq_after
+
+    # the step starts where the method's least-squares solve puts the weights at g = I (its η → 0 limit)
+    assert 0.008 < step(rise=0.01) / step(lr=1e-9) - 1 < 0.013
+    capped = symmetry_teleport_batch(MLP([20, 32, 32, 5]), torch.nn.functional.cross_entropy, x, y,
+                                     TeleportConfig(steps=8, rise=0.3, cap=1e9, cap_ratio=1.5, loss_tol=1.0))
+    assert capped.stop_reason == "cap" and capped.steps >= 1
+    assert capped.grad_norm_sq_before < capped.grad_norm_sq_after <= 1.5 * capped.grad_norm_sq_before
