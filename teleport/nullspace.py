@@ -233,11 +233,9 @@ class _Run:
                  config: TeleportConfig, comm: Collective | None, shifted: Shifted | None = None,
                  loss_fn: LossFn | None = None) -> None:
         self.model, self.params, self.blocks, self.cur, self.loss_fn = model, params, blocks, cur, loss_fn
-        self.config, self.comm = config, comm
+        self.config, self.comm = config.for_batch(cur.grad_norm_sq), comm  # this batch's CAP (``cap_ratio``)
         self.shifted = shifted  # ∇L at a shifted point, for H·∇L by a difference (``teleport.difference``)
         self.loss0, self.gn0 = cur.loss, cur.grad_norm_sq
-        if config.cap_ratio is not None and 0 < self.gn0 < math.inf:  # this batch's CAP: a multiple of where it starts
-            self.config = replace(config, cap=min(config.cap, config.cap_ratio * self.gn0))
         self.steps = self.backoffs = 0
         self.ascent = "host"  # how the steps ran (``ascent_mode``)
         self.graph_replayed = False  # a graph captured for an earlier batch served this one (``graph_cache``)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 TAU_RULES = ("numerical_rank", "energy")
@@ -71,6 +72,13 @@ class TeleportConfig:
             raise ValueError(f"teleport.hvp must be one of {', '.join(HVPS)}, got {self.hvp!r}")
         if self.loss_tol < 0 or self.max_backoff < 0:
             raise ValueError("teleport.loss_tol and teleport.max_backoff must be >= 0")
+
+
+    def for_batch(self, grad_norm_sq: float) -> TeleportConfig:
+        """This config with the CAP of a batch whose ‖∇L‖² starts at ``grad_norm_sq`` (``cap_ratio``)."""
+        if self.cap_ratio is None or not 0 < grad_norm_sq < math.inf:
+            return self
+        return replace(self, cap=min(self.cap, self.cap_ratio * grad_norm_sq))
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -118,8 +117,7 @@ def symmetry_teleport_batch(
 
         cur = evaluate()
         loss0, gn0 = cur.loss, cur.grad_norm_sq
-        if config.cap_ratio is not None and 0 < gn0 < math.inf:  # this batch's CAP, as ``nullspace._Run``'s
-            config = replace(config, cap=min(config.cap, config.cap_ratio * gn0))
+        config = config.for_batch(gn0)  # this batch's CAP (``cap_ratio``)
         steps = backoffs = 0
         reason, eta = "steps", config.lr
         while steps < config.steps:
