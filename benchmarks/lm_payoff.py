@@ -56,6 +56,7 @@ LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGr
 ASCENTS = ("host", "device")  # ``TeleportConfig.ascent`` side by side; on CUDA "cuda_graph" too, after the payoff
 # part (its capture failed on an H200 and left the process's CUDA generator unusable: mended, not yet run on a GPU)
 FORCED = {"lr": 1e-6, "cap": 1e12, "loss_tol": 1e9}  # every step accepted: the most 8 steps can cost
+SCALE_FREE = {"rise": 0.3, "cap": math.inf, "cap_ratio": 2.0}  # a teleport that moves: ‖∇L‖² doubled, then it stops
 BEFORE_LAUNCHES = 15268 / 8  # kernel launches per ascent step on an H100 when issue 27 was filed (its floor: 1/5)
 
 
@@ -185,6 +186,9 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
     default_s, default = _timed(lambda: teleport(8), device, repeats)  # at CAP: decided by check_first's plain pass
     unchecked_s, _ = _timed(lambda: teleport(8, check_first=False), device, repeats)  # by the recorded evaluation
     default_launches = [_launches(lambda c=c: teleport(8, check_first=c), device)[0] for c in (True, False)]
+    # the product's defaults take no step here (‖∇L‖² over CAP): a teleport that moves the model, its steps its own
+    # (each call starts where the last left the batch: ×2 each time, the same steps a call)
+    free_s, free = _timed(lambda: teleport(8, **SCALE_FREE), device, repeats)
     setup = setup_phases(model, lm_loss, tele, step_s, lambda fn: _timed(fn, device, repeats))
     return {
         "model": {"d": d, "layers": layers, "context": ctx, "vocab": 256, "train_batch": 32, "teleport_batch": 2},
@@ -193,6 +197,9 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
         "default_ascent": default.ascent, "default_launches": default_launches[0],
         "teleport_default_unchecked_s": unchecked_s, "teleport_default_unchecked_in_train_steps": unchecked_s / step_s,
         "default_unchecked_launches": default_launches[1], "by_ascent": by_ascent, "hvp_difference": difference,
+        "teleport_scale_free_s": free_s, "teleport_scale_free_in_train_steps": free_s / step_s,
+        "scale_free_steps_taken": free.steps, "scale_free_stop_reason": free.stop_reason,
+        "scale_free_gain": free.grad_norm_sq_after / free.grad_norm_sq_before,
         "setup_phases": setup,
     } | {k: by_ascent[ascents[0]].get(k) for k in ("teleport_8_steps_s", "teleport_8_steps_in_train_steps",
                                                     "forced_drift", "launches_per_step", "host_reads_per_step")}
@@ -298,6 +305,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ["product defaults, check_first off", f"{cost['teleport_default_unchecked_s']:.3f}",
          f"{cost['teleport_default_unchecked_in_train_steps']:.2f}",
          f"{cost['default_steps_taken']} ({cost['default_stop_reason']})"],
+        [f"rise 0.3, cap_ratio 2 (‖∇L‖² ×{cost['scale_free_gain']:.2f})", f"{cost['teleport_scale_free_s']:.3f}",
+         f"{cost['teleport_scale_free_in_train_steps']:.2f}",
+         f"{cost['scale_free_steps_taken']} ({cost['scale_free_stop_reason']})"],
     ])
     print(f"launches of a teleport at CAP: {cost['default_launches']} with check_first, "
           f"{cost['default_unchecked_launches']} without")

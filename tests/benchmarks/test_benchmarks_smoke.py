@@ -128,6 +128,8 @@ def test_lm_payoff_quick(results: Path) -> None:
         assert c["launches_per_step"] < cost["by_ascent"][ascent]["launches_per_step"]  # no double backward
     assert 1 - diff["direction_cosine"] < 1e-3  # float32: ~2e-5 on the GPT-style LM (measured)
     assert cost["default_ascent"] == "host" and body["ascent"] == "auto"  # what auto runs on the CPU
+    assert 0 < cost["scale_free_steps_taken"] < 8 and cost["scale_free_stop_reason"] == "cap"  # a teleport that moves
+    assert 1.5 < cost["scale_free_gain"] <= 2.0 and cost["teleport_scale_free_in_train_steps"] > 0
     assert cost["launches_per_step"] == cost["by_ascent"]["host"]["launches_per_step"]
     assert set(pay) == {"sgd", "adam", "adam_first", "adamw_recipe", "adam_lr2", "adamw_recipe_lr2",
                         "adam_scale_free", "sgd_scale_free", "adamw_recipe_scale_free"}
