@@ -111,7 +111,7 @@ def optimizer_name(optimizer: torch.optim.Optimizer) -> str:
 def schedule_hint(optimizer: str, tp: TeleportSpec, epochs: int) -> dict[str, Any] | None:
     """A ``hint`` record at the start of a run whose Adam(W) teleports after epoch 0 at the paper's fixed η (else
     None): measured, those cost time and seldom save any (``docs/algorithm.md``, "Teleport and Adam"). Not with
-    ``teleport.rise``: there the measurements disagree (the char LM's later teleports paid, 0.78× against 0.84× with
+    ``teleport.rise``: there the measurements disagree (the char LM's later teleports paid, 0.76× against 0.84× with
     epoch 0 only; the digits MLP's did not, 1.27× against 1.07×), so no advice is better than a wrong one."""
     later = [e for e in tp.epochs if 0 < e < epochs]
     if not tp.enabled or tp.method != "nullspace" or optimizer not in ADAPTIVE or not later or tp.rise is not None:
