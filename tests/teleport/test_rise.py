@@ -16,8 +16,9 @@ import torch
 from torch import Tensor
 
 from teleport import TeleportConfig, teleport_batch
+from teleport.objective import LossFn
 from teleport.on_device import aim_on_device
-from tests.teleport.families import CASES, OPEN
+from tests.teleport.families import CASES, OPEN, Case
 from tests.teleport.test_on_device import assert_same, both, mlp
 
 pytestmark = pytest.mark.usefixtures("float64")
@@ -45,11 +46,12 @@ def test_one_small_step_raises_grad_norm_sq_by_about_that_share(name: str) -> No
     assert abs(report.loss_after - report.loss_before) <= 1e-9 * abs(report.loss_before)
 
 
-def _scaled(loss_fn, c: float):  # noqa: ANN001, ANN202 — a loss in other units: ∇L × c, ‖∇L‖² × c²
+def _scaled(loss_fn: LossFn, c: float) -> LossFn:
+    """The loss in other units: ∇L × c, ‖∇L‖² × c²."""
     return lambda out, y: c * loss_fn(out, y)
 
 
-def _moves(case, config: TeleportConfig, c: float) -> list[Tensor]:  # noqa: ANN001
+def _moves(case: Case, config: TeleportConfig, c: float) -> list[Tensor]:
     model = copy.deepcopy(case.model)
     before = [p.detach().clone() for p in model.parameters()]
     teleport_batch(model, _scaled(case.loss_fn, c), case.x, case.y, config)
@@ -57,7 +59,7 @@ def _moves(case, config: TeleportConfig, c: float) -> list[Tensor]:  # noqa: ANN
 
 
 @pytest.mark.parametrize("bounded", [False, True], ids=["open", "cap_ratio"])
-def test_a_rise_moves_a_model_the_same_whatever_its_losss_scale_a_fixed_lr_does_not(bounded: bool) -> None:
+def test_a_rise_moves_a_model_the_same_whatever_the_loss_scale_a_fixed_lr_does_not(bounded: bool) -> None:
     case = CASES["linear"]()
     ratio = {"cap_ratio": 1.5, "cap": 1e9} if bounded else {}  # 4 steps of +20 % would pass ×1.5: CAP by aim
     rise, fixed = replace(OPEN, steps=4, rise=0.2, **ratio), replace(OPEN, steps=4, lr=0.5, **ratio)
@@ -99,7 +101,6 @@ def test_the_device_ticks_take_the_host_guards_rise_steps(config: TeleportConfig
     assert (config.cap > 1 and config.cap_ratio is None) or a.stop_reason == "cap"
 
 
-
 def test_a_spec_with_no_absolute_cap_bounds_each_batch_by_its_own() -> None:
     from api_schemas import build_spec
     from workers.train.build import teleport_config
@@ -120,6 +121,7 @@ def test_symmetry_teleport_takes_the_same_rise_and_cap_ratio() -> None:
 
     torch.manual_seed(6)
     x, y = torch.randn(16, 20), torch.randint(0, 5, (16,))
+
     def step(**config: float) -> float:  # ‖∇L‖² after one step
         torch.manual_seed(7)
         return symmetry_teleport_batch(MLP([20, 32, 32, 5]), torch.nn.functional.cross_entropy, x, y,
