@@ -236,6 +236,11 @@ class TrainingSpec(_Strict):
 # -------------------------------------------------------------------------- teleport
 
 
+# the scale-free teleport measured on digits and the char LM (docs/algorithm.md): each step sized to raise ‖∇L‖² by
+# 30 %, each batch stopped at twice its own ‖∇L‖², no absolute CAP; the hints suggest it, the benchmarks run it
+SCALE_FREE: dict[str, float | None] = {"rise": 0.3, "cap": None, "cap_ratio": 2.0}
+
+
 class TeleportSpec(_Strict):
     """When and how to teleport (paper Algorithm 1; eq. 3 for tau, eq. 5 for the update)."""
 

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from api_schemas import build_spec
+from api_schemas.spec import SCALE_FREE
 from benchmarks.common import print_table, verdict, wait_for_quiet, write_result
 
 TARGETS = {"sgd": 2.0, "momentum": 0.5, "adagrad": 0.3, "adam": 0.05}
@@ -47,7 +48,6 @@ TELEPORT = {"epochs": [0, 1, 2, 3, 4], "steps": 8, "batch_size": 32, "tau": 1.0,
 # 40 warm-up steps), and a 2-layer transformer (d = 64) reading each digit as 8 tokens of 8 pixels
 PRESET_TARGETS = {"cnn-sgd": 0.1, "transformer-sgd": 0.35}
 SEQUENCES = Path(tempfile.gettempdir()) / "teleport-bench-digits-seq.npz"
-SCALE_FREE = {"rise": 0.3, "cap": None, "cap_ratio": 2.0}  # ``teleport.rise`` and ``teleport.cap_ratio``
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,13 @@ from typing import Any
 
 import torch
 
+from api_schemas.spec import SCALE_FREE
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_lm"
 
 RECIPE = {"optimizer": {"weight_decay": 0.1, "schedule": "cosine", "lr_warmup_steps": 20, "final_lr_ratio": 0.1},
           "training": {"grad_clip_norm": 1.0}}
 LM_TELEPORT = {"lr": 2.0, "cap": 1e4}  # where the default η 0.2 raises a char LM's ‖∇L‖² by ~1 %
-# each step sized to raise ‖∇L‖² by 30 %, each batch stopped at twice its own ‖∇L‖², no absolute CAP (as
-# ``benchmarks.convergence.SCALE_FREE``: ``teleport.rise``, ``teleport.cap_ratio``)
-SCALE_FREE = {"rise": 0.3, "cap": None, "cap_ratio": 2.0}
 
 
 @dataclass(frozen=True)

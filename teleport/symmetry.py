@@ -88,12 +88,13 @@ def transformed_weights(weights: list[Tensor], gs: list[Tensor], x: Tensor, slop
     return out
 
 
-def _rising_eta(config: TeleportConfig, grad_norm_sq: float, dms: tuple[Tensor, ...]) -> float:
-    """``TeleportConfig.rise``'s η for a step along the group's ascent dM, from ‖∇L‖² where the step starts: the
-    weights ``transformed_weights`` gives at g = I (its least-squares solve keeps a layer's weights only where
-    the batch's inputs span them, so that ‖∇L‖² may differ from the model's: 9 % lower in the test's MLP)."""
+def _rising_eta(rise: float, lr: float, grad_norm_sq: float, dms: tuple[Tensor, ...]) -> float:
+    """``TeleportConfig.rise``'s η (``lr`` where the slope is 0) for a step along the group's ascent dM, from ‖∇L‖²
+    where the step starts: the weights ``transformed_weights`` gives at g = I (its least-squares solve keeps a
+    layer's weights only where the batch's inputs span them, so that ‖∇L‖² may differ from the model's: 9 % lower
+    in the test's MLP)."""
     slope = 2.0 * float(sum((d.double() ** 2).sum() for d in dms))
-    return config.rise * grad_norm_sq / slope if config.rise is not None and 0 < slope < math.inf else config.lr
+    return rise * grad_norm_sq / slope if 0 < slope < math.inf else lr
 
 
 def symmetry_teleport_batch(
@@ -134,7 +135,7 @@ def symmetry_teleport_batch(
             half = 0.5 * sum((g * g).sum() for g in grads)
             dms = torch.autograd.grad(half, ms)
             if config.rise is not None:  # d‖∇L‖²/dη along the group's ascent is 2‖dM‖²: η for a rise of that share
-                eta = _rising_eta(config, 2.0 * float(half.detach()), dms)
+                eta = _rising_eta(config.rise, config.lr, 2.0 * float(half.detach()), dms)
 
             def move(step: float, base: list[Tensor] = base, dms: tuple[Tensor, ...] = dms,
                      eye: list[Tensor] = eye) -> None:

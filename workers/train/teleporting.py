@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset, default_collate
 
-from api_schemas.spec import TeleportSpec
+from api_schemas.spec import SCALE_FREE, TeleportSpec
 from teleport import BasisExecutor, TeleportConfig, TeleportReport, symmetry_teleport_batch, teleport_batch
 from workers.train.budget import FIRST_UNIT_PER_STEP, TeleportBudget, agree_across, cut_event, probe_seconds
 from workers.train.context import RunContext
@@ -50,7 +50,7 @@ IDLE = {  # a stop reason that leaves every batch of an epoch where it was -> wh
 
 
 SMALL_RISE = 1.1  # a teleport batch whose every step was taken as asked yet raised ‖∇L‖² by less: η is too small
-SUGGESTED_RISE, SUGGESTED_RATIO = 0.3, 2.0  # the scale-free teleport measured on digits and the char LM (algorithm.md)
+SUGGESTED_RISE, SUGGESTED_RATIO = SCALE_FREE["rise"], SCALE_FREE["cap_ratio"]  # what the hints suggest
 
 
 def idle_hint(epoch: int, reports: list[TeleportReport], tp: TeleportSpec) -> dict[str, Any] | None:
