@@ -305,15 +305,15 @@ class _Run:
             direction = direction_of(self.cur)
             last = self.steps + 1 == self.config.steps  # no H·∇L follows the last step: its graph is not kept
             # the first try's η is decided on the device and read back with its L and ‖∇L‖²: one sync a step
-            eta_t, aimed_t = aim_on_device(eta, self.cur.grad_norm_sq, direction, self.config.cap,
-                                           self.config.rise)
+            eta_t, aimed_t, slope_t = aim_on_device(eta, self.cur.grad_norm_sq, direction, self.config.cap,
+                                                    self.config.rise)
             buffers.move(direction, eta_t)
-            first = evaluate(graph=not last, fetch=(eta_t, aimed_t))
-            try_eta, aimed = first.fetched[0], bool(first.fetched[1])
+            first = evaluate(graph=not last, fetch=(eta_t, aimed_t, slope_t))
+            try_eta, aimed, slope = first.fetched[0], bool(first.fetched[1]), first.fetched[2]
             new, used, tries, why = guarded_step(
                 partial(buffers.move, direction), buffers.restore,
                 partial(evaluate, graph=not last), self.loss0, try_eta, self.config, self.cur.grad_norm_sq,
-                final_evaluate=partial(evaluate, graph=False), aimed=aimed, first=first)
+                final_evaluate=partial(evaluate, graph=False), aimed=aimed, first=first, slope=slope)
             eta = used if not aimed else eta
             self.backoffs += tries
             if new is None:

@@ -17,7 +17,8 @@ accept, shorten, stop. On a GPU each step is then thousands of small kernels lau
 Python (issue 27: 15,268 launches for one teleport of a GPT-style LM), and the GPU waits on the host.
 
 Here the same guard (``guard.guarded_step``'s rules: finite, ≤ CAP, |L − L₀| ≤ loss_tol·|L₀|, an
-ascent; the secant to CAP, else halving; η aimed at CAP) runs as arithmetic on 0-d device tensors.
+ascent; a CAP overshoot shortened to land under it, else halving; η aimed at CAP) runs as arithmetic on 0-d
+device tensors.
 One *tick* evaluates the objective at the weights as they are, judges the try in flight, and moves:
 to a shorter try of the same step (from W₀, along the same U), back to W₀ when every try failed, or —
 once a try is accepted — to the first try of the next step along the new U = π(H·∇L). Every choice
@@ -52,6 +53,7 @@ import torch
 from torch import Tensor
 
 from teleport.flat_move import FlatMove
+from teleport.guard import shorten_factor
 from teleport.objective import Objective, host_floats, squared_norm
 from teleport.report import TeleportConfig
 
@@ -109,7 +111,7 @@ def own_stream(device: torch.device, enabled: bool) -> Iterator[None]:
 
 
 def aim_on_device(eta: float | Tensor, grad_norm_sq: float | Tensor, direction: list[Tensor],
-                  cap: float, rise: float | None = None) -> tuple[Tensor, Tensor]:
+                  cap: float, rise: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """η, or — when the first-order prediction overshoots CAP — the η predicted to cover ``AIM`` of the way there.
 
     d‖∇L‖²/dη at η = 0 along U = π(G), G = H·∇L, is 2⟨G, π(G)⟩ = 2‖π(G)‖² (π is an orthogonal
@@ -117,8 +119,9 @@ def aim_on_device(eta: float | Tensor, grad_norm_sq: float | Tensor, direction: 
     falls short by 4-25 % of the rise (digits MLP), so aiming at 80 % of the gap lands under CAP
     and saves the evaluation of a step that overshoots it. ``rise`` (``TeleportConfig.rise``): η is the one
     predicted to raise ‖∇L‖² by ``rise``·‖∇L‖² (``eta`` where the slope is 0: U = 0 moves nothing). Decided on the
-    device: (η, shortened) are 0-d tensors, read back with the next evaluation's L and ‖∇L‖² (``objective``'s
-    ``fetch``), so the step has one host sync.
+    device: (η, shortened, slope) are 0-d tensors, read back with the next evaluation's L and ‖∇L‖² (``objective``'s
+    ``fetch``), so the step has one host sync; the slope 2‖U‖² lets a try that overshoots CAP be shortened by the
+    curve through it (``guard.shorten_factor``).
     """
     slope = 2.0 * squared_norm(direction)  # float64, on the weights' device
     sloped = torch.isfinite(slope) & (slope > 0)
@@ -128,7 +131,7 @@ def aim_on_device(eta: float | Tensor, grad_norm_sq: float | Tensor, direction: 
         eta = torch.where(sloped, rise * grad_norm_sq / safe_slope, eta)
     gap = cap - grad_norm_sq
     shorten = sloped & (eta * slope > gap)
-    return torch.where(shorten, AIM * gap / safe_slope, eta), shorten
+    return torch.where(shorten, AIM * gap / safe_slope, eta), shorten, slope
 
 
 class DeviceAscent:
@@ -146,6 +149,7 @@ class DeviceAscent:
         self.first, self.loss0 = torch.zeros(2, **f64), torch.zeros((), **f64)  # [‖∇L‖², L] at the start; L₀
         self.eta = torch.zeros((), **f64)  # η carried from step to step
         self.eta_try = torch.zeros((), **f64)  # η of the try in flight
+        self.slope = torch.zeros((), **f64)  # d‖∇L‖²/dη of the step in flight, 2‖U‖²
         self.gn, self.loss = torch.zeros((), **f64), torch.zeros((), **f64)  # at the last accepted weights
         self.pending, self.aimed, self.capping, self.done = (torch.zeros((), dtype=torch.bool, device=device)
                                                              for _ in range(4))
@@ -172,8 +176,8 @@ class DeviceAscent:
             self.loss0.copy_(self.first[1])
             self.eta.fill_(self.config.lr)
             self.max_steps.fill_(self.config.steps)
-            for t in (self.eta_try, self.gn, self.loss, self.pending, self.aimed, self.capping, self.done, self.steps,
-                      self.tries, self.backoffs, self.reason, self.status):
+            for t in (self.eta_try, self.slope, self.gn, self.loss, self.pending, self.aimed, self.capping, self.done,
+                      self.steps, self.tries, self.backoffs, self.reason, self.status):
                 t.zero_()
         self.start: Objective | None = start
         self.state = dict.fromkeys(STATUS, 0.0) | {"pending": 1.0}  # the status as last read
@@ -246,7 +250,7 @@ class DeviceAscent:
             at_cap = free & ~finished & (gn_now >= c.cap)
             start = free & ~finished & ~at_cap
             u_new = self.direction(obj) if full else self.u
-            aimed_eta, aimed = aim_on_device(eta, gn_now, u_new, c.cap, c.rise)
+            aimed_eta, aimed, slope = aim_on_device(eta, gn_now, u_new, c.cap, c.rise)
             factor = self._shorten(verdict, gn, gn_now)
             eta_try = torch.where(start, aimed_eta, torch.where(retry, self.eta_try * factor, self.eta_try))
             self.flat.move(start, retry, exhausted, eta_try, u_new)  # W₀, U and W: ``teleport.flat_move``
@@ -254,7 +258,9 @@ class DeviceAscent:
             reason = torch.where(ended_cap | at_cap, CAP, torch.where(finished, OK, reason))
             done = self.done | exhausted | ended_cap | at_cap | finished
             backoffs = self.backoffs + reject.long()
-            for state, value in ((self.eta, eta), (self.eta_try, eta_try), (self.gn, gn_now), (self.loss, loss_now),
+            for state, value in ((self.eta, eta), (self.eta_try, eta_try), (self.slope, torch.where(start, slope,
+                                                                                                     self.slope)),
+                                 (self.gn, gn_now), (self.loss, loss_now),
                                  (self.steps, steps), (self.backoffs, backoffs),
                                  (self.tries, torch.where(start, 0, failed)), (self.reason, reason),
                                  (self.aimed, torch.where(start, aimed, self.aimed)),
@@ -274,10 +280,9 @@ class DeviceAscent:
         return torch.where(torch.isfinite(gn) & torch.isfinite(loss), code, NOT_FINITE)
 
     def _shorten(self, verdict: Tensor, after: Tensor, before: Tensor) -> Tensor:
-        """``guard._shorten`` on the device: the secant to 0.95·CAP (in [0.05, 0.5]) for a CAP overshoot, else ½."""
-        rise = after - before
-        secant = ((0.95 * self.config.cap - before) / torch.where(rise > 0, rise, 1.0)).clamp(0.05, 0.5)
-        return torch.where((verdict == CAP) & (rise > 0), secant, 0.5)
+        """``guard._shorten`` on the device: ``shorten_factor`` for a CAP overshoot of the try in flight, else ½."""
+        factor = shorten_factor(after, before, self.config.cap, self.slope * self.eta_try)
+        return torch.where((verdict == CAP) & (after > before), factor, 0.5)
 
     def _capture(self, side: torch.cuda.Stream) -> torch.cuda.CUDAGraph | None:
         """The full tick as a CUDA graph (nothing runs while it is captured), or None, with a warning, when the

@@ -195,14 +195,53 @@ def test_a_cap_overshoot_is_shortened_by_the_secant_and_ends_the_teleport() -> N
     assert new.grad_norm_sq <= config.cap
 
 
+def test_a_cap_overshoot_of_a_bending_curve_lands_at_cap_with_the_slope_and_short_of_it_by_the_chord() -> None:
+    from teleport.guard import guarded_step
+
+    state = {"eta": 0.0}
+
+    def move(eta: float) -> None:
+        state["eta"] = eta
+
+    def evaluate() -> Objective:  # ‖∇L‖² = 1 + 2η + 3η²: slope 2 at η = 0, convex along the step
+        eta = state["eta"]
+        return Objective(1.0, 1.0 + 2.0 * eta + 3.0 * eta**2, [], [])
+
+    config = TeleportConfig(cap=5.0, loss_tol=1e-3, max_backoff=3)
+    landed = {}
+    for slope in (2.0, None):  # a try at η = 2 overshoots to 17: the first order predicted 5
+        new, eta, tries, why = guarded_step(move, lambda: move(0.0), evaluate, 1.0, 2.0, config, 1.0, slope=slope)
+        assert new is not None and why == "cap" and tries == 1
+        landed[slope] = new.grad_norm_sq
+    assert landed[2.0] == pytest.approx(0.95 * 5.0, abs=1e-9)  # the quadratic through the three is the curve
+    assert landed[None] < 3.0  # the chord from 1 to 17 lands at 2.6: most of the way to CAP given up
+
+
+def test_the_shortening_rule_is_one_function_on_host_floats_and_device_tensors() -> None:
+    from teleport.guard import _shorten, shorten_factor
+
+    f64 = torch.float64
+    for after, before, predicted in ((17.0, 1.0, 4.0), (9.0, 1.0, 8.0), (9.0, 1.0, 10.0), (6.0, 4.9, 0.1),
+                                     (17.0, 1.0, math.inf), (17.0, 1.0, None)):
+        tensor = shorten_factor(torch.tensor(after, dtype=f64), torch.tensor(before, dtype=f64), 5.0,
+                                None if predicted is None else torch.tensor(predicted, dtype=f64))
+        factor = _shorten("cap", after, before, 5.0, predicted)
+        assert factor == float(tensor) and 0.05 <= factor <= 0.95
+        if predicted is not None and 0 < predicted < after - before:  # it bends: the curve lands at 0.95·CAP
+            bend = after - before - predicted
+            assert before + predicted * factor + bend * factor**2 == pytest.approx(4.75) or factor == 0.05
+    assert _shorten("loss_tol", 17.0, 1.0, 5.0, 4.0) == 0.5  # anything but an overshoot of CAP: halved
+
+
 def test_a_step_predicted_to_overshoot_cap_is_aimed_under_it_in_one_try() -> None:
     from teleport.guard import guarded_step
     from teleport.on_device import AIM, aim_on_device
 
     u = [torch.full((2, 2), 0.5)]  # ‖U‖² = 1: the predicted rise of ‖∇L‖² is 2η
-    kept, shortened = aim_on_device(0.1, 1.0, u, 5.0)  # 1 + 0.2 < CAP: η as it is
+    kept, shortened, slope = aim_on_device(0.1, 1.0, u, 5.0)  # 1 + 0.2 < CAP: η as it is
+    assert float(slope) == pytest.approx(2.0)  # 2‖U‖²: what the guard shortens an overshoot of CAP by
     assert (float(kept), bool(shortened)) == (pytest.approx(0.1), False)
-    eta_t, aimed_t = aim_on_device(10.0, 1.0, u, 5.0)
+    eta_t, aimed_t, _ = aim_on_device(10.0, 1.0, u, 5.0)
     eta, aimed = float(eta_t), bool(aimed_t)
     assert aimed and eta == pytest.approx(AIM * 4.0 / 2.0)
     assert not bool(aim_on_device(10.0, 1.0, [torch.zeros(2, 2)], 5.0)[1])  # no slope: nothing to aim

@@ -26,11 +26,11 @@ pytestmark = pytest.mark.usefixtures("float64")
 
 def test_the_step_aims_at_the_share_of_grad_norm_sq_given() -> None:
     u = [torch.full((2, 2), 0.5)]  # ‖U‖² = 1: the predicted rise of ‖∇L‖² is 2η
-    eta, aimed = aim_on_device(7.0, 3.0, u, 1e9, rise=0.1)  # η ignored: 0.1 · 3 = 2η
+    eta, aimed, _ = aim_on_device(7.0, 3.0, u, 1e9, rise=0.1)  # η ignored: 0.1 · 3 = 2η
     assert (float(eta), bool(aimed)) == (pytest.approx(0.15), False)
-    eta, aimed = aim_on_device(7.0, 3.0, u, 3.2, rise=0.1)  # the rise would pass CAP: aimed under it as with lr
+    eta, aimed, _ = aim_on_device(7.0, 3.0, u, 3.2, rise=0.1)  # the rise would pass CAP: aimed under it as with lr
     assert bool(aimed) and float(eta) < 0.1
-    eta, _ = aim_on_device(7.0, 3.0, [torch.zeros(2, 2)], 1e9, rise=0.1)  # no slope: η, which moves nothing
+    eta, _, _ = aim_on_device(7.0, 3.0, [torch.zeros(2, 2)], 1e9, rise=0.1)  # no slope: η, which moves nothing
     assert float(eta) == 7.0
     with pytest.raises(ValueError, match="teleport.rise must be > 0"):
         TeleportConfig(rise=0.0)
@@ -87,6 +87,26 @@ def test_cap_ratio_stops_each_batch_at_that_multiple_of_its_own_grad_norm_sq(asc
     assert low.grad_norm_sq_after <= 1.2 * first.grad_norm_sq_before
     with pytest.raises(ValueError, match="teleport.cap_ratio must be > 1"):
         TeleportConfig(cap_ratio=1.0)
+
+
+@pytest.mark.parametrize("name", ["tied_lm", "llama"])
+def test_one_step_that_overshoots_cap_ratio_lands_near_it_the_chord_fell_far_short(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    case = CASES[name]()
+    config = TeleportConfig(steps=8, rise=1.5, cap=1e9, cap_ratio=2.0)  # aimed at 80 % of ×2: the curve overshoots
+
+    def gain(ascent: str) -> float:
+        report = teleport_batch(copy.deepcopy(case.model), case.loss_fn, case.x, case.y, replace(config, ascent=ascent))
+        assert (report.steps, report.backoffs, report.stop_reason) == (1, 1, "cap")
+        return report.grad_norm_sq_after / report.grad_norm_sq_before
+
+    curve = gain("host")
+    assert gain("device") == pytest.approx(curve, rel=1e-9)
+    import teleport.nullspace
+
+    guarded = teleport.nullspace.guarded_step  # without the slope: the secant from before to after alone
+    monkeypatch.setattr(teleport.nullspace, "guarded_step", lambda *a, **k: guarded(*a, **(k | {"slope": None})))
+    assert 1.55 < curve <= 2.0 and gain("host") < curve - 0.1
 
 
 @pytest.mark.parametrize("config", [replace(OPEN, steps=4, rise=0.3), replace(OPEN, steps=6, rise=1.0, cap=0.6),
