@@ -18,8 +18,8 @@ momentum and Adagrad (Adam reported).
 
 ``--clips``: each optimizer's row again with ``training.grad_clip_norm`` at each value, side by side with the
 unclipped row (written to ``convergence_clip.json``): what a clip leaves of teleport's payoff.
-``--scale-free``: every row again with ``SCALE_FREE``'s teleport (each step sized to raise ‖∇L‖² by 30 %, each batch
-stopped at twice its own ‖∇L‖², no absolute CAP), side by side with the paper's η and CAP, one baseline for both
+``--scale-free``: every row again with ``SCALE_FREE``'s teleport (each batch's ‖∇L‖² raised to about twice its own in
+a step sized from its own slope, no absolute CAP), side by side with the paper's η and CAP, one baseline for both
 (written to ``convergence_scale_free.json``).
 """
 

@@ -305,7 +305,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ["product defaults, check_first off", f"{cost['teleport_default_unchecked_s']:.3f}",
          f"{cost['teleport_default_unchecked_in_train_steps']:.2f}",
          f"{cost['default_steps_taken']} ({cost['default_stop_reason']})"],
-        [f"rise 0.3, cap_ratio 2 (‖∇L‖² ×{cost['scale_free_gain']:.2f})", f"{cost['teleport_scale_free_s']:.3f}",
+        [f"rise {SCALE_FREE['rise']:g}, cap_ratio {SCALE_FREE['cap_ratio']:g} (‖∇L‖² ×{cost['scale_free_gain']:.2f})",
+         f"{cost['teleport_scale_free_s']:.3f}",
          f"{cost['teleport_scale_free_in_train_steps']:.2f}",
          f"{cost['scale_free_steps_taken']} ({cost['scale_free_stop_reason']})"],
     ])
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{p['reached']}/{len(p['seeds'])}, teleport share {p['median_teleport_share']:.1%}")
     print(f"one teleport (defaults) <= {floor:g} training steps: {verdict(floors['one_teleport_default_le_floor'])}; "
           f"Adam to the baseline's loss in <= 1.0x its seconds: {verdict(floors['adam_seconds_ratio_le_1'])} "
-          f"(teleport.lr 2, cap 1e4: {verdict(floors['adam_lr2_seconds_ratio_le_1'])}; rise 0.3, cap_ratio 2: "
+          f"(teleport.lr 2, cap 1e4: {verdict(floors['adam_lr2_seconds_ratio_le_1'])}; scale-free "
           f"{verdict(floors['adam_scale_free_seconds_ratio_le_1'])})")
     print(f"payoff runs: teleport.ascent {ascent}, teleport.hvp {hvp} (asked: {args.ascent}, {args.hvp})")
     result = {"quick": args.quick, "device": str(device), "size": size, "ascent": ascent, "hvp": hvp,

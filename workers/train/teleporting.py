@@ -68,7 +68,7 @@ def idle_hint(epoch: int, reports: list[TeleportReport], tp: TeleportSpec) -> di
     text = IDLE[reports[0].stop_reason].format(low=min(norms), high=max(norms), cap=tp.cap, n=tp.batch_size)
     if reports[0].stop_reason == "cap" and tp.cap_ratio is None:
         text += (f", or set teleport.cap: null with teleport.cap_ratio: {SUGGESTED_RATIO:g} (each batch stopped at "
-                 "twice its own)")
+                 f"{SUGGESTED_RATIO:g}x its own)")
     return {"kind": "hint", "epoch": epoch, "reason": reports[0].stop_reason,
             "message": f"teleport at epoch {epoch}: {text}"}
 
@@ -93,9 +93,9 @@ def larger_steps(tp: TeleportSpec) -> str:
     """What to set when teleport's steps are too small to matter (the hint above, the preflight's advice)."""
     if tp.rise is not None:
         return f"raise teleport.rise (now {tp.rise:g})"
-    return (f"set teleport.rise: {SUGGESTED_RISE:g} (each step sized to raise ‖∇L‖² by {SUGGESTED_RISE:.0%}, whatever "
-            f"the model's scale) in place of teleport.lr (now {tp.lr:g}), with teleport.cap_ratio: {SUGGESTED_RATIO:g} "
-            "(each batch stopped at twice its own ‖∇L‖²): docs/algorithm.md")
+    return (f"set teleport.rise: {SUGGESTED_RISE:g} with teleport.cap_ratio: {SUGGESTED_RATIO:g} in place of "
+            f"teleport.lr (now {tp.lr:g}): each batch's ‖∇L‖² raised to about {SUGGESTED_RATIO:g}x its own, in a step "
+            "sized from its own slope whatever the model's scale (docs/algorithm.md)")
 
 
 ADAPTIVE = ("adam", "adamw")  # optimizers whose step does not grow with the gradient's scale

@@ -80,10 +80,10 @@ def test_the_teleport_step_says_what_it_tells_of_the_cap_and_the_lr(tmp_path: Pa
                                  f"to {after:.3g} ({after / before - 1:+.1%})")
     timid = preflight(with_teleport(base, lr=1e-6, cap=1e9), MemorySink()).step_advice
     assert timid.endswith("(+0.0%): at that rate 2 steps raise it by under 10%, too little to matter; set "
-                          "teleport.rise: 0.3 (each step sized to raise ‖∇L‖² by 30%, whatever the model's scale) in "
-                          "place of teleport.lr (now 1e-06), with teleport.cap_ratio: 2 (each batch stopped at twice "
-                          "its own ‖∇L‖²): docs/algorithm.md")
-    risen = preflight(with_teleport(base, rise=0.3, cap=1e9, tau=1.0), MemorySink())  # the suggested step
+                          "teleport.rise: 1.5 with teleport.cap_ratio: 2 in place of teleport.lr (now 1e-06): each "
+                          "batch's ‖∇L‖² raised to about 2x its own, in a step sized from its own slope whatever the "
+                          "model's scale (docs/algorithm.md)")
+    risen = preflight(with_teleport(base, rise=0.3, cap=1e9, tau=1.0), MemorySink())  # a step sized by its rise
     gained = risen.grad_norm_sq_after_step / before
     assert risen.step_advice == (f"‖∇L‖² {before:.3g} at the model's first weights; one step at teleport.rise=0.3 "
                                  f"took it to {risen.grad_norm_sq_after_step:.3g} ({gained - 1:+.1%})")

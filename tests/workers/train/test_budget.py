@@ -167,7 +167,7 @@ def test_a_teleport_at_cap_on_every_batch_says_once_what_to_change(capsys: pytes
     assert hints[0]["message"].startswith(f"teleport at epoch 0: every batch's ‖∇L‖² ({low:.3g} to ")
     assert "raise teleport.cap above" in hints[0]["message"]
     assert hints[0]["message"].endswith("to let teleport move, or set teleport.cap: null with teleport.cap_ratio: 2 "
-                                        "(each batch stopped at twice its own)")
+                                        "(each batch stopped at 2x its own)")
     assert f"hint: {hints[0]['message']}" in capsys.readouterr().err
     records, _ = run(None)  # teleport that moves says nothing of the cap
     assert not [r for r in records if r["kind"] == "hint" and r["reason"] == "cap"]
@@ -187,10 +187,10 @@ def test_teleport_steps_too_small_to_matter_are_told_once_with_the_rise_seen() -
     rise = max(r["grad_norm_sq_after"] / r["grad_norm_sq_before"] for r in tele if r["epoch"] == 0) - 1
     assert hints[0]["message"].startswith(f"teleport at epoch 0: every step was taken without a back-off, yet ‖∇L‖² "
                                           f"rose by at most {rise:.1%} (")
-    assert hints[0]["message"].endswith("teleport moved too little to matter; set teleport.rise: 0.3 (each step sized "
-                                        "to raise ‖∇L‖² by 30%, whatever the model's scale) in place of teleport.lr "
-                                        "(now 1e-05), with teleport.cap_ratio: 2 (each batch stopped at twice its own "
-                                        "‖∇L‖²): docs/algorithm.md")
+    assert hints[0]["message"].endswith("teleport moved too little to matter; set teleport.rise: 1.5 with "
+                                        "teleport.cap_ratio: 2 in place of teleport.lr (now 1e-05): each batch's "
+                                        "‖∇L‖² raised to about 2x its own, in a step sized from its own slope "
+                                        "whatever the model's scale (docs/algorithm.md)")
 
 
 @pytest.mark.parametrize(("optimizer", "epochs", "said", "rise"),
