@@ -142,7 +142,8 @@ def test_lm_payoff_quick(results: Path) -> None:
         assert [r["seed"] for r in p["seeds"]] == [0] and 0 <= p["reached"] <= 1  # --quick: one seed
         assert p["median_seconds_ratio"] == p["seconds_ratio"]
     assert (body["ascent"], body["hvp"], body["ascent_asked"], body["hvp_asked"]) == ("auto", "exact", "auto", "exact")
-    assert set(body["floors"]) == {"one_teleport_default_le_floor", "host_reads_per_step_le_1",
+    assert set(body["floors"]) == {"one_teleport_default_le_floor", "one_teleport_scale_free_le_floor",
+                                   "host_reads_per_step_le_1",
                                    "adam_seconds_ratio_le_1", "adam_lr2_seconds_ratio_le_1",
                                    "adam_scale_free_seconds_ratio_le_1",
                                    "launches_per_step_le_fifth"}
