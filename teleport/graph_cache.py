@@ -13,8 +13,9 @@ reads is where it was, with the shape it had:
   and bases (``_slots``): the new batch's values copied into the captured tensors, each kept basis padded to its
   R's column count (``blocks.fixed_widths``: a batch whose rank differs keeps the shapes);
 - the ascent's state: ``DeviceAscent.reset`` sets it in place;
-- the config and the loss function: their numbers are constants of the graph — all but the steps, a state tensor
-  (the budget shortens a batch's steps: that batch replays the same graph).
+- the config and the loss function: their numbers are constants of the graph — all but the steps and CAP, state
+  tensors (the budget shortens a batch's steps, ``cap_ratio`` gives each batch its own CAP: such a batch replays the
+  same graph; ``on_device.tick_constants``).
 
 ``key`` names all of it; an equal key replays every tick of the batch (``reused``; ``DeviceAscent.run``), anything
 else captures anew and replaces the model's entry (``keep``): one graph a model, its memory pool held until then or
@@ -28,14 +29,14 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from teleport.blocks import Block
 from teleport.objective import Objective
-from teleport.on_device import DeviceAscent
+from teleport.on_device import DeviceAscent, tick_constants
 from teleport.report import TeleportConfig
 
 
@@ -89,7 +90,7 @@ def _slots(blocks: list[Block]) -> tuple[list[Tensor | None], list[tuple]]:
 def key(config: TeleportConfig, loss_fn: Callable, params: list[Tensor], blocks: list[Block]) -> tuple:
     """Everything a captured tick depends on besides the values ``reused`` copies in."""
     tensors, path = _slots(blocks)
-    return (replace(config, steps=0), id(loss_fn), tuple((id(p), p.data_ptr(), _like(p)) for p in params),
+    return (tick_constants(config), id(loss_fn), tuple((id(p), p.data_ptr(), _like(p)) for p in params),
             tuple(_like(t) for t in tensors), tuple(path))
 
 

@@ -68,7 +68,7 @@ def _shorten(why: str, after: float, before: float | None, cap: float, predicted
                                 None if predicted is None else torch.tensor(predicted, dtype=f64)))
 
 
-def shorten_factor(after: Tensor, before: Tensor, cap: float, predicted: Tensor | None) -> Tensor:
+def shorten_factor(after: Tensor, before: Tensor, cap: float | Tensor, predicted: Tensor | None) -> Tensor:
     """η's factor that lands a try which overshot CAP (‖∇L‖² from ``before`` to ``after`` > CAP) at 0.95·CAP.
 
     Along one step's direction ‖∇L‖²(η) = before + s·η + c·η² + …, s = 2‖π(H·∇L)‖² (``aim_on_device``);

@@ -69,6 +69,13 @@ Evaluate = Callable[[bool], tuple[Objective, Tensor]]  # graph? -> (the objectiv
 Direction = Callable[[Objective], list[Tensor]]  # π(H·∇L) of the moving weights
 
 
+def tick_constants(config: TeleportConfig) -> TeleportConfig:
+    """The numbers of a config a captured tick holds as constants: all but the steps and CAP, which are state tensors
+    (the budget shortens a batch's steps; ``cap_ratio`` gives each batch a CAP of its own), so a tick captured for
+    one batch replays for a batch that differs in them."""
+    return replace(config, steps=0, cap=1.0)
+
+
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream the teleport runs on if it is not the device's default stream (``own_stream``), else the
     teleports' own one: a capture cannot be made on the default stream."""
@@ -111,7 +118,7 @@ def own_stream(device: torch.device, enabled: bool) -> Iterator[None]:
 
 
 def aim_on_device(eta: float | Tensor, grad_norm_sq: float | Tensor, direction: list[Tensor],
-                  cap: float, rise: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                  cap: float | Tensor, rise: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """η, or — when the first-order prediction overshoots CAP — the η predicted to cover ``AIM`` of the way there.
 
     d‖∇L‖²/dη at η = 0 along U = π(G), G = H·∇L, is 2⟨G, π(G)⟩ = 2‖π(G)‖² (π is an orthogonal
@@ -156,6 +163,7 @@ class DeviceAscent:
         self.steps, self.tries, self.backoffs = (torch.zeros((), **i64) for _ in range(3))
         self.reason = torch.zeros((), **i64)
         self.max_steps = torch.zeros((), **i64)  # t: a tensor, not a constant of a captured tick (the budget varies it)
+        self.cap = torch.zeros((), **f64)  # CAP: a tensor too (``cap_ratio``: each batch's own)
         self.status = torch.zeros(len(STATUS), **f64)  # what the host reads after a tick, in one copy
         self.graph: torch.cuda.CUDAGraph | None = None  # the full tick, once captured
         self.reset(start)
@@ -163,10 +171,10 @@ class DeviceAscent:
     def reset(self, start: Objective, config: TeleportConfig | None = None) -> None:
         """Start a teleport batch from ``start`` (see ``__init__``), every state tensor set in place: a captured
         tick replays on the same addresses for a later batch (``teleport.graph_cache``). ``config`` may change the
-        number of steps only: every other number of it is a constant of a captured tick."""
+        number of steps and CAP only: every other number of it is a constant of a captured tick (``tick_constants``)."""
         if config is not None:
-            if replace(config, steps=0) != replace(self.config, steps=0):
-                raise ValueError("a device ascent is reset with the config it was built with, steps aside")
+            if tick_constants(config) != tick_constants(self.config):
+                raise ValueError("a device ascent is reset with the config it was built with, steps and CAP aside")
             self.config = config
         if self.config.steps < 1 or not start.grad_norm_sq < self.config.cap:
             raise ValueError("a device ascent needs teleport.steps >= 1 and ‖∇L‖² below CAP at the start")
@@ -176,6 +184,7 @@ class DeviceAscent:
             self.loss0.copy_(self.first[1])
             self.eta.fill_(self.config.lr)
             self.max_steps.fill_(self.config.steps)
+            self.cap.fill_(self.config.cap)
             for t in (self.eta_try, self.slope, self.gn, self.loss, self.pending, self.aimed, self.capping, self.done,
                       self.steps, self.tries, self.backoffs, self.reason, self.status):
                 t.zero_()
@@ -247,10 +256,10 @@ class DeviceAscent:
             steps = self.steps + accept.long()
             free = here & ~ended_cap  # nothing in flight: a new step, or the end
             finished = free & (steps >= self.max_steps)
-            at_cap = free & ~finished & (gn_now >= c.cap)
+            at_cap = free & ~finished & (gn_now >= self.cap)
             start = free & ~finished & ~at_cap
             u_new = self.direction(obj) if full else self.u
-            aimed_eta, aimed, slope = aim_on_device(eta, gn_now, u_new, c.cap, c.rise)
+            aimed_eta, aimed, slope = aim_on_device(eta, gn_now, u_new, self.cap, c.rise)
             factor = self._shorten(verdict, gn, gn_now)
             eta_try = torch.where(start, aimed_eta, torch.where(retry, self.eta_try * factor, self.eta_try))
             self.flat.move(start, retry, exhausted, eta_try, u_new)  # W₀, U and W: ``teleport.flat_move``
@@ -276,12 +285,12 @@ class DeviceAscent:
         tol = c.loss_tol * self.loss0.abs().clamp_min(1e-12)
         code = torch.where(gn < self.gn, NO_ASCENT, OK)
         code = torch.where((loss - self.loss0).abs() > tol, LOSS_TOL, code)
-        code = torch.where(gn > c.cap, CAP, code)
+        code = torch.where(gn > self.cap, CAP, code)
         return torch.where(torch.isfinite(gn) & torch.isfinite(loss), code, NOT_FINITE)
 
     def _shorten(self, verdict: Tensor, after: Tensor, before: Tensor) -> Tensor:
         """``guard._shorten`` on the device: ``shorten_factor`` for a CAP overshoot of the try in flight, else ½."""
-        factor = shorten_factor(after, before, self.config.cap, self.slope * self.eta_try)
+        factor = shorten_factor(after, before, self.cap, self.slope * self.eta_try)
         return torch.where((verdict == CAP) & (after > before), factor, 0.5)
 
     def _capture(self, side: torch.cuda.Stream) -> torch.cuda.CUDAGraph | None:

@@ -19,8 +19,8 @@ class TeleportConfig:
     the one predicted (to first order, from the step's own direction) to raise ‖∇L‖² by this share of itself —
     η = rise·‖∇L‖² / (2‖π(H·∇L)‖²) — in place of a fixed ``lr``: a step scale that does not depend on the model's
     units (``docs/algorithm.md``); CAP and the back-offs apply to it as to ``lr``; cap_ratio: each batch's CAP is
-    min(cap, cap_ratio·‖∇L‖² at its start) (cap may be ∞ then); with ascent "cuda_graph" a CAP that differs from batch
-    to batch is captured anew for each (it is a constant of the capture);
+    min(cap, cap_ratio·‖∇L‖² at its start) (cap may be ∞ then; with ascent "cuda_graph" one captured tick serves
+    batches of any CAP: a state of the tick, not a constant);
     loss_tol: largest relative change of the batch loss, either way, a step may cause before it is
     backed off; max_backoff: halvings of η tried before the teleport stops; tau_rule: how eq. 3 reads
     τ ("numerical_rank": exact, never fewer directions than the numerical rank; "energy": the

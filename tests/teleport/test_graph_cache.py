@@ -166,6 +166,24 @@ def test_a_batch_the_budget_shortened_replays_the_same_graph(captures: list[Devi
     assert len(captures) == 1
 
 
+def test_batches_of_their_own_cap_replay_the_same_graph(captures: list[DeviceAscent]) -> None:
+    """``cap_ratio`` gives each batch a CAP of its own (the scale-free setting the hints suggest): a state tensor of the
+    tick, not a constant of its capture, so one capture serves them all, each batch the device ticks' teleport."""
+    case = mlp()
+    x2, y2 = other_batch(case.x, case.y)
+    config = replace(GRAPHED, steps=4, rise=0.5, cap_ratio=1.5)  # ×1.5 a batch: the third step passes it
+    graphed, device = copy.deepcopy(case.model), copy.deepcopy(case.model)
+    caps = set()
+    for x, y in [(case.x, case.y), (x2, y2), (case.x, case.y)]:
+        a = teleport_batch(device, case.loss_fn, x, y, replace(config, ascent="device"))
+        b = teleport_batch(graphed, case.loss_fn, x, y, config)
+        assert b.ascent == "cuda_graph" and b.stop_reason == "cap" and b.steps > 0
+        assert b.grad_norm_sq_before < b.grad_norm_sq_after <= 1.5 * b.grad_norm_sq_before
+        assert_same(a, b, device, graphed, rtol=1e-9)
+        caps.add(round(1.5 * b.grad_norm_sq_before, 9))
+    assert len(caps) == 3 and len(captures) == 1, "a batch of another CAP should have replayed the graph"
+
+
 def test_the_captured_graph_dies_with_its_model(captures: list[DeviceAscent]) -> None:
     case = mlp()
     model = copy.deepcopy(case.model)
