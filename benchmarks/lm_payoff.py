@@ -57,6 +57,8 @@ LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGr
 ASCENTS = ("host", "device")  # ``TeleportConfig.ascent`` side by side; on CUDA "cuda_graph" too, after the payoff
 # part (its capture failed on an H200 and left the process's CUDA generator unusable: mended, not yet run on a GPU)
 FORCED = {"lr": 1e-6, "cap": 1e12, "loss_tol": 1e9}  # every step accepted: the most 8 steps can cost
+# ``api_schemas.spec.SCALE_FREE``: a teleport that moves the LM (its ‖∇L‖² doubled, then it stops), its steps its own
+MOVING = {**SCALE_FREE, "cap": math.inf}
 BEFORE_LAUNCHES = 15268 / 8  # kernel launches per ascent step on an H100 when issue 27 was filed (its floor: 1/5)
 
 
@@ -171,6 +173,10 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
             new_s, last = _timed(lambda: teleport(8, ascent, hvp, x=next(turn), **FORCED), device, repeats)
             row |= {"teleport_8_steps_new_batch_s": new_s, "teleport_8_steps_new_batch_in_train_steps": new_s / step_s,
                     "graph_replayed": forced.graph_replayed, "new_batch_graph_replayed": last.graph_replayed}
+            # the teleport that moves the LM, a new batch each call (each its own CAP: the graph replays for it)
+            moving_s, moving = _timed(lambda: teleport(8, ascent, hvp, x=next(turn), **MOVING), device, repeats)
+            row |= {"scale_free_new_batch_in_train_steps": moving_s / step_s, "scale_free_steps": moving.steps,
+                    "scale_free_graph_replayed": moving.graph_replayed}
         return row
 
     step_s, _ = _timed(train_step, device, repeats)
@@ -188,8 +194,7 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
     default_launches = [_launches(lambda c=c: teleport(8, check_first=c), device)[0] for c in (True, False)]
     # the product's defaults take no step here (‖∇L‖² over CAP): a teleport that moves the model, its steps its own
     # (each call starts where the last left the batch: ×2 each time, the same steps a call)
-    scale_free = {**SCALE_FREE, "cap": math.inf}  # ``api_schemas.spec.SCALE_FREE``: ‖∇L‖² doubled, then it stops
-    free_s, free = _timed(lambda: teleport(8, **scale_free), device, repeats)
+    free_s, free = _timed(lambda: teleport(8, **MOVING), device, repeats)
     setup = setup_phases(model, lm_loss, tele, step_s, lambda fn: _timed(fn, device, repeats))
     return {
         "model": {"d": d, "layers": layers, "context": ctx, "vocab": 256, "train_batch": 32, "teleport_batch": 2},
@@ -330,7 +335,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "teleport_8_steps_new_batch_in_train_steps" in c:
             print(f"{name}: with a new batch each call {c['teleport_8_steps_new_batch_in_train_steps']:.2f} training "
                   f"steps (the graph replayed: same batch {c['graph_replayed']}, a new one "
-                  f"{c['new_batch_graph_replayed']})")
+                  f"{c['new_batch_graph_replayed']}); the scale-free teleport on a new batch each call "
+                  f"{c['scale_free_new_batch_in_train_steps']:.2f} ({c['scale_free_steps']} steps, the graph replayed "
+                  f"{c['scale_free_graph_replayed']})")
     print(f"fewest launches per ascent step: {fewest[0]:.0f} ({fewest[1]}); on CUDA the floor is <= 1/5 of the "
           f"{BEFORE_LAUNCHES:.0f} of issue 27's H100: " + ("n/a (CPU)" if floors["launches_per_step_le_fifth"] is None
                                                             else verdict(floors["launches_per_step_le_fifth"])))

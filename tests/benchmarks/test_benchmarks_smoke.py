@@ -171,6 +171,18 @@ def test_the_payoff_runs_the_hvp_the_cost_part_found_cheaper() -> None:
     assert fastest_way(cost) == ("cuda_graph", "difference")
 
 
+def test_lm_payoff_cuda_graph_rows_run_on_the_cpu_as_the_device_ticks() -> None:
+    # what gpu_checks.sh asks of a GPU (new batches, the moving teleport), run here where a bug costs no device time
+    from benchmarks.lm_payoff import teleport_cost
+
+    cost = teleport_cost(torch.device("cpu"), True, 1, ascents=("cuda_graph",))
+    for rows in (cost["by_ascent"], cost["hvp_difference"]["by_ascent"]):
+        row = rows["cuda_graph"]
+        assert "error" not in row and row["ran_as"] == "device"  # no CUDA: the ticks, uncaptured
+        assert row["teleport_8_steps_new_batch_in_train_steps"] > 0 and row["scale_free_new_batch_in_train_steps"] > 0
+        assert row["scale_free_steps"] >= 1 and row["scale_free_graph_replayed"] is False
+
+
 def test_lm_payoff_runs_its_payoff_the_fastest_way_it_measured(results: Path) -> None:
     from benchmarks import lm_payoff
 
