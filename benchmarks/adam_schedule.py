@@ -3,8 +3,9 @@
 The convergence benchmark's Adam row (digits, MLP [1024, 1024], lr 2e-4, target train loss 0.05, the paper's
 teleport: η_tele 0.2, CAP 5, n = 32, t = 8, b = 4) reaches the target in fewer epochs than the baseline but more
 seconds. Side by side, per seed: the baseline, the paper's schedule (before epochs 0-4) and one teleport before
-epoch 0 only, each without a budget (the schedule as it is), 12 epochs (the target falls at ~6). Reported: epochs
-and seconds to the target, the seconds as a ratio to the baseline's, teleport's seconds.
+epoch 0 only, each without a budget (the schedule as it is), 12 epochs (the target falls at ~6); both schedules again
+with the scale-free teleport (``SCALE_FREE``: one step to twice each batch's ‖∇L‖²). Reported: epochs and seconds to
+the target, the seconds as a ratio to the baseline's, teleport's seconds.
 
     python -m benchmarks.adam_schedule [--quick] [--seeds N]
 """
@@ -21,14 +22,19 @@ from api_schemas import build_spec
 from benchmarks.common import print_table, verdict, write_result
 from benchmarks.convergence import mlp_case
 
-SCHEDULES = {"baseline": None, "paper: epochs 0-4": [0, 1, 2, 3, 4], "epoch 0 only": [0]}
+# name -> (the epochs teleport runs before, with the scale-free teleport?), or None: no teleport
+SCHEDULES: dict[str, tuple[list[int], bool] | None] = {
+    "baseline": None, "paper: epochs 0-4": ([0, 1, 2, 3, 4], False), "epoch 0 only": ([0], False),
+    "scale-free: epochs 0-4": ([0, 1, 2, 3, 4], True), "scale-free: epoch 0 only": ([0], True)}
 
 
-def one(seed: int, epochs: list[int] | None, n_epochs: int, quick: bool) -> dict[str, Any]:
+def one(seed: int, schedule: tuple[list[int], bool] | None, n_epochs: int, quick: bool) -> dict[str, Any]:
     from workers.train.context import RunContext
     from workers.train.loop import train
 
-    case = mlp_case("adam", 1, n_epochs, [32] if quick else [1024, 1024], 4, 200 if quick else None)
+    epochs, scale_free = schedule or (None, False)
+    case = mlp_case("adam", 1, n_epochs, [32] if quick else [1024, 1024], 4, 200 if quick else None,
+                    scale_free=scale_free)
     data = case.spec(seed, epochs is not None)
     data["training"]["epochs"] = n_epochs
     if epochs is not None:
@@ -45,8 +51,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     seeds, n_epochs = (1, 3) if args.quick else (args.seeds, 12)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SCHEDULES}
     for seed in range(seeds):  # interleaved: a load spike hits every schedule alike
-        for name, epochs in SCHEDULES.items():
-            runs[name].append(one(seed, epochs, n_epochs, args.quick))
+        for name, schedule in SCHEDULES.items():
+            runs[name].append(one(seed, schedule, n_epochs, args.quick))
 
     def mean(name: str, key: str) -> float | None:
         got = [r[key] for r in runs[name] if r[key] is not None]
