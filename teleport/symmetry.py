@@ -99,11 +99,10 @@ def transformed_weights(weights: list[Tensor], gs: list[Tensor], x: Tensor, slop
     return out
 
 
-def _rising_eta(rise: float, lr: float, grad_norm_sq: float, dms: tuple[Tensor, ...]) -> float:
-    """``TeleportConfig.rise``'s η (``lr`` where the slope is 0) for a step along the group's ascent dM, from ‖∇L‖²
-    where the step starts (g = I: the model as it is)."""
-    slope = 2.0 * float(sum((d.double() ** 2).sum() for d in dms))
-    return rise * grad_norm_sq / slope if 0 < slope < math.inf else lr
+def _rising_eta(rise: float, lr: float, grad_norm_sq: float, rate: float) -> float:
+    """``TeleportConfig.rise``'s η (``lr`` where the rate is 0) for a step along the group's ascent dM, from ‖∇L‖²
+    where the step starts (g = I: the model as it is) and its rate d‖∇L‖²/dη = 2‖dM‖²."""
+    return rise * grad_norm_sq / rate if 0 < rate < math.inf else lr
 
 
 def symmetry_teleport_batch(
@@ -143,8 +142,9 @@ def symmetry_teleport_batch(
             grads = torch.autograd.grad(loss, new_w, create_graph=True)
             half = 0.5 * sum((g * g).sum() for g in grads)
             dms = torch.autograd.grad(half, ms)
-            if config.rise is not None:  # d‖∇L‖²/dη along the group's ascent is 2‖dM‖²: η for a rise of that share
-                eta = _rising_eta(config.rise, config.lr, cur.grad_norm_sq, dms)
+            rate = 2.0 * float(sum((d.double() ** 2).sum() for d in dms))  # d‖∇L‖²/dη along the group's ascent
+            if config.rise is not None:  # η for a rise of that share
+                eta = _rising_eta(config.rise, config.lr, cur.grad_norm_sq, rate)
 
             def move(step: float, base: list[Tensor] = base, dms: tuple[Tensor, ...] = dms,
                      eye: list[Tensor] = eye) -> None:
@@ -152,12 +152,16 @@ def symmetry_teleport_batch(
                     gs = [i + step * d for i, d in zip(eye, dms, strict=True)]
                     _write(layers, transformed_weights(base, gs, x, slope))
 
-            new, eta, tries, why = guarded_step(move, lambda b=base: _write(layers, b), evaluate, loss0, eta, config)
+            new, eta, tries, why = guarded_step(move, lambda b=base: _write(layers, b), evaluate, loss0, eta, config,
+                                                cur.grad_norm_sq, slope=rate if 0 < rate < math.inf else None)
             backoffs += tries
             if new is None:
                 cur, reason = evaluate(), why
                 break
             cur, steps = new, steps + 1
+            if why == "cap":  # shortened to fit under CAP: CAP is reached (the null-space teleport's rule)
+                reason = "cap"
+                break
         n = x.shape[0]
         reports = [LayerReport(f"layers.{i}", "symmetry", m.in_features + 1, min(n, m.in_features + 1),
                                max(0, m.in_features + 1 - n), 1.0) for i, m in enumerate(layers[:-1])]
