@@ -152,8 +152,10 @@ def symmetry_teleport_batch(
                     gs = [i + step * d for i, d in zip(eye, dms, strict=True)]
                     _write(layers, transformed_weights(base, gs, x, slope))
 
-            new, eta, tries, why = guarded_step(move, lambda b=base: _write(layers, b), evaluate, loss0, eta, config,
-                                                cur.grad_norm_sq, slope=rate if 0 < rate < math.inf else None)
+            # no ‖∇L‖² before the step: its path through the group is not smooth (a step of η 1e-3 on a digits-size
+            # MLP can lower ‖∇L‖² however short it is made), so it is not held to an ascent, and an overshoot of CAP
+            # is halved (``guard._shorten``)
+            new, eta, tries, why = guarded_step(move, lambda b=base: _write(layers, b), evaluate, loss0, eta, config)
             backoffs += tries
             if new is None:
                 cur, reason = evaluate(), why
