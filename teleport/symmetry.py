@@ -142,8 +142,8 @@ def symmetry_teleport_batch(
             grads = torch.autograd.grad(loss, new_w, create_graph=True)
             half = 0.5 * sum((g * g).sum() for g in grads)
             dms = torch.autograd.grad(half, ms)
-            rate = 2.0 * float(sum((d.double() ** 2).sum() for d in dms))  # d‖∇L‖²/dη along the group's ascent
-            if config.rise is not None:  # η for a rise of that share
+            if config.rise is not None:  # d‖∇L‖²/dη along the group's ascent is 2‖dM‖²: η for a rise of that share
+                rate = 2.0 * float(sum((d.double() ** 2).sum() for d in dms))
                 eta = _rising_eta(config.rise, config.lr, cur.grad_norm_sq, rate)
 
             def move(step: float, base: list[Tensor] = base, dms: tuple[Tensor, ...] = dms,
