@@ -51,7 +51,7 @@ def pytest_configure(config: pytest.Config) -> None:
     a part on the ports it had (tests/service/stack/test_supervise.py, the sweep restarts), and while it was down a
     stack of the other chain must not have drawn one of them (a head that came back on a port another chain's
     cluster held died: 'Runtime Env Agent network error: on_read bad version')."""
-    from service.stack.embedded import port_range
+    from service.stack.ports import port_range
 
     ports = port_range()
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 
 from service.stack import embedded as stack
+from service.stack import ports
 from service.stack.up import up
 
 
 @pytest.fixture()
 def fresh(monkeypatch: pytest.MonkeyPatch) -> set[int]:
     given: set[int] = set()
-    monkeypatch.setattr(stack, "_GIVEN", given)
+    monkeypatch.setattr(ports, "_GIVEN", given)
     return given
 
 
