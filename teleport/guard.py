@@ -65,10 +65,10 @@ def _shorten(why: str, after: float, before: float | None, cap: float, predicted
         return 0.5
     f64 = torch.float64
     return float(shorten_factor(torch.tensor(after, dtype=f64), torch.tensor(before, dtype=f64), cap,
-                                None if predicted is None else torch.tensor(predicted, dtype=f64)))
+                                torch.tensor(math.nan if predicted is None else predicted, dtype=f64)))
 
 
-def shorten_factor(after: Tensor, before: Tensor, cap: float | Tensor, predicted: Tensor | None) -> Tensor:
+def shorten_factor(after: Tensor, before: Tensor, cap: float | Tensor, predicted: Tensor) -> Tensor:
     """η's factor that lands a try which overshot CAP (‖∇L‖² from ``before`` to ``after`` > CAP) at 0.95·CAP.
 
     Along one step's direction ‖∇L‖²(η) = before + s·η + c·η² + …, s = 2‖π(H·∇L)‖² (``aim_on_device``);
@@ -76,13 +76,11 @@ def shorten_factor(after: Tensor, before: Tensor, cap: float | Tensor, predicted
     term, c·η_try². When that is positive (‖∇L‖² convex along the step: every model measured) the factor is the
     root of the quadratic through the three — a try aimed by the first order overshoots most where the curve bends
     most, and the chord from ``before`` to ``after`` then lands far short (a GPT-style LM: ×1.34 of a ×2 CAP) —
-    in [0.05, 0.95]. Otherwise (no ``predicted``: symmetry teleport; a slope not finite; no bend) the chord's, the
-    secant to 0.95·CAP, in [0.05, 0.5] without a slope, [0.05, 0.95] with one. 0-d float64 tensors on any device, no
-    host read: the host guard and the device ticks (``teleport.on_device``) share it."""
+    in [0.05, 0.95]. Otherwise (no slope known: ``predicted`` NaN; no bend) the chord's, the secant to 0.95·CAP, in
+    [0.05, 0.95] too. 0-d float64 tensors on any device, no host read: the host guard and the device ticks
+    (``teleport.on_device``) share it."""
     rise, gap = after - before, 0.95 * cap - before
     chord = gap / torch.where(rise > 0, rise, 1.0)
-    if predicted is None:
-        return chord.clamp(0.05, 0.5)
     bend = rise - predicted  # c·η_try²: what the first order missed
     curved = (bend > 0) & (predicted >= 0) & (gap > 0) & torch.isfinite(predicted)
     root_of = (predicted.square() + 4.0 * bend * gap).clamp_min(0.0).sqrt() + predicted  # > 0 where curved

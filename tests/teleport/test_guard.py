@@ -224,7 +224,7 @@ def test_the_shortening_rule_is_one_function_on_host_floats_and_device_tensors()
     for after, before, predicted in ((17.0, 1.0, 4.0), (9.0, 1.0, 8.0), (9.0, 1.0, 10.0), (6.0, 4.9, 0.1),
                                      (17.0, 1.0, math.inf), (17.0, 1.0, None)):
         tensor = shorten_factor(torch.tensor(after, dtype=f64), torch.tensor(before, dtype=f64), 5.0,
-                                None if predicted is None else torch.tensor(predicted, dtype=f64))
+                                torch.tensor(math.nan if predicted is None else predicted, dtype=f64))
         factor = _shorten("cap", after, before, 5.0, predicted)
         assert factor == float(tensor) and 0.05 <= factor <= 0.95
         if predicted is not None and 0 < predicted < after - before:  # it bends: the curve lands at 0.95·CAP
