@@ -23,19 +23,19 @@ class TeleportConfig:
     batches of any CAP: a state of the tick, not a constant);
     loss_tol: largest relative change of the batch loss, either way, a step may cause before it is
     backed off; max_backoff: halvings of η tried before the teleport stops; tau_rule: how eq. 3 reads
-    τ ("numerical_rank": exact, never fewer directions than the numerical rank; "energy": the
-    cumulative energy in the model's precision, which at τ = 1 frees the negligible tail); ascent: how the
-    steps run ("host": the guard decides in Python, one host read a try; "device": the guard decides on the
-    device, ``teleport.on_device``; "cuda_graph": those ticks captured once a model and replayed for every later
-    batch whose shapes match, ``teleport.graph_cache``, opt-in — on an H200 (2026-11-29) it captured and replayed,
-    3 launches a step, 8 steps of a GPT-style LM in 9.3 training steps against the host guard's 30.8; "auto": the
-    host guard, until the graph has run in training on a GPU); hvp: how H·∇L is computed ("exact": the double
-    backward of ∇L's graph, the paper's gradient; "difference": a forward difference of two gradients, no double backward, ``teleport.difference``;
-    with every ascent: in a device tick the shifted gradient reads nothing on the host, so a CUDA graph can hold
-    it with no double backward in it); check_first: L and ‖∇L‖² from a plain forward + backward decide a batch
-    at CAP or not finite before the recorded one (every use of every parameter, ∇L's graph kept): such a batch
-    then costs that pass alone, one that steps one pass more; None (the default): when the model's last teleport
-    batch was at CAP before its bases (``docs/algorithm.md``).
+    τ ("numerical_rank": exact, never fewer directions than the numerical rank; "energy": the cumulative energy in
+    the model's precision, which at τ = 1 frees the negligible tail); ascent: how the steps run ("host": the guard
+    decides in Python, one host read a try; "device": the guard decides on the device, ``teleport.on_device``;
+    "cuda_graph": those ticks captured once a model and replayed for every later batch whose shapes match,
+    ``teleport.graph_cache``, opt-in — on an H200 (2026-11-29) it captured and replayed, 3 launches a step, 8 steps
+    of a GPT-style LM in 9.3 training steps against the host guard's 30.8; "auto": the host guard, until the graph
+    has run in training on a GPU); hvp: how H·∇L is computed ("exact": the double backward of ∇L's graph, the
+    paper's gradient; "difference": a forward difference of two gradients, no double backward,
+    ``teleport.difference``; with every ascent: in a device tick the shifted gradient reads nothing on the host, so
+    a CUDA graph can hold it with no double backward in it); check_first: L and ‖∇L‖² from a plain forward +
+    backward decide a batch at CAP or not finite before the recorded one (every use of every parameter, ∇L's graph
+    kept): such a batch then costs that pass alone, one that steps one pass more; None (the default): when the
+    model's last teleport batch was at CAP before its bases (``docs/algorithm.md``).
     """
 
     steps: int = 8
