@@ -39,9 +39,9 @@ part() {  # part NAME SECONDS CMD...: run CMD with a time limit, log to $DIR/NAM
 declare -A RC
 
 $PY -c "import torch; print(torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
-# issue 27: the ascent captured in a CUDA graph (teleport.ascent: cuda_graph), in a process of its own: a capture that
-# fails may leave that process's CUDA state unusable (it did on an H200 before the side stream and generator mend)
-part cuda_graph 100 env TLAB_TRY_CUDA_GRAPH=1 $PY -m pytest -q -rfs -p no:cacheprovider tests/teleport/test_on_device.py \
+# issue 27: the ascent captured in a CUDA graph (teleport.ascent: auto on CUDA), first and in a process of its own: a
+# capture that fails may leave that process's CUDA state unusable (it did on an H200 before the side stream mend)
+part cuda_graph 100 $PY -m pytest -q -rfs -p no:cacheprovider tests/teleport/test_on_device.py \
     tests/teleport/test_graph_cache.py -k "cuda_graph or captured"
 # issue 27: the teleport on CUDA as on the CPU, and its ascent decided on the device (test_on_device)
 part test_cuda 120 $PY -m pytest -q -rfs -p no:cacheprovider tests/teleport/test_cuda.py tests/teleport/test_on_device.py
@@ -50,11 +50,8 @@ part gpu_share 90 $PY -m pytest -q -rfs -p no:cacheprovider tests/workers/train/
 # issue 27: one teleport in training steps on the GPT-style LM, launches and host reads per step, and the char
 # LM's payoff (seconds to the baseline's loss, SGD and Adam, teleport.budget at its default) at the GPU size; the
 # teleport's cost for each teleport.ascent (host guard, device ticks, CUDA graph last) and teleport.hvp (exact,
-# difference) side by side; the payoff the fastest way measured, the CUDA graph among them only when its tests passed
-# above (else with the cheaper hvp, the graph measured after the payoff)
-WAY="--hvp cheaper"
-[[ "${RC[cuda_graph]:-1}" == 0 && "$DEV" == cuda ]] && WAY="--ascent fastest"
-part lm_payoff 210 $PY -m benchmarks.lm_payoff --device $DEV --wait 0 $WAY $QUICK
+# difference) side by side; the payoff runs the product's defaults (auto: the CUDA graph on CUDA, the exact HVP)
+part lm_payoff 210 $PY -m benchmarks.lm_payoff --device $DEV --wait 0 $QUICK
 part gpu_sharing 240 env RAY_USAGE_STATS_ENABLED=0 $PY -m benchmarks.service.gpu_sharing --device $DEV \
     --epochs "$([[ -n "$QUICK" ]] && echo 4 || echo 20)"  # issue 28: early, it needs the whole card to itself
 part teleport_tests_on_device 120 env TLAB_TEST_DEVICE=$DEV $PY -m pytest -q -rf -p no:cacheprovider tests/teleport \

@@ -51,11 +51,11 @@ from benchmarks.common import add_machine_args, print_table, quiet_machine, verd
 from benchmarks.lm_payoff_runs import payoff
 from benchmarks.lm_setup import setup_phases
 from teleport import TeleportConfig, teleport_batch
+from teleport.nullspace import ascent_mode
 from teleport.objective import HOST_READS
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")  # a graph: one launch
-ASCENTS = ("host", "device")  # ``TeleportConfig.ascent`` side by side; on CUDA "cuda_graph" too, after the payoff
-# part (its capture failed on an H200 and left the process's CUDA generator unusable: mended, not yet run on a GPU)
+ASCENTS = ("host", "device")  # ``TeleportConfig.ascent`` side by side; on CUDA "cuda_graph" too (auto's there)
 FORCED = {"lr": 1e-6, "cap": 1e12, "loss_tol": 1e9}  # every step accepted: the most 8 steps can cost
 # ``api_schemas.spec.SCALE_FREE``: a teleport that moves the LM (its ‖∇L‖² doubled, then it stops), its steps its own
 MOVING = {**SCALE_FREE, "cap": math.inf}
@@ -137,7 +137,10 @@ def _launches(fn: Any, device: torch.device) -> tuple[int, int]:
 
 
 def teleport_cost(device: torch.device, quick: bool, repeats: int,
-                  ascents: tuple[str, ...] = ASCENTS) -> dict[str, Any]:
+                  ascents: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """The teleport's cost in training steps on the GPT-style LM, for each of ``ascents`` (default: ``ASCENTS``, and
+    on CUDA the CUDA graph, last) with either H·∇L, and the product's own teleports (defaults, scale-free)."""
+    ascents = ascents or ASCENTS + (("cuda_graph",) if device.type == "cuda" else ())
     d, layers, ctx = (64, 2, 32) if quick else (512, 4, 128)
     torch.manual_seed(0)
     model = GPT(256, d, layers, ctx).to(device)
@@ -256,8 +259,8 @@ def fastest_way(cost: dict[str, Any], ascents: tuple[str, ...] | None = None) ->
 
 
 def cheaper_hvp(cost: dict[str, Any], ascent: str) -> str:
-    """The teleport.hvp whose 8 forced steps took fewer seconds in ``cost`` with ``ascent`` (auto: the host guard)."""
-    return fastest_way(cost, ("host" if ascent == "auto" else ascent,))[1]
+    """The teleport.hvp whose 8 forced steps took fewer seconds in ``cost`` with ``ascent`` (as it runs: not auto)."""
+    return fastest_way(cost, (ascent,))[1]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -269,29 +272,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", type=int, default=None, help="payoff seeds (default 3, quick 1)")
     parser.add_argument("--ascent", default="auto", choices=["auto", "host", "device", "cuda_graph", "fastest"],
                         help="teleport.ascent of the payoff runs (the cost part measures every one); fastest: the "
-                        "ascent and HVP whose 8 forced steps cost least in this run's cost part (on CUDA the CUDA "
-                        "graph is then measured before the payoff, not after it)")
+                        "ascent and HVP whose 8 forced steps cost least in this run's cost part")
     parser.add_argument("--hvp", default="exact", choices=["exact", "difference", "cheaper"],
                         help="teleport.hvp of the payoff runs (the cost part measures both); cheaper: the one whose "
-                        "8 forced steps cost less in this run's cost part, with the payoff's ascent")
+                        "8 forced steps cost less in this run's cost part, with the payoff's ascent (auto: what it "
+                        "runs on this device)")
     add_machine_args(parser)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     size = args.size or ("gpu" if device.type == "cuda" else "cpu")
     with quiet_machine("lm_payoff", args):
-        graph_first = args.ascent == "fastest" and device.type == "cuda"
-        cost = teleport_cost(device, args.quick, args.repeats or (1 if args.quick else 2),
-                             ascents=ASCENTS + (("cuda_graph",) if graph_first else ()))
+        cost = teleport_cost(device, args.quick, args.repeats or (1 if args.quick else 2))
         if args.ascent == "fastest":
             ascent, hvp = fastest_way(cost)
         else:
-            ascent, hvp = args.ascent, cheaper_hvp(cost, args.ascent) if args.hvp == "cheaper" else args.hvp
+            ascent = args.ascent
+            hvp = cheaper_hvp(cost, ascent_mode(TeleportConfig(ascent=ascent), device, None)) \
+                if args.hvp == "cheaper" else args.hvp
         pay = payoff(device, size, args.quick, ascent, args.seeds or (1 if args.quick else 3), hvp)
-        if device.type == "cuda" and not graph_first:  # last: a failed capture may leave the CUDA state unusable
-            graphed = teleport_cost(device, args.quick, args.repeats or 2, ascents=("cuda_graph",))
-            for rows, graphed_rows in ((cost["by_ascent"], graphed["by_ascent"]),
-                                       (cost["hvp_difference"]["by_ascent"], graphed["hvp_difference"]["by_ascent"])):
-                rows["cuda_graph"] = graphed_rows["cuda_graph"] | {"train_step_s": graphed["train_step_s"]}
     floor = 5.0 if device.type == "cuda" else 0.5
     fewest = min(((c["launches_per_step"], f"{a}, {hvp}") for hvp, by in (("exact", cost["by_ascent"]),
                   ("difference", cost["hvp_difference"]["by_ascent"])) for a, c in by.items() if "error" not in c),
@@ -343,11 +341,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                             else verdict(floors["launches_per_step_le_fifth"])))
     print(f"teleport.hvp difference: its first direction's cosine to the exact one "
           f"{cost['hvp_difference']['direction_cosine']:.6f}")
-    print(f"per ascent step (host, what auto runs): {cost['launches_per_step']:.0f} launches, "
+    print(f"per ascent step (the host guard: auto on the CPU): {cost['launches_per_step']:.0f} launches, "
           f"{cost['host_reads_per_step']:.2f} host reads (floor <= 1: {verdict(floors['host_reads_per_step_le_1'])})")
-    print_table(["optimizer", "seed", "baseline loss", "teleport loss", "seconds to its loss", "teleport share"], [
+    print_table(["optimizer", "seed", "baseline loss", "teleport loss", "seconds to its loss", "teleport share",
+                 "batches ran as"], [
         [opt, r["seed"], f"{r['baseline_final_train_loss']:.4f}", f"{r['teleport_final_train_loss']:.4f}",
-         "never" if r["seconds_ratio"] is None else f"{r['seconds_ratio']:.2f}x", f"{r['teleport_share']:.1%}"]
+         "never" if r["seconds_ratio"] is None else f"{r['seconds_ratio']:.2f}x", f"{r['teleport_share']:.1%}",
+         ", ".join(f"{a} {n}" for a, n in r["ascents"].items()) + f" ({r['graph_replays']} replayed)"]
         for opt, p in pay.items() for r in p["seeds"]])
     for opt, p in pay.items():
         median = "never" if p["median_seconds_ratio"] is None else f"{p['median_seconds_ratio']:.2f}x"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,7 +111,8 @@ def _payoff_seed(device: torch.device, size: str, quick: bool, how: tuple[str, s
         spec = spec.model_copy(update={"training": spec.training.model_copy(update={"device": device.type})})
         sink = MemorySink()
         summary = train(spec, RunContext(device=device, sink=sink))
-        runs[label] = (summary, [r for r in sink.records if r["kind"] == "epoch"])
+        runs[label] = (summary, [r for r in sink.records if r["kind"] == "epoch"],
+                       [r for r in sink.records if r["kind"] == "teleport"])
     baselines[(ROWS[opt].baseline, seed)] = runs["baseline"]
     target = runs["baseline"][0]["final_train_loss"]
     hit = next((e for e in runs["teleport"][1] if e["train_loss"] <= target), None)
@@ -121,4 +123,7 @@ def _payoff_seed(device: torch.device, size: str, quick: bool, how: tuple[str, s
         "seconds_ratio": hit["seconds"] / runs["baseline"][0]["seconds"] if hit else None,
         "teleport_share": runs["teleport"][0]["teleport_share"],
         "teleport_cuts": runs["teleport"][0]["teleport_cuts"],
+        # how its teleport batches ran (``TeleportReport.ascent``), and how many a graph from an earlier one served
+        "ascents": dict(Counter(r["ascent"] for r in runs["teleport"][2])),
+        "graph_replays": sum(bool(r["graph_replayed"]) for r in runs["teleport"][2]),
     }

@@ -24,7 +24,7 @@ from torch import Tensor
 from teleport import graph_cache, nullspace, teleport_batch
 from teleport.on_device import DeviceAscent
 from tests.teleport.families import CASES, OPEN, Case
-from tests.teleport.test_on_device import TRY_CAPTURE, assert_same, cuda, mlp
+from tests.teleport.test_on_device import assert_same, cuda, mlp
 
 pytestmark = pytest.mark.usefixtures("float64")
 GRAPHED = replace(OPEN, steps=3, lr=0.03, ascent="cuda_graph")  # tick 3 captured; later batches replay every tick
@@ -55,8 +55,8 @@ def captures(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[DeviceAscent]]:
         self.mode = "cuda_graph"
         return _Replay(self)
 
-    monkeypatch.setattr(nullspace, "ascent_mode", lambda c, d, comm: "cuda_graph" if c.ascent == "cuda_graph"
-                        else mode(c, d, comm))
+    monkeypatch.setattr(nullspace, "ascent_mode", lambda c, d, comm, model=None: "cuda_graph"
+                        if c.ascent == "cuda_graph" else mode(c, d, comm, model))
     monkeypatch.setattr(nullspace, "own_stream", lambda device, enabled: contextlib.nullcontext())
     monkeypatch.setattr("teleport.on_device._side_stream", lambda device: "side")
     monkeypatch.setattr(DeviceAscent, "_on", staticmethod(lambda side, fn: fn()))
@@ -200,7 +200,6 @@ def test_the_captured_graph_dies_with_its_model(captures: list[DeviceAscent]) ->
 
 
 @cuda
-@TRY_CAPTURE
 @pytest.mark.parametrize("name", ["mlp", "tied_lm", "transformer-decoder-batch_first=True"])
 @pytest.mark.parametrize("hvp", ["exact", "difference"])
 def test_a_cuda_graph_serves_later_batches_on_cuda(name: str, hvp: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -315,7 +314,6 @@ def test_a_captured_teleport_differentiates_by_leaves_of_its_own(name: str, capt
 
 
 @cuda
-@TRY_CAPTURE
 @pytest.mark.parametrize("hvp", ["exact", "difference"])
 def test_a_cuda_graph_captures_while_a_training_steps_graph_is_held(hvp: str) -> None:
     """On a GPU, for real: a loop's last loss held on the default stream does not fail the capture."""
