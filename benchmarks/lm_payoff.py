@@ -161,6 +161,7 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
         return teleport_batch(net or model, lm_loss, x, x, config)
 
     def forced_cost(ascent: str, hvp: str = "exact") -> dict[str, Any]:
+        fresh()  # every row from the same weights: a teleport moves them, and FORCED's steps double ‖∇L‖² and more
         forced_s, forced = _timed(lambda: teleport(8, ascent, hvp, **FORCED), device, repeats)
         zero_s, _ = _timed(lambda: teleport(0, ascent, hvp, **FORCED), device, repeats)  # evaluation and bases
         (l0, r0), (l8, r8) = (_launches(lambda t=t: teleport(t, ascent, hvp, **FORCED), device) for t in (0, 8))
@@ -183,6 +184,10 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
         return row
 
     step_s, _ = _timed(train_step, device, repeats)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def fresh() -> None:
+        model.load_state_dict(start)  # in place: the parameters keep their storages (a captured graph's key)
     by_ascent: dict[str, dict[str, Any]] = {}
     by_difference: dict[str, dict[str, Any]] = {}
     for ascent in ascents:  # side by side: the forced 8 steps in each way of running them, with either H·∇L
@@ -191,6 +196,7 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
                 rows[ascent] = forced_cost(ascent, hvp)
             except Exception as err:  # one way failing (a capture on an untried GPU) must not lose the others'
                 rows[ascent] = {"error": f"{type(err).__name__}: {err}"[:300]}
+    fresh()
     difference = {"direction_cosine": cosine(*directions(model, lm_loss, tele)), "by_ascent": by_difference}
     default_s, default = _timed(lambda: teleport(8), device, repeats)  # at CAP: decided by check_first's plain pass
     unchecked_s, _ = _timed(lambda: teleport(8, check_first=False), device, repeats)  # by the recorded evaluation
@@ -214,8 +220,10 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
                                                     "forced_drift", "launches_per_step", "host_reads_per_step")}
 
 
-def directions(model: nn.Module, loss_fn: Any, x: Tensor) -> tuple[list[Tensor], list[Tensor]]:
-    """(exact, difference) π(H·∇L) of a teleport's first step on the batch x (targets x) at τ = 1."""
+def directions(model: nn.Module, loss_fn: Any, x: Tensor,
+               scale: Tensor | None = None) -> tuple[list[Tensor], list[Tensor]]:
+    """(exact, difference) π(H·∇L) of a teleport's first step on the batch x (targets x) at τ = 1; ``scale``: the
+    difference's learned shift factor (``teleport.difference.shift_scale``; None: its first shift, unlearned)."""
     from teleport.blocks import build_blocks, moving_blocks
     from teleport.capture import UseRecorder, trainable
     from teleport.difference import shift_params, unshift
@@ -237,7 +245,7 @@ def directions(model: nn.Module, loss_fn: Any, x: Tensor) -> tuple[list[Tensor],
             unshift(params, saved)
 
     exact = ascent_direction(cur, blocks, weights, params, None, TeleportConfig())
-    return exact, _difference_direction(cur, blocks, weights, params, shifted)
+    return exact, _difference_direction(cur, blocks, weights, params, shifted, scale)
 
 
 def cosine(a: list[Tensor], b: list[Tensor]) -> float:

@@ -11,15 +11,25 @@ the moving ones (H·v's rows for the moving weights read all of v). The directio
 one is, so the loss on the teleport batch is unchanged exactly as before — π, not the HVP, keeps it — and the
 guard still accepts only steps that raise ‖∇L‖².
 
-ε: the shift's norm ε‖v‖ is ``REL`` · √u · (1 + ‖W‖) (u: the weights' machine epsilon; float32 and float64 only).
-Truncation error grows with ε, rounding with 1/ε; the usual √u(1 + ‖W‖) (``REL`` = 1) was truncation-bound on the
-GPT-style LM (d = 128, float32: cosine 0.9979 to the float64 direction; 0.99998 at 0.1, 0.999997 at 0.03) and on
-the test families (a teleport's move 2e-2 off the exact one at 1, 3e-4 to 2e-3 at 0.03-0.1; float64: 2e-8 to 8e-8).
+ε: the shift's norm ε‖v‖ is ``REL`` · s · √u · (1 + ‖W‖) (u: the weights' machine epsilon; float32 and float64
+only), s ≤ 1 a factor the model learns (``shift_scale``). Truncation error grows with ε, rounding with 1/ε; the usual
+√u(1 + ‖W‖) (``REL`` = 1) was truncation-bound on the GPT-style LM (d = 128, float32: cosine 0.9979 to the float64
+direction; 0.99998 at 0.1, 0.999997 at 0.03) and on the test families (a teleport's move 2e-2 off the exact one at
+1, 3e-4 to 2e-3 at 0.03-0.1; float64: 2e-8 to 8e-8). No fixed ε holds as a model sharpens, though: once teleports
+have raised the GPT-style LM's ‖∇L‖² ~5,000x the shift is far too long (d 128, float32: cosine 0.67 to the exact
+direction; on an H200 −0.05 after a benchmark's teleports). The sign is δ = ‖∇L(W + εv) − ∇L(W)‖ / ‖∇L(W)‖ over
+the moving weights, the gradient's relative change along the shift: 1e-3 on the fresh LM and ≤ 4e-3 on the test
+families (cosine 0.999998), 0.15 and 3.8 on the sharpened LM (0.995, 0.67); a shift cut to δ 4e-2 gave 0.99995
+there. Each difference measures its δ and, where it passes ``DELTA`` (30√u: 1e-2 in float32), shortens the next
+shift to land there (s back towards 1 as δ falls); the factor persists with the model, so a later teleport's first
+step starts from it. A model whose δ stays under ``DELTA`` keeps s = 1: the shifts above, bit for bit. All on the
+device, no host read.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -27,7 +37,10 @@ from torch import Tensor
 
 from teleport.objective import Objective
 
-REL = 0.05  # ε‖v‖ = REL·√u·(1 + ‖W‖)
+REL = 0.05  # ε‖v‖ = REL·s·√u·(1 + ‖W‖), s = ``shift_scale``'s factor
+DELTA = 30.0  # the gradient's largest relative change δ along a shift, in √u (float32: 1.0e-2)
+SCALE = (1e-3, 1.0)  # s's range; one difference may set it anywhere in it
+_SCALES: weakref.WeakKeyDictionary[object, ShiftScale] = weakref.WeakKeyDictionary()  # model -> its s
 Shifted = Callable[[list[Tensor], Tensor], list[Tensor]]  # (v, ε) -> ∇L at W + ε·v, every parameter, whole batch
 DTYPES = (torch.float32, torch.float64)
 
@@ -40,23 +53,61 @@ def check_dtypes(params: list[Tensor]) -> None:
                          "use teleport.hvp 'exact'")
 
 
-def difference_hvp(obj: Objective, params: list[Tensor], weights: list[Tensor], shifted: Shifted) -> list[Tensor]:
-    """H·∇L for ``weights`` (a subset of ``params``) from ∇L at W and at W + ε∇L. No host read (ε, ‖∇L‖² and ‖W‖
-    stay on the device), so the device ticks and a CUDA graph can hold it (``teleport.on_device``); the arithmetic
-    is a few multi-tensor (``_foreach``) kernels, not one per parameter."""
+class ShiftScale:
+    """A model's factor s on ε: ``now`` (a 0-d float64) is what a difference reads, ``proposed`` what its δ asks of the
+    next; ``commit`` keeps the proposal where the difference's direction was used (the device ticks compute one every
+    tick and use it only to start a step, the host guard only to start one: so both learn from the same
+    differences). Updated in place: a CUDA graph that captured them reads and writes the same tensors at every
+    replay."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.now = torch.ones((), dtype=torch.float64, device=device)
+        self.proposed = self.now.clone()
+
+    def commit(self, used: Tensor | None = None) -> None:
+        """Keep the proposed s (where ``used``, a 0-d bool, is true; None: always)."""
+        with torch.no_grad():
+            self.now.copy_(self.proposed if used is None else torch.where(used, self.proposed, self.now))
+
+
+def shift_scale(model: object, like: Tensor) -> ShiftScale:
+    """The model's ``ShiftScale`` on ``like``'s device, kept with the model (a later teleport starts from it)."""
+    scale = _SCALES.get(model)
+    if scale is None or scale.now.device != like.device:
+        scale = _SCALES[model] = ShiftScale(like.device)
+    return scale
+
+
+def difference_hvp(obj: Objective, params: list[Tensor], weights: list[Tensor], shifted: Shifted,
+                   scale: ShiftScale | None = None) -> list[Tensor]:
+    """H·∇L for ``weights`` (a subset of ``params``) from ∇L at W and at W + ε∇L, ε from ``scale`` (``shift_scale``:
+    its s now; the next difference's s proposed from this one's δ; None: a factor of 1, not learned). No host read
+    (ε, ‖∇L‖², ‖W‖ and δ stay on the device), so the device ticks and a CUDA graph can hold it
+    (``teleport.on_device``); the arithmetic is a few multi-tensor (``_foreach``) kernels, not one per parameter."""
     grads = obj.global_grads
     assert obj.scalars is not None, "an objective from objective_tensors carries its [‖∇L‖², L]"
-    u = torch.finfo(params[0].dtype).eps
+    root_u = math.sqrt(torch.finfo(params[0].dtype).eps)
     with torch.no_grad():
-        w_norm = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float64)).norm()
-        eps = REL * math.sqrt(u) * (1 + w_norm) / obj.scalars[0].clamp_min(1e-300).sqrt()
+        w_norm = _norm(params)
+        eps = REL * root_u * (1 + w_norm) / obj.scalars[0].clamp_min(1e-300).sqrt()
+        if scale is not None:
+            eps = eps * scale.now
     moved = shifted(grads, eps)
     index = {id(p): i for i, p in enumerate(params)}
     rows = [index[id(w)] for w in weights]
     with torch.no_grad():
         out = torch._foreach_sub([moved[i] for i in rows], [grads[i] for i in rows])
+        if scale is not None:  # δ of this shift proposes the next one's s
+            delta = _norm(out) / _norm([grads[i] for i in rows]).clamp_min(1e-300)
+            aim = torch.where(delta.isfinite(), DELTA * root_u / delta.clamp_min(1e-300), 0.0)
+            scale.proposed.copy_((scale.now * aim).clamp(*SCALE))
         torch._foreach_mul_(out, (1 / eps).to(weights[0].dtype))
     return list(out)
+
+
+def _norm(tensors: list[Tensor]) -> Tensor:
+    """‖tensors‖ read as one vector, a 0-d float64."""
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64)).norm()
 
 
 def shift_params(params: list[Tensor], along: list[Tensor], eps: Tensor) -> list[Tensor]:

@@ -29,7 +29,7 @@ from teleport.bases import compute_bases, compute_basis, select_basis
 from teleport.blocks import Block, RowClass, build_blocks, fixed_widths, moving_blocks, partition
 from teleport.buffers import StepBuffers
 from teleport.capture import UseRecorder, trainable
-from teleport.difference import Shifted, check_dtypes, difference_hvp, shift_params, unshift
+from teleport.difference import Shifted, ShiftScale, check_dtypes, difference_hvp, shift_params, shift_scale, unshift
 from teleport.distributed import Collective, any_across_, distributed_spectra
 from teleport.eval_mode import evaluating
 from teleport.executors import BasisExecutor, SerialExecutor
@@ -275,7 +275,8 @@ class _Run:
         ascent = graph_cache.reused(self.model, graph_key, blocks, self.cur, self.config) if graphed else None
         fresh = ascent is None
         self.graph_replayed = not fresh
-        ascent = ascent or DeviceAscent(weights, tensors, direction, self.cur, self.config)
+        commit = shift_scale(self.model, self.params[0]).commit if self.shifted is not None else None
+        ascent = ascent or DeviceAscent(weights, tensors, direction, self.cur, self.config, commit)
         reason = ascent.run(graphs=graphed, owner=self.model)
         if graphed and fresh:
             graph_cache.keep(self.model, graph_key, blocks, ascent)
@@ -286,12 +287,17 @@ class _Run:
         self.cur = replace(self.cur, loss=loss, grad_norm_sq=gn)
         return reason
 
+    def _commit(self) -> None:
+        """A direction was computed to start a step: the difference's proposed shift factor kept."""
+        if self.shifted is not None:
+            shift_scale(self.model, self.params[0]).commit()
+
     def _direction(self, blocks: list[Block], weights: list[Tensor],
                    comm: Collective | None) -> Callable[[Objective], list[Tensor]]:
         """π(H·∇L) of an objective, with the H·∇L the config asks for."""
         if self.shifted is not None:
             return partial(_difference_direction, blocks=blocks, weights=weights, params=self.params,
-                           shifted=self.shifted)
+                           shifted=self.shifted, scale=shift_scale(self.model, self.params[0]))
         return partial(ascent_direction, blocks=blocks, weights=weights, params=self.params, comm=comm,
                        config=self.config)
 
@@ -303,6 +309,7 @@ class _Run:
             if self.cur.grad_norm_sq >= self.config.cap:
                 return "cap"
             direction = direction_of(self.cur)
+            self._commit()
             last = self.steps + 1 == self.config.steps  # no H·∇L follows the last step: its graph is not kept
             # the first try's η is decided on the device and read back with its L and ‖∇L‖²: one sync a step
             eta_t, aimed_t, slope_t = aim_on_device(eta, self.cur.grad_norm_sq, direction, self.config.cap,
@@ -349,9 +356,10 @@ def _alive(held: weakref.ref[nn.Module]) -> nn.Module:
 
 
 def _difference_direction(obj: Objective, blocks: list[Block], weights: list[Tensor], params: list[Tensor],
-                          shifted: Shifted) -> list[Tensor]:
-    """π(H·∇L) with H·∇L from a difference of gradients (``teleport.difference``)."""
-    return project_blocks(blocks, difference_hvp(obj, params, weights, shifted), inplace=True)
+                          shifted: Shifted, scale: ShiftScale | None = None) -> list[Tensor]:
+    """π(H·∇L) with H·∇L from a difference of gradients (``teleport.difference``; ``scale``: its shift's learned
+    factor)."""
+    return project_blocks(blocks, difference_hvp(obj, params, weights, shifted, scale), inplace=True)
 
 
 def ascent_direction(obj: Objective, blocks: list[Block], weights: list[Tensor], params: list[Tensor],

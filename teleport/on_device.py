@@ -149,10 +149,13 @@ class DeviceAscent:
     """The t steps of one teleport batch, guard included, as device ticks (see the module)."""
 
     def __init__(self, weights: list[Tensor], evaluate: Evaluate, direction: Direction, start: Objective,
-                 config: TeleportConfig) -> None:
+                 config: TeleportConfig, commit: Callable[[Tensor], None] | None = None) -> None:
         """``start``: the objective at the weights as they are, read (L, ‖∇L‖² < CAP) with its graph: the first
-        tick takes step 1's first try from it, evaluating nothing."""
+        tick takes step 1's first try from it, evaluating nothing. ``commit``: told after each U whether it starts a
+        step (``difference.ShiftScale.commit``: what a difference learned is kept only from the U the host guard
+        would have computed too)."""
         self.weights, self.evaluate, self.direction, self.config = weights, evaluate, direction, config
+        self.commit = commit
         device = weights[0].device
         self.flat = FlatMove(weights)  # W₀ of the step in flight and its U = π(H·∇L), in flat runs
         self.origin, self.u = self.flat.origin, self.flat.u
@@ -263,6 +266,8 @@ class DeviceAscent:
             at_cap = free & ~finished & (gn_now >= self.cap)
             start = free & ~finished & ~at_cap
             u_new = self.direction(obj) if full else self.u
+            if full and self.commit is not None:
+                self.commit(start)
             aimed_eta, aimed, slope = aim_on_device(eta, gn_now, u_new, self.cap, c.rise)
             factor = self._shorten(verdict, gn, gn_now)
             eta_try = torch.where(start, aimed_eta, torch.where(retry, self.eta_try * factor, self.eta_try))

@@ -15,13 +15,14 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from benchmarks import lm_payoff
 from benchmarks.lm_payoff import cosine, directions
 from teleport import TeleportConfig, teleport_batch
 from teleport.capture import trainable
-from teleport.difference import difference_hvp, shift_params, unshift
+from teleport.difference import difference_hvp, shift_params, shift_scale, unshift
 from teleport.nullspace import ascent_mode
 from teleport.objective import HOST_READS, objective, squared_norm
-from tests.teleport.families import CASES, OPEN, lm_loss
+from tests.teleport.families import CASES, OPEN, Case, lm_loss
 from tests.teleport.test_on_device import GUARDS, HOST_OPS, assert_same, both, mlp, ticks_recorded
 from tests.teleport.test_uses import assert_exact
 
@@ -78,6 +79,29 @@ def test_a_gpts_direction_is_the_exact_ones_in_float64_and_within_1e_4_in_float3
     exact32, diff32 = directions(model, lm_loss, x)
     assert 1 - cosine(exact32, ref) < 1e-6  # the exact float32 direction, against float64
     assert 1 - cosine(diff32, ref) < 1e-4
+
+
+def test_a_sharpened_lms_shift_is_cut_until_the_direction_is_the_exact_ones_again() -> None:
+    """Teleports sharpen a model (‖∇L‖² ×9,000 here in one teleport of 3 steps): the shift that suits the fresh LM
+    is then too long for a forward difference (float32: cosine 0.984 to the exact direction; −0.05 on an H200 after a
+    benchmark's teleports). One difference measures how far the gradient moved along it and cuts the next shift:
+    0.99999 from the second on. A fresh model's shift is left alone (the families keep s = 1, bit for bit)."""
+    torch.manual_seed(0)
+    model, x = lm_payoff.GPT(256, 64, 1, 32), torch.randint(0, 256, (2, 32))
+    fresh = CASES["tied_lm"]()
+    teleport_batch(fresh.model, fresh.loss_fn, fresh.x, fresh.y, DIFF)
+    assert float(shift_scale(fresh.model, fresh.x).now) == 1.0
+    before = objective(model, lm_loss, x, x, list(model.parameters()), graph=False).grad_norm_sq
+    sharpen = TeleportConfig(steps=16, rise=3.0, cap=math.inf, cap_ratio=1e4, loss_tol=1e-2)
+    after = teleport_batch(model, lm_loss, x, x, sharpen).grad_norm_sq_after
+    assert after / before > 1e3
+    assert 1 - cosine(*directions(model, lm_loss, x)) > 5e-3  # the fresh LM's shift
+    scale = shift_scale(model, x)
+    first = cosine(*directions(model, lm_loss, x, scale))
+    assert float(scale.now) == 1.0 and float(scale.proposed) < 0.5  # kept once its direction starts a step
+    scale.commit()
+    second = cosine(*directions(model, lm_loss, x, scale))
+    assert 1 - first > 5e-3 and 1 - second < 1e-4
 
 
 def test_the_parameters_end_in_their_own_storage_with_one_host_read_a_step() -> None:
@@ -158,6 +182,23 @@ def test_difference_ticks_keep_the_loss_and_read_no_value_on_the_host(name: str,
     assert_same(a, b, host, other)
     assert abs(b.loss_after - b.loss_before) <= 1e-9 * abs(b.loss_before)
     assert b.grad_norm_sq_after > b.grad_norm_sq_before
+
+
+@pytest.mark.usefixtures("float64")
+@pytest.mark.parametrize("device", ["device", "cuda_graph"])  # the CUDA graph's path on the CPU: its ticks, eagerly
+def test_the_device_ticks_learn_the_host_guards_shift(device: str) -> None:
+    """On a sharpened LM the shift is cut as the steps go, and the device ticks — which compute a U every tick and
+    use it only to start a step — learn from the differences the host guard makes: the same steps, weights and s."""
+    torch.manual_seed(0)
+    model, x = lm_payoff.GPT(256, 64, 1, 32), torch.randint(0, 256, (2, 32))
+    sharpen = TeleportConfig(steps=16, rise=3.0, cap=math.inf, cap_ratio=1e4, loss_tol=1e-2)
+    teleport_batch(model, lm_loss, x, x, sharpen)
+    case = Case(model, x, x, [], lm_loss)
+    a, b, host, other = both(case, replace(DIFF, steps=6, rise=0.3, cap=math.inf, cap_ratio=4.0), device)
+    assert a.steps >= 2 and b.ascent == "device"
+    scales = [shift_scale(m, x) for m in (host, other)]
+    assert float(scales[0].now) < 0.5 and float(scales[1].now) == pytest.approx(float(scales[0].now), rel=1e-6)
+    assert_same(a, b, host, other, rtol=1e-6, atol=1e-9)  # ‖∇L‖² ~1e6: the paths' rounding, grown (move 9e-9 apart)
 
 
 def test_the_spec_reaches_the_algorithm() -> None:
