@@ -265,15 +265,20 @@ def test_a_model_whose_capture_failed_keeps_no_graph(captures: list[DeviceAscent
 
 
 def _accumulators(roots: list[Any]) -> set[int]:
-    """The AccumulateGrad nodes the autograd graphs of ``roots`` reach (by id: the caller keeps them alive)."""
+    """The leaf tensors whose AccumulateGrad nodes the autograd graphs of ``roots`` reach, by id (the caller keeps
+    them alive: the parameters, a captured teleport's aliases). Every node visited is held until the walk ends: torch
+    2.11 makes a node's Python object afresh at each access and frees it after, so ids were reused and the walk
+    stopped after two nodes (this test's failure on the H200, stop 50; 2.13 keeps them)."""
+    held: list[Any] = []
     seen: set[int] = set()
     found: set[int] = set()
     stack = [r for r in roots if r is not None]
     while stack:
         node = stack.pop()
         if id(node) not in seen:
+            held.append(node)
             seen.add(id(node))
-            found |= {id(node)} if type(node).__name__ == "AccumulateGrad" else set()
+            found |= {id(node.variable)} if type(node).__name__ == "AccumulateGrad" else set()
             stack += [n for n, _ in node.next_functions if n is not None]
     return found
 
@@ -303,7 +308,9 @@ def test_a_captured_teleport_differentiates_by_leaves_of_its_own(name: str, capt
     x2, y2 = other_batch(case.x, case.y)
     reports = [teleport_batch(model, case.loss_fn, x, y, GRAPHED) for x, y in ((case.x, case.y), (x2, y2))]
     monkeypatch.setattr(torch.autograd, "grad", grad)
-    assert stale and reached and not reached & stale, "a captured teleport reached a training step's leaf nodes"
+    assert stale, "the training step's graph reaches no parameter"
+    assert reached, "no graph of the captured teleport reached a leaf"
+    assert not reached & stale, "a captured teleport reached a training step's leaf nodes"
     assert [r.graph_replayed for r in reports] == [False, True] and len(captures) == 1
     assert all(p is q for p, q in zip(params, model.parameters(), strict=True))
     assert all(torch.equal(p.grad, g) for p, g in zip(params, grads, strict=True))
