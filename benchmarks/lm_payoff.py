@@ -204,6 +204,7 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
     # the product's defaults take no step here (‖∇L‖² over CAP): a teleport that moves the model, its steps its own
     # (each call starts where the last left the batch: ×2 each time, the same steps a call)
     free_s, free = _timed(lambda: teleport(8, **MOVING), device, repeats)
+    fresh()  # the setup of the weights every row started from (a sharpened model's R may need eigenvalues)
     setup = setup_phases(model, lm_loss, tele, step_s, lambda fn: _timed(fn, device, repeats))
     return {
         "model": {"d": d, "layers": layers, "context": ctx, "vocab": 256, "train_batch": 32, "teleport_batch": 2},
