@@ -50,6 +50,8 @@ class Entry:
 
 
 ENTRIES: weakref.WeakKeyDictionary[nn.Module, Entry] = weakref.WeakKeyDictionary()
+CHURN = 3  # teleport batches in a row that each captured a graph of their own: the model's shapes keep changing
+_FRESH: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()  # model -> that streak
 # model -> id(parameter) -> (the parameter, its alias): the aliases a captured teleport of the model differentiates by
 LEAVES: weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[Tensor, nn.Parameter]]] = weakref.WeakKeyDictionary()
 
@@ -116,6 +118,22 @@ def keep(model: nn.Module, graph_key: tuple, blocks: list[Block], ascent: Device
     entry = ENTRIES.get(model)
     if entry is not None and ascent.graph is not None:
         entry.key, entry.blocks, entry.ascent = graph_key, blocks, ascent
+
+
+def counted(model: nn.Module, replayed: bool) -> None:
+    """A teleport batch of the model ran from a CUDA graph: replayed from an earlier batch's, or captured for itself.
+    The ``CHURN``-th capture in a row drops the graph (``release``): a batch of new shapes each time (an LM's
+    batches padded to their longest sequence) gains nothing from a graph it cannot replay — its warm-up tick, the
+    capture and a graph's memory pool each batch — and ``auto`` runs the model's later batches by the host guard
+    (``churning``)."""
+    streak = _FRESH[model] = 0 if replayed else _FRESH.get(model, 0) + 1
+    if streak >= CHURN:
+        release(model)
+
+
+def churning(model: nn.Module) -> bool:
+    """Whether the model's last ``CHURN`` captured teleport batches each captured a graph of their own."""
+    return _FRESH.get(model, 0) >= CHURN
 
 
 def release(model: nn.Module) -> None:

@@ -280,6 +280,8 @@ class _Run:
         reason = ascent.run(graphs=graphed, owner=self.model)
         if graphed and fresh:
             graph_cache.keep(self.model, graph_key, blocks, ascent)
+        if graphed and ascent.graph is not None:
+            graph_cache.counted(self.model, replayed=not fresh)
         if self.model in UNCAPTURABLE:
             graph_cache.release(self.model)  # a graph kept for an earlier batch must not serve a later one
         self.ascent = ascent.mode  # "device" when the capture failed
@@ -371,17 +373,18 @@ def ascent_direction(obj: Objective, blocks: list[Block], weights: list[Tensor],
 
 
 def ascent_mode(config: TeleportConfig, device: torch.device, comm: Collective | None,
-                model: object | None = None) -> str:
+                model: nn.Module | None = None) -> str:
     """How the steps run: "host" (the guard in Python, ``_steps``), "device" (device ticks) or "cuda_graph"
     (device ticks replayed from a CUDA graph: ``teleport.on_device``), with either H·∇L. "auto": on CUDA the CUDA
     graph (on an H200 8 forced steps of a GPT-style LM 9.3 training steps against the host guard's 30.8, 3 launches
     a step), the host guard for a model whose tick a graph could not hold (``UNCAPTURABLE``: faster than the eager
-    ticks) and without CUDA (the fastest on the CPU); across ranks always the host guard (the ticks are
-    single-process)."""
+    ticks) or whose batches' shapes keep changing (``graph_cache.churning``: no graph would replay), and without
+    CUDA (the fastest on the CPU); across ranks always the host guard (the ticks are single-process)."""
     if comm is not None and comm.world_size > 1:
         return "host"
     if config.ascent == "auto":
-        return "cuda_graph" if device.type == "cuda" and model not in UNCAPTURABLE else "host"
+        graphs = model is None or (model not in UNCAPTURABLE and not graph_cache.churning(model))
+        return "cuda_graph" if device.type == "cuda" and graphs else "host"
     return "device" if config.ascent == "cuda_graph" and device.type != "cuda" else config.ascent
 
 

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from teleport import graph_cache, nullspace, teleport_batch
+from teleport.nullspace import ascent_mode
 from teleport.on_device import DeviceAscent
 from tests.teleport.families import CASES, OPEN, Case
 from tests.teleport.test_on_device import assert_same, cuda, mlp
@@ -124,6 +125,26 @@ def test_what_the_graph_depends_on_captures_anew(captures: list[DeviceAscent]) -
     report = teleport_batch(model, case.loss_fn, x2, y2, replace(GRAPHED, lr=0.05))
     assert len(captures) == 4
     assert_same(expected, report, e_model, model, rtol=1e-9)
+
+
+def test_batches_whose_shapes_keep_changing_drop_the_graph_and_auto_takes_the_host_guard(
+        captures: list[DeviceAscent]) -> None:
+    """An LM's batches padded to their longest sequence: each captures a graph of its own (a warm-up tick, the
+    capture, a memory pool) that no later batch replays. The ``CHURN``-th such batch in a row drops the graph, and
+    ``auto`` runs the model's later batches by the host guard; a batch that replays starts the count again."""
+    case = mlp()
+    model, gpu = copy.deepcopy(case.model), torch.device("cuda", 0)
+    auto = replace(GRAPHED, ascent="auto")
+    x2, y2 = other_batch(case.x, case.y)
+    reports = [teleport_batch(model, case.loss_fn, x, y, GRAPHED) for x, y in ((case.x, case.y), (x2, y2))]
+    assert [r.graph_replayed for r in reports] == [False, True] and not graph_cache.churning(model)
+    for n in range(1, graph_cache.CHURN + 1):  # a batch one sample shorter each time
+        assert ascent_mode(auto, gpu, None, model) == "cuda_graph"
+        teleport_batch(model, case.loss_fn, case.x[:-n], case.y[:-n], GRAPHED)
+    assert len(captures) == 1 + graph_cache.CHURN
+    assert graph_cache.churning(model) and model not in graph_cache.ENTRIES  # its memory pool let go
+    assert ascent_mode(auto, gpu, None, model) == "host"
+    assert ascent_mode(auto, gpu, None, case.model) == "cuda_graph"  # another model's count is its own
 
 
 def rank_batches() -> list[Tensor]:
