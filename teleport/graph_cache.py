@@ -96,6 +96,13 @@ def key(config: TeleportConfig, loss_fn: Callable, params: list[Tensor], blocks:
             tuple(_like(t) for t in tensors), tuple(path))
 
 
+def may_replay(model: nn.Module) -> bool:
+    """Whether the model holds a captured tick for static inputs of this batch's shapes (``static_inputs`` ran):
+    its key is known only once the batch's blocks are (``reused``)."""
+    entry = ENTRIES.get(model)
+    return entry is not None and entry.ascent is not None and entry.ascent.graph is not None
+
+
 def reused(model: nn.Module, graph_key: tuple, blocks: list[Block], start: Objective,
            config: TeleportConfig) -> DeviceAscent | None:
     """The model's captured ascent, its blocks' tensors holding this batch's values and its state reset to

@@ -41,6 +41,7 @@ from teleport.objective import (
     gradients,
     objective,
     objective_tensors,
+    recorded_loss,
     teleport_gradient,
     teleport_gradient_and,
 )
@@ -154,12 +155,16 @@ def teleport_batch(
           graph_cache.own_leaves(model, captured)):
         if captured:  # every evaluation reads the model's static inputs: its captured tick may serve this batch
             x, y = graph_cache.static_inputs(model, x, y)
-        return _teleport(model, loss_fn, x, y, config, executor, holdout, comm)
+        return _teleport(model, loss_fn, x, y, config, executor, holdout, comm,
+                         captured and config.steps > 0 and graph_cache.may_replay(model))
 
 
 def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: TeleportConfig,
               executor: BasisExecutor | None, holdout: tuple[Tensor, Tensor] | None,
-              comm: Collective | None) -> TeleportReport:
+              comm: Collective | None, deferred: bool = False) -> TeleportReport:
+    """``deferred``: the model's CUDA graph may serve this batch, whose first tick evaluates L and ∇L at the start
+    itself — the start's eager evaluation is then a forward alone, recording the uses (``recorded_loss``), and a
+    backward only if the graph does not serve the batch after all (``_Run.undefer``)."""
     start = time.perf_counter()
     with evaluating(model):
         names, params = trainable(model)
@@ -197,7 +202,8 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
                                       time.perf_counter() - start, heldout_loss_before=heldout_before,
                                       heldout_loss_after=heldout_before, hvp=config.hvp)
         recorder = UseRecorder(names, params)
-        cur = evaluate(recorder)  # step 1: every use of every parameter, from the same forward as L
+        # step 1: every use of every parameter, from the same forward as L
+        cur = recorded_loss(model, loss_fn, x, y, recorder) if deferred else evaluate(recorder)
         blocks, untouched = build_blocks(recorder.uses)
         run = _Run(model, params, blocks, cur, config, comm, shifted if difference else None, loss_fn)
         reason = run.decide_early()
@@ -207,6 +213,9 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
             layer_bases(run.blocks, config.tau, executor or SerialExecutor(), comm, config.tau_rule)
             recorder.uses.keepalive.clear()  # the bases are all that is needed of R from here on
             reason = run.ascend(evaluate, tensors)
+            if run.started_on_device:  # the first tick found the batch at CAP: as decide_early would have
+                _AT_CAP[model] = reason == "cap" and run.steps == 0
+        run.undefer(evaluate, graph=False)  # a deferred start no tick read (no step was tried): for the report
         return TeleportReport(
             loss_before=run.loss0,
             loss_after=run.cur.loss,
@@ -233,6 +242,9 @@ class _Run:
                  config: TeleportConfig, comm: Collective | None, shifted: Shifted | None = None,
                  loss_fn: LossFn | None = None) -> None:
         self.model, self.params, self.blocks, self.cur, self.loss_fn = model, params, blocks, cur, loss_fn
+        # ‖∇L‖² at the start not read (``recorded_loss``): the first tick of a replayed graph reads it, else ``undefer``
+        self.deferred, self.started_on_device = math.isnan(cur.grad_norm_sq), False
+        self.asked = config
         self.config, self.comm = config.for_batch(cur.grad_norm_sq), comm  # this batch's CAP (``cap_ratio``)
         self.shifted = shifted  # ∇L at a shifted point, for H·∇L by a difference (``teleport.difference``)
         self.loss0, self.gn0 = cur.loss, cur.grad_norm_sq
@@ -244,8 +256,8 @@ class _Run:
 
     def decide_early(self) -> str:
         """Why no step can be taken, known before any basis is built (else "steps")."""
-        if reason := early_reason(self.loss0, self.gn0, self.config.cap):
-            return reason
+        if reason := early_reason(self.loss0, 0.0 if self.deferred else self.gn0, self.config.cap):
+            return reason  # a deferred start: its ‖∇L‖² (CAP, finite) is the first tick's to judge
         if not self.blocks or self.config.steps == 0:
             return "no_free_directions" if not self.blocks else "steps"
         return "steps"
@@ -259,20 +271,33 @@ class _Run:
         weights = [p for b in blocks for p in b.params]
         self.ascent = ascent_mode(self.config, weights[0].device, self.comm, self.model)
         if self.ascent != "host":
-            return self._on_device(blocks, weights, tensors)
+            return self._on_device(blocks, weights, tensors, evaluate)
         buffers = StepBuffers(weights)
         try:
             return self._steps(blocks, weights, buffers, evaluate)
         finally:
             buffers.finish()
 
-    def _on_device(self, blocks: list[Block], weights: list[Tensor], tensors: Evaluate) -> str:
+    def undefer(self, evaluate: Callable[..., Objective], graph: bool = True) -> str | None:
+        """A deferred start read eagerly (``graph``: with ∇L's graph, for step 1) when no tick read it, and the early
+        reason it gives (CAP, not finite), as ``decide_early`` would have; None for a start already read."""
+        if not self.deferred:
+            return None
+        self.cur, self.deferred = evaluate(graph=graph), False
+        self.loss0, self.gn0 = self.cur.loss, self.cur.grad_norm_sq
+        self.config = self.asked.for_batch(self.gn0)
+        return early_reason(self.loss0, self.gn0, self.config.cap)
+
+    def _on_device(self, blocks: list[Block], weights: list[Tensor], tensors: Evaluate,
+                   evaluate: Callable[..., Objective]) -> str:
         """The steps as device ticks (``teleport.on_device``), captured in a CUDA graph in mode "cuda_graph"."""
         direction = self._direction(blocks, weights, None)  # the ticks are single-process
         # a model whose tick could not be captured has no static inputs (``teleport_batch``): never replayed
         graphed = self.ascent == "cuda_graph" and self.model not in UNCAPTURABLE
         graph_key = graph_cache.key(self.config, self.loss_fn, self.params, blocks) if graphed else ()
         ascent = graph_cache.reused(self.model, graph_key, blocks, self.cur, self.config) if graphed else None
+        if ascent is None and (reason := self.undefer(evaluate)):  # no graph serves the batch after all
+            return reason
         fresh = ascent is None
         self.graph_replayed = not fresh
         commit = shift_scale(self.model, self.params[0]).commit if self.shifted is not None else None
@@ -287,6 +312,9 @@ class _Run:
         self.ascent = ascent.mode  # "device" when the capture failed
         self.steps, self.backoffs, loss, gn = ascent.result()
         self.cur = replace(self.cur, loss=loss, grad_norm_sq=gn)
+        if self.deferred:  # the first replayed tick read the start
+            self.loss0, self.gn0 = ascent.started()
+            self.config, self.deferred, self.started_on_device = self.asked.for_batch(self.gn0), False, True
         return reason
 
     def _commit(self) -> None:

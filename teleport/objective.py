@@ -89,6 +89,17 @@ def objective_tensors(
     return Objective(nan, nan, local, global_grads, fast.aliases, fast.whole(), fast.factors, scalars=scalars), scalars
 
 
+def recorded_loss(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, recorder: UseRecorder) -> Objective:
+    """L alone (read on the host: one sync), from a forward under ``recorder``: every use recorded as ``objective``
+    records it (autograd on, so an input that depends on no weight is told apart; the graph dropped, no backward).
+    ‖∇L‖² is NaN, no gradient computed: the start of a batch whose first tick, replayed from a CUDA graph, evaluates
+    L and ∇L itself (``teleport.nullspace``). Single process."""
+    with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH), recorder:
+        loss = loss_fn(model(x), y).detach()
+    (value,) = host_floats(loss.reshape(1).double())
+    return Objective(value, math.nan, [], [])
+
+
 def gradients(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, params: list[Tensor],
               comm: Collective | None = None, share: float = 1.0) -> list[Tensor]:
     """∇L of the whole batch, detached, no graph kept, nothing else computed (no ‖∇L‖²): the second gradient of

@@ -67,7 +67,8 @@ REASONS = {OK: "steps", CAP: "cap", NOT_FINITE: "not_finite", LOSS_TOL: "loss_to
 AIM = 0.8  # share of the way to CAP a step predicted to overshoot it is aimed at
 WARMUP = 1  # eager ticks on a side stream before the capture (lazy inits: cuBLAS workspaces, autograd streams)
 
-STATUS = ("done", "steps", "pending", "backoffs", "reason", "loss", "grad_norm_sq")  # a tick's status, in order
+STATUS = ("done", "steps", "pending", "backoffs", "reason", "loss", "grad_norm_sq", "loss0",
+          "grad_norm_sq0")  # a tick's status, in order (L and ‖∇L‖² now, then at the start)
 UNCAPTURABLE: weakref.WeakSet[object] = weakref.WeakSet()  # models whose tick a CUDA graph could not hold
 Evaluate = Callable[[bool], tuple[Objective, Tensor]]  # graph? -> (the objective's gradients, [‖∇L‖², L])
 Direction = Callable[[Objective], list[Tensor]]  # π(H·∇L) of the moving weights
@@ -165,6 +166,8 @@ class DeviceAscent:
         self.eta_try = torch.zeros((), **f64)  # η of the try in flight
         self.slope = torch.zeros((), **f64)  # d‖∇L‖²/dη of the step in flight, 2‖U‖²
         self.gn, self.loss = torch.zeros((), **f64), torch.zeros((), **f64)  # at the last accepted weights
+        self.gn0 = torch.zeros((), **f64)  # ‖∇L‖² at the start, as the first tick found it
+        self.starting = torch.zeros((), dtype=torch.bool, device=device)  # the next tick is the batch's first
         self.pending, self.aimed, self.capping, self.done = (torch.zeros((), dtype=torch.bool, device=device)
                                                              for _ in range(4))
         self.steps, self.tries, self.backoffs = (torch.zeros((), **i64) for _ in range(3))
@@ -183,7 +186,7 @@ class DeviceAscent:
             if tick_constants(config) != tick_constants(self.config):
                 raise ValueError("a device ascent is reset with the config it was built with, steps and CAP aside")
             self.config = config
-        if self.config.steps < 1 or not start.grad_norm_sq < self.config.cap:
+        if self.config.steps < 1 or start.grad_norm_sq >= self.config.cap:  # NaN: deferred to the first tick
             raise ValueError("a device ascent needs teleport.steps >= 1 and ‖∇L‖² below CAP at the start")
         with torch.no_grad():
             torch._foreach_copy_(self.origin, [w.detach() for w in self.weights])  # (U: written as step 1 starts)
@@ -192,8 +195,9 @@ class DeviceAscent:
             self.eta.fill_(self.config.lr)
             self.max_steps.fill_(self.config.steps)
             self.cap.fill_(self.config.cap)
-            for t in (self.eta_try, self.slope, self.gn, self.loss, self.pending, self.aimed, self.capping, self.done,
-                      self.steps, self.tries, self.backoffs, self.reason, self.status):
+            self.starting.fill_(True)
+            for t in (self.eta_try, self.slope, self.gn, self.gn0, self.loss, self.pending, self.aimed, self.capping,
+                      self.done, self.steps, self.tries, self.backoffs, self.reason, self.status):
                 t.zero_()
         self.start: Objective | None = start
         self.state = dict.fromkeys(STATUS, 0.0) | {"pending": 1.0}  # the status as last read
@@ -250,6 +254,7 @@ class DeviceAscent:
             gn, loss = scalars[0], scalars[1]
             c = self.config
             live = ~self.done
+            self._begin(live & self.starting, gn, loss)
             verdict = self._verdict(gn, loss)
             accept = live & self.pending & (verdict == OK)
             reject = live & self.pending & (verdict != OK)
@@ -264,7 +269,8 @@ class DeviceAscent:
             free = here & ~ended_cap  # nothing in flight: a new step, or the end
             finished = free & (steps >= self.max_steps)
             at_cap = free & ~finished & (gn_now >= self.cap)
-            start = free & ~finished & ~at_cap
+            broken = free & ~(torch.isfinite(gn_now) & torch.isfinite(loss_now))  # only a deferred start sees it
+            start = free & ~finished & ~at_cap & ~broken
             u_new = self.direction(obj) if full else self.u
             if full and self.commit is not None:
                 self.commit(start)
@@ -274,7 +280,8 @@ class DeviceAscent:
             self.flat.move(start, retry, exhausted, eta_try, u_new)  # W₀, U and W: ``teleport.flat_move``
             reason = torch.where(exhausted, verdict, self.reason)
             reason = torch.where(ended_cap | at_cap, CAP, torch.where(finished, OK, reason))
-            done = self.done | exhausted | ended_cap | at_cap | finished
+            reason = torch.where(broken, NOT_FINITE, reason)
+            done = self.done | exhausted | ended_cap | at_cap | finished | broken
             backoffs = self.backoffs + reject.long()
             for state, value in ((self.eta, eta), (self.eta_try, eta_try), (self.slope, torch.where(start, slope,
                                                                                                      self.slope)),
@@ -286,7 +293,21 @@ class DeviceAscent:
                                                                                       self.capping))),
                                  (self.pending, start | retry), (self.done, done)):
                 state.copy_(value)
-            self.status.copy_(torch.stack([done, steps, start | retry, backoffs, reason, loss_now, gn_now]).double())
+            self.status.copy_(torch.stack([done, steps, start | retry, backoffs, reason, loss_now, gn_now, self.loss0,
+                                           self.gn0]).double())
+
+    def _begin(self, first: Tensor, gn: Tensor, loss: Tensor) -> None:
+        """The batch's first tick (``first``) sets what the start decides: L₀, ‖∇L‖²₀ and the batch's CAP
+        (``TeleportConfig.for_batch``: min(CAP, cap_ratio·‖∇L‖²₀) where 0 < ‖∇L‖²₀ < ∞). A start read on the host
+        (``reset``'s) gives the same numbers again; a start deferred to this tick (a replayed graph's batch,
+        ``teleport.nullspace``) gets them here, on the device."""
+        self.loss0.copy_(torch.where(first, loss, self.loss0))
+        self.gn0.copy_(torch.where(first, gn, self.gn0))
+        ratio = self.config.cap_ratio
+        if ratio is not None:
+            own = first & (gn > 0) & torch.isfinite(gn)
+            self.cap.copy_(torch.where(own, torch.minimum(self.cap, ratio * gn), self.cap))
+        self.starting.copy_(self.starting & ~first)
 
     def _verdict(self, gn: Tensor, loss: Tensor) -> Tensor:
         """``guard.step_verdict`` on the device: OK, or the first rule the try breaks."""
@@ -349,3 +370,7 @@ class DeviceAscent:
         """(steps, back-offs, L, ‖∇L‖²) at the last accepted weights, from the last status read."""
         st = self.state
         return int(st["steps"]), int(st["backoffs"]), st["loss"], st["grad_norm_sq"]
+
+    def started(self) -> tuple[float, float]:
+        """(L, ‖∇L‖²) at the start, as the first tick found them."""
+        return self.state["loss0"], self.state["grad_norm_sq0"]

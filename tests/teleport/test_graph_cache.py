@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import math
 import warnings
 from collections.abc import Iterator
 from dataclasses import replace
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from teleport import graph_cache, nullspace, teleport_batch
 from teleport.nullspace import ascent_mode
+from teleport.objective import objective
 from teleport.on_device import DeviceAscent
 from tests.teleport.families import CASES, OPEN, Case
 from tests.teleport.test_on_device import assert_same, cuda, mlp
@@ -145,6 +147,38 @@ def test_batches_whose_shapes_keep_changing_drop_the_graph_and_auto_takes_the_ho
     assert graph_cache.churning(model) and model not in graph_cache.ENTRIES  # its memory pool let go
     assert ascent_mode(auto, gpu, None, model) == "host"
     assert ascent_mode(auto, gpu, None, case.model) == "cuda_graph"  # another model's count is its own
+
+
+def test_a_replayed_batch_reads_its_start_in_its_first_tick(captures: list[DeviceAscent],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch the model's graph serves needs no eager gradient: its start is a forward that records the uses
+    (the bases' R), and the first replayed tick reads L, ‖∇L‖² and the batch's CAP itself — on a GPU the eager
+    evaluation's backward was most of a replayed batch's setup. What it reports is what the host would have read;
+    a batch already at CAP stops in that tick."""
+    case = mlp()
+    model = copy.deepcopy(case.model)
+    x2, y2 = other_batch(case.x, case.y)
+    eager: list[str] = []
+    for name in ("objective", "recorded_loss"):
+        real = getattr(nullspace, name)
+        monkeypatch.setattr(nullspace, name, lambda *a, _f=real, _n=name, **k: eager.append(_n) or _f(*a, **k))
+    own_cap = replace(GRAPHED, cap=math.inf, cap_ratio=1.5)
+    first = teleport_batch(model, case.loss_fn, case.x, case.y, own_cap)
+    assert eager == ["objective"] and not first.graph_replayed
+    eager.clear()
+    second = teleport_batch(model, case.loss_fn, x2, y2, own_cap)
+    assert eager == ["recorded_loss"] and second.graph_replayed and len(captures) == 1  # no eager gradient
+    read = objective(model, case.loss_fn, x2, y2, list(model.parameters()), graph=False)
+    expected, e_model = fresh_then(Case(copy.deepcopy(model), x2, y2, []), [(x2, y2)], replace(own_cap,
+                                                                                            ascent="device"))
+    third = teleport_batch(model, case.loss_fn, x2, y2, own_cap)
+    assert (third.loss_before, third.grad_norm_sq_before) == pytest.approx((read.loss, read.grad_norm_sq), rel=1e-12)
+    assert_same(expected, third, e_model, model, rtol=1e-9)
+    assert third.grad_norm_sq_after <= 1.5 * third.grad_norm_sq_before  # the batch's own CAP, set on the device
+    at_cap = teleport_batch(model, case.loss_fn, x2, y2, replace(own_cap, cap=0.5 * third.grad_norm_sq_after))
+    assert (at_cap.steps, at_cap.stop_reason, at_cap.graph_replayed) == (0, "cap", True)
+    assert at_cap.grad_norm_sq_before == pytest.approx(third.grad_norm_sq_after, rel=1e-12)
+    assert nullspace._AT_CAP[model]  # as a batch the host found at CAP: the next one checks first
 
 
 def rank_batches() -> list[Tensor]:
