@@ -51,7 +51,7 @@ from benchmarks.common import add_machine_args, print_table, quiet_machine, verd
 from benchmarks.lm_payoff_runs import payoff
 from benchmarks.lm_setup import setup_phases
 from teleport import TeleportConfig, teleport_batch
-from teleport.nullspace import ascent_mode
+from teleport.ascent import ascent_mode
 from teleport.objective import HOST_READS
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")  # a graph: one launch
@@ -225,11 +225,12 @@ def directions(model: nn.Module, loss_fn: Any, x: Tensor,
                scale: Tensor | None = None) -> tuple[list[Tensor], list[Tensor]]:
     """(exact, difference) π(H·∇L) of a teleport's first step on the batch x (targets x) at τ = 1; ``scale``: the
     difference's learned shift factor (``teleport.difference.shift_scale``; None: its first shift, unlearned)."""
+    from teleport.ascent import ascent_direction, difference_direction
     from teleport.blocks import build_blocks, moving_blocks
     from teleport.capture import UseRecorder, trainable
     from teleport.difference import shift_params, unshift
     from teleport.executors import SerialExecutor
-    from teleport.nullspace import _difference_direction, ascent_direction, layer_bases
+    from teleport.nullspace import layer_bases
     from teleport.objective import objective, objective_tensors
 
     names, params = trainable(model)
@@ -246,7 +247,7 @@ def directions(model: nn.Module, loss_fn: Any, x: Tensor,
             unshift(params, saved)
 
     exact = ascent_direction(cur, blocks, weights, params, None, TeleportConfig())
-    return exact, _difference_direction(cur, blocks, weights, params, shifted, scale)
+    return exact, difference_direction(cur, blocks, weights, params, shifted, scale)
 
 
 def cosine(a: list[Tensor], b: list[Tensor]) -> float:

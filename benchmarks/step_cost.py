@@ -182,9 +182,11 @@ def breakdown(model: nn.Module, x: Tensor, y: Tensor, warmup: int, repeats: int,
     second backward and π as a step at τ = 1 computes them (span-free Linear graphs, factored π, data-reading
     layers left out); bases: capture's R → SVD/eigh per layer (once per batch, not per step).
     """
+    from teleport.ascent import project_blocks
     from teleport.blocks import moving_blocks
     from teleport.factored import factored_direction
-    from teleport.nullspace import layer_bases, objective, project_blocks, teleport_gradient_and
+    from teleport.nullspace import layer_bases
+    from teleport.objective import objective, teleport_gradient_and
 
     m = copy.deepcopy(model).eval()
     params = [p for p in m.parameters() if p.requires_grad]

@@ -1,6 +1,6 @@
 """The host guard of one ascent step (Algorithm 1's CAP, and the back-offs): accept, shorten or give up.
 
-Decided in Python on values read from the device (``teleport.nullspace._Run._steps``, ``teleport.symmetry``);
+Decided in Python on values read from the device (``teleport.ascent.Run._steps``, ``teleport.symmetry``);
 ``teleport.on_device`` runs the same rules as device arithmetic.
 """
 

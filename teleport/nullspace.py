@@ -14,27 +14,26 @@ the batch loss by more than ``loss_tol`` (relative) is backed off by halving η.
 
 from __future__ import annotations
 
-import math
 import time
 import weakref
-from collections.abc import Callable
-from dataclasses import replace
-from functools import partial
 
 import torch
 from torch import Tensor, nn
 
 from teleport import graph_cache
+from teleport.ascent import (
+    Run,
+    ascent_mode,
+    early_reason,
+    exact_tau,
+)
 from teleport.bases import compute_bases, compute_basis, select_basis
-from teleport.blocks import Block, RowClass, build_blocks, fixed_widths, moving_blocks, partition
-from teleport.buffers import StepBuffers
+from teleport.blocks import Block, RowClass, build_blocks, fixed_widths, partition
 from teleport.capture import UseRecorder, trainable
-from teleport.difference import Shifted, ShiftScale, check_dtypes, difference_hvp, shift_params, shift_scale, unshift
-from teleport.distributed import Collective, any_across_, distributed_spectra
+from teleport.difference import check_dtypes, shift_params, unshift
+from teleport.distributed import Collective, distributed_spectra
 from teleport.eval_mode import evaluating
 from teleport.executors import BasisExecutor, SerialExecutor
-from teleport.factored import factored_direction
-from teleport.guard import guarded_step
 from teleport.objective import (
     LossFn,
     Objective,
@@ -42,10 +41,8 @@ from teleport.objective import (
     objective,
     objective_tensors,
     recorded_loss,
-    teleport_gradient,
-    teleport_gradient_and,
 )
-from teleport.on_device import UNCAPTURABLE, DeviceAscent, Evaluate, aim_on_device, own_stream
+from teleport.on_device import UNCAPTURABLE, own_stream
 from teleport.precision import ieee_float32
 from teleport.report import TeleportConfig, TeleportReport
 
@@ -164,7 +161,7 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
               comm: Collective | None, deferred: bool = False) -> TeleportReport:
     """``deferred``: the model's CUDA graph may serve this batch, whose first tick evaluates L and ∇L at the start
     itself — the start's eager evaluation is then a forward alone, recording the uses (``recorded_loss``), and a
-    backward only if the graph does not serve the batch after all (``_Run.undefer``)."""
+    backward only if the graph does not serve the batch after all (``ascent.Run.undefer``)."""
     start = time.perf_counter()
     with evaluating(model):
         names, params = trainable(model)
@@ -205,7 +202,7 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
         # step 1: every use of every parameter, from the same forward as L
         cur = recorded_loss(model, loss_fn, x, y, recorder) if deferred else evaluate(recorder)
         blocks, untouched = build_blocks(recorder.uses)
-        run = _Run(model, params, blocks, cur, config, comm, shifted if difference else None, loss_fn)
+        run = Run(model, params, blocks, cur, config, comm, shifted if difference else None, loss_fn)
         reason = run.decide_early()
         tried = reason == "steps"
         _AT_CAP[model] = reason == "cap"
@@ -235,133 +232,6 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
         )
 
 
-class _Run:
-    """The state of one teleport: the blocks that move, the objective now, steps and back-offs so far."""
-
-    def __init__(self, model: nn.Module, params: list[Tensor], blocks: list[Block], cur: Objective,
-                 config: TeleportConfig, comm: Collective | None, shifted: Shifted | None = None,
-                 loss_fn: LossFn | None = None) -> None:
-        self.model, self.params, self.blocks, self.cur, self.loss_fn = model, params, blocks, cur, loss_fn
-        # ‖∇L‖² at the start not read (``recorded_loss``): the first tick of a replayed graph reads it, else ``undefer``
-        self.deferred, self.started_on_device = math.isnan(cur.grad_norm_sq), False
-        self.asked = config
-        self.config, self.comm = config.for_batch(cur.grad_norm_sq), comm  # this batch's CAP (``cap_ratio``)
-        self.shifted = shifted  # ∇L at a shifted point, for H·∇L by a difference (``teleport.difference``)
-        self.loss0, self.gn0 = cur.loss, cur.grad_norm_sq
-        self.steps = self.backoffs = 0
-        self.ascent = "host"  # how the steps ran (``ascent_mode``)
-        self.graph_replayed = False  # a graph captured for an earlier batch served this one (``graph_cache``)
-        if comm is not None and comm.world_size > 1:  # rows looked up on any rank stay fixed on all
-            any_across_(comm, [b.frozen for b in blocks if b.frozen is not None])
-
-    def decide_early(self) -> str:
-        """Why no step can be taken, known before any basis is built (else "steps")."""
-        if reason := early_reason(self.loss0, 0.0 if self.deferred else self.gn0, self.config.cap):
-            return reason  # a deferred start: its ‖∇L‖² (CAP, finite) is the first tick's to judge
-        if not self.blocks or self.config.steps == 0:
-            return "no_free_directions" if not self.blocks else "steps"
-        return "steps"
-
-    def ascend(self, evaluate: Callable[..., Objective], tensors: Evaluate) -> str:
-        blocks = moving_blocks(self.blocks, self.config.tau, self.config.tau_rule)
-        if not blocks:
-            return "no_free_directions"
-        if self.config.steps == 0:
-            return "steps"
-        weights = [p for b in blocks for p in b.params]
-        self.ascent = ascent_mode(self.config, weights[0].device, self.comm, self.model)
-        if self.ascent != "host":
-            return self._on_device(blocks, weights, tensors, evaluate)
-        buffers = StepBuffers(weights)
-        try:
-            return self._steps(blocks, weights, buffers, evaluate)
-        finally:
-            buffers.finish()
-
-    def undefer(self, evaluate: Callable[..., Objective], graph: bool = True) -> str | None:
-        """A deferred start read eagerly (``graph``: with ∇L's graph, for step 1) when no tick read it, and the early
-        reason it gives (CAP, not finite), as ``decide_early`` would have; None for a start already read."""
-        if not self.deferred:
-            return None
-        self.cur, self.deferred = evaluate(graph=graph), False
-        self.loss0, self.gn0 = self.cur.loss, self.cur.grad_norm_sq
-        self.config = self.asked.for_batch(self.gn0)
-        return early_reason(self.loss0, self.gn0, self.config.cap)
-
-    def _on_device(self, blocks: list[Block], weights: list[Tensor], tensors: Evaluate,
-                   evaluate: Callable[..., Objective]) -> str:
-        """The steps as device ticks (``teleport.on_device``), captured in a CUDA graph in mode "cuda_graph"."""
-        direction = self._direction(blocks, weights, None)  # the ticks are single-process
-        # a model whose tick could not be captured has no static inputs (``teleport_batch``): never replayed
-        graphed = self.ascent == "cuda_graph" and self.model not in UNCAPTURABLE
-        graph_key = graph_cache.key(self.config, self.loss_fn, self.params, blocks) if graphed else ()
-        ascent = graph_cache.reused(self.model, graph_key, blocks, self.cur, self.config) if graphed else None
-        if ascent is None and (reason := self.undefer(evaluate)):  # no graph serves the batch after all
-            return reason
-        fresh = ascent is None
-        self.graph_replayed = not fresh
-        commit = shift_scale(self.model, self.params[0]).commit if self.shifted is not None else None
-        ascent = ascent or DeviceAscent(weights, tensors, direction, self.cur, self.config, commit)
-        reason = ascent.run(graphs=graphed, owner=self.model)
-        if graphed and fresh:
-            graph_cache.keep(self.model, graph_key, blocks, ascent)
-        if graphed and ascent.graph is not None:
-            graph_cache.counted(self.model, replayed=not fresh)
-        if self.model in UNCAPTURABLE:
-            graph_cache.release(self.model)  # a graph kept for an earlier batch must not serve a later one
-        self.ascent = ascent.mode  # "device" when the capture failed
-        self.steps, self.backoffs, loss, gn = ascent.result()
-        self.cur = replace(self.cur, loss=loss, grad_norm_sq=gn)
-        if self.deferred:  # the first replayed tick read the start
-            self.loss0, self.gn0 = ascent.started()
-            self.config, self.deferred, self.started_on_device = self.asked.for_batch(self.gn0), False, True
-        return reason
-
-    def _commit(self) -> None:
-        """A direction was computed to start a step: the difference's proposed shift factor kept."""
-        if self.shifted is not None:
-            shift_scale(self.model, self.params[0]).commit()
-
-    def _direction(self, blocks: list[Block], weights: list[Tensor],
-                   comm: Collective | None) -> Callable[[Objective], list[Tensor]]:
-        """π(H·∇L) of an objective, with the H·∇L the config asks for."""
-        if self.shifted is not None:
-            return partial(_difference_direction, blocks=blocks, weights=weights, params=self.params,
-                           shifted=self.shifted, scale=shift_scale(self.model, self.params[0]))
-        return partial(ascent_direction, blocks=blocks, weights=weights, params=self.params, comm=comm,
-                       config=self.config)
-
-    def _steps(self, blocks: list[Block], weights: list[Tensor], buffers: StepBuffers,
-               evaluate: Callable[..., Objective]) -> str:
-        eta = self.config.lr
-        direction_of = self._direction(blocks, weights, self.comm)
-        while self.steps < self.config.steps:
-            if self.cur.grad_norm_sq >= self.config.cap:
-                return "cap"
-            direction = direction_of(self.cur)
-            self._commit()
-            last = self.steps + 1 == self.config.steps  # no H·∇L follows the last step: its graph is not kept
-            # the first try's η is decided on the device and read back with its L and ‖∇L‖²: one sync a step
-            eta_t, aimed_t, slope_t = aim_on_device(eta, self.cur.grad_norm_sq, direction, self.config.cap,
-                                                    self.config.rise)
-            buffers.move(direction, eta_t)
-            first = evaluate(graph=not last, fetch=(eta_t, aimed_t, slope_t))
-            try_eta, aimed, slope = first.fetched[0], bool(first.fetched[1]), first.fetched[2]
-            new, used, tries, why = guarded_step(
-                partial(buffers.move, direction), buffers.restore,
-                partial(evaluate, graph=not last), self.loss0, try_eta, self.config, self.cur.grad_norm_sq,
-                final_evaluate=partial(evaluate, graph=False), aimed=aimed, first=first, slope=slope)
-            eta = used if not aimed else eta
-            self.backoffs += tries
-            if new is None:
-                return why
-            buffers.accept()
-            self.cur, self.steps = new, self.steps + 1
-            if why == "cap":  # shortened to fit under CAP: CAP is reached, further steps would overshoot
-                return "cap"
-        return "steps"
-
-
 _AT_CAP: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()  # its last batch: at CAP, no basis
 
 
@@ -372,61 +242,7 @@ def checks_first(model: nn.Module, config: TeleportConfig) -> bool:
     return _AT_CAP.get(model, False) if config.check_first is None else config.check_first
 
 
-def early_reason(loss: float, grad_norm_sq: float, cap: float) -> str | None:
-    """Why a batch of this L and ‖∇L‖² takes no step whatever its bases: "not_finite", "cap", else None."""
-    if not (math.isfinite(loss) and math.isfinite(grad_norm_sq)):
-        return "not_finite"
-    return "cap" if grad_norm_sq >= cap else None
-
-
 def _alive(held: weakref.ref[nn.Module]) -> nn.Module:
     model = held()
     assert model is not None, "a captured teleport outlived its model"
     return model
-
-
-def _difference_direction(obj: Objective, blocks: list[Block], weights: list[Tensor], params: list[Tensor],
-                          shifted: Shifted, scale: ShiftScale | None = None) -> list[Tensor]:
-    """π(H·∇L) with H·∇L from a difference of gradients (``teleport.difference``; ``scale``: its shift's learned
-    factor)."""
-    return project_blocks(blocks, difference_hvp(obj, params, weights, shifted, scale), inplace=True)
-
-
-def ascent_direction(obj: Objective, blocks: list[Block], weights: list[Tensor], params: list[Tensor],
-                     comm: Collective | None, config: TeleportConfig) -> list[Tensor]:
-    """π(H·∇L) for every moving weight, block by block, from the objective's graph."""
-    if not exact_tau(config):
-        return project_blocks(blocks, teleport_gradient(obj, weights, params, comm), inplace=True)
-    return factored_direction(obj, blocks, comm, teleport_gradient_and, project_blocks)
-
-
-def ascent_mode(config: TeleportConfig, device: torch.device, comm: Collective | None,
-                model: nn.Module | None = None) -> str:
-    """How the steps run: "host" (the guard in Python, ``_steps``), "device" (device ticks) or "cuda_graph"
-    (device ticks replayed from a CUDA graph: ``teleport.on_device``), with either H·∇L. "auto": on CUDA the CUDA
-    graph (on an H200 8 forced steps of a GPT-style LM 9.3 training steps against the host guard's 30.8, 3 launches
-    a step), the host guard for a model whose tick a graph could not hold (``UNCAPTURABLE``: faster than the eager
-    ticks) or whose batches' shapes keep changing (``graph_cache.churning``: no graph would replay), and without
-    CUDA (the fastest on the CPU); across ranks always the host guard (the ticks are single-process)."""
-    if comm is not None and comm.world_size > 1:
-        return "host"
-    if config.ascent == "auto":
-        graphs = model is None or (model not in UNCAPTURABLE and not graph_cache.churning(model))
-        return "cuda_graph" if device.type == "cuda" and graphs else "host"
-    return "device" if config.ascent == "cuda_graph" and device.type != "cuda" else config.ascent
-
-
-def exact_tau(config: TeleportConfig) -> bool:
-    """τ = 1 read as the numerical rank: π removes all of the inputs' span (``teleport.spanfree`` applies)."""
-    return config.tau >= 1.0 and config.tau_rule == "numerical_rank"
-
-
-def project_blocks(blocks: list[Block], grads: list[Tensor], inplace: bool = False) -> list[Tensor]:
-    """π of each block's gradients; ``grads`` lists every block's params in order (overwritten if ``inplace``)."""
-    out: list[Tensor] = []
-    i = 0
-    for b in blocks:
-        out += b.projected(grads[i : i + len(b.params)], inplace)
-        i += len(b.params)
-    return out
-

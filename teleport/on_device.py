@@ -14,9 +14,9 @@ meet, so a captured teleport differentiates by aliases of the parameters (``grap
 Status (H200, 2026-11-29): with these mends the capture works — 47 of 48 capture tests pass, a replayed tick is 3
 launches, and 8 steps of the GPT-style LM cost 9.3 training steps against the host guard's 30.8
 (``docs/results.md``), and the char LM's 9 training runs with it reached the baseline's loss (Adam 0.73x): ``auto``
-is ``cuda_graph`` on one GPU since (``nullspace.ascent_mode``).
+is ``cuda_graph`` on one GPU since (``ascent.ascent_mode``).
 
-The host-guarded ascent (``nullspace._Run``) reads L and ‖∇L‖² after every try and branches in Python:
+The host-guarded ascent (``ascent.Run``) reads L and ‖∇L‖² after every try and branches in Python:
 accept, shorten, stop. On a GPU each step is then thousands of small kernels launched one by one from
 Python (issue 27: 15,268 launches for one teleport of a GPT-style LM), and the GPU waits on the host.
 

@@ -18,9 +18,9 @@ from torch import Tensor, nn
 from benchmarks import lm_payoff
 from benchmarks.lm_payoff import cosine, directions
 from teleport import TeleportConfig, teleport_batch
+from teleport.ascent import ascent_mode
 from teleport.capture import trainable
 from teleport.difference import difference_hvp, shift_params, shift_scale, unshift
-from teleport.nullspace import ascent_mode
 from teleport.objective import HOST_READS, objective, squared_norm
 from tests.teleport.families import CASES, OPEN, Case, lm_loss
 from tests.teleport.test_on_device import GUARDS, HOST_OPS, assert_same, both, mlp, ticks_recorded

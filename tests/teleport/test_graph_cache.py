@@ -22,8 +22,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from teleport import graph_cache, nullspace, teleport_batch
-from teleport.nullspace import ascent_mode
+from teleport import ascent, graph_cache, nullspace, teleport_batch
+from teleport.ascent import ascent_mode
 from teleport.objective import objective
 from teleport.on_device import DeviceAscent
 from tests.teleport.families import CASES, OPEN, Case
@@ -51,15 +51,18 @@ class _Replay:
 def captures(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[DeviceAscent]]:
     """``ascent: cuda_graph`` runs its capture path on the CPU; yields the ascents captured."""
     made: list[DeviceAscent] = []
-    mode = nullspace.ascent_mode
+    mode = ascent_mode
 
     def capture(self: DeviceAscent, side: Any) -> _Replay:
         made.append(self)
         self.mode = "cuda_graph"
         return _Replay(self)
 
-    monkeypatch.setattr(nullspace, "ascent_mode", lambda c, d, comm, model=None: "cuda_graph"
-                        if c.ascent == "cuda_graph" else mode(c, d, comm, model))
+    def graph_on_cpu(c: Any, d: Any, comm: Any, model: Any = None) -> str:
+        return "cuda_graph" if c.ascent == "cuda_graph" else mode(c, d, comm, model)
+
+    for where in (nullspace, ascent):  # teleport_batch's choice and the ascent's
+        monkeypatch.setattr(where, "ascent_mode", graph_on_cpu)
     monkeypatch.setattr(nullspace, "own_stream", lambda device, enabled: contextlib.nullcontext())
     monkeypatch.setattr("teleport.on_device._side_stream", lambda device: "side")
     monkeypatch.setattr(DeviceAscent, "_on", staticmethod(lambda side, fn: fn()))

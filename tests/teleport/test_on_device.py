@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from teleport import TeleportConfig, TeleportReport, teleport_batch
-from teleport.nullspace import ascent_mode
+from teleport.ascent import ascent_mode
 from teleport.objective import HOST_READS
 from teleport.on_device import UNCAPTURABLE, DeviceAscent
 from tests.teleport.families import CASES, OPEN, Case, drawn_on_cpu

@@ -102,10 +102,10 @@ def test_one_step_that_overshoots_cap_ratio_lands_near_it_the_chord_fell_far_sho
 
     curve = gain("host")
     assert gain("device") == pytest.approx(curve, rel=1e-9)
-    import teleport.nullspace
+    import teleport.ascent
 
-    guarded = teleport.nullspace.guarded_step  # without the slope: the secant from before to after alone
-    monkeypatch.setattr(teleport.nullspace, "guarded_step", lambda *a, **k: guarded(*a, **(k | {"slope": None})))
+    guarded = teleport.ascent.guarded_step  # without the slope: the secant from before to after alone
+    monkeypatch.setattr(teleport.ascent, "guarded_step", lambda *a, **k: guarded(*a, **(k | {"slope": None})))
     assert 1.55 < curve <= 2.0 and gain("host") < curve - 0.1
 
 

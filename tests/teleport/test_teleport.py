@@ -20,7 +20,8 @@ from teleport import (
     teleport_batch,
 )
 from teleport.bases import _kept_together, _rank, compute_bases, project_split, spectra
-from teleport.nullspace import layer_bases, objective, teleport_gradient
+from teleport.nullspace import layer_bases
+from teleport.objective import objective, teleport_gradient
 from workers.train import models
 
 pytestmark = pytest.mark.usefixtures("float64")
