@@ -17,7 +17,9 @@ reads is where it was, with the shape it had:
   tensors (the budget shortens a batch's steps, ``cap_ratio`` gives each batch its own CAP: such a batch replays the
   same graph; ``on_device.tick_constants``).
 
-``key`` names all of it; an equal key replays every tick of the batch (``reused``; ``DeviceAscent.run``), anything
+``key`` names all of it; an equal key replays every tick of the batch (``reused``; ``DeviceAscent.run``) — the first
+tick reads the batch's start itself, so such a batch's setup is a forward that records the uses (``may_replay``;
+``teleport.nullspace``) — anything
 else captures anew and replaces the model's entry (``keep``): one graph a model, its memory pool held until then or
 until ``release``. A batch whose row classes differ (masks in the data, say), or whose rank differs on the ``gram``
 route (more columns than inputs: the side kept is the smaller), captures again. The entry holds the model only

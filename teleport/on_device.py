@@ -29,8 +29,9 @@ once a try is accepted — to the first try of the next step along the new U = �
 is a ``torch.where``, so a tick has fixed shapes and addresses and reads nothing on the host: on
 CUDA it is captured once per teleport batch (``CUDAGraph.capture_begin``, after ``WARMUP`` eager ticks)
 and replayed, one launch a tick. The host reads one small status (``STATUS``: done, steps, a try in
-flight, back-offs, the reason, L, ‖∇L‖²) per tick, in one copy: one sync per step, as before, but no
-longer between kernels. The first tick takes step 1 from the evaluation the bases were built from.
+flight, back-offs, the reason, L, ‖∇L‖², and both at the start) per tick, in one copy: one sync per step, as
+before, but no longer between kernels. The first tick takes step 1 from the evaluation the bases were built from
+— or, replayed from a graph, evaluates the start itself and sets L₀, ‖∇L‖²₀ and the batch's CAP (``_begin``).
 The weights are moved in place (W₀ is a copy, not a storage swap as in ``teleport.buffers``): a
 captured graph needs every address fixed.
 
