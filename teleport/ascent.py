@@ -37,7 +37,7 @@ class Run:
                  loss_fn: LossFn | None = None) -> None:
         self.model, self.params, self.blocks, self.cur, self.loss_fn = model, params, blocks, cur, loss_fn
         # ‖∇L‖² at the start not read (``recorded_loss``): the first tick of a replayed graph reads it, else ``undefer``
-        self.deferred, self.started_on_device = math.isnan(cur.grad_norm_sq), False
+        self.deferred = math.isnan(cur.grad_norm_sq)
         self.asked = config
         self.config, self.comm = config.for_batch(cur.grad_norm_sq), comm  # this batch's CAP (``cap_ratio``)
         self.shifted = shifted  # ∇L at a shifted point, for H·∇L by a difference (``teleport.difference``)
@@ -108,7 +108,7 @@ class Run:
         self.cur = replace(self.cur, loss=loss, grad_norm_sq=gn)
         if self.deferred:  # the first replayed tick read the start
             self.loss0, self.gn0 = ascent.started()
-            self.config, self.deferred, self.started_on_device = self.asked.for_batch(self.gn0), False, True
+            self.config, self.deferred = self.asked.for_batch(self.gn0), False
         return reason
 
     def _commit(self) -> None:

@@ -205,14 +205,12 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
         run = Run(model, params, blocks, cur, config, comm, shifted if difference else None, loss_fn)
         reason = run.decide_early()
         tried = reason == "steps"
-        _AT_CAP[model] = reason == "cap"
         if tried:  # step 2 (bases), then step 3: t projected ascent steps
             layer_bases(run.blocks, config.tau, executor or SerialExecutor(), comm, config.tau_rule)
             recorder.uses.keepalive.clear()  # the bases are all that is needed of R from here on
             reason = run.ascend(evaluate, tensors)
-            if run.started_on_device:  # the first tick found the batch at CAP: as decide_early would have
-                _AT_CAP[model] = reason == "cap" and run.steps == 0
         run.undefer(evaluate, graph=False)  # a deferred start no tick read (no step was tried): for the report
+        _AT_CAP[model] = run.gn0 >= run.config.cap  # at CAP before any step, read early or by the first tick
         return TeleportReport(
             loss_before=run.loss0,
             loss_after=run.cur.loss,
