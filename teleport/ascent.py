@@ -66,6 +66,8 @@ class Run:
         self.ascent = ascent_mode(self.config, weights[0].device, self.comm, self.model)
         if self.ascent != "host":
             return self._on_device(blocks, weights, tensors, evaluate)
+        if reason := self.undefer(evaluate):  # the host guard steps from a start it has read
+            return reason
         buffers = StepBuffers(weights)
         try:
             return self._steps(blocks, weights, buffers, evaluate)

@@ -21,12 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from teleport import graph_cache
-from teleport.ascent import (
-    Run,
-    ascent_mode,
-    early_reason,
-    exact_tau,
-)
+from teleport.ascent import Run, ascent_mode, early_reason, exact_tau
 from teleport.bases import compute_bases, compute_basis, select_basis
 from teleport.blocks import Block, RowClass, build_blocks, fixed_widths, partition
 from teleport.capture import UseRecorder, trainable
