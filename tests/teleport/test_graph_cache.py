@@ -106,7 +106,9 @@ def test_a_later_batch_replays_the_captured_tick_and_takes_a_fresh_teleports_ste
     config = replace(GRAPHED, hvp=hvp)
     graphed, g_model = fresh_then(case, batches, config)
     device, d_model = fresh_then(case, batches, replace(config, ascent="device"))
-    assert graphed.ascent == "cuda_graph" and graphed.steps > 0
+    assert graphed.ascent == "cuda_graph" and graphed.steps > 0 and graphed.graph_replayed
+    assert (graphed.loss_before, graphed.grad_norm_sq_before) == pytest.approx(  # read by its first replayed tick
+        (device.loss_before, device.grad_norm_sq_before), rel=1e-12)
     assert_same(device, graphed, d_model, g_model, *TOLERANCE[hvp])
     assert abs(graphed.loss_after - graphed.loss_before) <= 1e-9 * abs(graphed.loss_before)
     assert len(captures) == FAMILIES[name], "a later batch should have replayed an earlier batch's tick"
@@ -260,9 +262,12 @@ def test_the_captured_graph_dies_with_its_model(captures: list[DeviceAscent]) ->
 @cuda
 @pytest.mark.parametrize("name", ["mlp", "tied_lm", "transformer-decoder-batch_first=True"])
 @pytest.mark.parametrize("hvp", ["exact", "difference"])
-def test_a_cuda_graph_serves_later_batches_on_cuda(name: str, hvp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("own_cap", [False, True], ids=["cap", "cap_ratio"])
+def test_a_cuda_graph_serves_later_batches_on_cuda(name: str, hvp: str, own_cap: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU, for real: one capture for three batches, each batch the device ticks' teleport (the tied LM's also
-    for three batches of three ranks)."""
+    for three batches of three ranks); a replayed batch's start — L, ‖∇L‖² and, with ``cap_ratio``, its own CAP —
+    read by its first replayed tick."""
     with torch.device("cpu"):
         case = mlp() if name == "mlp" else CASES[name]()
         batches = [(case.x, case.y), other_batch(case.x, case.y), other_batch(*other_batch(case.x, case.y))]
@@ -275,10 +280,12 @@ def test_a_cuda_graph_serves_later_batches_on_cuda(name: str, hvp: str, monkeypa
         return capture(self, side)
 
     monkeypatch.setattr(DeviceAscent, "_capture", counted)
-    config = replace(GRAPHED, hvp=hvp)
+    config = replace(GRAPHED, hvp=hvp, **({"cap": math.inf, "cap_ratio": 1.5} if own_cap else {}))
     graphed, g_model = fresh_then(case, batches, config)
     device, d_model = fresh_then(case, batches, replace(config, ascent="device"))
     assert graphed.ascent == "cuda_graph" and len(made) == 1, "one capture should have served the three batches"
+    assert graphed.graph_replayed and graphed.loss_before == pytest.approx(device.loss_before, rel=1e-9)
+    assert graphed.grad_norm_sq_before == pytest.approx(device.grad_norm_sq_before, rel=1e-9)
     assert_same(device, graphed, d_model, g_model, rtol=1e-7, atol=TOLERANCE[hvp][1])
     if name == "tied_lm":  # and three batches of three ranks
         made.clear()
