@@ -7,7 +7,8 @@ each in seconds and in training steps:
 
 - ``evaluation``: L and ∇L with the use recorder (``teleport.capture.UseRecorder``), no graph kept (the setup of
   ``teleport.hvp: difference``); ``plain_gradient``: the same forward and backward without the recorder — the
-  recorder's host cost is the gap;
+  recorder's host cost is the gap; ``recorded_forward``: the recorder's forward alone (``objective.recorded_loss``:
+  the setup of a batch the model's CUDA graph serves, whose first replayed tick evaluates the start);
 - ``bases``: ``compute_bases`` of the batch's R (float64, batched by shape: an R whose full rank is proven keeps its
   own span, CholeskyQR of R itself; the others by their eigenvalues), on the R's device; ``proven_full_rank``: how
   many R the certificate proved;
@@ -33,7 +34,7 @@ from teleport.blocks import build_blocks
 from teleport.capture import UseRecorder, trainable
 from teleport.eval_mode import evaluating
 from teleport.nullspace import representations
-from teleport.objective import objective
+from teleport.objective import objective, recorded_loss
 from teleport.rank_certificate import certify_full_rank
 
 Timed = Callable[[Callable[[], Any]], tuple[float, Any]]  # fn -> (its best seconds, its output)
@@ -57,6 +58,7 @@ def setup_phases(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], 
         seconds: dict[str, float] = {}
         seconds["evaluation"], recorder = timed(evaluation)
         seconds["plain_gradient"], _ = timed(plain)
+        seconds["recorded_forward"], _ = timed(lambda: recorded_loss(model, loss_fn, x, x, UseRecorder(names, params)))
         reps, _ = representations(build_blocks(recorder.uses)[0])
         seconds["bases"], _ = timed(lambda: compute_bases(reps, 1.0))
         matrices = [g for _, _, _, g in gram_batches(reps)]  # what the bases decompose
