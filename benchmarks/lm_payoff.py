@@ -52,6 +52,7 @@ from benchmarks.lm_payoff_runs import payoff
 from benchmarks.lm_setup import setup_phases
 from teleport import TeleportConfig, teleport_batch
 from teleport.ascent import ascent_mode
+from teleport.difference import ShiftScale
 from teleport.objective import HOST_READS
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")  # a graph: one launch
@@ -222,7 +223,7 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
 
 
 def directions(model: nn.Module, loss_fn: Any, x: Tensor,
-               scale: Tensor | None = None) -> tuple[list[Tensor], list[Tensor]]:
+               scale: ShiftScale | None = None) -> tuple[list[Tensor], list[Tensor]]:
     """(exact, difference) π(H·∇L) of a teleport's first step on the batch x (targets x) at τ = 1; ``scale``: the
     difference's learned shift factor (``teleport.difference.shift_scale``; None: its first shift, unlearned)."""
     from teleport.ascent import ascent_direction, difference_direction
