@@ -289,7 +289,7 @@ class TeleportSpec(_Strict):
         "device: no host read between kernels), cuda_graph (those device steps captured once per model in a CUDA "
         "graph and replayed for every later batch of its shapes; without CUDA the device steps); auto: cuda_graph "
         "on one GPU (8 steps of a GPT-style LM 3.3x faster than host on an H200), host on the CPU, across ranks "
-        "and for a model a graph cannot hold (measured fastest there)",
+        "and for a model a graph cannot hold or whose batch shapes keep changing (measured fastest there)",
     )
     hvp: Literal["exact", "difference"] = Field(
         "exact",

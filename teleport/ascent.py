@@ -41,6 +41,7 @@ class Run:
         self.asked = config
         self.config, self.comm = config.for_batch(cur.grad_norm_sq), comm  # this batch's CAP (``cap_ratio``)
         self.shifted = shifted  # ∇L at a shifted point, for H·∇L by a difference (``teleport.difference``)
+        self.scale = shift_scale(model, params[0]) if shifted is not None else None  # the model's learned shift
         self.loss0, self.gn0 = cur.loss, cur.grad_norm_sq
         self.steps = self.backoffs = 0
         self.ascent = "host"  # how the steps ran (``ascent_mode``)
@@ -96,7 +97,7 @@ class Run:
             return reason
         fresh = ascent is None
         self.graph_replayed = not fresh
-        commit = shift_scale(self.model, self.params[0]).commit if self.shifted is not None else None
+        commit = self.scale.commit if self.scale is not None else None
         ascent = ascent or DeviceAscent(weights, tensors, direction, self.cur, self.config, commit)
         reason = ascent.run(graphs=graphed, owner=self.model)
         if graphed and fresh:
@@ -113,17 +114,12 @@ class Run:
             self.config, self.deferred = self.asked.for_batch(self.gn0), False
         return reason
 
-    def _commit(self) -> None:
-        """A direction was computed to start a step: the difference's proposed shift factor kept."""
-        if self.shifted is not None:
-            shift_scale(self.model, self.params[0]).commit()
-
     def _direction(self, blocks: list[Block], weights: list[Tensor],
                    comm: Collective | None) -> Callable[[Objective], list[Tensor]]:
         """π(H·∇L) of an objective, with the H·∇L the config asks for."""
         if self.shifted is not None:
             return partial(difference_direction, blocks=blocks, weights=weights, params=self.params,
-                           shifted=self.shifted, scale=shift_scale(self.model, self.params[0]))
+                           shifted=self.shifted, scale=self.scale)
         return partial(ascent_direction, blocks=blocks, weights=weights, params=self.params, comm=comm,
                        config=self.config)
 
@@ -135,7 +131,8 @@ class Run:
             if self.cur.grad_norm_sq >= self.config.cap:
                 return "cap"
             direction = direction_of(self.cur)
-            self._commit()
+            if self.scale is not None:  # a direction that starts a step: the difference's proposed shift kept
+                self.scale.commit()
             last = self.steps + 1 == self.config.steps  # no H·∇L follows the last step: its graph is not kept
             # the first try's η is decided on the device and read back with its L and ‖∇L‖²: one sync a step
             eta_t, aimed_t, slope_t = aim_on_device(eta, self.cur.grad_norm_sq, direction, self.config.cap,

@@ -192,7 +192,6 @@ class DeviceAscent:
         with torch.no_grad():
             torch._foreach_copy_(self.origin, [w.detach() for w in self.weights])  # (U: written as step 1 starts)
             self.first.copy_(torch.tensor([start.grad_norm_sq, start.loss], dtype=torch.float64))
-            self.loss0.copy_(self.first[1])
             self.eta.fill_(self.config.lr)
             self.max_steps.fill_(self.config.steps)
             self.cap.fill_(self.config.cap)

@@ -27,9 +27,10 @@ class TeleportConfig:
     the model's precision, which at τ = 1 frees the negligible tail); ascent: how the steps run ("host": the guard
     decides in Python, one host read a try; "device": the guard decides on the device, ``teleport.on_device``;
     "cuda_graph": those ticks captured once a model and replayed for every later batch whose shapes match,
-    ``teleport.graph_cache``, opt-in — on an H200 (2026-11-29) it captured and replayed, 3 launches a step, 8 steps
-    of a GPT-style LM in 9.3 training steps against the host guard's 30.8; "auto": the host guard, until the graph
-    has run in training on a GPU); hvp: how H·∇L is computed ("exact": the double backward of ∇L's graph, the
+    ``teleport.graph_cache`` — on an H200 (2026-11-29) it captured and replayed, 3 launches a step, 8 steps of a
+    GPT-style LM in 9.3 training steps against the host guard's 30.8; "auto": the CUDA graph on one GPU, the host
+    guard on the CPU, across ranks and for a model no graph holds or whose shapes keep changing,
+    ``ascent.ascent_mode``); hvp: how H·∇L is computed ("exact": the double backward of ∇L's graph, the
     paper's gradient; "difference": a forward difference of two gradients, no double backward,
     ``teleport.difference``; with every ascent: in a device tick the shifted gradient reads nothing on the host, so
     a CUDA graph can hold it with no double backward in it); check_first: L and ‖∇L‖² from a plain forward +
