@@ -17,7 +17,10 @@ each in seconds and in training steps:
   ``eigvalsh_device``: the eigenvalues the bases took before (and take where it does not); ``eigh_device`` against
   ``eigh_host``: the whole float64 eigh of the same Gram matrices (what an R of lower rank needs) on the device, and
   on the host with the copies both ways — the least bases computed on the CPU (overlapped with GPU work) would cost.
-  On the CPU the two are one route and ``eigh_host`` is not measured.
+  On the CPU the two are one route and ``eigh_host`` is not measured. ``eigh_host_pooled``: the eigh of the Grams the
+  certificate did not prove, batch by batch, by ``teleport.eigh_route``'s host route (copied to the host, one Gram a
+  thread of this process's torch threads, copied back), against ``eigh_device_unproven``: the same on the device;
+  ``eigh_route``: what ``teleport.eigh_route`` chose for them (it measures on first use).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from teleport.bases import compute_bases, gram_batches, whole_spans
+from teleport import eigh_route
+from teleport.bases import _batches_of, compute_bases, gram_batches, whole_spans
 from teleport.blocks import build_blocks
 from teleport.capture import UseRecorder, trainable
 from teleport.eval_mode import evaluating
@@ -61,7 +65,12 @@ def setup_phases(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], 
         seconds["recorded_forward"], _ = timed(lambda: recorded_loss(model, loss_fn, x, x, UseRecorder(names, params)))
         reps, _ = representations(build_blocks(recorder.uses)[0])
         seconds["bases"], _ = timed(lambda: compute_bases(reps, 1.0))
-        matrices = [g for _, _, _, g in gram_batches(reps)]  # what the bases decompose
+        batches = gram_batches(reps)
+        matrices = [g for _, _, _, g in batches]  # what the bases decompose
+        proven = whole_spans(reps, batches)
+        unproven = [g for _, _, _, g in _batches_of(batches, [i for i in range(len(reps)) if i not in proven])]
+        seconds["eigh_device_unproven"], _ = timed(lambda: [eigh_route.on_device(g) for g in unproven])
+        seconds["eigh_host_pooled"], _ = timed(lambda: [eigh_route.on_host(g) for g in unproven])
         seconds["certificate_device"], _ = timed(lambda: [certify_full_rank(g, 1e-9) for g in matrices])
         seconds["eigvalsh_device"], _ = timed(lambda: [torch.linalg.eigvalsh(g) for g in matrices])
         seconds["eigh_device"], _ = timed(lambda: [torch.linalg.eigh(g) for g in matrices])
@@ -69,5 +78,7 @@ def setup_phases(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], 
             seconds["eigh_host"], _ = timed(lambda: [[t.to(x.device) for t in torch.linalg.eigh(g.cpu())]
                                                      for g in matrices])
     return {"seconds": seconds, "in_train_steps": {k: v / step_s for k, v in seconds.items()},
-            "representations": len(reps), "proven_full_rank": len(whole_spans(reps)),
-            "gram_batches": [list(g.shape) for g in matrices]}
+            "representations": len(reps), "proven_full_rank": len(proven),
+            "gram_batches": [list(g.shape) for g in matrices],
+            "unproven_gram_batches": [list(g.shape) for g in unproven],
+            "eigh_route": {k: v["route"] for k, v in eigh_route.chosen().items()}}

@@ -29,9 +29,11 @@ Three routes, all in float64, all returning the same subspace:
 - ``cols``: eigh of Rᵀ R (N, N) when N < d — O(d N² + N³): U = R V Σ⁻¹ for the kept σ, made orthonormal
   again by CholeskyQR2 (two passes of U ← U L⁻ᵀ, L Lᵀ = UᵀU), since R V Σ⁻¹ loses orthogonality as
   ε·σ₁²/σ_k² for small kept σ_k; an R of rank N keeps its own span, CholeskyQR2 of R itself (no R V).
-  The default for N < d: a GPU's eigh of a few hundred rows is fast, its
-  thin SVD of (d, N) is cuSOLVER's unblocked QR (88 % of a GPT teleport's GPU time on an H100, issue 27);
-  on 1 CPU thread it is 1.2-1.5x faster than the SVD (d = 512-2048, N = 256).
+  The default for N < d: a GPU's thin SVD of (d, N) is cuSOLVER's unblocked QR (88 % of a GPT teleport's GPU
+  time on an H100, issue 27); on 1 CPU thread the eigh is 1.2-1.5x faster than the SVD (d = 512-2048, N = 256).
+  A GPU's eigh of N = 256 is no quick thing either (cuSOLVER's syevd, one matrix after another: 34 ms for the
+  GPT-style LM's 17 Grams on an H200), so ``teleport.eigh_route`` runs it on the device or on the host's cores,
+  one Gram a thread, whichever it measured faster.
 - ``svd``: thin SVD of R (d, N), N < d — O(d N²): ask for it by name (``compute_basis(..., route="svd")``);
   the distributed path uses it for gathered columns.
 ``spectra`` decomposes a list of R at once: R of equal shape (a transformer's blocks) in one batched eigh,
@@ -51,6 +53,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from teleport.eigh_route import eigh
 from teleport.rank_certificate import certify_full_rank, without_duplicates
 
 ONE_PASS = 1e-2  # CholeskyQR's first pass is enough when its ε₆₄·κ(G) is this far below the basis dtype's ε
@@ -179,7 +182,7 @@ def spectra(reps: Sequence[Tensor], batches: list[Batch] | None = None) -> list[
     """
     found: dict[int, tuple[Tensor, Tensor, str, Tensor | None, Tensor | None]] = {}
     for idx, stack, route, g in gram_batches(reps) if batches is None else batches:
-        lam, vecs = torch.linalg.eigh(g)  # ascending
+        lam, vecs = eigh(g)  # ascending; on the device or the host's cores, whichever was measured faster
         lam, vecs = lam.flip(-1).clamp_min(0), vecs.flip(-1)
         if route == "cols":
             found.update((i, (lam[j], stack[j], route, g[j], vecs[j])) for j, i in enumerate(idx))

@@ -151,7 +151,7 @@ def test_lm_payoff_quick(results: Path) -> None:
     assert body["floors"]["launches_per_step_le_fifth"] is None  # a CUDA floor
     setup = cost["setup_phases"]  # a batch's setup: on the CPU no host eigh beside the device's (one route)
     assert set(setup["seconds"]) == {"evaluation", "plain_gradient", "recorded_forward", "bases", "certificate_device",
-                                     "eigvalsh_device", "eigh_device"}
+                                     "eigvalsh_device", "eigh_device", "eigh_device_unproven", "eigh_host_pooled"}
     assert 0 < setup["proven_full_rank"] <= setup["representations"]
     assert all(v > 0 for v in setup["seconds"].values())
     assert sum(b[0] for b in setup["gram_batches"]) == setup["representations"] > 0  # every R's Gram, batched
@@ -191,6 +191,25 @@ def test_lm_payoff_runs_its_payoff_the_fastest_way_it_measured(results: Path) ->
     body = _load(results / "lm_payoff.json")
     assert (body["ascent"], body["hvp"]) == lm_payoff.fastest_way(body["cost"])
     assert body["ascent"] in ("host", "device") and body["ascent_asked"] == "fastest"  # no CUDA graph on the CPU
+
+
+def test_lm_trained_quick(results: Path) -> None:
+    from benchmarks import lm_trained
+
+    lm_trained.main(["--quick", "--threads", "2"])  # two threads: the eigh has two routes to choose between
+    body = _load(results / "lm_trained.json")
+    cost = body["cost"]
+    assert cost["train_loss"]["last"] < cost["train_loss"]["first"]  # it trained
+    setup = cost["setup_phases"]
+    assert setup["proven_full_rank"] < setup["representations"]  # a trained LM's R need the eigh (2 of 9 proven)
+    assert sum(b[0] for b in setup["unproven_gram_batches"]) == setup["representations"] - setup["proven_full_rank"]
+    assert set(cost["by_route"]) == {"device", "host", "chosen"}
+    for row in cost["by_route"].values():  # the same teleport by either route: it moves the LM, the loss stays
+        assert row["steps"] >= 1 and 1.5 < row["gain"] <= 2.0 and row["drift"] < 1e-3 * 6
+        assert row["ascent"] == "host" and row["in_train_steps"] > 0
+    chosen = cost["eigh_route_chosen"].values()
+    assert chosen and all(c["route"] in ("device", "host") and set(c["seconds"]) == {"device", "host"} for c in chosen)
+    assert set(body["floors"]) == {"one_teleport_trained_le_floor"}
 
 
 def test_adam_schedule_quick(results: Path) -> None:

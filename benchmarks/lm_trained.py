@@ -1,0 +1,140 @@
+"""One teleport of a *trained* GPT-style LM (issue 27): where its bases go, and what the teleport costs.
+
+``benchmarks.lm_payoff``'s cost part teleports the LM at initialisation, where ``teleport.rank_certificate`` proves
+the full rank of most R (17 of 17 at d 512 on the CPU) and no eigh runs. A model in training is not like that: after
+50-300 AdamW steps on text most R are of lower rank at float32's tolerance, and their bases need the batched float64
+eigh of ``bases.spectra`` — on a GPU cuSOLVER's ``syevd`` one matrix after another (``teleport.eigh_route``). This
+benchmark trains ``lm_payoff.GPT`` on Python source (``--train-steps`` AdamW steps of 32 sequences), then, from those
+weights and side by side in one run:
+
+- how many R the certificate proves (``proven_full_rank`` of ``representations``) and the setup's phases
+  (``benchmarks.lm_setup``: the eigh of the unproven Grams on the device and by the host route, pooled);
+- the teleport that moves the LM (``api_schemas.spec.SCALE_FREE``, a new batch of the same shape each call, so a
+  CUDA graph replays) in training steps, with the bases' eigh forced on the device, forced on the host, and as
+  ``teleport.eigh_route`` measures and chooses (the product's default); the route it chose.
+
+Sizes: ``--quick`` d 64, 2 blocks, context 32, 8 teleport sequences; the CPU default d 256, 4 blocks, context 64,
+4 sequences (256 rows); on CUDA the issue's LM, d 512, 4 blocks, context 128, 2 sequences (256 rows).
+
+    python -m benchmarks.lm_trained [--quick] [--device cpu|cuda] [--train-steps K] [--threads T]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import add_machine_args, print_table, quiet_machine, verdict, write_result
+from benchmarks.lm_payoff import GPT, MOVING, _timed, lm_loss
+from benchmarks.lm_setup import setup_phases
+from teleport import TeleportConfig, eigh_route, teleport_batch
+
+SOURCES = ("json.decoder", "json.encoder", "argparse", "dataclasses")  # standard-library text, on every machine
+ROUTES = ("device", "host", None)  # None: measured and chosen (the default)
+
+
+def text_tokens() -> torch.Tensor:
+    """Bytes of a few standard-library modules' source: real text for a char LM, vocabulary 256."""
+    spec_paths = [importlib.util.find_spec(m).origin for m in SOURCES]  # type: ignore[union-attr]
+    text = b"".join(Path(p).read_bytes() for p in spec_paths if p)
+    return torch.tensor(list(text), dtype=torch.long)
+
+
+def sizes(device: torch.device, quick: bool) -> dict[str, int]:
+    if quick:
+        return {"d": 64, "layers": 2, "ctx": 32, "teleport_batch": 8, "train_steps": 30}
+    if device.type == "cuda":
+        return {"d": 512, "layers": 4, "ctx": 128, "teleport_batch": 2, "train_steps": 300}
+    return {"d": 256, "layers": 4, "ctx": 64, "teleport_batch": 4, "train_steps": 150}
+
+
+def trained_cost(device: torch.device, quick: bool, repeats: int, train_steps: int | None) -> dict[str, Any]:
+    """Train the LM, then measure (see the module) from its trained weights."""
+    size = sizes(device, quick)
+    steps = train_steps or size["train_steps"]
+    torch.manual_seed(0)
+    data = text_tokens().to(device)
+    model = GPT(256, size["d"], size["layers"], size["ctx"]).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def batch(n: int) -> torch.Tensor:  # (n, ctx) windows of the text
+        start = torch.randint(0, len(data) - size["ctx"], (n,), device=device)
+        return data[start[:, None] + torch.arange(size["ctx"], device=device)]
+
+    def train_step() -> float:
+        b = batch(32)
+        opt.zero_grad(set_to_none=True)
+        loss = lm_loss(model(b), b)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    first = train_step()
+    last = [train_step() for _ in range(steps - 1)][-1]
+    step_s, _ = _timed(train_step, device, repeats)
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    tele = batch(size["teleport_batch"])
+    others = itertools.cycle([batch(size["teleport_batch"]) for _ in range(3)])
+
+    def moving() -> Any:
+        model.load_state_dict(trained)  # in place: every call from the trained weights
+        x = next(others)
+        return teleport_batch(model, lm_loss, x, x, TeleportConfig(steps=8, **MOVING))
+
+    eigh_route.forget()
+    by_route: dict[str, dict[str, Any]] = {}
+    for route in ROUTES:
+        with eigh_route.forced(route):
+            seconds, report = _timed(moving, device, repeats)
+        by_route[route or "chosen"] = {"seconds": seconds, "in_train_steps": seconds / step_s,
+                                       "steps": report.steps, "gain": report.grad_norm_sq_after
+                                       / report.grad_norm_sq_before, "ascent": report.ascent,
+                                       "drift": abs(report.loss_after - report.loss_before)}
+    chosen = eigh_route.chosen()
+    model.load_state_dict(trained)
+    setup = setup_phases(model, lm_loss, tele, step_s, lambda fn: _timed(fn, device, repeats))
+    return {"model": size | {"train_steps": steps}, "train_loss": {"first": first, "last": last},
+            "train_step_s": step_s, "by_route": by_route, "eigh_route_chosen": chosen, "setup_phases": setup}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--train-steps", type=int, default=None, help="AdamW steps before the teleport")
+    parser.add_argument("--repeats", type=int, default=None)
+    add_machine_args(parser)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    with quiet_machine("lm_trained", args) as threads:
+        cost = trained_cost(device, args.quick, args.repeats or (1 if args.quick else 3), args.train_steps)
+    setup, floor = cost["setup_phases"], 5.0 if device.type == "cuda" else 0.5
+    m = cost["model"]
+    print(f"GPT-style LM d {m['d']}, {m['layers']} blocks, context {m['ctx']}, after {m['train_steps']} AdamW steps "
+          f"(train loss {cost['train_loss']['first']:.3f} -> {cost['train_loss']['last']:.3f}); {threads} threads")
+    print(f"R proven full rank: {setup['proven_full_rank']} of {setup['representations']}; the unproven Grams "
+          f"{setup['unproven_gram_batches']}")
+    print_table(["the teleport that moves the trained LM, eigh", "training steps", "seconds", "steps", "‖∇L‖² gain",
+                 "ran as"], [[name, f"{r['in_train_steps']:.2f}", f"{r['seconds']:.4f}", r["steps"], f"{r['gain']:.2f}",
+                              r["ascent"]] for name, r in cost["by_route"].items()])
+    print("eigh routes chosen: " + ("; ".join(f"{k}: {v['route']} (" + ", ".join(
+        f"{r} {s * 1e3:.1f} ms" for r, s in v["seconds"].items()) + ")" for k, v in cost["eigh_route_chosen"].items())
+        or "none to choose between (one CPU thread)"))
+    print("its setup (training steps; benchmarks.lm_setup): " + ", ".join(
+        f"{k} {v:.2f}" for k, v in setup["in_train_steps"].items()))
+    ok = cost["by_route"]["chosen"]["in_train_steps"] <= floor
+    print(f"one teleport of the trained LM <= {floor:g} training steps (issue 27's floor, on a model in training): "
+          f"{verdict(ok)}")
+    result = {"quick": args.quick, "device": str(device), "threads": threads, "cost": cost,
+              "floors": {"one_teleport_trained_le_floor": ok}}
+    write_result("lm_trained", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
