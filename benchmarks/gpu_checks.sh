@@ -44,7 +44,8 @@ $PY -c "import torch; print(torch.__version__, torch.cuda.is_available() and tor
 part cuda_graph 100 $PY -m pytest -q -rfs -p no:cacheprovider tests/teleport/test_on_device.py \
     tests/teleport/test_graph_cache.py -k "cuda_graph or captured"
 # issue 27: the teleport on CUDA as on the CPU, and its ascent decided on the device (test_on_device)
-part test_cuda 120 $PY -m pytest -q -rfs -p no:cacheprovider tests/teleport/test_cuda.py tests/teleport/test_on_device.py
+part test_cuda 120 $PY -m pytest -q -rfs -p no:cacheprovider tests/teleport/test_cuda.py tests/teleport/test_on_device.py \
+    tests/teleport/test_eigh_route.py
 # issue 28: the memory fence and the GPU memory each epoch reports (needs pydantic next to torch)
 part gpu_share 90 $PY -m pytest -q -rfs -p no:cacheprovider tests/workers/train/test_gpu_share.py
 # issue 27: one teleport in training steps on the GPT-style LM, launches and host reads per step, and the char
@@ -52,6 +53,9 @@ part gpu_share 90 $PY -m pytest -q -rfs -p no:cacheprovider tests/workers/train/
 # teleport's cost for each teleport.ascent (host guard, device ticks, CUDA graph last) and teleport.hvp (exact,
 # difference) side by side; the payoff runs the product's defaults (auto: the CUDA graph on CUDA, the exact HVP)
 part lm_payoff 210 $PY -m benchmarks.lm_payoff --device $DEV --wait 0 $QUICK
+# issue 27: the same LM trained first (300 AdamW steps on text): its R mostly need the eigh, on the device or on the
+# host's cores (teleport.eigh_route measures and chooses); the moving teleport by either route and as chosen
+part lm_trained 90 $PY -m benchmarks.lm_trained --device $DEV --wait 0 --threads 8 $QUICK
 part gpu_sharing 240 env RAY_USAGE_STATS_ENABLED=0 $PY -m benchmarks.service.gpu_sharing --device $DEV \
     --epochs "$([[ -n "$QUICK" ]] && echo 4 || echo 20)"  # issue 28: early, it needs the whole card to itself
 part teleport_tests_on_device 120 env TLAB_TEST_DEVICE=$DEV $PY -m pytest -q -rf -p no:cacheprovider tests/teleport \

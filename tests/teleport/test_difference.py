@@ -198,7 +198,9 @@ def test_the_device_ticks_learn_the_host_guards_shift(device: str) -> None:
     assert a.steps >= 2 and b.ascent == "device"
     scales = [shift_scale(m, x) for m in (host, other)]
     assert float(scales[0].now) < 0.5 and float(scales[1].now) == pytest.approx(float(scales[0].now), rel=1e-6)
-    assert_same(a, b, host, other, rtol=1e-6, atol=1e-9)  # ‖∇L‖² ~1e6: the paths' rounding, grown (move 9e-9 apart)
+    # ‖∇L‖² ~1e6: the paths' rounding, grown — weights of O(0.1) 9e-9 apart on one CPU, 1.9e-9 with atol 1e-9 too
+    # much for an AMD EPYC's (2026-12-03); the teleport moves them by up to 0.14
+    assert_same(a, b, host, other, rtol=1e-6, atol=1e-8)
 
 
 def test_the_spec_reaches_the_algorithm() -> None:
