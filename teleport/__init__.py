@@ -12,11 +12,12 @@ Pure PyTorch. The paper's three steps live in one module each:
 plus ``symmetry``, the symmetry-teleport baseline of Zhao et al. for LeakyReLU MLPs.
 """
 
-from teleport.bases import Basis, compute_basis, project
+from teleport.bases import compute_basis
 from teleport.capture import UseRecorder, capture_inputs
 from teleport.executors import BasisExecutor, SerialExecutor, ThreadExecutor
 from teleport.nullspace import teleport_batch
 from teleport.objective import objective, teleport_gradient
+from teleport.projection import Basis, project
 from teleport.report import LayerReport, TeleportConfig, TeleportReport
 from teleport.symmetry import symmetry_teleport_batch
 

@@ -1,4 +1,5 @@
-"""Step 2: bases of each layer's input space by SVD with the τ rule (paper eq. 3), and the projection π.
+"""Step 2: bases of each layer's input space by SVD with the τ rule (paper eq. 3); π projects with them
+(``teleport.projection``).
 
 eq. 3:   k = min { k : ‖R_k‖²_F ≥ τ ‖R‖²_F },   ‖R_k‖²_F = σ_1² + ... + σ_k²
 
@@ -9,6 +10,7 @@ update is projected onto its orthogonal complement (paper eqs. 12-17):
 
 which is the paper's MLP form; its conv/attention forms ``G − B Bᵀ G`` are the same operator on
 the transposed layout. When the complement N is the smaller side, π(G) = (G N) Nᵀ instead.
+
 Two readings of τ (``tau_rule``):
 - ``numerical_rank`` (default): eq. 3 in float64, never keeping fewer directions than the
   numerical rank σ_i > max(d, N)·eps·σ_1 (the rule ``torch.linalg.matrix_rank`` uses). τ = 1 is
@@ -54,28 +56,10 @@ import torch
 from torch import Tensor
 
 from teleport.eigh_route import eigh
+from teleport.projection import Basis
 from teleport.rank_certificate import certify_full_rank, without_duplicates
 
 ONE_PASS = 1e-2  # CholeskyQR's first pass is enough when its ε₆₄·κ(G) is this far below the basis dtype's ε
-
-
-@dataclass(frozen=True)
-class Basis:
-    """Orthonormal bases of one representation's kept span (d, k) and/or its complement (d, d−k).
-
-    Only the smaller of the two is needed to project; the thin-SVD route has only ``kept``.
-    """
-
-    dim: int
-    rank: int
-    captured_variance: float  # ‖R_k‖²_F / ‖R‖²_F
-    kept: Tensor | None
-    free: Tensor | None
-    route: str
-
-    @property
-    def free_dims(self) -> int:
-        return self.dim - self.rank
 
 
 def tau_rank(sq_singular: Tensor, tau: float, rank_tol: float) -> int:
@@ -270,26 +254,39 @@ def select_basis(spec: Spectrum, tau: float, rule: str = "numerical_rank") -> Ba
     return _basis(spec, _rank(spec, tau, rule))
 
 
-def _kept_together(specs: list[Spectrum], ranks: list[tuple[int, float] | None]) -> dict[int, Tensor]:
-    """The kept vectors of every ``cols`` spectrum that shares (d, k, dtype, device) with another, made
-    orthonormal in one batched CholeskyQR2 (a transformer's blocks: ~10 kernels a shape, not ~10 a layer)."""
+def _kept_together(specs: list[Spectrum], ranks: list[tuple[int, float] | None],
+                   pad: bool | None = None) -> dict[int, Tensor]:
+    """The kept vectors of every ``cols`` spectrum that shares (d, N, k, dtype, device) with another, made orthonormal
+    in one batched CholeskyQR2 (a transformer's blocks: ~10 kernels a shape, not ~10 a layer). With ``pad`` (None:
+    off the CPU) ranks may differ within a group (a trained model's R: 67-256 of 256 across the GPT-style LM's
+    blocks, each its own): each R V Σ⁻¹ is padded to the group's largest k with zero columns, which CholeskyQR keeps
+    zero (``fill``), and each basis is its own first k columns — fewer kernels (that LM's bases 532 -> 442, CPU
+    count), more flops (the CPU's bases 340 -> 380 ms, which is why it does not pad)."""
     groups: dict[tuple, list[int]] = {}
     for i, (spec, rank) in enumerate(zip(specs, ranks, strict=True)):
         if rank is not None and rank[0] > 0 and spec.route == "cols":
-            v = spec.vectors
-            groups.setdefault((v.shape[0], rank[0], v.dtype, v.device, spec.source, spec.gram is not None),
+            v, whole = spec.vectors, spec.gram is not None
+            padded = (v.device.type != "cpu" if pad is None else pad) and not whole
+            groups.setdefault((*v.shape, None if padded else rank[0], v.dtype, v.device, spec.source, whole),
                               []).append(i)
     out: dict[int, Tensor] = {}
-    for (_, k, _, device, source, whole), idx in groups.items():
+    for (_, _, _, _, device, source, whole), idx in groups.items():
         if len(idx) < 2:
             continue
         if whole:  # rank N: the R themselves, their Grams for the first pass
             u = orthonormalize(torch.stack([specs[i].vectors for i in idx]),
                                torch.stack([specs[i].gram for i in idx]))  # type: ignore[misc]
-        else:
-            scale = torch.stack([specs[i].sq[:k] for i in idx]).sqrt().reciprocal().to(device)  # one copy, no sync
-            u = orthonormalize(torch.stack([specs[i].vectors[:, :k] for i in idx]) * scale[:, None, :])
-        out.update(zip(idx, u.to(working_dtype(source)).unbind(0), strict=True))
+            out.update(zip(idx, u.to(working_dtype(source)).unbind(0), strict=True))
+            continue
+        ks = [ranks[i][0] for i in idx]  # type: ignore[index]
+        top = max(ks)
+        scale = torch.zeros(len(idx), top, dtype=torch.float64)  # 1/σ of each kept column, 0 past its k (host)
+        for row, (i, k) in enumerate(zip(idx, ks, strict=True)):
+            scale[row, :k] = specs[i].sq[:k].sqrt().reciprocal()
+        fill = None if min(ks) == top else (scale == 0).double().to(device)  # padded columns: kept zero
+        u = torch.stack([specs[i].vectors[:, :top] for i in idx]) * scale.to(device)[:, None, :]  # one copy, no sync
+        u = orthonormalize(u, fill=fill).to(working_dtype(source))
+        out.update((i, u[row, :, :k]) for row, (i, k) in enumerate(zip(idx, ks, strict=True)))
     return out
 
 
@@ -371,38 +368,3 @@ def _decomposed(reps: Sequence[Tensor], tau: float, rule: str, batches: list[Bat
     specs = _singular_vectors(specs, ranks)
     kept = _kept_together(specs, ranks)
     return [_basis(spec, rank, kept.get(i)) for i, (spec, rank) in enumerate(zip(specs, ranks, strict=True))]
-
-
-def project(grad: Tensor, basis: Basis, inplace: bool = False) -> Tensor:
-    """π(G) for G laid out (C_o, d): remove the part of each row inside the kept input span.
-
-    ``inplace``: G may be overwritten (a fresh gradient): no copy of it (a step of an MLP [1024, 1024]
-    spent ~1.7 ms of its ~16 ms copying G into addmm's output)."""
-    if basis.free is not None:
-        return (grad @ basis.free) @ basis.free.T  # (C_o, d−k) @ (d−k, d)
-    if basis.kept is None or basis.rank == 0:
-        return grad
-    c = grad @ basis.kept  # (C_o, k)
-    return grad.addmm_(c, basis.kept.T, alpha=-1) if inplace else torch.addmm(grad, c, basis.kept.T, alpha=-1)
-
-
-def project_split(gw: Tensor, gb: Tensor | None, basis: Basis, inplace: bool = False) -> tuple[Tensor, Tensor | None]:
-    """π([∇W | ∇b]) without building the (C_o, d+1) concatenation: the basis' last row is the bias's.
-
-    Same operator as ``project`` on ``cat([gw, gb[:, None]], 1)``, with fewer passes over the weights
-    (which dominate a step of a wide MLP). ``inplace``: gw and gb may be overwritten (see ``project``).
-    """
-    if gb is None:
-        return project(gw, basis, inplace), None
-    d = gw.shape[1]
-    if basis.free is not None:
-        f = basis.free
-        c = torch.addr(gw @ f[:d], gb, f[d])  # (C_o, d+1−k): coordinates in the free space
-        return c @ f[:d].T, c @ f[d]
-    if basis.kept is None or basis.rank == 0:
-        return gw, gb
-    k = basis.kept
-    c = torch.addr(gw @ k[:d], gb, k[d])  # (C_o, k): the part inside the kept span
-    if inplace:
-        return gw.addmm_(c, k[:d].T, alpha=-1), gb.addmv_(c, k[d], alpha=-1)
-    return torch.addmm(gw, c, k[:d].T, alpha=-1), torch.addmv(gb, c, k[d], alpha=-1)

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from teleport.bases import Basis, project_split
 from teleport.capture import Uses
+from teleport.projection import Basis, project_split
 from teleport.report import LayerReport
 from teleport.uses import Part, Unsupported, arange_index
 

@@ -99,7 +99,8 @@ def test_bf16_autocast_training_with_a_float32_teleport_between_steps() -> None:
 
 @cuda
 def test_bases_on_cuda_match_the_cpu_svd_and_prove_the_cpus_full_ranks() -> None:
-    from teleport.bases import compute_bases, compute_basis, project, whole_spans
+    from teleport.bases import compute_bases, compute_basis, whole_spans
+    from teleport.projection import project
 
     torch.manual_seed(7)
     reps = [torch.randn(512, 256, dtype=torch.float32) for _ in range(3)] + [torch.randn(64, 300)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,9 +20,10 @@ from teleport import (
     symmetry_teleport_batch,
     teleport_batch,
 )
-from teleport.bases import _kept_together, _rank, compute_bases, project_split, spectra
+from teleport.bases import _kept_together, _rank, _singular_vectors, compute_bases, spectra
 from teleport.nullspace import layer_bases
 from teleport.objective import objective, teleport_gradient
+from teleport.projection import project_split
 from workers.train import models
 
 pytestmark = pytest.mark.usefixtures("float64")
@@ -195,6 +197,24 @@ def test_bases_of_equal_shapes_are_batched_and_match_one_by_one() -> None:
     for b in compute_bases(steep, 1.0):
         assert b.rank == 12 and b.kept is not None
         assert torch.allclose(b.kept.T @ b.kept, torch.eye(12, dtype=torch.float64), atol=1e-12)
+
+
+def test_bases_of_one_shape_and_different_ranks_are_made_orthonormal_together() -> None:
+    """A trained model's R of one shape have ranks of their own: their kept vectors go through one batched CholeskyQR2,
+    padded to the largest rank with zero columns, and each basis is what it is alone."""
+    torch.manual_seed(6)
+    reps = [torch.randn(40, r, dtype=torch.float64) @ torch.randn(r, 16, dtype=torch.float64) for r in (3, 9, 14)]
+    specs = spectra(reps)
+    ranks = [_rank(s, 1.0, "numerical_rank") for s in specs]
+    assert _kept_together(_singular_vectors(specs, ranks), ranks) == {}  # the CPU's default: a rank a group
+    together = _kept_together(_singular_vectors(specs, ranks), ranks, pad=True)  # a GPU's default
+    assert sorted(together) == [0, 1, 2] and [r[0] for r in ranks] == [3, 9, 14]  # one group, three ranks
+    for rep, i in zip(reps, range(3), strict=True):
+        alone, kept = compute_basis(rep, 1.0, route="svd"), together[i]
+        assert kept.shape == (40, alone.rank)
+        assert torch.allclose(kept.T @ kept, torch.eye(alone.rank, dtype=torch.float64), atol=1e-12)
+        g = torch.randn(4, 40, dtype=torch.float64)
+        assert torch.allclose(project(g, replace(alone, kept=kept)), project(g, alone), atol=1e-10)
 
 
 def test_tau_below_one_keeps_fewer_directions_with_bounded_drift() -> None:
