@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import add_machine_args, print_table, quiet_machine, verdict, write_result
-from benchmarks.lm_payoff import GPT, MOVING, _timed, lm_loss
+from benchmarks.lm_payoff import GPT, MOVING, _launches, _timed, lm_loss
 from benchmarks.lm_setup import setup_phases
 from teleport import TeleportConfig, eigh_route, teleport_batch
 
@@ -79,7 +79,8 @@ def trained_cost(device: torch.device, quick: bool, repeats: int, train_steps: i
     step_s, _ = _timed(train_step, device, repeats)
     trained = {k: v.clone() for k, v in model.state_dict().items()}
     tele = batch(size["teleport_batch"])
-    others = itertools.cycle([batch(size["teleport_batch"]) for _ in range(3)])
+    batches = [batch(size["teleport_batch"]) for _ in range(3)]
+    others = itertools.cycle(batches)
 
     def moving() -> Any:
         model.load_state_dict(trained)  # in place: every call from the trained weights
@@ -89,12 +90,14 @@ def trained_cost(device: torch.device, quick: bool, repeats: int, train_steps: i
     eigh_route.forget()
     by_route: dict[str, dict[str, Any]] = {}
     for route in ROUTES:
+        others = itertools.cycle(batches)  # every route the same batches in the same order
         with eigh_route.forced(route):
             seconds, report = _timed(moving, device, repeats)
+            launches, _ = _launches(moving, device)
         by_route[route or "chosen"] = {"seconds": seconds, "in_train_steps": seconds / step_s,
-                                       "steps": report.steps, "gain": report.grad_norm_sq_after
-                                       / report.grad_norm_sq_before, "ascent": report.ascent,
-                                       "drift": abs(report.loss_after - report.loss_before)}
+                                       "launches": launches, "steps": report.steps,
+                                       "gain": report.grad_norm_sq_after / report.grad_norm_sq_before,
+                                       "ascent": report.ascent, "drift": abs(report.loss_after - report.loss_before)}
     chosen = eigh_route.chosen()
     model.load_state_dict(trained)
     setup = setup_phases(model, lm_loss, tele, step_s, lambda fn: _timed(fn, device, repeats))
@@ -119,9 +122,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"(train loss {cost['train_loss']['first']:.3f} -> {cost['train_loss']['last']:.3f}); {threads} threads")
     print(f"R proven full rank: {setup['proven_full_rank']} of {setup['representations']}; the unproven Grams "
           f"{setup['unproven_gram_batches']}")
-    print_table(["the teleport that moves the trained LM, eigh", "training steps", "seconds", "steps", "‖∇L‖² gain",
-                 "ran as"], [[name, f"{r['in_train_steps']:.2f}", f"{r['seconds']:.4f}", r["steps"], f"{r['gain']:.2f}",
-                              r["ascent"]] for name, r in cost["by_route"].items()])
+    print_table(["the teleport that moves the trained LM, eigh", "training steps", "seconds", "launches", "steps",
+                 "‖∇L‖² gain", "ran as"],
+                [[name, f"{r['in_train_steps']:.2f}", f"{r['seconds']:.4f}", r["launches"], r["steps"],
+                  f"{r['gain']:.2f}", r["ascent"]] for name, r in cost["by_route"].items()])
     print("eigh routes chosen: " + ("; ".join(f"{k}: {v['route']} (" + ", ".join(
         f"{r} {s * 1e3:.1f} ms" for r, s in v["seconds"].items()) + ")" for k, v in cost["eigh_route_chosen"].items())
         or "none to choose between (one CPU thread)"))
