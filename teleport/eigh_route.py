@@ -33,8 +33,7 @@ from teleport.executors import ThreadExecutor
 
 ROUTES = ("device", "host")
 Key = tuple[str, int | None, tuple[int, ...], int]  # device type, index, the Grams' shape, torch threads
-_CHOSEN: dict[Key, str] = {}
-_SECONDS: dict[Key, dict[str, float]] = {}  # what each route took when the choice was made
+_CHOSEN: dict[Key, tuple[str, dict[str, float]]] = {}  # the route kept, and what each route took when it was chosen
 _FORCED: list[str | None] = [None]  # ``forced``'s route
 
 
@@ -45,12 +44,9 @@ def on_device(grams: Tensor) -> tuple[Tensor, Tensor]:
 
 def on_host(grams: Tensor) -> tuple[Tensor, Tensor]:
     """The batched eigh on the host: one Gram per pool thread (``ThreadExecutor``), back to the Grams' device."""
-    host = grams.cpu()  # (b, N, N): one copy, the sync
-    if host.shape[0] < 2 or torch.get_num_threads() < 2:
-        lam, vecs = torch.linalg.eigh(host)
-    else:
-        parts = ThreadExecutor().map(torch.linalg.eigh, list(host.unbind(0)))
-        lam, vecs = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    # one copy to the host (the sync); a Gram a pool thread — in turn where there is one thread or one Gram
+    parts = ThreadExecutor().map(torch.linalg.eigh, list(grams.cpu().unbind(0)))
+    lam, vecs = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
     return lam.to(grams.device), vecs.to(grams.device)
 
 
@@ -85,7 +81,7 @@ def eigh(grams: Tensor) -> tuple[Tensor, Tensor]:
     """``torch.linalg.eigh`` of a batch of Grams (b, N, N), by the route measured fastest for their key (see the
     module): the first call of a key times every route, later ones run the chosen one."""
     k = key(grams)
-    route = _FORCED[0] or _CHOSEN.get(k)
+    route = _FORCED[0] or _CHOSEN.get(k, (None,))[0]
     if route is not None:
         return RUN[route](grams)
     candidates = routes(grams)
@@ -96,7 +92,7 @@ def eigh(grams: Tensor) -> tuple[Tensor, Tensor]:
         RUN[name](grams)  # warm: cuSOLVER's handle and workspace, the pool's threads
         seconds[name], results[name] = timed(lambda n=name: RUN[n](grams), grams.device)
     route = min(seconds, key=seconds.__getitem__)
-    _CHOSEN[k], _SECONDS[k] = route, seconds
+    _CHOSEN[k] = route, seconds
     return results[route]
 
 
@@ -111,11 +107,10 @@ def timed(fn: Callable[[], tuple[Tensor, Tensor]], device: torch.device) -> tupl
 
 def chosen() -> dict[str, dict[str, object]]:
     """Every choice made in this process: "<device> <shape> <threads> threads" -> the route and each route's seconds."""
-    return {f"{t}{'' if i is None else f':{i}'} {list(s)} {n} threads": {"route": r, "seconds": _SECONDS[(t, i, s, n)]}
-            for (t, i, s, n), r in _CHOSEN.items()}
+    return {f"{t}{'' if i is None else f':{i}'} {list(s)} {n} threads": {"route": r, "seconds": seconds}
+            for (t, i, s, n), (r, seconds) in _CHOSEN.items()}
 
 
 def forget() -> None:
     """Drop every choice (tests; a benchmark that measures a choice afresh)."""
     _CHOSEN.clear()
-    _SECONDS.clear()
