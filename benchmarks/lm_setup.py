@@ -11,7 +11,8 @@ each in seconds and in training steps:
   the setup of a batch the model's CUDA graph serves, whose first replayed tick evaluates the start);
 - ``bases``: ``compute_bases`` of the batch's R (float64, batched by shape: an R whose full rank is proven keeps its
   own span, CholeskyQR of R itself; the others by their eigenvalues), on the R's device; ``proven_full_rank``: how
-  many R the certificate proved;
+  many R the certificate proved; ``bases_next_batch``: the same on the model's next batch, where an R the
+  certificate failed goes straight to the eigenvalues (``rank_certificate.Proofs``);
 - ``certificate_device``: the full-rank certificate of the same Grams (``teleport.rank_certificate``: Cholesky and the
   triangular inverse, batched — what the bases now take instead of eigenvalues wherever it proves rank N);
   ``eigvalsh_device``: the eigenvalues the bases took before (and take where it does not); ``eigh_device`` against
@@ -39,7 +40,7 @@ from teleport.capture import UseRecorder, trainable
 from teleport.eval_mode import evaluating
 from teleport.nullspace import representations
 from teleport.objective import objective, recorded_loss
-from teleport.rank_certificate import certify_full_rank
+from teleport.rank_certificate import Proofs, certify_full_rank
 
 Timed = Callable[[Callable[[], Any]], tuple[float, Any]]  # fn -> (its best seconds, its output)
 
@@ -68,6 +69,13 @@ def setup_phases(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], 
         batches = gram_batches(reps)
         matrices = [g for _, _, _, g in batches]  # what the bases decompose
         proven = whole_spans(reps, batches)
+
+        def remembered() -> None:  # the model's next batch of the same R: what the certificate failed is skipped
+            proofs = Proofs()
+            proofs.record(reps, list(range(len(reps))), set(proven))
+            compute_bases(reps, 1.0, proofs=proofs)
+
+        seconds["bases_next_batch"], _ = timed(remembered)
         unproven = [g for _, _, _, g in _batches_of(batches, [i for i in range(len(reps)) if i not in proven])]
         seconds["eigh_device_unproven"], _ = timed(lambda: [eigh_route.on_device(g) for g in unproven])
         seconds["eigh_host_pooled"], _ = timed(lambda: [eigh_route.on_host(g) for g in unproven])

@@ -57,7 +57,7 @@ from torch import Tensor
 
 from teleport.eigh_route import eigh
 from teleport.projection import Basis
-from teleport.rank_certificate import certify_full_rank, without_duplicates
+from teleport.rank_certificate import Proofs, certify_full_rank, without_duplicates
 
 ONE_PASS = 1e-2  # CholeskyQR's first pass is enough when its ε₆₄·κ(G) is this far below the basis dtype's ε
 
@@ -298,13 +298,23 @@ def compute_basis(rep: Tensor, tau: float = 1.0, rule: str = "numerical_rank", r
     return compute_bases([rep], tau, rule)[0]
 
 
-def compute_bases(reps: Sequence[Tensor], tau: float, rule: str = "numerical_rank") -> list[Basis]:
+def compute_bases(reps: Sequence[Tensor], tau: float, rule: str = "numerical_rank",
+                  proofs: Proofs | None = None) -> list[Basis]:
     """``compute_basis`` of every R, batched. At τ = 1 by the numerical rank (the default) an R whose full rank is
-    proven keeps its whole span without a spectrum (``whole_spans``); the others (and every R under another rule)
-    by ``spectra``: one eigh per shape, one host sync for the τ rule, R V for an R of rank below N
-    (``_singular_vectors``), the kept vectors of one shape made orthonormal together (``_kept_together``)."""
+    proven keeps its whole span without a spectrum (``whole_spans``) — every R put to the certificate, or those
+    ``proofs`` (the model's) finds worth it; the others (and every R under another rule) by ``spectra``: one eigh
+    per shape, one host sync for the τ rule, R V for an R of rank below N (``_singular_vectors``), the kept vectors
+    of one shape made orthonormal together (``_kept_together``)."""
     batches = gram_batches(reps)
-    found = whole_spans(reps, batches) if rule == "numerical_rank" and tau >= 1.0 else {}
+    found: dict[int, Basis] = {}
+    if rule == "numerical_rank" and tau >= 1.0:
+        tried = list(range(len(reps))) if proofs is None else proofs.worth(list(reps))
+        if len(tried) == len(reps):
+            found = whole_spans(reps, batches)
+        elif tried:
+            found = {tried[j]: b for j, b in whole_spans([reps[i] for i in tried], _batches_of(batches, tried)).items()}
+        if proofs is not None:
+            proofs.record(list(reps), tried, set(found))
     rest = [i for i in range(len(reps)) if i not in found]
     if rest:
         found.update(zip(rest, _decomposed([reps[i] for i in rest], tau, rule, _batches_of(batches, rest)),

@@ -39,17 +39,20 @@ from teleport.objective import (
 )
 from teleport.on_device import UNCAPTURABLE, own_stream
 from teleport.precision import ieee_float32
+from teleport.rank_certificate import Proofs
 from teleport.report import TeleportConfig, TeleportReport
 
 
 def layer_bases(blocks: list[Block] | UseRecorder, tau: float, executor: BasisExecutor,
-                comm: Collective | None = None, rule: str = "numerical_rank") -> list[Block]:
+                comm: Collective | None = None, rule: str = "numerical_rank",
+                proofs: Proofs | None = None) -> list[Block]:
     """Partition each block's rows into classes and give every class its basis, through ``executor``.
 
     ``blocks`` may be a recorder that has seen the forward (``capture_inputs``): its blocks are built.
     One basis per distinct representation (Q/K/V reading one tensor share theirs); in this process
     (the serial executor, or any R on a GPU) they are decomposed batched by shape. With a collective,
-    the bases are those of the whole batch across ranks, identical on every rank.
+    the bases are those of the whole batch across ranks, identical on every rank. ``proofs``: what the full-rank
+    certificate made of the model's earlier batches (``rank_certificate.Proofs``; batched in this process only).
     """
     if isinstance(blocks, UseRecorder):
         blocks = build_blocks(blocks.uses)[0]
@@ -57,7 +60,7 @@ def layer_bases(blocks: list[Block] | UseRecorder, tau: float, executor: BasisEx
     if comm is not None and comm.world_size > 1:
         bases = [select_basis(spec, tau, rule) for spec in distributed_spectra(reps, comm, executor)]
     elif isinstance(executor, SerialExecutor) or any(r.device.type != "cpu" for r in reps):
-        bases = compute_bases(reps, tau, rule)  # batched by shape; on a GPU always (one device runs them in turn)
+        bases = compute_bases(reps, tau, rule, proofs)  # batched by shape; on a GPU always (one device, in turn)
     else:
         bases = executor.map(lambda r: compute_basis(r, tau, rule), reps)
     for cls, i in slots:
@@ -201,7 +204,8 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
         reason = run.decide_early()
         tried = reason == "steps"
         if tried:  # step 2 (bases), then step 3: t projected ascent steps
-            layer_bases(run.blocks, config.tau, executor or SerialExecutor(), comm, config.tau_rule)
+            layer_bases(run.blocks, config.tau, executor or SerialExecutor(), comm, config.tau_rule,
+                        _PROOFS.setdefault(model, Proofs()))
             recorder.uses.keepalive.clear()  # the bases are all that is needed of R from here on
             reason = run.ascend(evaluate, tensors)
         run.undefer(evaluate, graph=False)  # a deferred start no tick read (no step was tried): for the report
@@ -226,6 +230,7 @@ def _teleport(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, config: T
 
 
 _AT_CAP: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()  # its last batch: at CAP, no basis
+_PROOFS: weakref.WeakKeyDictionary[nn.Module, Proofs] = weakref.WeakKeyDictionary()  # its R the certificate failed
 
 
 def checks_first(model: nn.Module, config: TeleportConfig) -> bool:

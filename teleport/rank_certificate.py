@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 MARGIN = 2.0  # the proven lower bound must clear the rank threshold by this factor (round-off of G, L and L⁻¹)
+RETRY = 8  # teleport batches an R the certificate did not prove goes to the eigenvalues before it is tried again
 
 
 def certify_full_rank(gram: Tensor, rel_tol: Tensor | float) -> tuple[Tensor, Tensor, Tensor]:
@@ -79,3 +80,46 @@ def without_duplicates(stack: Tensor, gram: Tensor) -> tuple[Tensor, Tensor]:
 def _norm(matrices: Tensor, ord: float) -> Tensor:
     """The induced 1-norm (max column sum) or ∞-norm (max row sum) of each matrix of a batch."""
     return torch.linalg.matrix_norm(matrices, ord=ord)
+
+
+ProofKey = tuple[int, tuple[int, ...], torch.dtype, torch.device]  # an R's place in its batch's list, its kind
+
+
+class Proofs:
+    """What the certificate made of one model's R, batch after batch (``teleport.nullspace`` keeps one a model).
+
+    A model in training has R of lower rank (the GPT-style LM of ``benchmarks.lm_trained``: 0-2 of its 17 R proven
+    after 150 AdamW steps, every batch alike), and a certificate that fails is all cost: 38 ms of that LM's 648 ms
+    teleport on the CPU. So an R it did not prove goes straight to the eigenvalues for the next ``RETRY`` batches —
+    whose answer is the one the certificate would have given wherever it proves (``bases.compute_bases``), so only
+    speed can be lost, bounded by the retry — and is tried again after them. An R is known by its place in the
+    batch's list of representations (the model's forward order), its shape, dtype and device: a batch of another
+    shape is a new R."""
+
+    def __init__(self) -> None:
+        self._skip: dict[ProofKey, int] = {}  # an R not proven -> the batches left before it is tried again
+
+    @staticmethod
+    def key(i: int, rep: Tensor) -> ProofKey:
+        return i, tuple(rep.shape), rep.dtype, rep.device
+
+    def worth(self, reps: list[Tensor]) -> list[int]:
+        """The indices of the R worth the certificate this batch (each skipped one counts a batch down)."""
+        tried = []
+        for i, rep in enumerate(reps):
+            k = self.key(i, rep)
+            left = self._skip.get(k, 0)
+            if left > 0:
+                self._skip[k] = left - 1
+            else:
+                tried.append(i)
+        return tried
+
+    def record(self, reps: list[Tensor], tried: list[int], proven: set[int]) -> None:
+        """The certificate's verdicts on the ``tried`` R: a failure skips the R for ``RETRY`` batches."""
+        for i in tried:
+            k = self.key(i, reps[i])
+            if i in proven:
+                self._skip.pop(k, None)
+            else:
+                self._skip[k] = RETRY

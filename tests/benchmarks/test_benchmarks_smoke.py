@@ -150,8 +150,9 @@ def test_lm_payoff_quick(results: Path) -> None:
                                    "launches_per_step_le_fifth"}
     assert body["floors"]["launches_per_step_le_fifth"] is None  # a CUDA floor
     setup = cost["setup_phases"]  # a batch's setup: on the CPU no host eigh beside the device's (one route)
-    assert set(setup["seconds"]) == {"evaluation", "plain_gradient", "recorded_forward", "bases", "certificate_device",
-                                     "eigvalsh_device", "eigh_device", "eigh_device_unproven", "eigh_host_pooled"}
+    assert set(setup["seconds"]) == {"evaluation", "plain_gradient", "recorded_forward", "bases", "bases_next_batch",
+                                     "certificate_device", "eigvalsh_device", "eigh_device", "eigh_device_unproven",
+                                     "eigh_host_pooled"}
     assert 0 < setup["proven_full_rank"] <= setup["representations"]
     assert all(v > 0 for v in setup["seconds"].values())
     assert sum(b[0] for b in setup["gram_batches"]) == setup["representations"] > 0  # every R's Gram, batched

@@ -134,3 +134,63 @@ def test_an_lm_batch_whose_sequences_share_their_first_token_needs_no_eigenvalue
     assert calls == [] and report.steps == 3
     assert any(layer.rank < 10 for layer in report.layers)  # 10 token columns, some of them repeats
     assert abs(report.loss_after - report.loss_before) <= 1e-9 * abs(report.loss_before)
+
+
+def _count_certificates(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of Grams each call of the certificate is given."""
+    calls: list[int] = []
+    real = bases.certify_full_rank
+    monkeypatch.setattr(bases, "certify_full_rank",
+                        lambda g, tol, _real=real: calls.append(g.shape[0]) or _real(g, tol))
+    return calls
+
+
+def test_an_r_the_certificate_failed_goes_to_the_eigenvalues_until_its_retry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a model's ``Proofs``, an R the certificate did not prove skips it for ``RETRY`` batches and is tried
+    again after them, an R it proved is tried every batch; the bases are the same as without the memory."""
+    from teleport.rank_certificate import RETRY, Proofs
+
+    torch.manual_seed(3)
+    full = torch.randn(40, 12, dtype=torch.float64)
+    low = torch.randn(40, 5, dtype=torch.float64) @ torch.randn(5, 12, dtype=torch.float64)  # rank 5 of 12
+    wide = torch.randn(30, 6, dtype=torch.float64) @ torch.randn(6, 50, dtype=torch.float64)  # N ≥ d, rank 6 of 30
+    reps = [full, low, wide]
+    alone = compute_bases(reps, 1.0)
+    calls, eigen = _count_certificates(monkeypatch), _count_eigen(monkeypatch)
+    proofs = Proofs()
+    tried = []
+    for _ in range(RETRY + 2):
+        before = len(calls)
+        remembered = compute_bases(reps, 1.0, proofs=proofs)
+        tried.append(sum(calls[before:]))
+        for a, b in zip(alone, remembered, strict=True):
+            assert a.rank == b.rank and a.route == b.route
+            g = torch.randn(3, a.dim, dtype=torch.float64)
+            assert torch.allclose(project(g, a), project(g, b), atol=1e-12)
+    assert tried == [3] + [1] * RETRY + [3]  # the full-rank R every batch, the others again after RETRY
+    assert len(eigen) == 2 * (RETRY + 2)  # low's and wide's (two shapes) every batch
+
+
+def test_a_teleported_model_remembers_what_its_certificate_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``teleport_batch`` keeps each model's ``Proofs``: an MLP whose inputs are of low rank (every R unproven) puts
+    its R to the certificate on its first batch only; another model starts afresh."""
+    from teleport import TeleportConfig, teleport_batch
+
+    torch.manual_seed(4)
+    calls = _count_certificates(monkeypatch)
+    x = torch.randn(32, 4) @ torch.randn(4, 16)  # rank 4 of 16: the first layer's R is unproven
+    y = torch.randn(32, 3)
+    config = TeleportConfig(steps=2, lr=0.01, cap=1e9, loss_tol=1e9)
+
+    def mlp() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3))
+
+    first, second = mlp(), mlp()
+    certified = []
+    for model in (first, first, first, second):
+        before = len(calls)
+        report = teleport_batch(model, torch.nn.functional.mse_loss, x, y, config)
+        assert report.steps == 2
+        certified.append(sum(calls[before:]))
+    # the first layer's R ([x | 1], rank 5 of 17) fails; the second's (N 32 < d 65) is proven, and tried every batch
+    assert certified == [2, 1, 1, 2]
