@@ -13,8 +13,11 @@ weights and side by side in one run:
   CUDA graph replays) in training steps, with the bases' eigh forced on the device, forced on the host, and as
   ``teleport.eigh_route`` measures and chooses (the product's default); the route it chose.
 
-Sizes: ``--quick`` d 64, 2 blocks, context 32, 8 teleport sequences; the CPU default d 256, 4 blocks, context 64,
-4 sequences (256 rows); on CUDA the issue's LM, d 512, 4 blocks, context 128, 2 sequences (256 rows).
+Sizes: ``--quick`` d 64, 2 blocks, context 32, 8 teleport sequences; else the issue's LM on either device, d 512,
+4 blocks, context 128, a training step of 32 sequences, the teleport batch 2 (256 rows), trained 150 steps on the CPU
+(~4 min on 2 cores), 300 on CUDA. (Until stop 52 the CPU's was d 256, context 64, 4 sequences: a teleport batch of
+1/8 of a training step's rows, not the issue's 1/16; its teleport took 1.42 training steps where the issue's LM's took
+0.49, both measured in stop 53 before the learned aim, ``teleport.aim``.)
 
     python -m benchmarks.lm_trained [--quick] [--device cpu|cuda] [--train-steps K] [--threads T]
 """
@@ -48,9 +51,8 @@ def text_tokens() -> torch.Tensor:
 def sizes(device: torch.device, quick: bool) -> dict[str, int]:
     if quick:
         return {"d": 64, "layers": 2, "ctx": 32, "teleport_batch": 8, "train_steps": 30}
-    if device.type == "cuda":
-        return {"d": 512, "layers": 4, "ctx": 128, "teleport_batch": 2, "train_steps": 300}
-    return {"d": 256, "layers": 4, "ctx": 64, "teleport_batch": 4, "train_steps": 150}
+    steps = 300 if device.type == "cuda" else 150
+    return {"d": 512, "layers": 4, "ctx": 128, "teleport_batch": 2, "train_steps": steps}
 
 
 def trained_cost(device: torch.device, quick: bool, repeats: int, train_steps: int | None) -> dict[str, Any]:
@@ -95,7 +97,7 @@ def trained_cost(device: torch.device, quick: bool, repeats: int, train_steps: i
             seconds, report = _timed(moving, device, repeats)
             launches, _ = _launches(moving, device)
         by_route[route or "chosen"] = {"seconds": seconds, "in_train_steps": seconds / step_s,
-                                       "launches": launches, "steps": report.steps,
+                                       "launches": launches, "steps": report.steps, "backoffs": report.backoffs,
                                        "gain": report.grad_norm_sq_after / report.grad_norm_sq_before,
                                        "ascent": report.ascent, "drift": abs(report.loss_after - report.loss_before)}
     chosen = eigh_route.chosen()
@@ -123,8 +125,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"R proven full rank: {setup['proven_full_rank']} of {setup['representations']}; the unproven Grams "
           f"{setup['unproven_gram_batches']}")
     print_table(["the teleport that moves the trained LM, eigh", "training steps", "seconds", "launches", "steps",
-                 "‖∇L‖² gain", "ran as"],
-                [[name, f"{r['in_train_steps']:.2f}", f"{r['seconds']:.4f}", r["launches"], r["steps"],
+                 "back-offs", "‖∇L‖² gain", "ran as"],
+                [[name, f"{r['in_train_steps']:.2f}", f"{r['seconds']:.4f}", r["launches"], r["steps"], r["backoffs"],
                   f"{r['gain']:.2f}", r["ascent"]] for name, r in cost["by_route"].items()])
     print("eigh routes chosen: " + ("; ".join(f"{k}: {v['route']} (" + ", ".join(
         f"{r} {s * 1e3:.1f} ms" for r, s in v["seconds"].items()) + ")" for k, v in cost["eigh_route_chosen"].items())

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from teleport import graph_cache
+from teleport.aim import aim_on_device, aim_scale
 from teleport.blocks import Block, moving_blocks
 from teleport.buffers import StepBuffers
 from teleport.difference import Shifted, ShiftScale, difference_hvp, shift_scale
@@ -25,7 +26,7 @@ from teleport.distributed import Collective, any_across_
 from teleport.factored import factored_direction
 from teleport.guard import guarded_step
 from teleport.objective import LossFn, Objective, teleport_gradient, teleport_gradient_and
-from teleport.on_device import UNCAPTURABLE, DeviceAscent, Evaluate, aim_on_device
+from teleport.on_device import UNCAPTURABLE, DeviceAscent, Evaluate
 from teleport.report import TeleportConfig
 
 
@@ -42,6 +43,7 @@ class Run:
         self.config, self.comm = config.for_batch(cur.grad_norm_sq), comm  # this batch's CAP (``cap_ratio``)
         self.shifted = shifted  # ∇L at a shifted point, for H·∇L by a difference (``teleport.difference``)
         self.scale = shift_scale(model, params[0]) if shifted is not None else None  # the model's learned shift
+        self.aim = aim_scale(model, params[0])  # the model's factor on a step aimed at CAP, learned (``teleport.aim``)
         self.loss0, self.gn0 = cur.loss, cur.grad_norm_sq
         self.steps = self.backoffs = 0
         self.ascent = "host"  # how the steps ran (``ascent_mode``)
@@ -98,7 +100,7 @@ class Run:
         fresh = ascent is None
         self.graph_replayed = not fresh
         commit = self.scale.commit if self.scale is not None else None
-        ascent = ascent or DeviceAscent(weights, tensors, direction, self.cur, self.config, commit)
+        ascent = ascent or DeviceAscent(weights, tensors, direction, self.cur, self.config, commit, self.aim)
         reason = ascent.run(graphs=graphed, owner=self.model)
         if graphed and fresh:
             graph_cache.keep(self.model, graph_key, blocks, ascent)
@@ -136,7 +138,7 @@ class Run:
             last = self.steps + 1 == self.config.steps  # no H·∇L follows the last step: its graph is not kept
             # the first try's η is decided on the device and read back with its L and ‖∇L‖²: one sync a step
             eta_t, aimed_t, slope_t = aim_on_device(eta, self.cur.grad_norm_sq, direction, self.config.cap,
-                                                    self.config.rise)
+                                                    self.config.rise, self.aim)
             buffers.move(direction, eta_t)
             first = evaluate(graph=not last, fetch=(eta_t, aimed_t, slope_t))
             try_eta, aimed, slope = first.fetched[0], bool(first.fetched[1]), first.fetched[2]
@@ -148,6 +150,11 @@ class Run:
             self.backoffs += tries
             if new is None:
                 return why
+            if aimed:  # it landed: what it took teaches the model's next aim
+                f64 = {"dtype": torch.float64, "device": eta_t.device}
+                self.aim.learn(torch.ones((), dtype=torch.bool, device=eta_t.device), eta_t,
+                               torch.tensor(used, **f64), torch.tensor(new.grad_norm_sq - self.cur.grad_norm_sq, **f64),
+                               torch.tensor(self.config.cap - self.cur.grad_norm_sq, **f64))
             buffers.accept()
             self.cur, self.steps = new, self.steps + 1
             if why == "cap":  # shortened to fit under CAP: CAP is reached, further steps would overshoot

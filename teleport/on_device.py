@@ -57,15 +57,15 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from teleport.aim import AimScale, aim_on_device
 from teleport.flat_move import FlatMove
 from teleport.guard import shorten_factor
-from teleport.objective import Objective, host_floats, squared_norm
+from teleport.objective import Objective, host_floats
 from teleport.report import TeleportConfig
 
 # a tick's verdict on the try it judged, and the reason a teleport stopped (``REASONS``)
 OK, CAP, NOT_FINITE, LOSS_TOL, NO_ASCENT = 1, 2, 3, 4, 5
 REASONS = {OK: "steps", CAP: "cap", NOT_FINITE: "not_finite", LOSS_TOL: "loss_tol", NO_ASCENT: "no_ascent"}
-AIM = 0.8  # share of the way to CAP a step predicted to overshoot it is aimed at
 WARMUP = 1  # eager ticks on a side stream before the capture (lazy inits: cuBLAS workspaces, autograd streams)
 
 STATUS = ("done", "steps", "pending", "backoffs", "reason", "loss", "grad_norm_sq", "loss0",
@@ -123,41 +123,19 @@ def own_stream(device: torch.device, enabled: bool) -> Iterator[None]:
         caller.wait_stream(side)
 
 
-def aim_on_device(eta: float | Tensor, grad_norm_sq: float | Tensor, direction: list[Tensor],
-                  cap: float | Tensor, rise: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """η, or — when the first-order prediction overshoots CAP — the η predicted to cover ``AIM`` of the way there.
-
-    d‖∇L‖²/dη at η = 0 along U = π(G), G = H·∇L, is 2⟨G, π(G)⟩ = 2‖π(G)‖² (π is an orthogonal
-    projector), so ‖∇L‖²(η) ≈ ‖∇L‖² + 2η‖U‖². ‖∇L‖² is convex along the step here: the prediction
-    falls short by 4-25 % of the rise (digits MLP), so aiming at 80 % of the gap lands under CAP
-    and saves the evaluation of a step that overshoots it. ``rise`` (``TeleportConfig.rise``): η is the one
-    predicted to raise ‖∇L‖² by ``rise``·‖∇L‖² (``eta`` where the slope is 0: U = 0 moves nothing). Decided on the
-    device: (η, shortened, slope) are 0-d tensors, read back with the next evaluation's L and ‖∇L‖² (``objective``'s
-    ``fetch``), so the step has one host sync; the slope 2‖U‖² lets a try that overshoots CAP be shortened by the
-    curve through it (``guard.shorten_factor``).
-    """
-    slope = 2.0 * squared_norm(direction)  # float64, on the weights' device
-    sloped = torch.isfinite(slope) & (slope > 0)
-    safe_slope = torch.where(sloped, slope, torch.ones_like(slope))
-    eta = eta if isinstance(eta, Tensor) else torch.full_like(slope, eta)
-    if rise is not None:
-        eta = torch.where(sloped, rise * grad_norm_sq / safe_slope, eta)
-    gap = cap - grad_norm_sq
-    shorten = sloped & (eta * slope > gap)
-    return torch.where(shorten, AIM * gap / safe_slope, eta), shorten, slope
-
-
 class DeviceAscent:
     """The t steps of one teleport batch, guard included, as device ticks (see the module)."""
 
     def __init__(self, weights: list[Tensor], evaluate: Evaluate, direction: Direction, start: Objective,
-                 config: TeleportConfig, commit: Callable[[Tensor], None] | None = None) -> None:
+                 config: TeleportConfig, commit: Callable[[Tensor], None] | None = None,
+                 aim: AimScale | None = None) -> None:
         """``start``: the objective at the weights as they are, read (L, ‖∇L‖² < CAP) with its graph: the first
         tick takes step 1's first try from it, evaluating nothing. ``commit``: told after each U whether it starts a
         step (``difference.ShiftScale.commit``: what a difference learned is kept only from the U the host guard
-        would have computed too)."""
+        would have computed too). ``aim``: the model's factor on the aim at CAP, learned from its aimed steps
+        (``teleport.aim``)."""
         self.weights, self.evaluate, self.direction, self.config = weights, evaluate, direction, config
-        self.commit = commit
+        self.commit, self.aim = commit, aim
         device = weights[0].device
         self.flat = FlatMove(weights)  # W₀ of the step in flight and its U = π(H·∇L), in flat runs
         self.origin, self.u = self.flat.origin, self.flat.u
@@ -165,6 +143,7 @@ class DeviceAscent:
         self.first, self.loss0 = torch.zeros(2, **f64), torch.zeros((), **f64)  # [‖∇L‖², L] at the start; L₀
         self.eta = torch.zeros((), **f64)  # η carried from step to step
         self.eta_try = torch.zeros((), **f64)  # η of the try in flight
+        self.eta_first = torch.zeros((), **f64)  # η of the first try of the step in flight
         self.slope = torch.zeros((), **f64)  # d‖∇L‖²/dη of the step in flight, 2‖U‖²
         self.gn, self.loss = torch.zeros((), **f64), torch.zeros((), **f64)  # at the last accepted weights
         self.gn0 = torch.zeros((), **f64)  # ‖∇L‖² at the start, as the first tick found it
@@ -196,8 +175,8 @@ class DeviceAscent:
             self.max_steps.fill_(self.config.steps)
             self.cap.fill_(self.config.cap)
             self.starting.fill_(True)
-            for t in (self.eta_try, self.slope, self.gn, self.gn0, self.loss, self.pending, self.aimed, self.capping,
-                      self.done, self.steps, self.tries, self.backoffs, self.reason, self.status):
+            for t in (self.eta_try, self.eta_first, self.slope, self.gn, self.gn0, self.loss, self.pending, self.aimed,
+                      self.capping, self.done, self.steps, self.tries, self.backoffs, self.reason, self.status):
                 t.zero_()
         self.start: Objective | None = start
         self.state = dict.fromkeys(STATUS, 0.0) | {"pending": 1.0}  # the status as last read
@@ -262,6 +241,8 @@ class DeviceAscent:
             exhausted = reject & (failed > c.max_backoff)
             retry = reject & ~exhausted
             ended_cap = accept & self.capping  # accepted once shortened to fit under CAP: CAP is reached
+            if self.aim is not None:  # an aimed step that landed teaches the model's next aim
+                self.aim.learn(ended_cap & self.aimed, self.eta_first, self.eta_try, gn - self.gn, self.cap - self.gn)
             eta = torch.where(accept & ~self.aimed, self.eta_try, self.eta)
             here = accept | (live & ~self.pending)  # W is an accepted point: its L and ‖∇L‖² are the current ones
             gn_now, loss_now = torch.where(here, gn, self.gn), torch.where(here, loss, self.loss)
@@ -274,7 +255,7 @@ class DeviceAscent:
             u_new = self.direction(obj) if full else self.u
             if full and self.commit is not None:
                 self.commit(start)
-            aimed_eta, aimed, slope = aim_on_device(eta, gn_now, u_new, self.cap, c.rise)
+            aimed_eta, aimed, slope = aim_on_device(eta, gn_now, u_new, self.cap, c.rise, self.aim)
             factor = self._shorten(verdict, gn, gn_now)
             eta_try = torch.where(start, aimed_eta, torch.where(retry, self.eta_try * factor, self.eta_try))
             self.flat.move(start, retry, exhausted, eta_try, u_new)  # W₀, U and W: ``teleport.flat_move``
@@ -283,8 +264,9 @@ class DeviceAscent:
             reason = torch.where(broken, NOT_FINITE, reason)
             done = self.done | exhausted | ended_cap | at_cap | finished | broken
             backoffs = self.backoffs + reject.long()
-            for state, value in ((self.eta, eta), (self.eta_try, eta_try), (self.slope, torch.where(start, slope,
-                                                                                                     self.slope)),
+            for state, value in ((self.eta, eta), (self.eta_try, eta_try),
+                                 (self.eta_first, torch.where(start, eta_try, self.eta_first)),
+                                 (self.slope, torch.where(start, slope, self.slope)),
                                  (self.gn, gn_now), (self.loss, loss_now),
                                  (self.steps, steps), (self.backoffs, backoffs),
                                  (self.tries, torch.where(start, 0, failed)), (self.reason, reason),

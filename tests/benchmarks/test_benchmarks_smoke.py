@@ -208,6 +208,7 @@ def test_lm_trained_quick(results: Path) -> None:
     for row in cost["by_route"].values():  # the same teleport by either route: it moves the LM, the loss stays
         assert row["steps"] >= 1 and 1.5 < row["gain"] <= 2.0 and row["drift"] < 1e-3 * 6
         assert row["ascent"] == "host" and row["in_train_steps"] > 0
+        assert "backoffs" in row  # the learned aim: 0 on most warm batches (test_aim proves it)
     chosen = cost["eigh_route_chosen"].values()
     assert chosen and all(c["route"] in ("device", "host") and set(c["seconds"]) == {"device", "host"} for c in chosen)
     assert set(body["floors"]) == {"one_teleport_trained_le_floor"}

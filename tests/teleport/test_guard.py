@@ -234,8 +234,8 @@ def test_the_shortening_rule_is_one_function_on_host_floats_and_device_tensors()
 
 
 def test_a_step_predicted_to_overshoot_cap_is_aimed_under_it_in_one_try() -> None:
+    from teleport.aim import AIM, aim_on_device
     from teleport.guard import guarded_step
-    from teleport.on_device import AIM, aim_on_device
 
     u = [torch.full((2, 2), 0.5)]  # ‖U‖² = 1: the predicted rise of ‖∇L‖² is 2η
     kept, shortened, slope = aim_on_device(0.1, 1.0, u, 5.0)  # 1 + 0.2 < CAP: η as it is

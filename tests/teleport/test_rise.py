@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from teleport import TeleportConfig, teleport_batch
+from teleport.aim import aim_on_device
 from teleport.objective import LossFn
-from teleport.on_device import aim_on_device
 from tests.teleport.families import CASES, OPEN, Case
 from tests.teleport.test_on_device import assert_same, both, mlp
 
