@@ -11,7 +11,10 @@ weights and side by side in one run:
   (``benchmarks.lm_setup``: the eigh of the unproven Grams on the device and by the host route, pooled);
 - the teleport that moves the LM (``api_schemas.spec.SCALE_FREE``, a new batch of the same shape each call, so a
   CUDA graph replays) in training steps, with the bases' eigh forced on the device, forced on the host, and as
-  ``teleport.eigh_route`` measures and chooses (the product's default); the route it chose.
+  ``teleport.eigh_route`` measures and chooses (the product's default); the route it chose;
+- ``in_turn``: 12 new batches teleported one after the other from the trained weights, the aim at CAP learned from
+  the batches before (``teleport.aim``, the default) and the first order's every time: back-offs, ‖∇L‖² gains and
+  training steps of each.
 
 Sizes: ``--quick`` d 64, 2 blocks, context 32, 8 teleport sequences; else the issue's LM on either device, d 512,
 4 blocks, context 128, a training step of 32 sequences, the teleport batch 2 (256 rows), trained 150 steps on the CPU
@@ -27,18 +30,20 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import itertools
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.common import add_machine_args, print_table, quiet_machine, verdict, write_result
-from benchmarks.lm_payoff import GPT, MOVING, _launches, _timed, lm_loss
+from benchmarks.lm_payoff import GPT, MOVING, _launches, _sync, _timed, lm_loss
 from benchmarks.lm_setup import setup_phases
-from teleport import TeleportConfig, eigh_route, teleport_batch
+from teleport import TeleportConfig, aim, eigh_route, teleport_batch
 
 SOURCES = ("json.decoder", "json.encoder", "argparse", "dataclasses")  # standard-library text, on every machine
 ROUTES = ("device", "host", None)  # None: measured and chosen (the default)
+TURNS = 12  # batches teleported in turn, with the aim at CAP learned and without
 
 
 def text_tokens() -> torch.Tensor:
@@ -101,10 +106,36 @@ def trained_cost(device: torch.device, quick: bool, repeats: int, train_steps: i
                                        "gain": report.grad_norm_sq_after / report.grad_norm_sq_before,
                                        "ascent": report.ascent, "drift": abs(report.loss_after - report.loss_before)}
     chosen = eigh_route.chosen()
+    in_turn = {name: batches_in_turn(model, trained, [batch(size["teleport_batch"]) for _ in range(TURNS)], learned,
+                                     step_s, device)
+               for name, learned in (("first_order", False), ("learned", True))}
     model.load_state_dict(trained)
     setup = setup_phases(model, lm_loss, tele, step_s, lambda fn: _timed(fn, device, repeats))
     return {"model": size | {"train_steps": steps}, "train_loss": {"first": first, "last": last},
-            "train_step_s": step_s, "by_route": by_route, "eigh_route_chosen": chosen, "setup_phases": setup}
+            "train_step_s": step_s, "by_route": by_route, "eigh_route_chosen": chosen, "in_turn": in_turn,
+            "setup_phases": setup}
+
+
+def batches_in_turn(model: torch.nn.Module, trained: dict[str, torch.Tensor], xs: list[torch.Tensor], learned: bool,
+                    step_s: float, device: torch.device) -> dict[str, Any]:
+    """The moving teleport of each batch of ``xs`` in turn, each from the trained weights, the aim at CAP learned
+    from the batches before (``teleport.aim``) or the first order's every time: back-offs, ‖∇L‖² gain and training
+    steps of each."""
+    aim.forget(model)
+    rows = []
+    for x in xs:
+        model.load_state_dict(trained)
+        if not learned:
+            aim.forget(model)
+        _sync(device)
+        start = time.perf_counter()
+        report = teleport_batch(model, lm_loss, x, x, TeleportConfig(steps=8, **MOVING))  # once: no warm-up to learn
+        _sync(device)
+        seconds = time.perf_counter() - start
+        rows.append({"backoffs": report.backoffs, "gain": report.grad_norm_sq_after / report.grad_norm_sq_before,
+                     "in_train_steps": seconds / step_s})
+    return {"batches": rows, "backoffs": sum(r["backoffs"] for r in rows),
+            "mean_in_train_steps": sum(r["in_train_steps"] for r in rows) / len(rows)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -131,6 +162,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("eigh routes chosen: " + ("; ".join(f"{k}: {v['route']} (" + ", ".join(
         f"{r} {s * 1e3:.1f} ms" for r, s in v["seconds"].items()) + ")" for k, v in cost["eigh_route_chosen"].items())
         or "none to choose between (one CPU thread)"))
+    for name, turn in cost["in_turn"].items():
+        print(f"{TURNS} batches in turn, the aim at CAP {name.replace('_', ' ')}: back-offs "
+              f"{[r['backoffs'] for r in turn['batches']]}, ‖∇L‖² gains "
+              f"{[round(r['gain'], 2) for r in turn['batches']]}, "
+              f"{turn['mean_in_train_steps']:.2f} training steps each")
     print("its setup (training steps; benchmarks.lm_setup): " + ", ".join(
         f"{k} {v:.2f}" for k, v in setup["in_train_steps"].items()))
     ok = cost["by_route"]["chosen"]["in_train_steps"] <= floor

@@ -64,6 +64,12 @@ def aim_scale(model: object, like: Tensor) -> AimScale:
     return scale
 
 
+def forget(model: object) -> None:
+    """Drop what the model's aimed steps taught it: its next aim is the first order's again (benchmarks that set the
+    two side by side)."""
+    _SCALES.pop(model, None)
+
+
 def aim_on_device(eta: float | Tensor, grad_norm_sq: float | Tensor, direction: list[Tensor],
                   cap: float | Tensor, rise: float | None = None,
                   scale: AimScale | None = None) -> tuple[Tensor, Tensor, Tensor]:

@@ -209,6 +209,9 @@ def test_lm_trained_quick(results: Path) -> None:
         assert row["steps"] >= 1 and 1.5 < row["gain"] <= 2.0 and row["drift"] < 1e-3 * 6
         assert row["ascent"] == "host" and row["in_train_steps"] > 0
         assert "backoffs" in row  # the learned aim: 0 on most warm batches (test_aim proves it)
+    turns = cost["in_turn"]  # the aim learned: fewer back-offs over the batches in turn than the first order's
+    assert set(turns) == {"first_order", "learned"} and turns["learned"]["backoffs"] < turns["first_order"]["backoffs"]
+    assert all(1.0 < r["gain"] <= 2.0 for t in turns.values() for r in t["batches"])
     chosen = cost["eigh_route_chosen"].values()
     assert chosen and all(c["route"] in ("device", "host") and set(c["seconds"]) == {"device", "host"} for c in chosen)
     assert set(body["floors"]) == {"one_teleport_trained_le_floor"}
