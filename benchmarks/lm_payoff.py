@@ -92,8 +92,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn: Any, device: torch.device, repeats: int) -> tuple[float, Any]:
-    fn()  # warm-up (kernels chosen, allocator warm)
+def _timed(fn: Any, device: torch.device, repeats: int, warm: bool = True) -> tuple[float, Any]:
+    if warm:
+        fn()  # warm-up (kernels chosen, allocator warm)
     best, out = float("inf"), None
     for _ in range(repeats):
         _sync(device)

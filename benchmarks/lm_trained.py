@@ -30,14 +30,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import itertools
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.common import add_machine_args, print_table, quiet_machine, verdict, write_result
-from benchmarks.lm_payoff import GPT, MOVING, _launches, _sync, _timed, lm_loss
+from benchmarks.lm_payoff import GPT, MOVING, _launches, _timed, lm_loss
 from benchmarks.lm_setup import setup_phases
 from teleport import TeleportConfig, aim, eigh_route, teleport_batch
 
@@ -127,11 +126,8 @@ def batches_in_turn(model: torch.nn.Module, trained: dict[str, torch.Tensor], xs
         model.load_state_dict(trained)
         if not learned:
             aim.forget(model)
-        _sync(device)
-        start = time.perf_counter()
-        report = teleport_batch(model, lm_loss, x, x, TeleportConfig(steps=8, **MOVING))  # once: no warm-up to learn
-        _sync(device)
-        seconds = time.perf_counter() - start
+        seconds, report = _timed(lambda x=x: teleport_batch(model, lm_loss, x, x, TeleportConfig(steps=8, **MOVING)),
+                                 device, 1, warm=False)  # once: a warm-up would teach the aim this very batch
         rows.append({"backoffs": report.backoffs, "gain": report.grad_norm_sq_after / report.grad_norm_sq_before,
                      "in_train_steps": seconds / step_s})
     return {"batches": rows, "backoffs": sum(r["backoffs"] for r in rows),

@@ -43,13 +43,18 @@ class AimScale:
     def __init__(self, device: torch.device) -> None:
         self.now = torch.ones((), dtype=torch.float64, device=device)
 
-    def learn(self, used: Tensor, eta_first: Tensor, eta_used: Tensor, rise: Tensor, gap: Tensor) -> None:
-        """After an aimed step, accepted (where ``used``, a 0-d bool) at ``eta_used`` whose first try was
-        ``eta_first`` = m·η₁, with ``rise`` of ‖∇L‖² over a ``gap`` to CAP at its start: m as the module says."""
+    def learn(self, used: Tensor | None, eta_first: Tensor, eta_used: Tensor | float, rise: Tensor | float,
+              gap: Tensor | float) -> None:
+        """After an aimed step, accepted (where ``used``, a 0-d bool; None: accepted) at ``eta_used`` whose first try
+        was ``eta_first`` = m·η₁, with ``rise`` of ‖∇L‖² over a ``gap`` to CAP at its start: m as the module says."""
+        tiny = torch.finfo(torch.float64).tiny
         with torch.no_grad():
-            shortfall = (AIM * gap / rise.clamp_min(torch.finfo(torch.float64).tiny)).pow(POWER)
-            new = (self.now * eta_used / eta_first.clamp_min(torch.finfo(torch.float64).tiny) * shortfall)
-            ok = used & (rise > 0) & (gap > 0) & torch.isfinite(new)
+            rise, gap = (torch.as_tensor(t, dtype=torch.float64, device=self.now.device) for t in (rise, gap))
+            shortfall = (AIM * gap / rise.clamp_min(tiny)).pow(POWER)
+            new = self.now * eta_used / eta_first.clamp_min(tiny) * shortfall
+            ok = (rise > 0) & (gap > 0) & torch.isfinite(new)
+            if used is not None:
+                ok = ok & used
             self.now.copy_(torch.where(ok, new.clamp(M_MIN, 1.0), self.now))
 
 
@@ -89,5 +94,7 @@ def aim_on_device(eta: float | Tensor, grad_norm_sq: float | Tensor, direction: 
         eta = torch.where(sloped, rise * grad_norm_sq / safe_slope, eta)
     gap = cap - grad_norm_sq
     shorten = sloped & (eta * slope > gap)
-    aimed = AIM * gap / safe_slope if scale is None else AIM * gap / safe_slope * scale.now
+    aimed = AIM * gap / safe_slope
+    if scale is not None:
+        aimed = aimed * scale.now
     return torch.where(shorten, aimed, eta), shorten, slope

@@ -151,10 +151,8 @@ class Run:
             if new is None:
                 return why
             if aimed:  # it landed: what it took teaches the model's next aim
-                f64 = {"dtype": torch.float64, "device": eta_t.device}
-                self.aim.learn(torch.ones((), dtype=torch.bool, device=eta_t.device), eta_t,
-                               torch.tensor(used, **f64), torch.tensor(new.grad_norm_sq - self.cur.grad_norm_sq, **f64),
-                               torch.tensor(self.config.cap - self.cur.grad_norm_sq, **f64))
+                self.aim.learn(None, eta_t, used, new.grad_norm_sq - self.cur.grad_norm_sq,
+                               self.config.cap - self.cur.grad_norm_sq)
             buffers.accept()
             self.cur, self.steps = new, self.steps + 1
             if why == "cap":  # shortened to fit under CAP: CAP is reached, further steps would overshoot

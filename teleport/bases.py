@@ -308,13 +308,11 @@ def compute_bases(reps: Sequence[Tensor], tau: float, rule: str = "numerical_ran
     batches = gram_batches(reps)
     found: dict[int, Basis] = {}
     if rule == "numerical_rank" and tau >= 1.0:
-        tried = list(range(len(reps))) if proofs is None else proofs.worth(list(reps))
-        if len(tried) == len(reps):
-            found = whole_spans(reps, batches)
-        elif tried:
-            found = {tried[j]: b for j, b in whole_spans([reps[i] for i in tried], _batches_of(batches, tried)).items()}
+        tried = list(range(len(reps))) if proofs is None else proofs.worth(reps)
+        spans = whole_spans([reps[i] for i in tried], _batches_of(batches, tried))  # all of them: the batches as made
+        found = {tried[j]: b for j, b in spans.items()}
         if proofs is not None:
-            proofs.record(list(reps), tried, set(found))
+            proofs.record(reps, tried, set(found))
     rest = [i for i in range(len(reps)) if i not in found]
     if rest:
         found.update(zip(rest, _decomposed([reps[i] for i in rest], tau, rule, _batches_of(batches, rest)),

@@ -26,6 +26,8 @@ eigenvalues took 43 ms (1 thread; ``benchmarks.lm_setup``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -103,7 +105,7 @@ class Proofs:
     def key(i: int, rep: Tensor) -> ProofKey:
         return i, tuple(rep.shape), rep.dtype, rep.device
 
-    def worth(self, reps: list[Tensor]) -> list[int]:
+    def worth(self, reps: Sequence[Tensor]) -> list[int]:
         """The indices of the R worth the certificate this batch (each skipped one counts a batch down)."""
         tried = []
         for i, rep in enumerate(reps):
@@ -115,7 +117,7 @@ class Proofs:
                 tried.append(i)
         return tried
 
-    def record(self, reps: list[Tensor], tried: list[int], proven: set[int]) -> None:
+    def record(self, reps: Sequence[Tensor], tried: list[int], proven: set[int]) -> None:
         """The certificate's verdicts on the ``tried`` R: a failure skips the R for ``RETRY`` batches."""
         for i in tried:
             k = self.key(i, reps[i])
