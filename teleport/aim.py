@@ -75,6 +75,14 @@ def forget(model: object) -> None:
     _SCALES.pop(model, None)
 
 
+def aims_first(rise: float | None, cap_ratio: float | None) -> bool:
+    """Whether a batch's step 1 is aimed at CAP whatever the batch, known before any tick: its rise-aim passes the
+    batch's own CAP, rise·‖∇L‖²₀ > (cap_ratio − 1)·‖∇L‖²₀ ≥ CAP − ‖∇L‖²₀ (``api_schemas.spec.SCALE_FREE``: 1.5 > 1).
+    Where ``aim_on_device`` does not aim it after all (U = 0, ‖∇L‖²₀ = 0: η·U = 0), the try moved nothing, so the U
+    at the weights it leaves is the one the step started from (``on_device.DeviceAscent._judge`` relies on it)."""
+    return rise is not None and cap_ratio is not None and rise > (cap_ratio - 1.0) * (1.0 + 1e-9)
+
+
 def aim_on_device(eta: float | Tensor, grad_norm_sq: float | Tensor, direction: list[Tensor],
                   cap: float | Tensor, rise: float | None = None,
                   scale: AimScale | None = None) -> tuple[Tensor, Tensor, Tensor]:

@@ -101,9 +101,12 @@ class Run:
         self.graph_replayed = not fresh
         commit = self.scale.commit if self.scale is not None else None
         ascent = ascent or DeviceAscent(weights, tensors, direction, self.cur, self.config, commit, self.aim)
-        reason = ascent.run(graphs=graphed, owner=self.model)
+        reason = ascent.run(graphs=graphed, owner=self.model,
+                            warm=graphed and graph_cache.warmed(self.model, graph_key))
         if graphed and fresh:
             graph_cache.keep(self.model, graph_key, blocks, ascent)
+            if ascent.warmed:
+                graph_cache.warm(self.model, graph_key)
         if graphed and ascent.graph is not None:
             graph_cache.counted(self.model, replayed=not fresh)
         if self.model in UNCAPTURABLE:

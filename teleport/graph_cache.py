@@ -49,6 +49,7 @@ class Entry:
     key: tuple | None = None  # what the graph was captured for
     blocks: list[Block] | None = None  # the moving blocks whose tensors the graph reads
     ascent: DeviceAscent | None = None  # its state tensors, its graph
+    warm: tuple | None = None  # the key whose full tick has run eagerly on the teleports' stream: a capture's warm-up
 
 
 ENTRIES: weakref.WeakKeyDictionary[nn.Module, Entry] = weakref.WeakKeyDictionary()
@@ -127,6 +128,22 @@ def keep(model: nn.Module, graph_key: tuple, blocks: list[Block], ascent: Device
     entry = ENTRIES.get(model)
     if entry is not None and ascent.graph is not None:
         entry.key, entry.blocks, entry.ascent = graph_key, blocks, ascent
+
+
+def warmed(model: nn.Module, graph_key: tuple) -> bool:
+    """Whether an earlier batch of the model ran its full tick for ``graph_key`` eagerly on the teleports' stream (the
+    warm-up a capture needs: ``DeviceAscent.run``), so this batch may capture at its first full tick after the start.
+    A batch of two ticks (the start's, and the one judging a step that lands at its first try) would otherwise spend
+    its second on a warm-up every time and never be captured."""
+    entry = ENTRIES.get(model)
+    return entry is not None and entry.warm == graph_key
+
+
+def warm(model: nn.Module, graph_key: tuple) -> None:
+    """The model's full tick for ``graph_key`` has run eagerly on the teleports' stream (see ``warmed``)."""
+    entry = ENTRIES.get(model)
+    if entry is not None:
+        entry.warm = graph_key
 
 
 def counted(model: nn.Module, replayed: bool) -> None:

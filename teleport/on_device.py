@@ -40,10 +40,13 @@ more plain forward + backward inside the tick, ε and the shift on the device, t
 from the allocator (the graph's own pool when captured), so the graph holds no double backward.
 
 A tick computes U whether or not it is used (a refused try's U is dropped): ``where`` chooses, the host
-does not. The ticks judging the last step's tries need no U: eagerly they run without it (``full=False``);
-once a graph is captured they replay it too (its U is dropped the same way — a replay costs less than an eager
-evaluation). Captured or not, the ticks compute the same thing: without CUDA (or when a
-model's forward cannot be captured: a host read inside it) they run eagerly, the tested fallback.
+does not. A tick that judges a try no U can follow needs none — the last step's tries, and a try aimed at CAP
+(accepted, it ends the batch; refused, it is tried again along the same U), which the status says (``capping``):
+eagerly it runs without U (``full=False``), next to a captured full tick from a graph of its own (``_judge``).
+A scale-free batch (one step aimed at CAP) replayed is then one full tick and one judging tick, where it was two
+full ticks (the trained GPT-style LM of ``benchmarks.lm_trained``: 1,890 kernels a full tick, 611 a judging one, CPU
+count). Captured or not, the ticks compute the same thing: without CUDA (or when a model's forward cannot be
+captured: a host read inside it) they run eagerly, the tested fallback.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from teleport.aim import AimScale, aim_on_device
+from teleport.aim import AimScale, aim_on_device, aims_first
 from teleport.flat_move import FlatMove
 from teleport.guard import shorten_factor
 from teleport.objective import Objective, host_floats
@@ -68,7 +71,7 @@ OK, CAP, NOT_FINITE, LOSS_TOL, NO_ASCENT = 1, 2, 3, 4, 5
 REASONS = {OK: "steps", CAP: "cap", NOT_FINITE: "not_finite", LOSS_TOL: "loss_tol", NO_ASCENT: "no_ascent"}
 WARMUP = 1  # eager ticks on a side stream before the capture (lazy inits: cuBLAS workspaces, autograd streams)
 
-STATUS = ("done", "steps", "pending", "backoffs", "reason", "loss", "grad_norm_sq", "loss0",
+STATUS = ("done", "steps", "pending", "capping", "backoffs", "reason", "loss", "grad_norm_sq", "loss0",
           "grad_norm_sq0")  # a tick's status, in order (L and ‖∇L‖² now, then at the start)
 UNCAPTURABLE: weakref.WeakSet[object] = weakref.WeakSet()  # models whose tick a CUDA graph could not hold
 Evaluate = Callable[[bool], tuple[Objective, Tensor]]  # graph? -> (the objective's gradients, [‖∇L‖², L])
@@ -156,6 +159,9 @@ class DeviceAscent:
         self.cap = torch.zeros((), **f64)  # CAP: a tensor too (``cap_ratio``: each batch's own)
         self.status = torch.zeros(len(STATUS), **f64)  # what the host reads after a tick, in one copy
         self.graph: torch.cuda.CUDAGraph | None = None  # the full tick, once captured
+        self.judge: torch.cuda.CUDAGraph | None = None  # the tick that only judges a try (``_judge``), once captured
+        self.warmed = False  # ``run`` ran the full tick eagerly on a side stream: the warm-up of its capture
+        self.judging = "cold"  # ``_judge``'s tick next to a graph: "warm" once run eagerly, "eager": its capture failed
         self.reset(start)
 
     def reset(self, start: Objective, config: TeleportConfig | None = None) -> None:
@@ -179,17 +185,22 @@ class DeviceAscent:
                       self.capping, self.done, self.steps, self.tries, self.backoffs, self.reason, self.status):
                 t.zero_()
         self.start: Objective | None = start
-        self.state = dict.fromkeys(STATUS, 0.0) | {"pending": 1.0}  # the status as last read
+        # the status as last read; before the first tick's is (it is not read: one host read a step), what it will
+        # say: step 1 in flight, aimed at CAP where the config always aims it (its next tick judges alone)
+        aimed = aims_first(self.config.rise, self.config.cap_ratio)
+        self.state = dict.fromkeys(STATUS, 0.0) | {"pending": 1.0, "capping": float(aimed)}
         self.mode = "device" if self.graph is None else "cuda_graph"
 
-    def run(self, graphs: bool, owner: object | None = None) -> str:
+    def run(self, graphs: bool, owner: object | None = None, warm: bool = False) -> str:
         """Tick until done; with ``graphs`` (CUDA), after ``WARMUP`` eager ticks the full tick is captured and
         replayed, on the stream the teleport runs on when that is a side stream (``own_stream``), else the teleports'
         own side stream;
         a tick captured for an earlier batch (``self.graph``, ``reset`` since) is replayed from the first tick on (it
         evaluates at W again, inside the graph, rather than an eager tick taking step 1 from ``start``'s graph).
         The first tick needs no read: it starts step 1 (steps ≥ 1, ‖∇L‖² < CAP were checked).
-        ``owner`` (the model): once its tick could not be captured, its later teleports do not try again."""
+        ``owner`` (the model): once its tick could not be captured, its later teleports do not try again. ``warm``:
+        an earlier batch ran the warm-up (``graph_cache.warmed``): capture at the first full tick after the start;
+        ``self.warmed`` says whether this run ran it."""
         graph = self.graph
         graphs = graph is not None or (graphs and (owner is None or owner not in UNCAPTURABLE))
         side = _side_stream(self.weights[0].device) if graphs and graph is None else None
@@ -206,12 +217,14 @@ class DeviceAscent:
                 if ticks >= limit:
                     raise RuntimeError(f"teleport: the device ascent took {ticks} ticks (at most {limit})")
                 last = self.state["pending"] and self.state["steps"] + 1 == self.config.steps  # no U follows
-                if graph is not None:  # the last step's tries too: the U it computes is dropped, as eagerly
-                    graph.replay()
+                judging = last or (self.state["pending"] and self.state["capping"])  # nor here: see ``_judge``
+                if graph is not None:
+                    self._judge() if judging else graph.replay()
                 elif last or side is None:
-                    self.tick(not last)
-                elif ticks < 1 + WARMUP:
+                    self.tick(not judging)
+                elif ticks < 1 + WARMUP and not warm:
                     self._on(side, lambda: self.tick(True))
+                    self.warmed = True
                 else:
                     graph, side = self._capture(side), None
                     self.graph = graph
@@ -264,6 +277,7 @@ class DeviceAscent:
             reason = torch.where(broken, NOT_FINITE, reason)
             done = self.done | exhausted | ended_cap | at_cap | finished | broken
             backoffs = self.backoffs + reject.long()
+            capping = torch.where(start, aimed, torch.where(retry, verdict == CAP, self.capping))
             for state, value in ((self.eta, eta), (self.eta_try, eta_try),
                                  (self.eta_first, torch.where(start, eta_try, self.eta_first)),
                                  (self.slope, torch.where(start, slope, self.slope)),
@@ -271,12 +285,10 @@ class DeviceAscent:
                                  (self.steps, steps), (self.backoffs, backoffs),
                                  (self.tries, torch.where(start, 0, failed)), (self.reason, reason),
                                  (self.aimed, torch.where(start, aimed, self.aimed)),
-                                 (self.capping, torch.where(start, aimed, torch.where(retry, verdict == CAP,
-                                                                                      self.capping))),
-                                 (self.pending, start | retry), (self.done, done)):
+                                 (self.capping, capping), (self.pending, start | retry), (self.done, done)):
                 state.copy_(value)
-            self.status.copy_(torch.stack([done, steps, start | retry, backoffs, reason, loss_now, gn_now, self.loss0,
-                                           self.gn0]).double())
+            self.status.copy_(torch.stack([done, steps, start | retry, capping, backoffs, reason, loss_now, gn_now,
+                                           self.loss0, self.gn0]).double())
 
     def _begin(self, first: Tensor, gn: Tensor, loss: Tensor) -> None:
         """The batch's first tick (``first``) sets what the start decides: L₀, ‖∇L‖²₀ and the batch's CAP
@@ -305,9 +317,28 @@ class DeviceAscent:
         factor = shorten_factor(after, before, self.cap, self.slope * self.eta_try)
         return torch.where((verdict == CAP) & (after > before), factor, 0.5)
 
-    def _capture(self, side: torch.cuda.Stream) -> torch.cuda.CUDAGraph | None:
-        """The full tick as a CUDA graph (nothing runs while it is captured), or None, with a warning, when the
-        model's forward cannot be captured: the ticks then go on eagerly. Not ``torch.cuda.graph``: that empties
+    def _judge(self) -> None:
+        """A tick next to the full tick's graph that only judges the try in flight: no U can follow it, since the try,
+        accepted, ends the batch (aimed at CAP, or the last step's) and, refused, is tried again along the same U. It
+        has a graph of its own, a forward and a backward where the full tick adds the double backward and the
+        projection (a scale-free batch: one full tick, one judging tick). The first runs eagerly on the stream its
+        capture will use (the warm-up of the plain backward), the next captures it, later ones replay it; a capture
+        that fails leaves them eager (the full tick's graph is kept). Its memory pool is its own, as the full
+        tick's is."""
+        side = _side_stream(self.weights[0].device)
+        if self.judge is None and self.judging == "warm":
+            self.judge = self._capture(side, full=False)
+            self.judging = "warm" if self.judge is not None else "eager"
+        if self.judge is not None:
+            self.judge.replay()
+            return
+        self._on(side, lambda: self.tick(False))
+        self.judging = "warm" if self.judging == "cold" else self.judging
+
+    def _capture(self, side: torch.cuda.Stream, full: bool = True) -> torch.cuda.CUDAGraph | None:
+        """The full tick (``full``; else the judging tick, ``_judge``) as a CUDA graph (nothing runs while it is
+        captured), or None, with a warning, when the model's forward cannot be captured: the ticks then go on
+        eagerly. Not ``torch.cuda.graph``: that empties
         the allocator's cache at every capture, and the training step after the teleport would pay to refill it.
         Capture mode "thread_local": a call another thread of the process makes meanwhile (a DataLoader's pin-memory
         thread allocating pinned memory, a user's own thread) is not an error there; anything that touches the
@@ -321,14 +352,16 @@ class DeviceAscent:
             with torch.cuda.stream(side):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    self.tick(True)
+                    self.tick(full)
                 finally:
                     with contextlib.suppress(RuntimeError):  # an invalidated capture: the tick's error says why
                         graph.capture_end()
         except RuntimeError as err:
             generator.graphsafe_set_state(before)  # else every later CUDA random draw raises (seen on an H200)
-            warnings.warn(f"teleport: the ascent step could not be captured in a CUDA graph, it runs eagerly, "
-                          f"for this model from now on ({str(err).splitlines()[0]})", RuntimeWarning, stacklevel=3)
+            what = "the ascent step" if full else "the tick that judges a try"
+            until = "for this model from now on" if full else "for this model's graph"
+            warnings.warn(f"teleport: {what} could not be captured in a CUDA graph, it runs eagerly, {until} "
+                          f"({str(err).splitlines()[0]})", RuntimeWarning, stacklevel=3)
             return None
         finally:
             torch.cuda.current_stream().wait_stream(side)

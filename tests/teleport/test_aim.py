@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from teleport import TeleportConfig, teleport_batch
-from teleport.aim import AIM, M_MIN, AimScale, aim_on_device, aim_scale
+from teleport.aim import AIM, M_MIN, AimScale, aim_on_device, aim_scale, aims_first
 from tests.teleport.families import CASES, Case
 
 pytestmark = pytest.mark.usefixtures("float64")
@@ -37,6 +37,22 @@ def test_the_factor_is_the_eta_that_landed_nudged_toward_the_target() -> None:
     u = [torch.full((2, 2), 0.5)]  # ‖U‖² = 1: the predicted rise is 2η
     eta, aimed, _ = aim_on_device(10.0, 1.0, u, 5.0, scale=scale)
     assert bool(aimed) and float(eta) == pytest.approx(M_MIN * AIM * 4.0 / 2.0)
+
+
+@pytest.mark.parametrize(("rise", "ratio", "said"), [(1.5, 2.0, True), (1.01, 2.0, True), (3.5, 4.0, True),
+                                                     (1.0, 2.0, False), (0.3, 2.0, False), (3.0, 4.0, False),
+                                                     (1.5, None, False), (None, 2.0, False)])
+def test_step_one_is_aimed_where_aims_first_says(rise: float | None, ratio: float | None, said: bool) -> None:
+    """``aims_first`` (known on the host) never says aimed where ``aim_on_device`` does not aim step 1: random
+    batches' ‖∇L‖², slopes and CAPs, the batch's CAP as ``TeleportConfig.for_batch`` makes it."""
+    gen = torch.Generator().manual_seed(0)
+    assert aims_first(rise, ratio) == said
+    for _ in range(200):
+        gn, u_sq, cap = (float(10 ** (8 * torch.rand((), generator=gen) - 4)) for _ in range(3))
+        config = TeleportConfig(steps=1, lr=0.1, cap=gn + cap, rise=rise, cap_ratio=ratio).for_batch(gn)
+        u = [torch.full((1,), u_sq**0.5, dtype=torch.float64)]
+        _, aimed, _ = aim_on_device(config.lr, gn, u, config.cap, rise)
+        assert bool(aimed) or not said, (gn, u_sq, config.cap)
 
 
 def _steep() -> Case:

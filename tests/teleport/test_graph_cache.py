@@ -9,12 +9,10 @@ capture itself, addresses in a graph's pool) is ``tests/teleport/test_on_device.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import math
 import warnings
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -22,7 +20,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from teleport import ascent, graph_cache, nullspace, teleport_batch
+from teleport import graph_cache, nullspace, teleport_batch
 from teleport.ascent import ascent_mode
 from teleport.objective import objective
 from teleport.on_device import DeviceAscent
@@ -35,39 +33,6 @@ GRAPHED = replace(OPEN, steps=3, lr=0.03, ascent="cuda_graph")  # tick 3 capture
 # the weights within 5e-12), which the difference H·∇L divides by ε ~ 1e-8 (measured: 1e-9 of O(1) weights, 1.5e-9
 # of ‖∇L‖², where a batch of another rank replays)
 TOLERANCE = {"exact": (1e-9, 1e-12), "difference": (1e-7, 1e-8)}
-
-
-class _Replay:
-    """The emulated graph of a full tick: the captured ascent's tick, on its own objects."""
-
-    def __init__(self, ascent: DeviceAscent) -> None:
-        self.ascent = ascent
-
-    def replay(self) -> None:
-        self.ascent.tick(True)
-
-
-@pytest.fixture
-def captures(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[DeviceAscent]]:
-    """``ascent: cuda_graph`` runs its capture path on the CPU; yields the ascents captured."""
-    made: list[DeviceAscent] = []
-    mode = ascent_mode
-
-    def capture(self: DeviceAscent, side: Any) -> _Replay:
-        made.append(self)
-        self.mode = "cuda_graph"
-        return _Replay(self)
-
-    def graph_on_cpu(c: Any, d: Any, comm: Any, model: Any = None) -> str:
-        return "cuda_graph" if c.ascent == "cuda_graph" else mode(c, d, comm, model)
-
-    for where in (nullspace, ascent):  # teleport_batch's choice and the ascent's
-        monkeypatch.setattr(where, "ascent_mode", graph_on_cpu)
-    monkeypatch.setattr(nullspace, "own_stream", lambda device, enabled: contextlib.nullcontext())
-    monkeypatch.setattr("teleport.on_device._side_stream", lambda device: "side")
-    monkeypatch.setattr(DeviceAscent, "_on", staticmethod(lambda side, fn: fn()))
-    monkeypatch.setattr(DeviceAscent, "_capture", capture)
-    yield made
 
 
 def other_batch(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
@@ -275,9 +240,10 @@ def test_a_cuda_graph_serves_later_batches_on_cuda(name: str, hvp: str, own_cap:
     batches = [(x.cuda(), y.cuda()) for x, y in batches]
     made, capture = [], DeviceAscent._capture
 
-    def counted(self: DeviceAscent, side: Any) -> Any:
-        made.append(self)
-        return capture(self, side)
+    def counted(self: DeviceAscent, side: Any, full: bool = True) -> Any:
+        if full:
+            made.append(self)
+        return capture(self, side, full)
 
     monkeypatch.setattr(DeviceAscent, "_capture", counted)
     config = replace(GRAPHED, hvp=hvp, **({"cap": math.inf, "cap_ratio": 1.5} if own_cap else {}))
@@ -318,7 +284,7 @@ def test_a_model_whose_capture_failed_keeps_no_graph(captures: list[DeviceAscent
     model = copy.deepcopy(case.model)
     teleport_batch(model, case.loss_fn, case.x, case.y, GRAPHED)
     assert graph_cache.ENTRIES[model].ascent is captures[0]
-    monkeypatch.setattr(DeviceAscent, "_capture", lambda self, side: None)  # a capture that fails
+    monkeypatch.setattr(DeviceAscent, "_capture", lambda self, side, full=True: None)  # a capture that fails
     x2, y2 = other_batch(case.x, case.y)
     report = teleport_batch(model, case.loss_fn, x2, y2, replace(GRAPHED, lr=0.05))
     assert report.ascent == "device" and model in UNCAPTURABLE and model not in graph_cache.ENTRIES

@@ -40,6 +40,7 @@ GUARDS = {
     "loss_tol": replace(OPEN, steps=4, lr=0.5, tau=0.5, tau_rule="energy", loss_tol=1e-6, max_backoff=2),
     "halved": replace(OPEN, steps=4, lr=0.05, tau=0.8, loss_tol=1e-4, max_backoff=3),
     "energy_tau": replace(OPEN, steps=3, tau=0.9, tau_rule="energy"),
+    "scale_free": replace(OPEN, steps=4, cap=float("inf"), rise=1.5, cap_ratio=2.0),  # step 1 always aimed
 }
 # ops that read a tensor's value on the host or give a shape only its values decide: none may run in a tick
 HOST_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "is_nonzero", "equal", "lift_fresh")
@@ -108,6 +109,7 @@ def test_the_guard_configs_reach_the_branches_they_are_named_for() -> None:
     assert reports["overshoot"].stop_reason == "cap" and reports["overshoot"].backoffs > 0
     assert reports["loss_tol"].stop_reason == "loss_tol" and reports["loss_tol"].backoffs == 3
     assert reports["halved"].stop_reason == "steps" and reports["halved"].backoffs > 0
+    assert reports["scale_free"].stop_reason == "cap" and reports["scale_free"].steps == 1
 
 
 @pytest.mark.parametrize("name", [*sorted(CASES), "row_slices"])
@@ -154,6 +156,31 @@ def test_a_tick_reads_no_value_on_the_host(name: str, monkeypatch: pytest.Monkey
         assert len(ticks) >= 2 and all(len(t) > 10 for t in ticks)
         found = {op.split(".")[0] for tick in ticks for op in tick} & set(HOST_OPS)
         assert not found, f"a tick ran {found}"
+
+
+@pytest.mark.parametrize("guard", ["scale_free", "aimed_at_cap", "overshoot", "open"])
+def test_a_tick_no_step_can_follow_computes_no_direction(guard: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tick judging a try aimed at CAP, shortened to fit under it, or of the last step evaluates without the
+    double backward (``full=False``): a scale-free batch is one full tick and one judging one, and every batch takes
+    the host guard's steps (``test_the_device_ticks_take_the_host_guards_steps_on_every_branch``)."""
+    fulls: list[bool] = []
+    tick = DeviceAscent.tick
+
+    def recorded(self: DeviceAscent, full: bool, given: Any = None) -> None:
+        fulls.append(full)
+        tick(self, full, given)
+
+    monkeypatch.setattr(DeviceAscent, "tick", recorded)
+    config = replace(GUARDS[guard], ascent="device")
+    case = mlp()
+    report = teleport_batch(copy.deepcopy(case.model), case.loss_fn, case.x, case.y, config)
+    assert len(fulls) == 1 + report.steps + report.backoffs  # the start's, then one a try
+    if guard == "scale_free":  # step 1 aimed (its first try shortened on this MLP: no aim learned yet)
+        assert fulls == [True] + [False] * (1 + report.backoffs) and report.steps == 1
+    elif guard == "open":  # nothing aimed: full ticks but the last step's judging one
+        assert fulls == [True] * config.steps + [False]
+    else:  # a full tick after the start's only where the try it judged was neither aimed nor shortened
+        assert fulls[-1] is False and fulls.count(True) <= 1 + report.steps
 
 
 def test_one_host_read_per_step() -> None:
