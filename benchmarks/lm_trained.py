@@ -12,6 +12,7 @@ weights and side by side in one run:
 - the teleport that moves the LM (``api_schemas.spec.SCALE_FREE``, a new batch of the same shape each call, so a
   CUDA graph replays) in training steps, with the bases' eigh forced on the device, forced on the host, and as
   ``teleport.eigh_route`` measures and chooses (the product's default); the route it chose;
+- the same teleport by each ``teleport.ascent`` (host guard, device ticks, on CUDA the CUDA graph), the eigh as chosen;
 - ``in_turn``: 12 new batches teleported one after the other from the trained weights, the aim at CAP learned from
   the batches before (``teleport.aim``, the default) and the first order's every time: back-offs, ‖∇L‖² gains and
   training steps of each.
@@ -42,6 +43,7 @@ from teleport import TeleportConfig, aim, eigh_route, teleport_batch
 
 SOURCES = ("json.decoder", "json.encoder", "argparse", "dataclasses")  # standard-library text, on every machine
 ROUTES = ("device", "host", None)  # None: measured and chosen (the default)
+ASCENTS = {"cpu": ("host", "device"), "cuda": ("host", "device", "cuda_graph")}  # ``TeleportConfig.ascent``
 TURNS = 12  # batches teleported in turn, with the aim at CAP learned and without
 
 
@@ -88,30 +90,36 @@ def trained_cost(device: torch.device, quick: bool, repeats: int, train_steps: i
     batches = [batch(size["teleport_batch"]) for _ in range(3)]
     others = itertools.cycle(batches)
 
-    def moving() -> Any:
+    def moving(ascent: str = "auto") -> Any:
         model.load_state_dict(trained)  # in place: every call from the trained weights
         x = next(others)
-        return teleport_batch(model, lm_loss, x, x, TeleportConfig(steps=8, **MOVING))
+        return teleport_batch(model, lm_loss, x, x, TeleportConfig(steps=8, ascent=ascent, **MOVING))
+
+    def row(fn: Any) -> dict[str, Any]:
+        seconds, report = _timed(fn, device, repeats)
+        launches, _ = _launches(fn, device)
+        return {"seconds": seconds, "in_train_steps": seconds / step_s, "launches": launches, "steps": report.steps,
+                "backoffs": report.backoffs, "gain": report.grad_norm_sq_after / report.grad_norm_sq_before,
+                "ascent": report.ascent, "drift": abs(report.loss_after - report.loss_before)}
 
     eigh_route.forget()
     by_route: dict[str, dict[str, Any]] = {}
     for route in ROUTES:
         others = itertools.cycle(batches)  # every route the same batches in the same order
         with eigh_route.forced(route):
-            seconds, report = _timed(moving, device, repeats)
-            launches, _ = _launches(moving, device)
-        by_route[route or "chosen"] = {"seconds": seconds, "in_train_steps": seconds / step_s,
-                                       "launches": launches, "steps": report.steps, "backoffs": report.backoffs,
-                                       "gain": report.grad_norm_sq_after / report.grad_norm_sq_before,
-                                       "ascent": report.ascent, "drift": abs(report.loss_after - report.loss_before)}
+            by_route[route or "chosen"] = row(moving)
     chosen = eigh_route.chosen()
+    # the same teleport by each way of running its steps (the eigh as chosen): the device ticks are the CUDA graph's
+    # eager fallback, their judging tick without the double backward as in the graph (``on_device.DeviceAscent``)
+    by_ascent = {ascent: row(lambda a=ascent: moving(a)) for ascent in ASCENTS[device.type]}
     in_turn = {name: batches_in_turn(model, trained, [batch(size["teleport_batch"]) for _ in range(TURNS)], learned,
                                      step_s, device)
                for name, learned in (("first_order", False), ("learned", True))}
     model.load_state_dict(trained)
     setup = setup_phases(model, lm_loss, tele, step_s, lambda fn: _timed(fn, device, repeats))
     return {"model": size | {"train_steps": steps}, "train_loss": {"first": first, "last": last},
-            "train_step_s": step_s, "by_route": by_route, "eigh_route_chosen": chosen, "in_turn": in_turn,
+            "train_step_s": step_s, "by_route": by_route, "by_ascent": by_ascent, "eigh_route_chosen": chosen,
+            "in_turn": in_turn,
             "setup_phases": setup}
 
 
@@ -155,6 +163,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  "back-offs", "‖∇L‖² gain", "ran as"],
                 [[name, f"{r['in_train_steps']:.2f}", f"{r['seconds']:.4f}", r["launches"], r["steps"], r["backoffs"],
                   f"{r['gain']:.2f}", r["ascent"]] for name, r in cost["by_route"].items()])
+    print_table(["the same by the ascent", "training steps", "seconds", "launches", "steps", "back-offs",
+                 "‖∇L‖² gain", "ran as"],
+                [[name, f"{r['in_train_steps']:.2f}", f"{r['seconds']:.4f}", r["launches"], r["steps"], r["backoffs"],
+                  f"{r['gain']:.2f}", r["ascent"]] for name, r in cost["by_ascent"].items()])
     print("eigh routes chosen: " + ("; ".join(f"{k}: {v['route']} (" + ", ".join(
         f"{r} {s * 1e3:.1f} ms" for r, s in v["seconds"].items()) + ")" for k, v in cost["eigh_route_chosen"].items())
         or "none to choose between (one CPU thread)"))
