@@ -41,9 +41,11 @@ declare -A RC
 $PY -c "import torch; print(torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
 # issue 27: the ascent captured in a CUDA graph (teleport.ascent: auto on CUDA), first and in a process of its own: a
 # capture that fails may leave that process's CUDA state unusable (it did on an H200 before the side stream mend);
-# test_aim: a captured tick learns the host guard's aim at CAP (teleport.aim)
+# test_aim: a captured tick learns the host guard's aim at CAP (teleport.aim); test_judging_tick: the tick that only
+# judges a try has a graph of its own, and a batch of two ticks is captured on the model's second batch
 part cuda_graph 100 $PY -m pytest -q -rfs -p no:cacheprovider tests/teleport/test_on_device.py \
-    tests/teleport/test_graph_cache.py tests/teleport/test_aim.py -k "cuda_graph or captured"
+    tests/teleport/test_graph_cache.py tests/teleport/test_aim.py tests/teleport/test_judging_tick.py \
+    -k "cuda_graph or captured"
 # issue 27: the teleport on CUDA as on the CPU, and its ascent decided on the device (test_on_device)
 part test_cuda 120 $PY -m pytest -q -rfs -p no:cacheprovider tests/teleport/test_cuda.py tests/teleport/test_on_device.py \
     tests/teleport/test_eigh_route.py
