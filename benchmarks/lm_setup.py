@@ -21,7 +21,9 @@ each in seconds and in training steps:
   On the CPU the two are one route and ``eigh_host`` is not measured. ``eigh_host_pooled``: the eigh of the Grams the
   certificate did not prove, batch by batch, by ``teleport.eigh_route``'s host route (copied to the host, one Gram a
   thread of this process's torch threads, copied back), against ``eigh_device_unproven``: the same on the device;
-  ``eigh_route``: what ``teleport.eigh_route`` chose for them (it measures on first use).
+  ``eigh_route``: what ``teleport.eigh_route`` chose for them (it measures on first use); ``eigh_host_one_thread``:
+  the host route with one torch thread — a worker of the default ``resources.cpus_per_worker`` 1, whose pool is a
+  loop (on a GPU the host route can then win only where the device's eigh is slower than the host's, one by one).
 """
 
 from __future__ import annotations
@@ -78,7 +80,12 @@ def setup_phases(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], 
         seconds["bases_next_batch"], _ = timed(remembered)
         unproven = [g for _, _, _, g in _batches_of(batches, [i for i in range(len(reps)) if i not in proven])]
         seconds["eigh_device_unproven"], _ = timed(lambda: [eigh_route.on_device(g) for g in unproven])
-        seconds["eigh_host_pooled"], _ = timed(lambda: [eigh_route.on_host(g) for g in unproven])
+
+        def pooled() -> list[tuple[Tensor, Tensor]]:
+            return [eigh_route.on_host(g) for g in unproven]
+
+        seconds["eigh_host_pooled"], _ = timed(pooled)
+        seconds["eigh_host_one_thread"], _ = timed(lambda: _one_thread(pooled))
         seconds["certificate_device"], _ = timed(lambda: [certify_full_rank(g, 1e-9) for g in matrices])
         seconds["eigvalsh_device"], _ = timed(lambda: [torch.linalg.eigvalsh(g) for g in matrices])
         seconds["eigh_device"], _ = timed(lambda: [torch.linalg.eigh(g) for g in matrices])
@@ -90,3 +97,13 @@ def setup_phases(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], 
             "gram_batches": [list(g.shape) for g in matrices],
             "unproven_gram_batches": [list(g.shape) for g in unproven],
             "eigh_route": {k: v["route"] for k, v in eigh_route.chosen().items()}}
+
+
+def _one_thread(fn: Callable[[], Any]) -> Any:
+    """``fn`` with one torch thread, the threads as they were after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)

@@ -152,7 +152,7 @@ def test_lm_payoff_quick(results: Path) -> None:
     setup = cost["setup_phases"]  # a batch's setup: on the CPU no host eigh beside the device's (one route)
     assert set(setup["seconds"]) == {"evaluation", "plain_gradient", "recorded_forward", "bases", "bases_next_batch",
                                      "certificate_device", "eigvalsh_device", "eigh_device", "eigh_device_unproven",
-                                     "eigh_host_pooled"}
+                                     "eigh_host_pooled", "eigh_host_one_thread"}
     assert 0 < setup["proven_full_rank"] <= setup["representations"]
     assert all(v > 0 for v in setup["seconds"].values())
     assert sum(b[0] for b in setup["gram_batches"]) == setup["representations"] > 0  # every R's Gram, batched
@@ -209,6 +209,9 @@ def test_lm_trained_quick(results: Path) -> None:
         assert row["steps"] >= 1 and 1.5 < row["gain"] <= 2.0 and row["drift"] < 1e-3 * 6
         assert row["ascent"] == "host" and row["in_train_steps"] > 0
         assert "backoffs" in row  # the learned aim: 0 on most warm batches (test_aim proves it)
+    by_ascent = cost["by_ascent"]  # the same teleport by the host guard and the device ticks: the same step
+    assert set(by_ascent) == {"host", "device"} and [r["ascent"] for r in by_ascent.values()] == ["host", "device"]
+    assert all(r["steps"] >= 1 and r["drift"] < 1e-3 * 6 for r in by_ascent.values())
     turns = cost["in_turn"]  # the aim learned: fewer back-offs over the batches in turn than the first order's
     assert set(turns) == {"first_order", "learned"} and turns["learned"]["backoffs"] < turns["first_order"]["backoffs"]
     assert all(1.0 < r["gain"] <= 2.0 for t in turns.values() for r in t["batches"])
