@@ -70,6 +70,26 @@ def test_batches_of_two_ticks_are_captured_after_one_warm_up(captures: list[Devi
     assert len(captures) == 1 and [r.graph_replayed for r in reports] == [False, False, True, True]
 
 
+def test_a_judging_tick_that_cannot_be_captured_stays_eager(captures: list[DeviceAscent],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A judging tick whose capture fails runs eagerly from then on, the full tick's graph kept and replayed: every
+    batch still the device ticks' teleport."""
+    emulated = DeviceAscent._capture  # the fixture's emulated capture
+
+    def no_judge(self: DeviceAscent, side: Any, full: bool = True) -> Any:
+        return emulated(self, side, full) if full else None
+
+    monkeypatch.setattr(DeviceAscent, "_capture", no_judge)
+    case = mlp()
+    graphed, device = copy.deepcopy(case.model), copy.deepcopy(case.model)
+    for x, y in [(case.x, case.y), other_batch(case.x, case.y)] * 2:
+        a = teleport_batch(device, case.loss_fn, x, y, replace(SCALE_FREE, ascent="device"))
+        b = teleport_batch(graphed, case.loss_fn, x, y, SCALE_FREE)
+        assert_same(a, b, device, graphed, rtol=1e-9)
+    ascent = graph_cache.ENTRIES[graphed].ascent
+    assert (ascent.judge, ascent.judging, b.graph_replayed, len(captures)) == (None, "eager", True, 1)
+
+
 @cuda
 @pytest.mark.parametrize("name", ["mlp", "tied_lm"])
 @pytest.mark.parametrize("hvp", ["exact", "difference"])
