@@ -198,6 +198,9 @@ class DeviceAscent:
         a tick captured for an earlier batch (``self.graph``, ``reset`` since) is replayed from the first tick on (it
         evaluates at W again, inside the graph, rather than an eager tick taking step 1 from ``start``'s graph).
         The first tick needs no read: it starts step 1 (steps ≥ 1, ‖∇L‖² < CAP were checked).
+        Until a graph exists the ticks after the start are its warm-up and its capture whatever they judge (a judging
+        tick's U is then computed and dropped: the graph is what the model's later batches replay from their first
+        tick, a batch of one step included).
         ``owner`` (the model): once its tick could not be captured, its later teleports do not try again. ``warm``:
         an earlier batch ran the warm-up (``graph_cache.warmed``): capture at the first full tick after the start;
         ``self.warmed`` says whether this run ran it."""
@@ -216,11 +219,12 @@ class DeviceAscent:
             while not self.state["done"]:
                 if ticks >= limit:
                     raise RuntimeError(f"teleport: the device ascent took {ticks} ticks (at most {limit})")
-                last = self.state["pending"] and self.state["steps"] + 1 == self.config.steps  # no U follows
-                judging = last or (self.state["pending"] and self.state["capping"])  # nor here: see ``_judge``
+                # no U can follow the try in flight (see ``_judge``): aimed at CAP or shortened under it, or the last
+                judging = self.state["pending"] and (self.state["capping"] or
+                                                     self.state["steps"] + 1 == self.config.steps)
                 if graph is not None:
                     self._judge() if judging else graph.replay()
-                elif last or side is None:
+                elif side is None:
                     self.tick(not judging)
                 elif ticks < 1 + WARMUP and not warm:
                     self._on(side, lambda: self.tick(True))

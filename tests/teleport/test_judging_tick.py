@@ -70,6 +70,24 @@ def test_batches_of_two_ticks_are_captured_after_one_warm_up(captures: list[Devi
     assert len(captures) == 1 and [r.graph_replayed for r in reports] == [False, False, True, True]
 
 
+def test_batches_of_one_step_are_captured_too(captures: list[DeviceAscent]) -> None:
+    """A batch of one step (``teleport.steps`` 1, or the budget's shortening) has only ticks that judge the last
+    step's tries; they warm the full tick up and capture it all the same, so later batches replay it from their
+    start (they ran eagerly, each with its eager double backward, before)."""
+    case = mlp()
+    config = replace(GRAPHED, steps=1)
+    x2, y2 = other_batch(case.x, case.y)
+    graphed, device = copy.deepcopy(case.model), copy.deepcopy(case.model)
+    reports = []
+    for x, y in [(case.x, case.y), (x2, y2)] * 2:
+        a = teleport_batch(device, case.loss_fn, x, y, replace(config, ascent="device"))
+        reports.append(b := teleport_batch(graphed, case.loss_fn, x, y, config))
+        assert b.steps == 1
+        assert_same(a, b, device, graphed, rtol=1e-9)
+    assert len(captures) == 1 and [r.graph_replayed for r in reports] == [False, False, True, True]
+    assert [r.ascent for r in reports] == ["device"] + ["cuda_graph"] * 3  # the first: the warm-up, eager
+
+
 def test_a_judging_tick_that_cannot_be_captured_stays_eager(captures: list[DeviceAscent],
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A judging tick whose capture fails runs eagerly from then on, the full tick's graph kept and replayed: every
