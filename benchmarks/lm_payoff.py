@@ -112,13 +112,16 @@ class _Kernels(TorchDispatchMode):
     FREE = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "resolve_conj",
                       "resolve_neg", "lift_fresh", "set_", "_has_compatible_shallow_copy_type"})
 
-    def __init__(self) -> None:
+    def __init__(self, inside: Any = None) -> None:
+        """``inside``: () -> bool, whether a kernel now is one of an emulated graph's (``in_graph`` counts those)."""
         super().__init__()
-        self.count = 0
+        self.count = self.in_graph = 0
+        self.inside = inside
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if not func.is_view and func._schema.name.split("::")[-1] not in self.FREE:
             self.count += 1
+            self.in_graph += bool(self.inside is not None and self.inside())
         return func(*args, **(kwargs or {}))
 
 

@@ -13,6 +13,8 @@ weights and side by side in one run:
   CUDA graph replays) in training steps, with the bases' eigh forced on the device, forced on the host, and as
   ``teleport.eigh_route`` measures and chooses (the product's default); the route it chose;
 - the same teleport by each ``teleport.ascent`` (host guard, device ticks, on CUDA the CUDA graph), the eigh as chosen;
+  on the CPU also by the CUDA graph's path with the capture emulated (``emulated_graph``): the kernels of a replayed
+  batch, eager and in its graphs, what a GPU would launch one by one and replay;
 - ``in_turn``: 12 new batches teleported one after the other from the trained weights, the aim at CAP learned from
   the batches before (``teleport.aim``, the default) and the first order's every time: back-offs, ‖∇L‖² gains and
   training steps of each.
@@ -37,13 +39,15 @@ from typing import Any
 import torch
 
 from benchmarks.common import add_machine_args, print_table, quiet_machine, verdict, write_result
-from benchmarks.lm_payoff import GPT, MOVING, _launches, _timed, lm_loss
+from benchmarks.graph_emulation import emulated_graphs
+from benchmarks.lm_payoff import GPT, MOVING, _Kernels, _launches, _timed, lm_loss
 from benchmarks.lm_setup import setup_phases
-from teleport import TeleportConfig, aim, eigh_route, teleport_batch
+from teleport import TeleportConfig, aim, eigh_route, graph_cache, teleport_batch
 
 SOURCES = ("json.decoder", "json.encoder", "argparse", "dataclasses")  # standard-library text, on every machine
 ROUTES = ("device", "host", None)  # None: measured and chosen (the default)
 ASCENTS = {"cpu": ("host", "device"), "cuda": ("host", "device", "cuda_graph")}  # ``TeleportConfig.ascent``
+EMULATED_WARM = 3  # batches before the one counted by the emulated CUDA graph's path (its warm-up and captures)
 TURNS = 12  # batches teleported in turn, with the aim at CAP learned and without
 
 
@@ -112,15 +116,37 @@ def trained_cost(device: torch.device, quick: bool, repeats: int, train_steps: i
     # the same teleport by each way of running its steps (the eigh as chosen): the device ticks are the CUDA graph's
     # eager fallback, their judging tick without the double backward as in the graph (``on_device.DeviceAscent``)
     by_ascent = {ascent: row(lambda a=ascent: moving(a)) for ascent in ASCENTS[device.type]}
+    emulated = emulated_replay(model, lambda: moving("cuda_graph")) if device.type == "cpu" else None
     in_turn = {name: batches_in_turn(model, trained, [batch(size["teleport_batch"]) for _ in range(TURNS)], learned,
                                      step_s, device)
                for name, learned in (("first_order", False), ("learned", True))}
     model.load_state_dict(trained)
     setup = setup_phases(model, lm_loss, tele, step_s, lambda fn: _timed(fn, device, repeats))
     return {"model": size | {"train_steps": steps}, "train_loss": {"first": first, "last": last},
-            "train_step_s": step_s, "by_route": by_route, "by_ascent": by_ascent, "eigh_route_chosen": chosen,
+            "train_step_s": step_s, "by_route": by_route, "by_ascent": by_ascent, "emulated_graph": emulated,
+            "eigh_route_chosen": chosen,
             "in_turn": in_turn,
             "setup_phases": setup}
+
+
+def emulated_replay(model: torch.nn.Module, teleport: Any, warm_batches: int = EMULATED_WARM) -> dict[str, Any]:
+    """The moving teleport by the CUDA graph's path on the CPU, the capture emulated (``benchmarks.graph_emulation``):
+    after ``warm_batches`` (the warm-up, the captures), the kernels of one replayed batch — eager (its setup: the
+    recorded forward, the bases) and in its graphs — and the full and judging ticks it replayed."""
+    with emulated_graphs() as emulation:
+        try:
+            for _ in range(warm_batches):
+                teleport()
+            before = dict(emulation.replays)
+            with _Kernels(inside=lambda: emulation.replaying) as kernels:
+                report = teleport()
+        finally:
+            graph_cache.release(model)  # its "graphs" are the emulation's: no later teleport may replay them
+    return {"eager_kernels": kernels.count - kernels.in_graph, "graph_kernels": kernels.in_graph,
+            "full_ticks": emulation.replays[True] - before[True],
+            "judging_ticks": emulation.replays[False] - before[False], "graph_replayed": report.graph_replayed,
+            "captures": len(emulation.made), "steps": report.steps, "backoffs": report.backoffs,
+            "gain": report.grad_norm_sq_after / report.grad_norm_sq_before}
 
 
 def batches_in_turn(model: torch.nn.Module, trained: dict[str, torch.Tensor], xs: list[torch.Tensor], learned: bool,
@@ -167,6 +193,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  "‖∇L‖² gain", "ran as"],
                 [[name, f"{r['in_train_steps']:.2f}", f"{r['seconds']:.4f}", r["launches"], r["steps"], r["backoffs"],
                   f"{r['gain']:.2f}", r["ascent"]] for name, r in cost["by_ascent"].items()])
+    if (emu := cost["emulated_graph"]) is not None:
+        print(f"by the CUDA graph's path, the capture emulated on the CPU: the batch after {EMULATED_WARM} "
+              f"({'replayed from' if emu['graph_replayed'] else 'not replayed from'} the model's graph) launches "
+              f"{emu['eager_kernels']} kernels eagerly and {emu['graph_kernels']} from its graphs "
+              f"({emu['full_ticks']} full tick(s), {emu['judging_ticks']} judging, {emu['captures']} capture(s) of the "
+              f"full tick in {1 + EMULATED_WARM} batches; {emu['steps']} step(s), "
+              f"{emu['backoffs']} back-off(s), ‖∇L‖² ×{emu['gain']:.2f})")
     print("eigh routes chosen: " + ("; ".join(f"{k}: {v['route']} (" + ", ".join(
         f"{r} {s * 1e3:.1f} ms" for r, s in v["seconds"].items()) + ")" for k, v in cost["eigh_route_chosen"].items())
         or "none to choose between (one CPU thread)"))

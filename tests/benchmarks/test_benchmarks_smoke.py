@@ -212,6 +212,9 @@ def test_lm_trained_quick(results: Path) -> None:
     by_ascent = cost["by_ascent"]  # the same teleport by the host guard and the device ticks: the same step
     assert set(by_ascent) == {"host", "device"} and [r["ascent"] for r in by_ascent.values()] == ["host", "device"]
     assert all(r["steps"] >= 1 and r["drift"] < 1e-3 * 6 for r in by_ascent.values())
+    emu = cost["emulated_graph"]  # the CUDA graph's path, the capture emulated: what a replayed batch would launch
+    assert emu["eager_kernels"] > 0 and emu["captures"] >= 1 and emu["steps"] >= 1
+    assert emu["graph_kernels"] > 0 or not emu["graph_replayed"]  # this tiny LM's rank, on the gram route, varies
     turns = cost["in_turn"]  # the aim learned: fewer back-offs over the batches in turn than the first order's
     assert set(turns) == {"first_order", "learned"} and turns["learned"]["backoffs"] < turns["first_order"]["backoffs"]
     assert all(1.0 < r["gain"] <= 2.0 for t in turns.values() for r in t["batches"])
