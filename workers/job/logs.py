@@ -165,3 +165,31 @@ def also_as(name: str) -> None:
         alias = CURRENT.with_name(f"{name}.log")
         with contextlib.suppress(FileExistsError):
             alias.symlink_to(CURRENT.name)
+
+
+class StderrTail:
+    """A child's stderr (a pipe's read end) passed on to this process's fd 2 as it comes, its last ``keep`` bytes
+    kept: what a child that died without reporting its end said last (``workers.on_ray.supervisor``)."""
+
+    def __init__(self, fd: int, keep: int = 8192) -> None:
+        self.fd, self.keep, self.kept = fd, keep, b""
+        self._thread = threading.Thread(target=self._copy, daemon=True, name="stderr-tail")
+        self._thread.start()
+
+    def _copy(self) -> None:
+        try:
+            while chunk := os.read(self.fd, 65536):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(2, view):]
+                self.kept = (self.kept + chunk)[-self.keep:]
+        except OSError:
+            pass
+        finally:
+            os.close(self.fd)
+
+    def last_line(self, timeout: float = DRAIN_TIMEOUT_S) -> str:
+        """The last line with text in it, once the pipe is drained (or ``timeout``: a forked child may hold it)."""
+        self._thread.join(timeout)
+        lines = self.kept.decode(errors="replace").replace("\r", "\n").splitlines()
+        return next((line.strip() for line in reversed(lines) if line.strip()), "")

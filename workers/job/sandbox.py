@@ -74,15 +74,20 @@ def hidden_dirs(environ: Mapping[str, str] = os.environ) -> list[Path]:
     return [Path(p) for p in environ.get(HIDE, "").split(":") if p.strip()]
 
 
-def python_paths() -> list[Path]:
-    """Python's own directories and those on ``sys.path``, and our packages (an editable install's are elsewhere)."""
+def our_package_dirs() -> list[Path]:
+    """Where ``OUR_PACKAGES`` are imported from (an editable install's or a bare checkout's are outside Python's)."""
     import importlib.util
 
-    found = [Path(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path) if p]
+    found: list[Path] = []
     for name in OUR_PACKAGES:
         spec = importlib.util.find_spec(name)
         found += [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
     return found
+
+
+def python_paths() -> list[Path]:
+    """Python's own directories and those on ``sys.path``, and our packages."""
+    return [*(Path(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path) if p), *our_package_dirs()]
 
 
 def _under(path: Path, roots: Sequence[Path]) -> bool:
@@ -139,12 +144,15 @@ def tmp_bytes(environ: Mapping[str, str] = os.environ) -> int:
 
 
 def payload_env(code_dir: str | None) -> dict[str, str]:
-    """The payload's whole environment: ``PASSED`` (those set), a PATH to Python, HOME in its private /tmp."""
+    """The payload's whole environment: ``PASSED`` (those set), a PATH to Python, HOME in its private /tmp, and a
+    PYTHONPATH of the job's package first (as Ray's working_dir is), then the folders our packages are imported
+    from: a checkout run without ``pip install`` (``PYTHONPATH=.``, as on a lent GPU machine) has them nowhere else,
+    and in the sandbox only our packages are mounted there."""
     env = {k: os.environ[k] for k in PASSED if k in os.environ}
     env.update(PATH=f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", HOME="/tmp",
                PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
-    if code_dir:
-        env["PYTHONPATH"] = code_dir  # the job's package first on its path, as Ray's working_dir is
+    ours = dict.fromkeys(str(p.parent) for p in our_package_dirs())
+    env["PYTHONPATH"] = os.pathsep.join([*([code_dir] if code_dir else []), *ours])
     return env
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from api_schemas import ExperimentSpec
 from workers.job import sandbox
+from workers.job.logs import StderrTail
 from workers.job.memory_limit import MemoryLimit, first_to_go
 from workers.job.orders import Orders, Outcome
 from workers.job.redis_sink import RedisSink
@@ -39,6 +40,7 @@ from workers.train.startup import adopt
 
 WATCH_S = 0.2  # how often the supervisor looks at the gang's other ranks while its payload runs
 PUSH_EVERY_S = 10.0  # with a bucket: the job directory is uploaded this often while the payload runs
+MAX_SAID = 300  # characters of the payload's last stderr line kept in a failure reason
 
 
 def user_code(spec: ExperimentSpec) -> bool:
@@ -99,8 +101,11 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
         (lines, orders.report_fd), (orders.answer_fd, answers) = os.pipe(), os.pipe()
     theirs = [fd for fd in (orders.result_fd, orders.report_fd, orders.answer_fd) if fd is not None]
     shared = [orders.listen_fd] if orders.listen_fd is not None else []  # (the gang's socket stays its Ranks')
-    proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, pass_fds=theirs + shared,
+    err_read, err_write = os.pipe()
+    proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stderr=err_write, pass_fds=theirs + shared,
                             preexec_fn=before_payload)
+    os.close(err_write)
+    said = StderrTail(err_read)
     memory = MemoryLimit(json.loads(orders.spec)["resources"].get("memory_gb")).start(proc.pid)
     for fd in theirs:
         os.close(fd)
@@ -120,7 +125,7 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
             raw = result.read()
     if memory.error:  # killed over resources.memory_gb: the job's own failure, not retried
         return Outcome(error=memory.error)
-    return outcome(raw, proc.returncode, rank_ended)
+    return outcome(raw, proc.returncode, rank_ended, said.last_line())
 
 
 def relayed(relay: Callable[[bytes], None], lines: int, answers: int) -> None:
@@ -186,8 +191,9 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
         proc.wait()
 
 
-def outcome(raw: str, code: int | None, rank_ended: Outcome | None) -> Outcome:
-    """The payload's own account; without one, its exit status in words (killed: its memory, likely)."""
+def outcome(raw: str, code: int | None, rank_ended: Outcome | None, said: str = "") -> Outcome:
+    """The payload's own account; without one, its exit status in words and the last line it wrote to stderr
+    (``said``: a Python that could not start it, say); killed by SIGKILL with nothing said: its memory, likely."""
     if raw:
         done = Outcome(**json.loads(raw))
         adopt(done.startup)  # the start-up timeline: the payload's phases are the job's
@@ -195,8 +201,9 @@ def outcome(raw: str, code: int | None, rank_ended: Outcome | None) -> Outcome:
     if rank_ended:
         return rank_ended
     how = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
-    return Outcome(error=f"the training process ended with {how} and said nothing (killed: out of memory?)",
-                   retried=True)
+    killed = code in (-signal.SIGKILL, 128 + signal.SIGKILL)  # (bwrap ends with 128 + the signal its child died of)
+    why = f": {said[:MAX_SAID]}" if said else " and said nothing" + (" (killed: out of memory?)" if killed else "")
+    return Outcome(error=f"the training process ended with {how}{why}", retried=True)
 
 
 def supervise(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str, max_failures: int,
