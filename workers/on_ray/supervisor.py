@@ -193,7 +193,7 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
 
 def outcome(raw: str, code: int | None, rank_ended: Outcome | None, said: str = "") -> Outcome:
     """The payload's own account; without one, its exit status in words and the last line it wrote to stderr
-    (``said``: a Python that could not start it, say); killed by SIGKILL with nothing said: its memory, likely."""
+    (``said``: a Python that could not start it, say); killed by SIGKILL: its memory, likely, whatever it said last."""
     if raw:
         done = Outcome(**json.loads(raw))
         adopt(done.startup)  # the start-up timeline: the payload's phases are the job's
@@ -201,8 +201,11 @@ def outcome(raw: str, code: int | None, rank_ended: Outcome | None, said: str = 
     if rank_ended:
         return rank_ended
     how = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
-    killed = code in (-signal.SIGKILL, 128 + signal.SIGKILL)  # (bwrap ends with 128 + the signal its child died of)
-    why = f": {said[:MAX_SAID]}" if said else " and said nothing" + (" (killed: out of memory?)" if killed else "")
+    said = said[:MAX_SAID]
+    if code in (-signal.SIGKILL, 128 + signal.SIGKILL):  # (bwrap ends with 128 + the signal its child died of)
+        why = " (killed: out of memory?)" + (f"; its last line: {said}" if said else "")
+    else:
+        why = f": {said}" if said else " and said nothing"
     return Outcome(error=f"the training process ended with {how}{why}", retried=True)
 
 

@@ -35,7 +35,8 @@ def test_a_payload_that_ended_unreported_names_what_it_said_else_its_memory_when
                           "'workers'") and said.retried
     assert outcome("", 1, None).error == "the training process ended with exit status 1 and said nothing"
     for killed in (-signal.SIGKILL, 128 + signal.SIGKILL):  # bare, and through bwrap
-        assert outcome("", killed, None).error.endswith("said nothing (killed: out of memory?)")
+        assert outcome("", killed, None).error.endswith("(killed: out of memory?)")
+        assert outcome("", killed, None, "epoch 3").error.endswith("(killed: out of memory?); its last line: epoch 3")
     assert len(outcome("", 1, None, "x" * 5000).error) < 400
 
 
