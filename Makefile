@@ -10,7 +10,7 @@ export MKL_NUM_THREADS ?= 1
 export RAY_AUTH_MODE ?= disabled
 export TMPDIR ?= /tmp
 
-.PHONY: setup browser sandbox demo test test-fast lint bench clean
+.PHONY: setup browser sandbox demo test test-fast lint bench device-carry clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,11 @@ lint: setup
 
 bench: setup
 	$(BIN)/python -m benchmarks.run_all
+
+# The wheels a lent GPU machine lacks, in .whl (pinned to .venv's versions): then one device call runs every GPU
+# check, `bash benchmarks/device/run_checks.sh` with carry [".whl"] (docs/operations.md)
+device-carry: setup
+	$(PY) benchmarks/device/carry.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
