@@ -12,7 +12,7 @@ included. This builds ``.whl/`` (git-ignored), what the project needs and the im
 2. drop what the image has (by name), but for ``FORCE`` and the pure-Python packages a carried one requires (their
    version there is unknown), and ``SKIP`` (Ray extras no check runs);
 3. download the rest, and slim Ray's wheel: no Java jars (32 MB), no RLlib, Serve or LLM, and its members
-   re-compressed with LZMA (pip unpacks wheels with ``zipfile``, which reads LZMA): 79 -> ~34 MB;
+   re-compressed with LZMA (pip unpacks wheels with ``zipfile``, which reads LZMA): 79 -> 33 MB;
 4. check the total against ``--limit-mb`` (default 56: 64 MiB less the working tree and a margin).
 
     python3 benchmarks/device/carry.py [--python 3.12] [--dest .whl] [--limit-mb 56]
