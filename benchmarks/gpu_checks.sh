@@ -4,6 +4,7 @@
 # through the worker's own loop, float32 drift (1 seed) and the convergence benchmark there. Logs and result
 # JSONs go to $DIR (default /tmp/gpu-checks), packed into $OUT/gpu_checks.tgz at the end when $OUT is set. Each part has its own time limit,
 # cut to what is left of DEADLINE seconds (default 540); a part that fails does not stop the rest.
+# It ends with every floor measured in one table (benchmarks/device/floors.py; $DIR/floors.json).
 # DEV=cpu runs the same parts on the CPU (a dry run of this script).
 # The shared-GPU service runs of issue 28 (gpu_sharing: `tlab up`, then a 2 x 0.5 GPU gang and a 4-trial 0.25-GPU
 # sweep on one card through the REST API) write $DIR/<gpu>/gpu_sharing.json (<gpu>: the card's model, e.g. h100):
@@ -72,6 +73,7 @@ part fp16_run 60 $PY -m workers.cli run digits/teleport --local --no-progress --
     --set training.device=$DEV --set training.precision=fp16 --set training.grad_clip_norm=1.0  # GradScaler on CUDA
 part float32_drift 90 $PY -m benchmarks.float32_drift --seeds 1 $QUICK
 part convergence 240 $PY -m benchmarks.convergence $QUICK
+$PY benchmarks/device/floors.py "$DIR"  # every floor measured, in one table (and floors.json, packed below)
 [[ -n "$TGZ" ]] && tar czf "$TGZ" -C "$DIR" --exclude '*.safetensors' --exclude '*.pt' . && echo "packed $TGZ"
 failed=()
 for name in "${!RC[@]}"; do [[ "${RC[$name]}" == 0 ]] || failed+=("$name:${RC[$name]}"); done

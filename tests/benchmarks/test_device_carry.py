@@ -1,8 +1,10 @@
-"""benchmarks/device/carry.py: what a lent GPU machine is sent, offline parts (resolving and downloading need PyPI;
-the whole carry was proven in a stand-in of the device image: docs/operations.md)."""
+"""benchmarks/device: what a lent GPU machine is sent (carry.py's offline parts: resolving and downloading need PyPI;
+the whole carry was proven in a stand-in of the device image, docs/operations.md) and the floors table a run ends
+with."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +12,9 @@ import tomllib
 import zipfile
 from pathlib import Path
 
-from benchmarks.device import carry
+import pytest
+
+from benchmarks.device import carry, floors
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,3 +94,30 @@ def test_run_checks_is_valid_bash_and_hands_on_to_gpu_checks() -> None:
     script = ROOT / "benchmarks" / "device" / "run_checks.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
     assert "bash benchmarks/gpu_checks.sh" in script.read_text()
+
+
+def test_floors_gathers_every_benchmarks_floors_into_one_table(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "lm_payoff.json").write_text(json.dumps(
+        {"benchmark": "lm_payoff", "floors": {"one_teleport_default_le_floor": True, "launches_per_step_le_fifth": None,
+                                              "adam_seconds_ratio_le_1": False}}))
+    (tmp_path / "step_cost.json").write_text(json.dumps(
+        {"benchmark": "step_cost", "floors": [{"floor": "mlp: step <= 3x", "value": 2.5, "limit": 3.0, "pass": True}]}))
+    (tmp_path / "h100").mkdir()
+    (tmp_path / "h100" / "gpu_sharing.json").write_text(json.dumps(
+        {"benchmark": "gpu_sharing", "gang": {"state": "failed", "failure": "NCCL error", "every_epoch_once": False,
+                                              "one_card": True},
+         "sweep": {"state": "succeeded", "every_epoch_once": True, "most_at_once": 4}}))
+    (tmp_path / "convergence.json").write_text("{cut off")
+    assert floors.main([str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "floors.json").read_text())
+    said = {(r["source"], r["floor"]): r["pass"] for r in rows}
+    assert said[("lm_payoff.json", "launches_per_step_le_fifth")] is None
+    assert said[("lm_payoff.json", "adam_seconds_ratio_le_1")] is False
+    assert said[("step_cost.json", "mlp: step <= 3x")] is True
+    assert said[("h100/gpu_sharing.json", "2 x 0.5 GPU gang succeeded, every epoch once, one card")] is False
+    assert said[("h100/gpu_sharing.json", "4 trials at once on one card")] is True
+    assert [r["pass"] for r in rows if r["source"] == "convergence.json"] == [False]  # unreadable: a failure
+    out = capsys.readouterr().out
+    assert "=== floors (8; PASS 4, FAIL 3, unmeasured 1)" in out and "FAIL  h100/gpu_sharing.json" in out
+    assert "(NCCL error)" in out and floors.main([str(tmp_path / "nowhere")]) == 2
