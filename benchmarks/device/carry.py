@@ -48,6 +48,7 @@ FORCE = {  # carried although the image has them: the version there is unknown a
 }
 KEEP_IMAGES = {"setuptools"}  # required by a carried package, but any version the image has will do
 RAY_DROPPED = ("ray/jars/", "ray/rllib/", "ray/serve/", "ray/llm/")
+PIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*==\S+")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux_2_5_x86_64", "manylinux1_x86_64")
 
@@ -73,8 +74,8 @@ def local_pins(venv: Path = ROOT / ".venv") -> list[str]:
     if not python.exists():
         return []
     frozen = subprocess.run([str(python), "-m", "pip", "freeze", "--all"], capture_output=True, text=True,
-                            check=True).stdout.split()
-    return [p for p in frozen if "==" in p and "+" not in p and not norm(p).startswith(("torch", "nvidia-"))]
+                            check=True).stdout.splitlines()  # (an editable install is a comment and a "-e" line)
+    return [p for p in frozen if PIN.fullmatch(p) and "+" not in p and not norm(p).startswith(("torch", "nvidia-"))]
 
 
 def platform_args(python: str) -> list[str]:
