@@ -57,6 +57,17 @@ def norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def req_name(requirement: str) -> str:
+    """``ray[default]==2.60.0 ; python_version < "4"`` -> ``ray``."""
+    return norm(re.split(r"[\s<>=!~\[;(]", requirement, maxsplit=1)[0])
+
+
+def wheel_pin(wheel: Path) -> str:
+    """``pydantic_core-2.50.5-cp312-...whl`` -> ``pydantic-core==2.50.5`` (a wheel's name and version, normalised)."""
+    name, version = wheel.name.split("-")[:2]
+    return f"{norm(name)}=={version}"
+
+
 def image_packages(path: Path = IMAGE) -> set[str]:
     lines = (line.split("#")[0].strip() for line in path.read_text().splitlines())
     return {norm(line) for line in lines if line}
@@ -65,7 +76,7 @@ def image_packages(path: Path = IMAGE) -> set[str]:
 def requirements(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
     """The project's runtime dependencies, less ``LEFT_OUT_REQS``."""
     deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-    return [d for d in deps if norm(re.split(r"[\s<>=!~\[;]", d, maxsplit=1)[0]) not in LEFT_OUT_REQS]
+    return [d for d in deps if req_name(d) not in LEFT_OUT_REQS]
 
 
 def local_pins(venv: Path = ROOT / ".venv") -> list[str]:
@@ -103,8 +114,7 @@ def resolve(python: str, reqs: list[str], pins: list[str]) -> dict[str, Resolved
         installs = json.loads(report.read_text())["install"]
     return {norm(i["metadata"]["name"]): Resolved(
         i["metadata"]["version"], i["download_info"]["url"].endswith("-none-any.whl"),
-        frozenset(norm(re.split(r"[\s<>=!~\[;(]", r, maxsplit=1)[0])
-                  for r in i["metadata"].get("requires_dist") or [] if "extra ==" not in r))
+        frozenset(req_name(r) for r in i["metadata"].get("requires_dist") or [] if "extra ==" not in r))
         for i in installs}
 
 
@@ -119,8 +129,9 @@ def chosen(resolved: dict[str, Resolved], image: set[str]) -> set[str]:
 
 
 def download(python: str, pins: list[str], dest: Path) -> None:
-    have = {norm(p.name.split("-")[0]) for p in dest.glob("*.whl")}
-    wanted = [p for p in pins if norm(p.split("==")[0]) not in have]
+    """The wheels of ``pins`` (``name==version``, normalised) that ``dest`` does not hold yet."""
+    have = {wheel_pin(w) for w in dest.glob("*.whl")}
+    wanted = [p for p in pins if p not in have]
     if wanted:
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--disable-pip-version-check",
                         *platform_args(python), "-d", str(dest), *wanted], check=True)
@@ -158,14 +169,15 @@ def build(python: str, dest: Path, limit_mb: float, image_part: Path | None, ven
     carried = chosen(resolved, image)
     if image_part is not None:
         image_part.write_text("".join(f"{n}=={r.version}\n" for n, r in sorted(resolved.items()) if n in image))
-    download(python, [f"{n}=={resolved[n].version}" for n in sorted(carried)], dest)
+    pins_carried = [f"{n}=={resolved[n].version}" for n in sorted(carried)]
+    download(python, pins_carried, dest)
     ray = next(dest.glob("ray-*.whl"), None)
     slimmed = dest / "ray.slimmed"
     if ray is not None and not (slimmed.exists() and slimmed.read_text().strip() == ray.name):
         print(f"slimming {ray.name} (LZMA: a few minutes)", flush=True)
         slim_ray(ray)
     wheels = sorted(dest.glob("*.whl"))
-    stray = [w.name for w in wheels if norm(w.name.split("-")[0]) not in carried]
+    stray = [w.name for w in wheels if wheel_pin(w) not in pins_carried]  # (another version: two stop the install)
     total, tree = sum(w.stat().st_size for w in wheels), tree_bytes()
     for w in sorted(wheels, key=lambda w: -w.stat().st_size)[:8]:
         print(f"{w.stat().st_size / 1e6:8.2f} MB  {w.name}")
@@ -173,7 +185,7 @@ def build(python: str, dest: Path, limit_mb: float, image_part: Path | None, ven
           f"resolved {len(resolved)}, carried {len(carried)}, "
           f"skipped {sorted(SKIP.keys() & resolved)}")
     if stray:
-        print(f"{dest}: wheels no longer resolved: {', '.join(stray)}: delete them, then run this again")
+        print(f"{dest}: wheels no longer resolved (or of another version): {', '.join(stray)}: delete them")
         return 1
     if total > limit_mb * 1e6:
         print(f"{dest}: {total / 1e6:.1f} MB is over --limit-mb {limit_mb}: a device call carries 64 MiB in all")

@@ -50,12 +50,13 @@ def collect(folder: Path) -> list[Row]:
     for path in sorted(folder.glob("*.json")) + sorted(folder.glob("*/gpu_sharing.json")):
         if path.name == "floors.json":
             continue
+        source = str(path.relative_to(folder))
         try:
             result = json.loads(path.read_text())
         except (OSError, ValueError) as err:
-            rows.append({"source": path.name, "floor": f"unreadable: {err}", "pass": False})
+            rows.append({"source": source, "floor": f"unreadable: {err}", "pass": False})
             continue
-        rows += [{"source": str(path.relative_to(folder)), **row} for row in floors_of(result)]
+        rows += [{"source": source, **row} for row in floors_of(result)]
     return rows
 
 

@@ -47,6 +47,13 @@ def test_carried_is_what_the_image_lacks_and_the_pure_python_it_requires_of_the_
         "fastapi", "starlette", "anyio", "idna", "typing-extensions", "pydantic-core", "opencensus", "ray"}
 
 
+def test_names_and_pins_are_read_as_pip_writes_them() -> None:
+    assert carry.req_name('ray[default,train]==2.60.0 ; python_version < "4"') == "ray"
+    assert carry.req_name("Typing_Extensions>=4.14") == "typing-extensions"
+    assert carry.req_name("pydantic (>=2)") == "pydantic"
+    assert carry.wheel_pin(Path("pydantic_core-2.50.5-cp312-cp312-manylinux2014_x86_64.whl")) == "pydantic-core==2.50.5"
+
+
 def test_local_pins_are_exact_versions_without_torch() -> None:
     pins = carry.local_pins(Path(sys.prefix))
     assert any(p.lower().startswith("pydantic==") for p in pins)
@@ -91,10 +98,27 @@ def test_slim_ray_drops_the_jars_compresses_with_lzma_and_pip_installs_it(tmp_pa
     assert not (site / "ray" / "jars").exists()
 
 
-def test_run_checks_is_valid_bash_and_hands_on_to_gpu_checks() -> None:
-    script = ROOT / "benchmarks" / "device" / "run_checks.sh"
-    subprocess.run(["bash", "-n", str(script)], check=True)
-    assert "bash benchmarks/gpu_checks.sh" in script.read_text()
+def test_run_checks_installs_the_carry_into_its_python_then_runs_gpu_checks(tmp_path: Path) -> None:
+    """The device call's script in a copy of the repository, with a throwaway venv as the image's Python and the
+    slimmed wheel as the carry; DEADLINE so short that gpu_checks.sh skips every part and ends with its floors."""
+    repo = tmp_path / "repo"
+    for name in ("benchmarks/gpu_checks.sh", "benchmarks/device/run_checks.sh", "benchmarks/device/floors.py"):
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text((ROOT / name).read_text())
+    (repo / ".whl").mkdir()
+    carry.slim_ray(fake_ray_wheel(repo / ".whl"))
+    (repo / ".whl" / "ray.slimmed").unlink()
+    subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "image")], check=True)
+    python = tmp_path / "image" / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    done = subprocess.run(["bash", str(repo / "benchmarks/device/run_checks.sh")], capture_output=True, text=True,
+                          timeout=300, env={**env, "PYTHON": str(python), "DEADLINE": "25", "DIR": str(tmp_path / "d"),
+                                            "OUT": str(tmp_path)})
+    assert "carry: 1 wheels installed" in done.stdout, done.stdout + done.stderr
+    assert "=== cuda_graph: skipped, no time left" in done.stdout and "=== floors (0;" in done.stdout
+    assert (tmp_path / "gpu_checks.tgz").is_file() and (tmp_path / "d" / "floors.json").read_text().strip() == "[]"
+    said = subprocess.run([str(python), "-c", "import ray; print(ray.SEEN)"], capture_output=True, text=True, env=env)
+    assert said.stdout.strip() == "slim ray"  # in the image's own environment, beside its python
 
 
 def test_floors_gathers_every_benchmarks_floors_into_one_table(tmp_path: Path,

@@ -20,7 +20,7 @@ import socket
 import stat
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from workers.job.bucket import push
@@ -71,6 +71,28 @@ def open_log(path: Path, job_dir: Path) -> int:
     return out
 
 
+def write_all(fd: int, chunk: bytes) -> None:
+    """``chunk`` to ``fd`` whole; a descriptor that fails (closed, full) loses it, never the writer."""
+    view = memoryview(chunk)
+    with contextlib.suppress(OSError):
+        while view:
+            view = view[os.write(fd, view):]
+
+
+def pump(read_fd: int, write: Callable[[bytes], None]) -> None:
+    """Each chunk read from ``read_fd`` to ``write`` until every write end is closed, then close it; it never stops
+    early, or the writer's next print would fail (EPIPE)."""
+    while True:
+        try:
+            chunk = os.read(read_fd, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        write(chunk)
+    os.close(read_fd)
+
+
 class _Tee:
     """The pump: reads the pipe, writes each chunk to the original stdout and, within the cap, to the file."""
 
@@ -81,8 +103,7 @@ class _Tee:
         self.full = False
 
     def write(self, chunk: bytes) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self.out_fd, chunk)
+        write_all(self.out_fd, chunk)
         if self.full:
             return
         try:
@@ -99,18 +120,6 @@ class _Tee:
                 return
         self.file.write(chunk)
         self.since_check += len(chunk)
-
-    def pump(self, read_fd: int) -> None:
-        """Until every write end is closed; it never stops early, or the job's next print would fail (EPIPE)."""
-        while True:
-            try:
-                chunk = os.read(read_fd, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            self.write(chunk)
-        os.close(read_fd)
 
     def close(self) -> None:
         self.file.close()
@@ -129,8 +138,8 @@ def capture(storage: str | Path, job_id: str, name: str, attempt: int) -> Iterat
     tee.file.write(f"[tlab] {name} of job {job_id}, attempt {attempt}: pid {os.getpid()} on "
                    f"{socket.gethostname()}\n".encode())
     read_fd, write_fd = os.pipe()
-    pump = threading.Thread(target=tee.pump, args=(read_fd,), name="tlab-log-tee", daemon=True)
-    pump.start()
+    pumping = threading.Thread(target=pump, args=(read_fd, tee.write), name="tlab-log-tee", daemon=True)
+    pumping.start()
     for fd in (1, 2):
         os.dup2(write_fd, fd)
     os.close(write_fd)
@@ -148,8 +157,8 @@ def capture(storage: str | Path, job_id: str, name: str, attempt: int) -> Iterat
                 stream.flush()
         for fd in (1, 2):  # the pipe's last write ends close here: the pump reads to its end and stops
             os.dup2(saved[fd], fd)
-        pump.join(DRAIN_TIMEOUT_S)
-        if not pump.is_alive():  # else a forked child still holds the pipe: the pump keeps what it writes
+        pumping.join(DRAIN_TIMEOUT_S)
+        if not pumping.is_alive():  # else a forked child still holds the pipe: the pump keeps what it writes
             tee.close()
             for fd in saved.values():
                 os.close(fd)
@@ -172,21 +181,13 @@ class StderrTail:
     kept: what a child that died without reporting its end said last (``workers.on_ray.supervisor``)."""
 
     def __init__(self, fd: int, keep: int = 8192) -> None:
-        self.fd, self.keep, self.kept = fd, keep, b""
-        self._thread = threading.Thread(target=self._copy, daemon=True, name="stderr-tail")
+        self.keep, self.kept = keep, b""
+        self._thread = threading.Thread(target=pump, args=(fd, self._write), daemon=True, name="stderr-tail")
         self._thread.start()
 
-    def _copy(self) -> None:
-        try:
-            while chunk := os.read(self.fd, 65536):
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(2, view):]
-                self.kept = (self.kept + chunk)[-self.keep:]
-        except OSError:
-            pass
-        finally:
-            os.close(self.fd)
+    def _write(self, chunk: bytes) -> None:
+        write_all(2, chunk)
+        self.kept = (self.kept + chunk)[-self.keep:]
 
     def last_line(self, timeout: float = DRAIN_TIMEOUT_S) -> str:
         """The last line with text in it, once the pipe is drained (or ``timeout``: a forked child may hold it)."""

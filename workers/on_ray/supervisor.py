@@ -125,7 +125,8 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
             raw = result.read()
     if memory.error:  # killed over resources.memory_gb: the job's own failure, not retried
         return Outcome(error=memory.error)
-    return outcome(raw, proc.returncode, rank_ended, said.last_line())
+    done = outcome(raw, rank_ended)
+    return done if done is not None else unreported(proc.returncode, said.last_line())
 
 
 def relayed(relay: Callable[[bytes], None], lines: int, answers: int) -> None:
@@ -191,15 +192,18 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
         proc.wait()
 
 
-def outcome(raw: str, code: int | None, rank_ended: Outcome | None, said: str = "") -> Outcome:
-    """The payload's own account; without one, its exit status in words and the last line it wrote to stderr
-    (``said``: a Python that could not start it, say); killed by SIGKILL: its memory, likely, whatever it said last."""
+def outcome(raw: str, rank_ended: Outcome | None) -> Outcome | None:
+    """The payload's own account, or the gang rank's that ended it; None: neither (``unreported``)."""
     if raw:
         done = Outcome(**json.loads(raw))
         adopt(done.startup)  # the start-up timeline: the payload's phases are the job's
         return rank_ended if rank_ended and done.summary is None else done
-    if rank_ended:
-        return rank_ended
+    return rank_ended
+
+
+def unreported(code: int | None, said: str) -> Outcome:
+    """A payload that ended without its account: its exit status in words and the last line it wrote to stderr
+    (``said``: a Python that could not start it, say); killed by SIGKILL: its memory, likely, whatever it said last."""
     how = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
     said = said[:MAX_SAID]
     if code in (-signal.SIGKILL, 128 + signal.SIGKILL):  # (bwrap ends with 128 + the signal its child died of)

@@ -13,7 +13,7 @@ import pytest
 
 from workers.job.logs import StderrTail
 from workers.job.sandbox import Mounts, bwrap_argv, payload_env, unavailable
-from workers.on_ray.supervisor import outcome
+from workers.on_ray.supervisor import outcome, unreported
 
 ROOT = Path(__file__).resolve().parents[3]
 DIES = "import sys; sys.stderr.write('starting\\n'); sys.stderr.write('No module named workers\\n\\n'); sys.exit(1)"
@@ -30,14 +30,15 @@ def test_the_payloads_last_stderr_line_is_passed_on_and_kept(capfd: pytest.Captu
 
 
 def test_a_payload_that_ended_unreported_names_what_it_said_else_its_memory_when_killed() -> None:
-    said = outcome("", 1, None, "ModuleNotFoundError: No module named 'workers'")
+    assert outcome("", None) is None  # neither the payload nor a rank of its gang said how it ended
+    said = unreported(1, "ModuleNotFoundError: No module named 'workers'")
     assert said.error == ("the training process ended with exit status 1: ModuleNotFoundError: No module named "
                           "'workers'") and said.retried
-    assert outcome("", 1, None).error == "the training process ended with exit status 1 and said nothing"
+    assert unreported(1, "").error == "the training process ended with exit status 1 and said nothing"
     for killed in (-signal.SIGKILL, 128 + signal.SIGKILL):  # bare, and through bwrap
-        assert outcome("", killed, None).error.endswith("(killed: out of memory?)")
-        assert outcome("", killed, None, "epoch 3").error.endswith("(killed: out of memory?); its last line: epoch 3")
-    assert len(outcome("", 1, None, "x" * 5000).error) < 400
+        assert unreported(killed, "").error.endswith("(killed: out of memory?)")
+        assert unreported(killed, "epoch 3").error.endswith("(killed: out of memory?); its last line: epoch 3")
+    assert len(unreported(1, "x" * 5000).error) < 400
 
 
 @pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")
