@@ -1,11 +1,11 @@
 """``python -m workers.payload``: one try of a job's training, in its sandbox (``workers.job.sandbox``).
 
 Its supervisor (``workers.on_ray.supervisor``: the Ray job's driver, or a gang rank's Ray task) starts it and hands it
-``Orders`` on stdin (never in an environment variable: its Redis URL is the job's own ACL user's); it trains one try as
-``workers.on_ray.driver`` / ``workers.on_ray.gang`` do in-process, exports the run's artifacts (rank 0), and writes its
-``Outcome`` (JSON) to the descriptor the orders name. It holds no Ray connection and no ticket; rank 0 of a gang opens
-the gang's TCP store on the socket its supervisor opened (``listen_fd``, inherited), and waits for the other ranks there
-(its supervisor watches their Ray tasks and ends this process if one fails first).
+``Orders`` on stdin (never in an environment variable: its Redis URL is the job's own ACL user's); it says it started,
+trains one try as ``workers.on_ray.driver`` / ``workers.on_ray.gang`` do in-process, exports the run's artifacts (rank
+0), and writes its ``Outcome`` (JSON) to the descriptor the orders name. It holds no Ray connection and no ticket; rank
+0 of a gang opens the gang's TCP store on the socket its supervisor opened (``listen_fd``, inherited), and waits for
+the other ranks there (its supervisor watches their Ray tasks and ends this process if one fails first).
 
 Exit status: 0 trained, 1 failed, 143 stopped (a SIGTERM: from Ray's stop, or forwarded by the supervisor).
 """
@@ -22,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from workers.job.orders import Orders, Outcome, Stopped
+from workers.job.orders import Orders, Outcome, Stopped, say_started
 from workers.train.startup import begin, mark, timeline
 
 
@@ -122,6 +122,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, stop_once)
     begin()
     orders = Orders(**json.loads(sys.stdin.read()))
+    say_started(orders.result_fd)
     os.environ["REDIS_URL"] = orders.redis_url  # the job's own user (``job_redis_url``), seen by this sandbox only
     result = outcome(orders)
     result.startup = timeline()

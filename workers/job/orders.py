@@ -1,10 +1,25 @@
 """What a payload (``workers.payload``, one try of a job's training in its sandbox) is told by its supervisor
-(``workers.on_ray.supervisor``), and what it answers: its ``Orders`` in on stdin, its ``Outcome`` out as JSON."""
+(``workers.on_ray.supervisor``), and what it answers: its ``Orders`` in on stdin, its ``Outcome`` out as JSON, after
+a word that it started (``say_started``)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
+
+STARTED = "started\n"  # a payload's first words on its result descriptor: it runs and has read its orders
+
+
+def say_started(result_fd: int) -> None:
+    """Tell the supervisor this payload started: one that ends unreported after this crashed (a retry may get
+    through); one that ends without it never got to run, and a retry would meet the same (``split_result``)."""
+    os.write(result_fd, STARTED.encode())
+
+
+def split_result(raw: str) -> tuple[bool, str]:
+    """What a payload wrote on its result descriptor: whether it started, and its ``Outcome`` as JSON ('' if none)."""
+    return raw.startswith(STARTED), raw.removeprefix(STARTED)
 
 
 @dataclass

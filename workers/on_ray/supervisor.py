@@ -30,7 +30,7 @@ from api_schemas import ExperimentSpec
 from workers.job import sandbox
 from workers.job.logs import StderrTail
 from workers.job.memory_limit import MemoryLimit, first_to_go
-from workers.job.orders import Orders, Outcome
+from workers.job.orders import Orders, Outcome, split_result
 from workers.job.redis_sink import RedisSink
 
 # (gang_start's rank task imports this module back, when it runs on its node: the declared trampoline)
@@ -125,8 +125,9 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
             raw = result.read()
     if memory.error:  # killed over resources.memory_gb: the job's own failure, not retried
         return Outcome(error=memory.error)
+    started, raw = split_result(raw)
     done = outcome(raw, rank_ended)
-    return done if done is not None else unreported(proc.returncode, said.last_line())
+    return done if done is not None else unreported(proc.returncode, said.last_line(), started)
 
 
 def relayed(relay: Callable[[bytes], None], lines: int, answers: int) -> None:
@@ -201,15 +202,20 @@ def outcome(raw: str, rank_ended: Outcome | None) -> Outcome | None:
     return rank_ended
 
 
-def unreported(code: int | None, said: str) -> Outcome:
+def unreported(code: int | None, said: str, started: bool = True) -> Outcome:
     """A payload that ended without its account: its exit status in words and the last line it wrote to stderr
-    (``said``: a Python that could not start it, say); killed by SIGKILL: its memory, likely, whatever it said last."""
+    (``said``: a Python that could not start it, say); killed by SIGKILL: its memory, likely, whatever it said last.
+    Retried unless it exited before it ``started`` (bwrap refused, an import failed): a retry would meet the same."""
     how = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
     said = said[:MAX_SAID]
-    if code in (-signal.SIGKILL, 128 + signal.SIGKILL):  # (bwrap ends with 128 + the signal its child died of)
+    killed = code is not None and (code < 0 or code > 128)  # (bwrap ends with 128 + the signal its child died of)
+    if code in (-signal.SIGKILL, 128 + signal.SIGKILL):
         why = " (killed: out of memory?)" + (f"; its last line: {said}" if said else "")
     else:
         why = f": {said}" if said else " and said nothing"
+    if not started and not killed:
+        return Outcome(error=f"the training process could not start, exit status {code}{why}; not retried (a retry "
+                             "would meet the same)", retried=False)
     return Outcome(error=f"the training process ended with {how}{why}", retried=True)
 
 

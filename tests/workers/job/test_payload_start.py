@@ -1,5 +1,6 @@
-"""A payload that cannot start says why in the job's failure, and a checkout run without ``pip install`` (a lent GPU
-machine's: the project on ``PYTHONPATH=.``) starts its payload in the sandbox as an installed one does."""
+"""A payload that cannot start says why in the job's failure and is not tried again (one that started and crashed
+is), and a checkout run without ``pip install`` (a lent GPU machine's: the project on ``PYTHONPATH=.``) starts its
+payload in the sandbox as an installed one does."""
 
 from __future__ import annotations
 
@@ -11,12 +12,19 @@ from pathlib import Path
 
 import pytest
 
+from api_schemas import ExperimentSpec
 from workers.job.logs import StderrTail
+from workers.job.orders import Orders
 from workers.job.sandbox import Mounts, bwrap_argv, payload_env, unavailable
-from workers.on_ray.supervisor import outcome, unreported
+from workers.on_ray import supervisor
+from workers.on_ray.supervisor import outcome, run_payload, unreported
+from workers.train.failure import JobFailed
 
 ROOT = Path(__file__).resolve().parents[3]
 DIES = "import sys; sys.stderr.write('starting\\n'); sys.stderr.write('No module named workers\\n\\n'); sys.exit(1)"
+CRASHES = ("import json, os, sys\nfrom workers.job.orders import say_started\n"  # as workers.payload starts,
+           "say_started(json.loads(sys.stdin.read())['result_fd'])\n"  # then dies
+           "sys.stderr.write('Segmentation fault\\n')\nos._exit(1)")
 
 
 def test_the_payloads_last_stderr_line_is_passed_on_and_kept(capfd: pytest.CaptureFixture[str]) -> None:
@@ -52,3 +60,24 @@ def test_a_sandboxed_payload_finds_our_packages_without_an_install(tmp_path: Pat
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(ROOT / "workers"), "no", "service"]  # ours mounted, the control plane not
+
+
+def payload(code: str, tries: Path) -> list[str]:
+    """A payload's command line that counts its starts in ``tries``, then runs ``code``."""
+    return [sys.executable, "-c", f"open({str(tries)!r}, 'a').write('x')\n{code}"]
+
+
+def test_a_payload_that_never_started_fails_at_once_and_one_that_crashed_after_its_start_is_retried(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    orders = Orders(ExperimentSpec().model_dump_json(), "job-1", "redis://unused", str(tmp_path), -1)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    crashed = run_payload(orders, payload(CRASHES, tmp_path / "crashed"), env)
+    assert crashed.retried and crashed.error == "the training process ended with exit status 1: Segmentation fault"
+    # through the supervisor's loop (TLAB_MAX_FAILURES 3): one try, no retry note (it would need Redis), one line
+    monkeypatch.setattr(supervisor, "payload_argv", lambda *args: (payload(DIES, tmp_path / "never"), env))
+    with pytest.raises(JobFailed, match=r"^the training process could not start, exit status 1: No module named "
+                                         r"workers; not retried \(a retry would meet the same\)$"):
+        supervisor.supervise(ExperimentSpec(), "job-2", "redis://unused", str(tmp_path), 3, None, None, [])
+    assert (tmp_path / "never").read_text() == "x"
+    killed = unreported(-signal.SIGKILL, "", started=False)  # killed before it started (its memory): tried again
+    assert killed.retried and killed.error.endswith("(killed: out of memory?)")
