@@ -26,7 +26,7 @@ from pathlib import Path
 
 from api_schemas import keys
 from api_schemas.jobs import JobState
-from api_schemas.reasons import one_line
+from api_schemas.reasons import killed_by, one_line
 from api_schemas.vitals import CGROUP_ROOT, OOM_FILES, VITALS_FIELD, DriverVitals, oom_kills
 from service.core.settings import Settings
 from service.core.store import Store
@@ -34,20 +34,6 @@ from service.scheduler.preempt import failed_attempts
 
 log = logging.getLogger("tlab.scheduler")
 ACTIVE = [JobState.STARTING, JobState.RUNNING]
-
-
-def killed_by(exit_code: int | None) -> int | None:
-    """The signal that ended the driver, from its exit status (``-N``, or ``128 + N`` through a shell); None for
-    an exit of its own.
-
-    >>> killed_by(-9), killed_by(137), killed_by(1)
-    (9, 9, None)
-    """
-    if exit_code is None:
-        return None
-    if exit_code < 0:
-        return -exit_code
-    return exit_code - 128 if 128 < exit_code <= 128 + 64 else None
 
 
 def signal_name(signum: int) -> str:

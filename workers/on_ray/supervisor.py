@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from api_schemas import ExperimentSpec
+from api_schemas.reasons import killed_by, one_line
 from workers.job import sandbox
 from workers.job.logs import StderrTail
 from workers.job.memory_limit import MemoryLimit, first_to_go
@@ -40,7 +41,6 @@ from workers.train.startup import adopt
 
 WATCH_S = 0.2  # how often the supervisor looks at the gang's other ranks while its payload runs
 PUSH_EVERY_S = 10.0  # with a bucket: the job directory is uploaded this often while the payload runs
-MAX_SAID = 300  # characters of the payload's last stderr line kept in a failure reason
 
 
 def user_code(spec: ExperimentSpec) -> bool:
@@ -207,13 +207,12 @@ def unreported(code: int | None, said: str, started: bool = True) -> Outcome:
     (``said``: a Python that could not start it, say); killed by SIGKILL: its memory, likely, whatever it said last.
     Retried unless it exited before it ``started`` (bwrap refused, an import failed): a retry would meet the same."""
     how = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
-    said = said[:MAX_SAID]
-    killed = code is not None and (code < 0 or code > 128)  # (bwrap ends with 128 + the signal its child died of)
-    if code in (-signal.SIGKILL, 128 + signal.SIGKILL):
+    said = one_line(said)
+    if killed_by(code) == signal.SIGKILL:
         why = " (killed: out of memory?)" + (f"; its last line: {said}" if said else "")
     else:
         why = f": {said}" if said else " and said nothing"
-    if not started and not killed:
+    if not started and killed_by(code) is None:
         return Outcome(error=f"the training process could not start, exit status {code}{why}; not retried (a retry "
                              "would meet the same)", retried=False)
     return Outcome(error=f"the training process ended with {how}{why}", retried=True)

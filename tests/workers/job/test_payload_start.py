@@ -4,17 +4,19 @@ payload in the sandbox as an installed one does."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from api_schemas import ExperimentSpec
 from workers.job.logs import StderrTail
-from workers.job.orders import Orders
+from workers.job.orders import Orders, Outcome, split_result
 from workers.job.sandbox import Mounts, bwrap_argv, payload_env, unavailable
 from workers.on_ray import supervisor
 from workers.on_ray.supervisor import outcome, run_payload, unreported
@@ -81,3 +83,16 @@ def test_a_payload_that_never_started_fails_at_once_and_one_that_crashed_after_i
     assert (tmp_path / "never").read_text() == "x"
     killed = unreported(-signal.SIGKILL, "", started=False)  # killed before it started (its memory): tried again
     assert killed.retried and killed.error.endswith("(killed: out of memory?)")
+
+
+def test_the_real_payload_says_it_started_before_its_outcome(tmp_path: Path) -> None:
+    read, write = os.pipe()
+    orders = Orders("not a spec", "job-3", "redis://unused", str(tmp_path), write)  # fails once it has started
+    proc = subprocess.Popen([sys.executable, "-m", "workers.payload"], stdin=subprocess.PIPE, pass_fds=[write],
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.DEVNULL)
+    os.close(write)
+    proc.communicate(json.dumps(asdict(orders)).encode(), timeout=120)
+    with os.fdopen(read) as result:
+        started, raw = split_result(result.read())
+    assert started and proc.returncode == 1
+    assert "spec" in Outcome(**json.loads(raw)).error  # its own account follows the word
