@@ -218,13 +218,32 @@ def resolve_in_roots(value: str, roots: list[Path], field: str) -> Path:
     return real
 
 
+def check_not_service(settings: Settings, real: Path, value: str, field: str) -> None:
+    """A dataset directory is never one that holds the service's home or its storage, nor one inside storage
+    (where a data root is ``/`` or the home itself, say): the sandbox would mount the service's secrets or other
+    jobs' files."""
+    own = [settings.home.expanduser().resolve(), Path(settings.storage_path).expanduser().resolve()]
+    if any(o == real or o.is_relative_to(real) for o in own) or real.is_relative_to(own[1]):
+        raise InvalidInput(f"{value} holds or lies in the service's own files ({own[0]}, {own[1]}): name a "
+                           "directory of your data under the data roots instead", field=field)
+
+
 def admit_dataset(settings: Settings, ds: DatasetSpec, prefix: str) -> DatasetSpec:
-    """The dataset spec with its root/path resolved under the data roots and its files found there."""
-    if ds.name in FILELESS or ds.name == "custom":  # a custom dataset is the user's code: the workers check it
-        return ds
-    roots, field = settings.data_root_paths, f"{prefix}.path" if ds.name == "npz" else f"{prefix}.root"
+    """The dataset spec with its root/path resolved under the data roots and its files found there. Every kind's
+    root and path, when given, is checked (a built-in or custom dataset's absolute ones too: the sandbox mounts
+    them)."""
+    roots = settings.data_root_paths
+    if ds.name in FILELESS or ds.name == "custom":  # a custom dataset is the user's code: the workers read it
+        update = {}
+        for name in ("root", "path"):
+            if (given := getattr(ds, name)) and Path(given).expanduser().is_absolute():  # (relative: in its code)
+                update[name] = str(real := resolve_in_roots(given, roots, f"{prefix}.{name}"))
+                check_not_service(settings, real, given, f"{prefix}.{name}")
+        return ds.model_copy(update=update)
+    field = f"{prefix}.path" if ds.name == "npz" else f"{prefix}.root"
     given = (ds.path if ds.name == "npz" else ds.root) or ""
     real = resolve_in_roots(given, roots, field)
+    check_not_service(settings, real, given, field)
     resolved = ds.model_copy(update={"path" if ds.name == "npz" else "root": str(real)})
     try:
         files = required_files(resolved)

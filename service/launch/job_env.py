@@ -19,9 +19,11 @@ def job_env(settings: Settings) -> dict[str, str]:
            # the sandbox (workers.job.sandbox): on or off, and what it must cover even under a directory it binds
            "TLAB_SANDBOX": settings.sandbox, "TLAB_SANDBOX_HIDE": f"{settings.home}:{settings.storage_path}",
            "TLAB_SANDBOX_TMP_MB": str(settings.sandbox_tmp_mb),
+           "TLAB_DATA_ROOTS": ":".join(map(str, settings.data_root_paths)),  # the only dataset mounts
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     env.update(storage_env(settings))  # with a bucket: its URI and credentials (workers.job.bucket)
-    for name in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "TLAB_DATA", "TLAB_IN_DRIVER", "TLAB_TRIAL_RETRIES"):
+    for name in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "TLAB_DATA", "TLAB_IN_DRIVER", "TLAB_TRIAL_RETRIES",
+                 "TLAB_JOB_UID_BASE", "TLAB_JOB_UIDS", "TLAB_JOB_GID", "TLAB_SANDBOX_MAX_PROCS"):
         if os.environ.get(name):
             env[name] = os.environ[name]
     return env

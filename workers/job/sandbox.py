@@ -5,8 +5,12 @@ Ray connection and the job's ticket, and starts the payload (``python -m workers
 loss and own loop) through ``launch``, which wraps it in ``bwrap``:
 
 - a private PID namespace (no other process's ``/proc``, no pid of ours to signal), IPC and UTS namespaces;
-- an unprivileged uid: 65534 in a user namespace of its own, with no capability on the host (bwrap drops them all);
-  on the host its files are its supervisor's (the namespace maps it), so of ``/etc`` only ``ETC`` is bound;
+- never root on the host: under a root supervisor, bwrap makes the mounts as root, then ``setpriv`` drops the
+  payload to the job's own uid (``job_uid``: one per job from ``TLAB_JOB_UID_BASE``, in the jobs' group
+  ``TLAB_JOB_GID``) with no capability, no set-uid gain (``--no-new-privs``) and no user namespace; under an
+  unprivileged supervisor (a service user's Ray), bwrap's user namespace maps the payload to that uid, with
+  ``--disable-userns``; either way a seccomp filter (``workers.job.seccomp``), ``/proc/sys`` read-only and a cap on
+  its processes (``TLAB_SANDBOX_MAX_PROCS``); of ``/etc`` only ``ETC`` is bound;
 - read-only: the system (``/usr``, ``/etc``, the ``/lib`` links), Python and its packages, our packages, the job's
   code (its working directory), its data and the checkpoint it starts from; read-write: only its own job directory;
   a private ``/tmp`` (a tmpfs of ``TLAB_SANDBOX_TMP_MB``, 1024) and ``/dev``; ``TLAB_SANDBOX_HIDE`` (the service's
@@ -15,9 +19,10 @@ loss and own loop) through ``launch``, which wraps it in ``bwrap``:
   (its Redis URL, the job's own ACL user, comes on a pipe: ``workers.payload``);
 - the network shared: the gang's process group and the metrics sink work as before.
 
-Measured as root here: a payload that is ``nobody`` on the host too (``setpriv`` inside a rootful bwrap) could not read
-what ``tlab up``'s umask 077 leaves 0700 (its data roots, the code Ray unpacks under its home) nor, started as nobody,
-bind what lies under ``/root`` (pyenv's Python), even from a descriptor; docs/security.md says what that leaves.
+What the payload must read is readable by its uid: its job directory is its own (``own_job_dir``), its code is
+made world-readable where Ray unpacked it (under the node's 0700 temp directory, so only through the sandbox's bind:
+``readable_code``), its data roots are the admin's to open to ``TLAB_JOB_GID``, and Python is bound by root, so one
+under a 0700 home (``/root``) is still found at its own path inside.
 
 ``TLAB_SANDBOX=off`` (the admin's choice, knowingly: ``service.core.settings``) runs the payload as a plain child with
 the same cleared environment. Where bwrap cannot run (not installed, user namespaces off: ``unavailable``), a job
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -36,8 +42,11 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
+from workers.job import job_user, seccomp
+
 SETTING = "TLAB_SANDBOX"  # "off": no sandbox, knowingly; anything else: a sandbox wherever one can run
 HIDE = "TLAB_SANDBOX_HIDE"  # colon-separated directories the payload must never see (the service's home)
+ROOTS = "TLAB_DATA_ROOTS"  # colon-separated: the only places a dataset is mounted from
 TMP_MB = "TLAB_SANDBOX_TMP_MB"  # the payload's private /tmp: a tmpfs (memory) of at most this many MB
 DEFAULT_TMP_MB = 1024
 NOBODY = 65534
@@ -68,6 +77,32 @@ class Mounts:
     readable: list[Path] = field(default_factory=list)  # its code, data, the checkpoint it starts from
     hidden: list[Path] = field(default_factory=list)  # never visible, even under a directory that is
     workdir: Path | None = None  # where it starts (its code's directory; else its job directory)
+
+
+class MountRefused(ValueError):
+    """A path a spec named (its data) or the node gave (its code) that the sandbox will not mount; one line."""
+
+
+def data_roots(environ: Mapping[str, str] = os.environ) -> list[Path]:
+    """``TLAB_DATA_ROOTS`` as the service resolved them (``service.launch.job_env`` passes them to every job)."""
+    return [Path(os.path.realpath(p)) for p in environ.get(ROOTS, "").split(":") if p.strip()]
+
+
+def allowed(path: Path, what: str, hidden: Sequence[Path], roots: Sequence[Path] | None = None) -> Path:
+    """``path`` resolved, when the sandbox may mount it: never ``/``, never a directory that holds the service's
+    home, the storage root or another hidden directory, never one inside storage; with ``roots``, only inside one of
+    them (a dataset's files). Else ``MountRefused`` naming ``what``."""
+    real = Path(os.path.realpath(path))
+    covered = [Path(os.path.realpath(h)) for h in hidden]
+    if real == Path("/") or any(_under(h, [real]) for h in covered):
+        raise MountRefused(f"{what} {path} holds the service's own files ({':'.join(map(str, covered))}): the "
+                           "sandbox never mounts it; name a directory of your data under the data roots")
+    if roots is not None and not _under(real, roots):
+        raise MountRefused(f"{what} {path} is outside the data roots ({':'.join(map(str, roots)) or 'none set'}, "
+                           "TLAB_DATA_ROOTS): put the data under one of them")
+    if roots is None and _under(real, covered):
+        raise MountRefused(f"{what} {path} lies in the service's own files: the sandbox never mounts it")
+    return real
 
 
 def hidden_dirs(environ: Mapping[str, str] = os.environ) -> list[Path]:
@@ -110,11 +145,33 @@ def parents(paths: Sequence[Path]) -> list[str]:
     return [a for p in made for a in ("--perms", "0755", "--dir", str(p))]
 
 
-def bwrap_argv(command: Sequence[str], env: Mapping[str, str], mounts: Mounts) -> list[str]:
-    """The bwrap command that runs ``command`` with exactly ``env`` and ``mounts`` (see the module)."""
-    argv = [shutil.which("bwrap") or "bwrap", "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),
-            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent",
-            "--new-session", "--size", str(tmp_bytes()), "--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev"]
+def identity(uid: int | None) -> list[str]:
+    """How the payload stops being this process's uid: under root, no user namespace (a uid mapped in one would be
+    root on the host) and ``setpriv`` to ``uid`` after bwrap made the mounts, with only the capabilities setpriv needs
+    (and bwrap's chdir into the job's directory) until setpriv drops them all; else bwrap's user namespace (the
+    payload is this uid on the host), no nested one."""
+    if not job_user.rootful():
+        return ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY), "--disable-userns"]
+    return [a for cap in ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_DAC_READ_SEARCH") for a in ("--cap-add", cap)]
+
+
+def drop_to(uid: int | None, command: Sequence[str]) -> list[str]:
+    """``command`` run as ``uid`` (root: ``setpriv``; else as it is: bwrap's namespace did it)."""
+    if not job_user.rootful():
+        return list(command)
+    uid = NOBODY if uid is None else uid
+    gid = job_user.job_gid() if uid != NOBODY else NOBODY
+    return [shutil.which("setpriv") or "/usr/bin/setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
+            "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--", *command]
+
+
+def bwrap_argv(command: Sequence[str], env: Mapping[str, str], mounts: Mounts, uid: int | None = None) -> list[str]:
+    """The command that runs ``command`` with exactly ``env`` and ``mounts``, as ``uid`` (see the module): bwrap,
+    its seccomp program on descriptor 9 (``workers.job.seccomp``, read by bwrap at start)."""
+    argv = [shutil.which("bwrap") or "bwrap", "--cap-drop", "ALL", *identity(uid), "--unshare-pid", "--unshare-ipc",
+            "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--seccomp", "9",
+            "--size", str(tmp_bytes()), "--perms", "1777", "--tmpfs", "/tmp", "--proc", "/proc",
+            "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev"]
     gpus = sorted(glob.glob("/dev/nvidia*"))  # a GPU job's cards (CUDA_VISIBLE_DEVICES says which); CUDA reads /sys
     argv += [a for d in gpus for a in ("--dev-bind", d, d)] + (["--ro-bind", "/sys", "/sys"] if gpus else [])
     for name in SYSTEM:
@@ -132,7 +189,9 @@ def bwrap_argv(command: Sequence[str], env: Mapping[str, str], mounts: Mounts) -
     argv += ["--bind", str(job_dir), str(job_dir), "--remount-ro", "/", "--clearenv"]  # (/: what bwrap made)
     for name, value in env.items():
         argv += ["--setenv", name, value]
-    return [*argv, "--chdir", str(mounts.workdir or job_dir), "--", *command]
+    argv += ["--chdir", str(mounts.workdir or job_dir), "--", *drop_to(uid, command)]
+    # bwrap reads the filter from a descriptor: a shell opens the program's file there and becomes bwrap
+    return ["/bin/sh", "-c", f'exec "$0" "$@" 9<{shlex.quote(str(seccomp.program_file()))}', *argv]
 
 
 def tmp_bytes(environ: Mapping[str, str] = os.environ) -> int:

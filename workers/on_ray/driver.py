@@ -177,6 +177,7 @@ class DriverContext(RunContext):
     def _write(self, entry: HeldCheckpoint) -> None:
         try:  # the temporary directory is made inside: a stop may land between its mkdir and mkdtemp's return
             tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=self.run_dir))
+            tmp.chmod(0o750)  # (mkdtemp's 0700) a child run, another uid of the jobs' group, may start from it
             write_checkpoint(entry.state, tmp)
             final = self.run_dir / entry.name  # the save's time: a copy held, then written, sorts in epoch order
             while final.exists():  # two saves within one microsecond

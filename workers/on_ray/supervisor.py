@@ -28,7 +28,7 @@ from typing import Any
 
 from api_schemas import ExperimentSpec
 from api_schemas.reasons import killed_by, one_line
-from workers.job import sandbox
+from workers.job import job_user, sandbox
 from workers.job.logs import StderrTail
 from workers.job.memory_limit import MemoryLimit, first_to_go
 from workers.job.orders import Orders, Outcome, split_result
@@ -56,12 +56,15 @@ def refuse_unsandboxed(spec: ExperimentSpec) -> None:
 
 
 def mounts(spec: ExperimentSpec, job_dir: Path, start_from: str | None) -> sandbox.Mounts:
-    """The job directory (read-write); its code, data and start checkpoint."""
-    code = code_dirs(spec)
-    data = [Path(p) for p in (spec.dataset.root, spec.dataset.path) if p and Path(p).is_absolute()]
+    """The job directory (read-write); its code, data and start checkpoint, each checked again here (the API
+    checked the data at submit): data only under the data roots, nothing that holds the service's home or the
+    storage root (``sandbox.allowed``)."""
+    hidden = sandbox.hidden_dirs()
+    code = [sandbox.allowed(p, "the job's code directory", hidden) for p in code_dirs(spec)]
+    data = [sandbox.allowed(Path(p), f"dataset.{name}", hidden, sandbox.data_roots())
+            for name, p in (("root", spec.dataset.root), ("path", spec.dataset.path)) if p and Path(p).is_absolute()]
     readable = [*code, *data, *([Path(start_from)] if start_from else [])]
-    return sandbox.Mounts(writable=job_dir, readable=readable, hidden=sandbox.hidden_dirs(),
-                          workdir=code[0] if code else None)
+    return sandbox.Mounts(writable=job_dir, readable=readable, hidden=hidden, workdir=code[0] if code else None)
 
 
 def code_dirs(spec: ExperimentSpec) -> list[Path]:
@@ -73,22 +76,34 @@ def code_dirs(spec: ExperimentSpec) -> list[Path]:
     return on_path or [Path.cwd()]
 
 
-def payload_argv(spec: ExperimentSpec, job_dir: Path, start_from: str | None) -> tuple[list[str], dict[str, str]]:
-    """The payload's command line (in bwrap when ``sandbox.required``) and the environment to start it with."""
+def payload_argv(spec: ExperimentSpec, job_dir: Path, start_from: str | None,
+                 job_id: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """The payload's command line (in bwrap when ``sandbox.required``, as the job's own uid: ``job_id``, else the
+    directory's name) and the environment to start it with; the job directory made the payload's, its code readable
+    by it."""
     command = [sys.executable, "-m", "workers.payload"]
     box = mounts(spec, job_dir, start_from)
     env = sandbox.payload_env(os.pathsep.join(str(p) for p in code_dirs(spec)))
     job_dir.mkdir(parents=True, exist_ok=True)
     if not sandbox.required(user_code(spec)):
         return command, {**env, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    return sandbox.bwrap_argv(command, env, box), {}  # bwrap's own, none: the sandbox reads its /proc/1/environ
+    uid, gid = job_user.payload_ids(job_id or job_dir.name)
+    job_user.own_job_dir(job_dir, uid, gid)
+    job_user.readable_code(code_dirs(spec))
+    return sandbox.bwrap_argv(command, env, box, uid), {}  # bwrap's own, none: the sandbox reads its /proc/1/environ
 
 
-def before_payload() -> None:
-    """In the payload's process before it starts: SIGTERM ignored (bwrap dies of one and takes the payload with it:
-    Ray's stop), and the kernel's first OOM victim (``workers.job.memory_limit``)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    first_to_go()
+def before_payload(procs: int) -> Callable[[], None]:
+    """What the payload's process does before it starts: SIGTERM ignored (bwrap dies of one and takes the payload
+    with it: Ray's stop), the kernel's first OOM victim (``workers.job.memory_limit``), at most ``procs`` processes
+    for its uid, and the umask that keeps its files its own (``workers.job.job_user``)."""
+
+    def before() -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        first_to_go()
+        job_user.limit_processes(procs)
+
+    return before
 
 
 def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ranks | None = None,
@@ -103,7 +118,7 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
     shared = [orders.listen_fd] if orders.listen_fd is not None else []  # (the gang's socket stays its Ranks')
     err_read, err_write = os.pipe()
     proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stderr=err_write, pass_fds=theirs + shared,
-                            preexec_fn=before_payload)
+                            preexec_fn=before_payload(job_user.process_cap()))
     os.close(err_write)
     said = StderrTail(err_read)
     memory = MemoryLimit(json.loads(orders.spec)["resources"].get("memory_gb")).start(proc.pid)
@@ -123,6 +138,7 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
         memory.close()
         with os.fdopen(read_fd) as result:
             raw = result.read()
+        job_user.strip_setid(Path(orders.scratch or Path(orders.storage) / orders.job_id))
     if memory.error:  # killed over resources.memory_gb: the job's own failure, not retried
         return Outcome(error=memory.error)
     started, raw = split_result(raw)

@@ -106,6 +106,6 @@ def test_a_sandboxed_payload_is_the_first_oom_victim_and_cannot_put_itself_below
              "try:\n    with open('/proc/self/oom_score_adj', 'w') as f:\n        f.write('-1')\n"
              "except OSError as err:\n    print(score, 'refused', err.errno)\nelse:\n    print(score, 'lowered')\n")
     argv = bwrap_argv([sys.executable, "-c", probe], {"PATH": "/usr/bin:/bin"}, Mounts(writable=tmp_path))
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, preexec_fn=before_payload)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, preexec_fn=before_payload(1024))
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [OOM_SCORE_ADJ, "refused", "13"]  # no CAP_SYS_RESOURCE in the sandbox
