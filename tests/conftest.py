@@ -44,6 +44,7 @@ RAY_CHAIN_B = frozenset({  # stacks on the session head, and `tlab up` stacks of
     "tests/service/test_lineage.py", "tests/service/api/test_artifacts.py", "tests/service/test_driver_death.py",
     "tests/service/test_storage_full.py", "tests/security/test_trial_gate.py", "tests/security/test_redis_flood.py",
     "tests/security/test_forged_events.py", "tests/security/test_small_leaks.py",
+    "tests/security/test_service_user.py",
 })
 RAY_MODULES = RAY_CHAIN_A | RAY_CHAIN_B
 
