@@ -21,6 +21,7 @@ from service.core.settings import Settings
 from service.stack.embedded import Stack
 from tests.service.conftest import Api, tiny
 from tests.service.test_code_packages import wait_end
+from workers.job import job_user
 
 pytestmark = pytest.mark.slow
 
@@ -145,7 +146,8 @@ def test_a_jobs_code_finds_nothing_of_other_jobs_or_the_control_plane(stack: Sta
             args = {"homes": homes, "storage": str(storage), "victim": victim, "pids": ours}
             job, found = attack(c, package, args, **resources)
             for rank, seen in enumerate(found):
-                assert seen["uid"] == 65534 and seen["pids_seen"] <= 4, (rank, seen)  # its own PID namespace
+                # the job's own uid on the host (never root's), in its own PID namespace
+                assert seen["uid"] == job_user.job_uid(job) and seen["pids_seen"] <= 4, (rank, seen)
                 refused = {k: seen[k] for k in ("environ", "secrets", "other_jobs", "env", "signals")}
                 assert refused == {k: [] for k in refused}, (job, rank, seen)
                 # a write outside its directory fails, or lands in its private /tmp (where a test's home is): never here
