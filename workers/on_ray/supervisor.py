@@ -40,6 +40,8 @@ from workers.train.failure import JobFailed
 from workers.train.startup import adopt
 
 WATCH_S = 0.2  # how often the supervisor looks at the gang's other ranks while its payload runs
+MAX_ACCOUNT = 4 << 20  # bytes of a payload's account of how it ended (its summary) the supervisor reads
+MAX_REPORT_LINE = 1 << 20  # bytes of one trial report (metrics and a checkpoint's name)
 PUSH_EVERY_S = 10.0  # with a bucket: the job directory is uploaded this often while the payload runs
 
 
@@ -136,8 +138,8 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
         raise
     finally:
         memory.close()
-        with os.fdopen(read_fd) as result:
-            raw = result.read()
+        with os.fdopen(read_fd, "rb") as result:  # (job-written: read within a bound)
+            raw = result.read(MAX_ACCOUNT).decode(errors="replace")
         job_user.strip_setid(Path(orders.scratch or Path(orders.storage) / orders.job_id))
     if memory.error:  # killed over resources.memory_gb: the job's own failure, not retried
         return Outcome(error=memory.error)
@@ -147,9 +149,12 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
 
 
 def relayed(relay: Callable[[bytes], None], lines: int, answers: int) -> None:
-    """Each line the payload reports, handled and answered, until it closes its end."""
+    """Each line the payload reports, handled and answered, until it closes its end; a line over
+    ``MAX_REPORT_LINE`` ends the try (job-written: never read whole)."""
     with os.fdopen(lines, "rb") as reports, os.fdopen(answers, "wb") as out:
-        for line in reports:
+        while line := reports.readline(MAX_REPORT_LINE + 1):
+            if len(line) > MAX_REPORT_LINE:
+                raise JobFailed(f"the training process reported a line over {MAX_REPORT_LINE} bytes")
             relay(line)
             out.write(b"ok\n")
             out.flush()
