@@ -220,10 +220,15 @@ def unavailable() -> str:
     """'' when a sandbox can run here; else why not, in one line (probed with a real ``bwrap ... true``)."""
     if shutil.which("bwrap") is None:
         return "bubblewrap is not installed (no bwrap on PATH): `make sandbox`, or apt-get install bubblewrap"
+    if job_user.rootful() and shutil.which("setpriv") is None:
+        return "setpriv is not installed (util-linux): a payload cannot leave root's uid"
     probe = Path(os.environ.get("TMPDIR", "/tmp"))
     try:
-        done = subprocess.run(bwrap_argv(["true"], {}, Mounts(writable=probe)), capture_output=True, text=True,
-                              timeout=30)
+        argv = bwrap_argv(["true"], {}, Mounts(writable=probe))
+    except (OSError, RuntimeError, AttributeError) as err:  # no libseccomp: pyseccomp cannot load it
+        return f"the sandbox's seccomp filter cannot be built (libseccomp2 installed?): {err}"
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"bwrap did not start a sandbox: {err}"
     if done.returncode != 0:
