@@ -28,12 +28,14 @@ browser:
 	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	  --no-install-recommends chromium; }
 
-# Debian's bubblewrap: each job's training runs in a sandbox of its own (workers/job/sandbox.py, docs/security.md).
-# Idempotent: nothing to do when bwrap is on PATH. Without it, tlab up says so and refuses users' code.
+# Debian's bubblewrap and libseccomp: each job's training runs in a sandbox of its own, behind a seccomp filter
+# (workers/job/sandbox.py, docs/security.md). Idempotent: nothing to do when both are here. Without them, tlab up
+# says so and refuses users' code.
 sandbox:
-	@command -v bwrap >/dev/null || { echo ">> installing Debian's bubblewrap for the per-job sandbox"; \
+	@{ command -v bwrap && /sbin/ldconfig -p | grep -q 'libseccomp\.so\.2'; } >/dev/null || { \
+	  echo ">> installing Debian's bubblewrap and libseccomp2 for the per-job sandbox"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	  --no-install-recommends bubblewrap; }
+	  --no-install-recommends bubblewrap libseccomp2; }
 
 demo: setup sandbox
 	$(BIN)/tlab demo --home runs/demo
