@@ -1,14 +1,12 @@
-"""Start-up cost of the sandbox per job (issue 26): a 1-worker job's entrypoint (``python -m workers.run``, as its
-Ray job runs it), from its spawn to its first epoch's metric in the job's Redis stream, side by side in one run:
+"""Start-up cost of the sandbox per job: a 1-worker job's entrypoint (``python -m workers.run``, as its Ray job runs
+it), from its spawn to its first epoch's metric in the job's Redis stream, side by side in one run:
 
-- ``before``: another checkout's code (``--before DIR``: the commit before the sandbox), training in the driver;
 - ``off``: this code with ``TLAB_SANDBOX=off`` (the payload a plain child process);
-- ``on``: this code, the payload in bubblewrap.
+- ``on``: this code, the payload in bubblewrap (under root: ``setpriv`` to the job's uid, the seccomp filter);
+- ``before``, ``before_on``: another checkout's code (``--before DIR``), without and with its sandbox.
 
 Rounds alternate the variants, so load drifts hit them alike. Real Redis; no Ray needed (a 1-worker job trains
-without it). Results: ``benchmarks/results/sandbox_startup.json``. Measured (2 cores shared with other work, load ~3,
-7 rounds, medians): before 2.40 s, off 2.74 s (+0.34: a second Python process and its imports), on 2.73 s (+0.32:
-bwrap itself costs no more than the noise); at load ~4: 2.88, 3.30 (+0.42), 3.38 (+0.50).
+without it). Results: ``benchmarks/results/sandbox_startup.json``; the current figures are in docs/results.md.
 
     python -m benchmarks.sandbox_startup --before /tmp/old-checkout --rounds 5
 """
@@ -79,12 +77,14 @@ def one_job(url: str, storage: Path, job: str, code: Path, sandbox: str) -> dict
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", type=Path, help="a checkout of the commit before the sandbox")
+    parser.add_argument("--before", type=Path, help="a checkout of an earlier commit, run beside this one")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="one round (a smoke run; results to the quick dir)")
     args = parser.parse_args(argv)
     args.rounds = 1 if args.quick else args.rounds
-    variants = {"off": (ROOT, "off"), "on": (ROOT, "auto"), **({"before": (args.before, "off")} if args.before else {})}
+    variants = {"off": (ROOT, "off"), "on": (ROOT, "auto")}
+    if args.before:
+        variants.update(before=(args.before, "off"), before_on=(args.before, "auto"))
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = start_redis(Path(tmp))
@@ -98,9 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     table = {name: {k: round(statistics.median(x[k] for x in rs), 3) for k in ("first_epoch_s", "total_s")}
              for name, rs in runs.items()}
     base = table.get("before") or table["off"]
-    print(f"{'variant':8} {'spawn->first epoch':>20} {'vs base':>8} {'spawn->end':>11}")
+    print(f"{'variant':9} {'spawn->first epoch':>20} {'vs base':>8} {'spawn->end':>11}")
     for name, row in table.items():
-        print(f"{name:8} {row['first_epoch_s']:>19.2f}s {row['first_epoch_s'] - base['first_epoch_s']:>+7.2f}s "
+        print(f"{name:9} {row['first_epoch_s']:>19.2f}s {row['first_epoch_s'] - base['first_epoch_s']:>+7.2f}s "
               f"{row['total_s']:>10.2f}s")
     write_result("sandbox_startup", {"median": table, "runs": runs, "rounds": args.rounds, "quick": args.quick,
                                       "before": str(args.before) if args.before else None})
