@@ -28,11 +28,35 @@ def addresses(host: str, port: int) -> list[str]:
     return sorted({str(info[4][0]) for info in infos})
 
 
+# IPv6 prefixes whose last 32 bits are an IPv4 address the packet ends up at: NAT64's well-known prefix (RFC 6052),
+# IPv4-compatible (deprecated, ::/96) and IPv4-translated (SIIT, ::ffff:0:0:0/96) addresses. IPv4-mapped
+# (::ffff:0:0/96) and 6to4 (2002::/16) have properties of their own in ``ipaddress``.
+LAST_32_BITS = tuple(ipaddress.ip_network(n) for n in ("64:ff9b::/96", "::/96", "::ffff:0:0:0/96"))
+# NAT64 for local use (RFC 8215): the site's own translator, whatever IPv4 inside; Teredo (2001::/32): a tunnel
+# whose client address is obfuscated in the last bits. Neither is a public host.
+NEVER = tuple(ipaddress.ip_network(n) for n in ("64:ff9b:1::/48", "2001::/32"))
+
+
+def inner_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 address carries traffic to (IPv4-mapped, NAT64, 6to4, compatible, translated)."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if any(ip in net for net in LAST_32_BITS):
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
 def internal(address: str) -> bool:
-    """Loopback, link-local, private, shared, reserved, multicast or unspecified: not a public address."""
+    """Loopback, link-local, private, shared, reserved, multicast or unspecified: not a public address. An IPv6
+    address that carries an IPv4 one (IPv4-mapped, NAT64, 6to4) is judged by the IPv4 inside; local-use NAT64 and
+    Teredo never pass."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])
-    mapped = getattr(ip, "ipv4_mapped", None)
-    ip = mapped or ip
+    if isinstance(ip, ipaddress.IPv6Address):
+        if any(ip in net for net in NEVER):
+            return True
+        ip = inner_ipv4(ip) or ip
     return not ip.is_global or ip.is_multicast
 
 
