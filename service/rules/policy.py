@@ -237,6 +237,12 @@ def _quota_block(job: QueuedJob, quotas: Quotas, held: Held) -> str | None:
     return None
 
 
+def named(job_id: str, owner: str, reader: str | None) -> str:
+    """A job as a reason shown to ``reader`` (the owner of the job the reason is about) names it: by its id when it
+    is theirs, else as "another user's job" (another user's ids are not theirs to learn). None: by its id."""
+    return job_id if reader is None or owner == reader else "another user's job"
+
+
 def decide(queued: list[QueuedJob], active: list[ActiveJob], nodes: list[Node], usage: dict[str, float],
            quotas: dict[str, Quotas], start_charge_s: float = 60.0, blocked: dict[str, str] | None = None
            ) -> Decision:
@@ -270,7 +276,7 @@ def decide(queued: list[QueuedJob], active: list[ActiveJob], nodes: list[Node], 
                                                            held.get(job.owner, Held()))
         if why is None and reserved is not None and any(s and n > 0 for s, n in zip(short, per_worker(job.demand),
                                                                                      strict=True)):
-            why = f"behind {reserved.id}, which is next and waiting for room"
+            why = f"behind {named(reserved.id, reserved.owner, job.owner)}, which is next and waiting for room"
         placement = place(job.demand, of_type(free, nodes, job.demand)) if why is None else None
         if why is None and placement is None and (never := never_fits(job.demand, nodes)):
             why = f"cannot fit the cluster as it is now (nodes missing?): {never}"  # waits without reserving

@@ -18,7 +18,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from api_schemas.jobs import Demand
-from service.rules.policy import ActiveJob, place, take
+from service.rules.policy import ActiveJob, named, place, take
 
 MAX_TRIES = 2000  # sets of victims tried exactly; past that, a greedy choice pruned to a minimal set
 
@@ -99,28 +99,31 @@ def choose_victims(demand: Demand, priority: int, free: dict[str, list[float]], 
     return None  # not reached: all of them fit
 
 
-def describe(victims: list[Candidate]) -> str:
-    return ", ".join(f"{v.id} (priority {v.priority})" for v in victims)
+def describe(victims: list[Candidate], reader: str | None = None) -> str:
+    return ", ".join(f"{named(v.id, v.job.owner, reader)} (priority {v.priority})" for v in victims)
 
 
 def plan(demand: Demand, priority: int, free: dict[str, list[float]], running: list[Candidate],
-         stopping: list[ActiveJob], enabled: bool = True, released: dict[str, list[float]] | None = None) -> Plan:
+         stopping: list[ActiveJob], enabled: bool = True, released: dict[str, list[float]] | None = None,
+         reader: str | None = None) -> Plan:
     """What to preempt now for the waiting gang. ``running``: the running jobs that are not ``stopping`` (jobs
     already on their way out, whose resources count as freed). ``released``: after a recent preemption, what is
     free once Ray has caught up with it (the ledger's own count): Ray reports a stopped job's resources in use
-    for a few seconds more, and that lag must not cost a second victim."""
+    for a few seconds more, and that lag must not cost a second victim. ``reader``: the waiting job's owner, to
+    whom the note names only their own jobs by id (``policy.named``)."""
     if not enabled:
         return Plan()
     free = freed(free, stopping)
     if stopping and place(demand, free) is not None:
-        return Plan(note=f"; waiting for {', '.join(j.id for j in stopping)} to checkpoint and stop")
+        return Plan(note=f"; waiting for {', '.join(named(j.id, j.owner, reader) for j in stopping)} to checkpoint "
+                         "and stop")
     if released is not None and place(demand, freed(released, stopping)) is not None:
         return Plan(note="; waiting for Ray to release what the jobs just preempted held")
     victims = choose_victims(demand, priority, free, running)
     if victims:
-        return Plan(victims, f"; preempting {describe(victims)}: waiting for them to checkpoint and stop")
+        return Plan(victims, f"; preempting {describe(victims, reader)}: waiting for them to checkpoint and stop")
     lower = [c for c in running if c.priority < priority]
-    pinned = [c.id for c in lower if not c.preemptible]
+    pinned = [named(c.id, c.job.owner, reader) for c in lower if not c.preemptible]
     if pinned:
         return Plan(note=f"; cannot preempt {', '.join(pinned)}: resources.preemptible=false")
     if lower:

@@ -2,8 +2,9 @@
 (docs/operations.md, Preemption; which jobs may be preempted: ``service.rules.preemptible``).
 
 1. mark: the victim's hash gets ``preempted_by``/``preempted_priority``, its stream a log event
-   ``preempted by <job> (priority P): ...``, and its Ray job a stop (SIGTERM: the driver exports its artifacts
-   from the last per-epoch checkpoint; SIGKILL after ``TLAB_STOP_GRACE_S``), as the time-limit path does;
+   ``preempted by <job> (priority P): ...`` (another user's job not by its id), and its Ray job a stop (SIGTERM:
+   the driver exports its artifacts from the last per-epoch checkpoint; SIGKILL after ``TLAB_STOP_GRACE_S``), as
+   the time-limit path does;
 2. requeue (``Scheduler.reconcile`` once Ray reports it stopped): ``running -> queued`` at its original
    ``created_at`` (the queue's score: it keeps its age), ``preemptions`` + 1, ``last_preemption`` says by which
    job and when, ``ran_s`` adds the time it ran (time limits count running time across preemptions) and
@@ -79,14 +80,15 @@ def preempt(store: Store, launcher: Stopper, settings: Settings, decision: polic
     ledger = [replace(n, cpus_used=None, gpus_used=None, memory_used_gb=None) for n in nodes]  # Ray's count aside
     released = (policy.of_type(policy.free_resources(ledger, active), nodes, job.demand)
                 if now - requeued_at < SETTLE_S else None)
-    plan = preemption.plan(job.demand, job.priority, free, running, leaving, released=released)
+    plan = preemption.plan(job.demand, job.priority, free, running, leaving, released=released, reader=job.owner)
     decision.order = [(i, why + plan.note if i == job.id else why) for i, why in decision.order]
     by = {d["id"]: d for d in raws}
     for victim in plan.victims:
         log.info("preempting %s (priority %d) for %s (priority %d)", victim.id, victim.priority, job.id,
                  job.priority)
-        store.r.hset(keys.job(victim.id), mapping={PREEMPTED_BY: job.id, PREEMPTED_PRIORITY: str(job.priority)})
-        store.log_event(victim.id, "info", f"preempted by {job.id} (priority {job.priority}): checkpointing and "
+        preemptor = policy.named(job.id, job.owner, victim.job.owner)  # the victim's owner reads it
+        store.r.hset(keys.job(victim.id), mapping={PREEMPTED_BY: preemptor, PREEMPTED_PRIORITY: str(job.priority)})
+        store.log_event(victim.id, "info", f"preempted by {preemptor} (priority {job.priority}): checkpointing and "
                                            f"stopping (TLAB_STOP_GRACE_S={settings.stop_grace_s:g})", now)
         try:
             launcher.stop(by[victim.id].get("ray_job_id", ""))

@@ -42,7 +42,7 @@ def test_a_gang_whose_memory_ray_cannot_reserve_now_waits_saying_so() -> None:
     none, some = q(mem(None), owner="carol"), q(mem(1), owner="dan")
     d = policy.decide([b, none, some], [ActiveJob(a.id, "alice", a.demand, ("n",))], nodes, {}, {})
     assert starts(d) == [(none.id, ["n"])]
-    assert dict(d.order)[some.id] == f"behind {b.id}, which is next and waiting for room"
+    assert dict(d.order)[some.id] == "behind another user's job, which is next and waiting for room"  # b is bob's
 
 
 def test_workers_go_to_the_nodes_with_memory_for_them() -> None:

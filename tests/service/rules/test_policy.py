@@ -108,7 +108,9 @@ def test_a_blocked_big_gang_is_not_starved_by_small_jobs() -> None:
     # the big gang waits for a GPU and reserves it: the small GPU job waits behind it, the CPU-only job runs
     assert order(d) == [small_cpu.id]
     reasons = dict(d.order)
-    assert reasons[big.id].startswith("no room") and f"behind {big.id}" in reasons[small_gpu.id]
+    assert reasons[big.id].startswith("no room") and "behind another user's job" in reasons[small_gpu.id]
+    own = q("alice", Demand(workers=1, cpus_per_worker=1, gpus_per_worker=1))  # one's own job is named
+    assert f"behind {big.id}, which" in dict(policy.decide([big, own], running, nodes, {}, {}).order)[own.id]
 
 
 def test_simulated_cluster_dispatch_is_fair_and_nobody_starves() -> None:
