@@ -8,15 +8,22 @@ A name never leaves the job's directory: absolute names, ``..``, backslashes and
 writes this directory, so every file is opened under the storage root without following a link on any component
 (``service.core.safe_files``): a link (``artifacts/`` itself one, or a file) or a special file is left out of the list,
 and asked for by name it is 404 with one line, logged; a download is served from the descriptor that was checked.
+
+Listing reads no file but ``SHA256SUMS`` (at most ``SUMS_MAX_BYTES``): each file's sha256 is the one its export
+recorded there (``workers.job.artifacts.record_digests``, bounded). An experiment exports in its sandbox, so that
+digest is the job's word, and each item says so: it lets ``tlab pull`` check what it downloaded, and the service
+decides nothing on it. A file it does not name (over the export's bound, written after it, no export yet) is
+listed with no sha256 and a note why; the list's own digest is taken from the bytes just read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import PurePosixPath
 
-from api_schemas.artifacts import ArtifactView
+from api_schemas.artifacts import HASH_EXPORT_MAX, HASH_FILE_MAX, SUMS, ArtifactView
 from service.core import safe_files, storage
 from service.core.checkpoints import checkpoint_dirs
 from service.core.errors import InvalidInput, JobNotFound
@@ -24,26 +31,39 @@ from service.core.settings import Settings
 
 ARTIFACTS = "artifacts"  # workers.job.artifacts.ARTIFACTS (the service does not import workers/)
 CHECKPOINT = "checkpoint.pt"
-CHUNK = 1 << 20
-_digests: dict[tuple[str, str, int, int], str] = {}  # (root, name, size, mtime_ns) -> sha256: a file read once
+SUMS_MAX_BYTES = 8 << 20  # a SHA256SUMS line per file: far more than TLAB_MAX_JOB_FILES lines of names
+SUMS_LINE = re.compile(r"([0-9a-f]{64}) [ *](.+)")
+RECORDED = "recorded at export in SHA256SUMS, in the job's storage (the job may have written it): checks a download"
+NOT_EXPORTED = "none: the job has not exported its artifacts (SHA256SUMS)"
+STAND_IN = "none: the job did not export its artifacts; this is its newest checkpoint as Ray Train kept it"
+OVER = f"none: over the {HASH_FILE_MAX >> 30} GiB the export hashes per file"
+NOT_NAMED = f"none recorded at export (written after it, or past the {HASH_EXPORT_MAX >> 30} GiB an export hashes)"
 
 
-def sha256(root: str, rel: str, st: os.stat_result) -> str:
-    """The file's sha256, read through a descriptor opened without following links (cached by size and mtime)."""
-    key = (root, rel, st.st_size, st.st_mtime_ns)
-    if key not in _digests:
-        h = hashlib.sha256()
-        with os.fdopen(safe_files.open_file(root, rel), "rb") as f:
-            while chunk := f.read(CHUNK):
-                h.update(chunk)
-        _digests[key] = h.hexdigest()
-    return _digests[key]
+class Digests:
+    """What ``SHA256SUMS`` records (name -> sha256), read once per listing, bounded, no link followed."""
 
+    def __init__(self, root: str, rel: str) -> None:
+        self.by_name: dict[str, str] = {}
+        self.own: str | None = None  # the list's own digest; None: no list
+        try:
+            data = safe_files.read_bytes(root, rel, SUMS_MAX_BYTES)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, safe_files.UnsafeFile):
+            return
+        self.own = hashlib.sha256(data).hexdigest()
+        for line in data.decode("utf-8", "replace").splitlines():
+            if match := SUMS_LINE.fullmatch(line):
+                self.by_name[match[2]] = match[1]
 
-def view(name: str, root: str, rel: str, st: os.stat_result) -> ArtifactView:
-    return ArtifactView(name=name, bytes=st.st_size, sha256=sha256(root, rel, st), modified_at=st.st_mtime)
-
-
+    def view(self, name: str, st: os.stat_result) -> ArtifactView:
+        """The item for ``name``: the digest recorded for it, or none and why (never a file read here)."""
+        if name == SUMS and self.own is not None:
+            digest, note = self.own, "of the list itself, as the API read it"
+        elif name in self.by_name:
+            digest, note = self.by_name[name], RECORDED
+        else:
+            digest, note = None, OVER if st.st_size > HASH_FILE_MAX else NOT_EXPORTED if self.own is None else NOT_NAMED
+        return ArtifactView(name=name, bytes=st.st_size, sha256=digest, sha256_note=note, modified_at=st.st_mtime)
 
 
 def last_checkpoint(settings: Settings, job_id: str) -> tuple[str, os.stat_result] | None:
@@ -67,16 +87,19 @@ def hidden(name: str) -> bool:
 
 
 def listing(settings: Settings, job_id: str) -> list[ArtifactView]:
-    """Every artifact, sorted by name (hidden files, half-written ones among them, and links left out)."""
+    """Every artifact, sorted by name (hidden files, half-written ones among them, and links left out), with the
+    sha256 its export recorded (``Digests``): no file is read to list it."""
     storage.sync_artifacts(settings, job_id)
     root, base = settings.storage_path, f"{job_id}/{ARTIFACTS}"
     try:
         found = list(safe_files.files(root, base))
     except safe_files.UnsafeFile:  # artifacts/ itself a link: logged, nothing listed
         found = []
-    items = {name: view(name, root, f"{base}/{name}", st) for name, st in found if not hidden(name)}
+    digests = Digests(root, f"{base}/{SUMS}")
+    items = {name: digests.view(name, st) for name, st in found if not hidden(name)}
     if CHECKPOINT not in items and (ckpt := last_checkpoint(settings, job_id)) is not None:
-        items[CHECKPOINT] = view(CHECKPOINT, root, *ckpt)
+        items[CHECKPOINT] = ArtifactView(name=CHECKPOINT, bytes=ckpt[1].st_size, sha256_note=STAND_IN,
+                                         modified_at=ckpt[1].st_mtime)
     return [items[k] for k in sorted(items)]
 
 

@@ -1,6 +1,7 @@
 """What a job leaves behind. ``tlab pull ID [-o DIR]``: an experiment's (or a sweep's best trial's) artifacts,
-downloaded with a progress bar, each checked against the sha256 the API lists. A file already there with that
-sha256 is skipped; a ``.part`` left by an interrupted pull is continued with a Range request.
+downloaded with a progress bar, each checked against the sha256 the API lists (recorded at export; a file it
+has none for, e.g. one over the export's bound, against its size only). A file already there with that sha256 is
+skipped; a ``.part`` left by an interrupted pull is continued with a Range request.
 ``tlab logs ID [-f] [--tail N] [--rank R] [--attempt A]``: what a rank printed, kept in storage."""
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ def fetch(c: Client, job_id: str, item: dict[str, Any], dest: Path, bar: Any) ->
                 for chunk in r.iter_bytes(CHUNK):
                     f.write(chunk)
                     bar.update(len(chunk))
-    if file_sha256(part) != item["sha256"]:
+    if item.get("sha256") is None and part.stat().st_size != item["bytes"]:
+        part.unlink()
+        fail(f"{item['name']}: its size does not match the API's listing (changed while pulling?): pull again")
+    if item.get("sha256") is not None and file_sha256(part) != item["sha256"]:
         part.unlink()
         fail(f"{item['name']}: its sha256 does not match the API's listing (changed while pulling?): pull again")
     part.replace(dest)
@@ -71,14 +75,15 @@ def cmd_pull(args: argparse.Namespace) -> int:
             print(f"{args.id} has no artifacts yet (they are written when it ends)")
             return 1
         todo = [(i, target(out, i["name"])) for i in items]
-        todo = [(i, d) for i, d in todo if not (d.is_file() and file_sha256(d) == i["sha256"])]
+        todo = [(i, d) for i, d in todo if not (i.get("sha256") and d.is_file() and file_sha256(d) == i["sha256"])]
         total = sum(i["bytes"] for i, _ in todo)
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"pull {args.id}",
                   disable=args.quiet) as bar:
             for item, dest in todo:
                 fetch(c, args.id, item, dest, bar)
     for item in items:
-        print(f"{target(out, item['name'])}  {item['bytes']} bytes  sha256 {item['sha256'][:12]}")
+        digest = (item.get("sha256") or "")[:12] or f"- ({item.get('sha256_note', 'none listed')})"
+        print(f"{target(out, item['name'])}  {item['bytes']} bytes  sha256 {digest}")
     return 0
 
 

@@ -7,7 +7,11 @@ its time limit: SIGTERM gives it the grace period), from the last checkpoint Ray
   per name, so ``safetensors.torch.load_file`` then ``model.load_state_dict`` gives the model back);
 - ``checkpoint.pt``: that checkpoint (``torch.load(..., weights_only=True)``), to go on from;
 - ``metrics.csv``: one row per epoch; ``summary.json``: the run's summary (``workers.train.loop.summarize``);
-- whatever the training code wrote to ``ctx.artifacts_dir`` (the same directory).
+- whatever the training code wrote to ``ctx.artifacts_dir`` (the same directory);
+- ``SHA256SUMS``: every file's SHA-256, written last (``record_digests``), which the API lists so that it never
+  reads a file to list it. Bounded: a file over ``HASH_FILE_MAX`` bytes, or past ``HASH_EXPORT_MAX`` in all, is
+  not hashed (a comment line names it); no link is followed, only regular files are read. An experiment's
+  export runs in its sandbox, so its SHA256SUMS is the job's word: it checks a download, it proves nothing.
 
 Each file is written to a hidden temporary name and renamed, so a reader never sees half a file.
 """
@@ -15,17 +19,24 @@ Each file is written to a hidden temporary name and renamed, so a reader never s
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import os
 import shutil
-from pathlib import Path
+import stat
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from api_schemas import ExperimentSpec
+from api_schemas.artifacts import HASH_EXPORT_MAX, HASH_FILE_MAX, SUMS
 
 ARTIFACTS = "artifacts"
 CHECKPOINT_FILE = "checkpoint.pt"  # workers.train.context writes it; torch is imported only when exporting
+EXPORTED = (CHECKPOINT_FILE, "model.safetensors", "metrics.csv", "summary.json")
+CHUNK = 1 << 20
+NOFOLLOW = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def artifacts_dir(storage: str | Path, run_name: str) -> Path:
@@ -80,11 +91,14 @@ def metrics_csv(history: list[dict[str, Any]]) -> str:
 
 def export(spec: ExperimentSpec, run_dirs: list[Path], out: Path, extra: dict[str, Any] | None = None) -> list[str]:
     """Write the artifacts of the run whose checkpoints are in ``run_dirs`` (a PBT trial trains in several) to
-    ``out``; returns the names written ([] with no checkpoint yet). ``extra`` goes into summary.json."""
+    ``out``, then their digests (``record_digests``); returns the names written ([] with no checkpoint yet: the
+    digests of what the run's code wrote there are recorded all the same). ``extra`` goes into summary.json."""
     from workers.train.shared import summarize
 
     found = last_training_state(run_dirs)
     if found is None:
+        if out.is_dir():
+            record_digests(out)
         return []
     path, state = found
     out.mkdir(parents=True, exist_ok=True)
@@ -98,4 +112,80 @@ def export(spec: ExperimentSpec, run_dirs: list[Path], out: Path, extra: dict[st
     summary.update(complete=len(history) >= spec.training.epochs, epochs_planned=spec.training.epochs,
                    **(extra or {}))
     _write(out / "summary.json", (json.dumps(summary, indent=2, default=float) + "\n").encode())
-    return [CHECKPOINT_FILE, "model.safetensors", "metrics.csv", "summary.json"]
+    record_digests(out)
+    return [*EXPORTED, SUMS]
+
+
+def record_digests(out: Path) -> list[str]:
+    """Write ``out/SHA256SUMS`` (sha256sum's format) for the regular files below ``out``, the export's own first,
+    hidden names left out; returns the names left unhashed (each named in a comment line, with why)."""
+    lines = ["# SHA-256 of the artifacts as exported: `sha256sum -c SHA256SUMS` checks a pull"]
+    skipped, budget = [], HASH_EXPORT_MAX
+    for name, size in sorted(regular_files(out), key=lambda f: (f[0] not in EXPORTED, f[0])):
+        odd = any(c in name for c in "\n\r\\")  # sha256sum would need its escapes: not listed
+        why = ("its name holds a line break or backslash" if odd else f"over {HASH_FILE_MAX >> 30} GiB"
+               if size > HASH_FILE_MAX else f"past the {HASH_EXPORT_MAX >> 30} GiB an export hashes"
+               if size > budget else "")
+        digest = None if why else _sha256(out, name, min(budget, HASH_FILE_MAX))
+        if digest is None:
+            skipped.append(name)
+            shown = "a name with a line break" if "\n" in name or "\r" in name else name
+            lines.append(f"# not hashed: {shown} ({size} bytes): {why or 'gone, or grew while it was hashed'}")
+            continue
+        budget -= size
+        lines.append(f"{digest}  {name}")
+    _write(out / SUMS, ("\n".join(lines) + "\n").encode())
+    return skipped
+
+
+def _sha256(out: Path, name: str, limit: int) -> str | None:
+    """The SHA-256 of the regular file ``out/name`` (no link followed), or None: gone, no longer a regular file,
+    or more than ``limit`` bytes read."""
+    try:
+        fd = _open_under(out, name)
+    except OSError:
+        return None
+    h, seen = hashlib.sha256(), 0
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        os.set_blocking(fd, True)
+        while chunk := f.read(CHUNK):
+            seen += len(chunk)
+            if seen > limit:
+                return None
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _open_under(out: Path, name: str) -> int:
+    """``out/name`` opened one component at a time from ``out``'s descriptor, none of them followed if a link
+    (``OSError``: ELOOP or ENOTDIR)."""
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    *dirs, last = PurePosixPath(name).parts
+    try:
+        for part in dirs:
+            fd, parent = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd), fd
+            os.close(parent)
+        return os.open(last, NOFOLLOW, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def regular_files(out: Path, prefix: str = "") -> Iterator[tuple[str, int]]:
+    """(name under ``out``, size) of each regular file below ``out`` (its SHA256SUMS and hidden names left out),
+    found without following a link: a linked directory is not entered, a link or special file not listed (a
+    directory swapped for a link meanwhile: ``_open_under`` refuses its files)."""
+    try:
+        with os.scandir(out / prefix) as entries:
+            found = sorted((e.name, e.stat(follow_symlinks=False)) for e in entries)
+    except OSError:
+        return
+    for entry, st in found:
+        name = f"{prefix}/{entry}" if prefix else entry
+        if entry.startswith(".") or name == SUMS:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            yield from regular_files(out, name)
+        elif stat.S_ISREG(st.st_mode):
+            yield name, st.st_size

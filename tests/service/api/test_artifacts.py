@@ -23,6 +23,7 @@ from service.stack.embedded import Stack
 from tests.service.cli.tlab_process import TLAB
 from tests.service.conftest import Api, tiny
 from tests.service.test_failure_reasons import wait_ended
+from workers.job.artifacts import record_digests
 
 JOB = "18f3a2b4c5d-9e1f2a"
 
@@ -49,7 +50,13 @@ def test_names_never_leave_the_jobs_directory(storage: tuple[Settings, Path]) ->
     settings, root = storage
     listed = {a.name: a for a in artifacts.listing(settings, JOB)}
     assert set(listed) == {"plots/a.txt", "checkpoint.pt"}  # not the hidden file, not the symlink out
+    assert listed["plots/a.txt"].sha256 is None and listed["plots/a.txt"].sha256_note == artifacts.NOT_EXPORTED
+    assert record_digests(root) == []  # the export's digests (the link and the hidden file left out)
+    listed = {a.name: a for a in artifacts.listing(settings, JOB)}
+    assert set(listed) == {"plots/a.txt", "checkpoint.pt", "SHA256SUMS"}
     assert listed["plots/a.txt"].sha256 == hashlib.sha256(b"mine").hexdigest()
+    assert listed["SHA256SUMS"].sha256 == hashlib.sha256((root / "SHA256SUMS").read_bytes()).hexdigest()
+    assert listed["checkpoint.pt"].sha256 is None and listed["checkpoint.pt"].sha256_note == artifacts.STAND_IN
     # no checkpoint.pt exported (a driver killed before it could): the newest Ray Train checkpoint stands in
     assert read(settings, "checkpoint.pt") == b"new"
     assert read(settings, "plots/a.txt") == b"mine"

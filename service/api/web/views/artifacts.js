@@ -33,7 +33,7 @@ export async function showArtifacts(base) {
   box.className = "";
   put(box, html`<table class="artifacts"><tr><th>name</th><th>size</th><th>sha256</th></tr>${items.map((a) => html`
     <tr><td><a href="#" data-name="${a.name}">${a.name}</a></td><td>${size(a.bytes)}</td>
-    <td class="small muted" title="${a.sha256}">${a.sha256.slice(0, 16)}…</td></tr>`)}</table>`);
+    <td class="small muted" title="${a.sha256 || ""} ${a.sha256_note || ""}">${a.sha256 ? `${a.sha256.slice(0, 16)}…` : "–"}</td></tr>`)}</table>`);
   box.onclick = (e) => {
     const name = e.target.closest("a[data-name]")?.dataset.name;
     if (!name) return;
