@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 import textwrap
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from service.core.settings import Settings
 from service.stack.embedded import Stack
 from tests.service.conftest import Api, tiny, wait_for
 from tests.service.test_code_packages import wait_end
-from workers.job import job_user
+from workers.job import job_user, sandbox
 
 pytestmark = pytest.mark.slow
 
@@ -45,8 +46,8 @@ def caught(fn):
     try:
         fn()
         return 0
-    except OSError as err:
-        return err.errno or -1
+    except (OSError, ValueError) as err:  # (setrlimit above the hard limit: ValueError)
+        return getattr(err, "errno", None) or -1
 
 
 def threads_until_refused(limit):
@@ -80,7 +81,9 @@ def probe(storage):
     shutil.copy("/bin/sh", shell)
     found["chmod_setuid"] = caught(lambda: os.chmod(shell, 0o6755))
     found["create_setuid"] = caught(lambda: os.close(os.open(job_dir / "made", os.O_CREAT | os.O_WRONLY, 0o4755)))
+    found["mounts"] = sorted({line.split()[4] for line in open("/proc/self/mountinfo")})
     found["nproc"] = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    found["core"] = caught(lambda: resource.setrlimit(resource.RLIMIT_CORE, (1 << 20, 1 << 20)))
     found["threads"] = threads_until_refused(found["nproc"] + 64)
     print("PROBES " + json.dumps(found), flush=True)
     for _ in range(600):  # until the test has looked at the host's /proc
@@ -134,6 +137,13 @@ def test_no_job_process_is_host_root_and_every_escape_probe_is_refused(stack: St
         view = wait_end(c, job)
         found = json.loads(next(x for x in c.logs(job).splitlines() if x.startswith("PROBES ")).removeprefix("PROBES "))
     assert view["state"] == "succeeded", view.get("failure_reason")
+    allowed = ("/", "/dev", "/proc", "/tmp", "/usr", *(d for d in ("/bin", "/lib", "/lib64", "/sbin")
+                                                     if not Path(d).is_symlink()))
+    python = {str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix)} | {
+        str(Path(p).resolve()) for p in sandbox.our_package_dirs()}
+    extra = [m for m in found["mounts"] if m not in allowed and not m.startswith(("/dev/", "/proc/", "/etc/"))
+             and m not in python and m != str(storage / job) and "/runtime_resources/working_dir_files/" not in m]
+    assert extra == [], extra  # exactly what it needs: no home, no other job, no Ray session beyond its code
     assert seen_on_host and 0 not in seen_on_host.values(), seen_on_host  # every payload here, this one included
     assert job_user.job_uid(job) in seen_on_host.values(), seen_on_host
     assert found["uid"] == found["euid"] == job_user.job_uid(job), found
@@ -144,6 +154,7 @@ def test_no_job_process_is_host_root_and_every_escape_probe_is_refused(stack: St
     assert all(found[name] == 1 for name in ("keyctl", "bpf", "perf_event_open", "init_module", "kexec_load",
                                               "open_by_handle_at") if name in found), found
     assert found["chmod_setuid"] == 1 and found["create_setuid"] == 1, found
+    assert found["core"] != 0, found  # no core dump, and it cannot raise its own limit (no core_pattern run)
     assert found["nproc"] == job_user.DEFAULT_MAX_PROCS and found["threads"] < found["nproc"], found
     assert setid_files(storage / job) == []
     sh = storage / job / "sh"

@@ -54,7 +54,8 @@ def refused_everywhere(api: Api, tmp_path: Path) -> None:
                     assert r.status_code == 422, (kind, what, dry, r.status_code, r.text)
                     assert r.json()["errors"][0]["field"] == f"spec.dataset.{field}", (kind, what, r.json())
                 r = http.post("/v1/sweeps", json={"base": spec, "search_space": {"optimizer.lr": {"grid": [0.1]}}})
-                assert r.status_code == 422 and r.json()["errors"][0]["field"] == f"base.dataset.{field}", (kind, what, r.text)
+                assert r.status_code == 422, (kind, what, r.text)
+                assert r.json()["errors"][0]["field"] == f"base.dataset.{field}", (kind, what, r.text)
 
 
 def test_a_dataset_at_the_services_own_files_is_refused_at_submit_for_every_kind(api_only: Api,

@@ -14,7 +14,7 @@ service user on the host: bwrap cannot map another uid without privileges.
 - ``readable_code``: the job's code, unpacked by Ray under the node's 0700 temp directory with 0700 folders, opened
   to others there (still unreachable from the host's other users: its parents stay 0700);
 - ``strip_setid``: no set-uid or set-gid bit survives in the job's directory (the seccomp filter refuses them too);
-- ``limit_processes``: ``TLAB_SANDBOX_MAX_PROCS`` (1024) processes and threads for the payload's uid.
+- ``limit_processes``: ``TLAB_SANDBOX_MAX_PROCS`` (1024) processes and threads for the payload's uid, no core dump.
 """
 
 from __future__ import annotations
@@ -143,8 +143,10 @@ def process_cap() -> int:
 
 
 def limit_processes(cap: int) -> None:
-    """In the payload's process before it starts (``process_cap``), and the umask that keeps its files its own."""
+    """In the payload's process before it starts: ``cap`` processes (``process_cap``), no core dump (a crash hands
+    the kernel's core handler nothing of the job's memory), and the umask that keeps its files its own."""
     resource.setrlimit(resource.RLIMIT_NPROC, (cap, cap))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     os.umask(UMASK)
 
 
