@@ -1,5 +1,8 @@
 """Lua scripts, in one module: each is atomic on the Redis server and safe to repeat."""
 
+import hashlib
+from collections.abc import Mapping
+
 from api_schemas.keys import STREAM_MAXLEN
 
 OUTBOX_MAXLEN = 10_000  # webhook entries kept in the outbox (the sender takes them within a tick)
@@ -49,12 +52,44 @@ end
 """
 
 # The service's own `status` (with a state and an `at`) and `end` entries: each script that writes one appends its
-# stream id to the job hash's `service_events` (a key the job's Redis user cannot write), and the SSE relay passes
-# a `status` with a state and an `at`, or an `end`, only when its id is there (service/api/event_vetting.py): a job
-# cannot end its followers' streams or claim a state by writing such an entry itself.
+# stream id and the digest of its content (`entry_digest`) to the job hash's `service_events` (a key the job's Redis
+# user cannot write), as `<id>=<sha1>,`; the SSE relay passes a `status` with a state and an `at`, or an `end`, only
+# when its id is there with the digest of what the entry holds (service/api/event_vetting.py): a job cannot end its
+# followers' streams or claim a state by writing such an entry itself, nor by rewriting its stream under the ids the
+# service listed. `ours(job, stream, maxlen, kind, data)` adds the entry (MAXLEN ~ maxlen unless nil) and lists it.
 SERVICE_EVENTS_FIELD = "service_events"
-OURS = ("local function ours(job, sid) redis.call('HSET', job, '" + SERVICE_EVENTS_FIELD + "', "
-        "(redis.call('HGET', job, '" + SERVICE_EVENTS_FIELD + "') or '') .. sid .. ',') end\n")
+OURS = """local function ours(job, stream, maxlen, kind, data)
+  local sid
+  if maxlen then
+    sid = redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'kind', kind, 'data', data)
+  else
+    sid = redis.call('XADD', stream, '*', 'kind', kind, 'data', data)
+  end
+  local digest = redis.sha1hex('4:kind' .. #kind .. ':' .. kind .. '4:data' .. #data .. ':' .. data)
+  redis.call('HSET', job, '__FIELD__', (redis.call('HGET', job, '__FIELD__') or '') .. sid .. '=' .. digest .. ',')
+  return sid
+end
+""".replace("__FIELD__", SERVICE_EVENTS_FIELD)
+
+
+def entry_digest(fields: Mapping[str, str | bytes]) -> str:
+    """The digest ``ours`` lists of an entry: SHA-1 of its fields in order, each name and value as ``<bytes>:<it>``."""
+    text = b""
+    for name, value in fields.items():
+        for part in (name, value):
+            raw = part if isinstance(part, bytes) else str(part).encode()
+            text += str(len(raw)).encode() + b":" + raw
+    return hashlib.sha1(text).hexdigest()
+
+
+def service_events(raw: str | bytes | None) -> dict[str, str] | None:
+    """The job hash's ``service_events`` as id -> digest ('' for an id listed alone, by a service that recorded no
+    digest yet); None when the field is absent."""
+    if raw is None:
+        return None
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    return dict(item.partition("=")[::2] for item in text.split(",") if item)
+
 
 # KEYS: job hash, jobs zset, user's jobs zset, queue zset, events stream, wake list, idempotency key ('' = none),
 #       the user's queued zset (the max_queued_jobs count)
@@ -76,12 +111,11 @@ redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('ZADD', KEYS[2], 0, ARGV[1])
 redis.call('ZADD', KEYS[3], 0, ARGV[1])
 redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
-__OURS__(KEYS[1], redis.call('XADD', KEYS[5], '*', 'kind', 'status', 'data',
-           cjson.encode({kind = 'status', state = 'queued', at = tonumber(ARGV[2])})))
+ours(KEYS[1], KEYS[5], nil, 'status', cjson.encode({kind = 'status', state = 'queued', at = tonumber(ARGV[2])}))
 redis.call('LPUSH', KEYS[6], ARGV[1])
 redis.call('LTRIM', KEYS[6], 0, 0)
 return {1, redis.call('ZCARD', KEYS[4])}
-""".replace("__QUEUED_CAP__", QUEUED_CAP).replace("__OURS__", "ours")
+""".replace("__QUEUED_CAP__", QUEUED_CAP)
 
 # KEYS: job hash, queue zset, active set, events stream, notify outbox stream
 # ARGV: to-state, now, comma-separated states the caller expects the job in ('' = any), reason, field/value pairs.
@@ -112,12 +146,11 @@ end
 if to == 'starting' or to == 'running' then redis.call('SADD', KEYS[3], id) else redis.call('SREM', KEYS[3], id) end
 local event = {kind = 'status', state = to, at = now}
 if ARGV[4] ~= '' then event['reason'] = ARGV[4] end
-__OURS__(KEYS[1], redis.call('XADD', KEYS[4], '*', 'kind', 'status', 'data', cjson.encode(event)))
+ours(KEYS[1], KEYS[4], nil, 'status', cjson.encode(event))
 if T[to] and next(T[to]) == nil then
   redis.call('HSET', KEYS[1], 'finished_at', ARGV[2])
   redis.call('HDEL', KEYS[1], 'cancel_requested')
-  __OURS__(KEYS[1], redis.call('XADD', KEYS[4], '*', 'kind', 'end', 'data',
-                               cjson.encode({kind = 'end', state = to, at = now})))
+  ours(KEYS[1], KEYS[4], nil, 'end', cjson.encode({kind = 'end', state = to, at = now}))
 end
 local on = redis.call('HGET', KEYS[1], 'notify_on')
 if on and KEYS[5] then
@@ -129,8 +162,7 @@ if on and KEYS[5] then
   end
 end
 return {1, cur}
-""".replace("__TABLE__", _lua_transition_table()).replace("__OUTBOX_MAXLEN__", str(OUTBOX_MAXLEN)).replace(
-    "__OURS__", "ours")
+""".replace("__TABLE__", _lua_transition_table()).replace("__OUTBOX_MAXLEN__", str(OUTBOX_MAXLEN))
 
 # KEYS: job hash, queue zset, events stream, wake list, trials hash, the job's run hash (service/launch/job_acl.py), '',
 #       the owner's queued zset (the max_queued_jobs count)
@@ -162,12 +194,12 @@ for _, entry in ipairs(redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1000)
     if f[i] == 'kind' and f[i + 1] == 'end' then redis.call('XDEL', KEYS[3], entry[1]) end
   end
 end
-__OURS__(KEYS[1], redis.call('XADD', KEYS[3], 'MAXLEN', '~', __MAXLEN__, '*', 'kind', 'status', 'data',
-           cjson.encode({kind = 'status', state = 'queued', at = tonumber(ARGV[2]), reason = ARGV[4]})))
+ours(KEYS[1], KEYS[3], __MAXLEN__, 'status',
+     cjson.encode({kind = 'status', state = 'queued', at = tonumber(ARGV[2]), reason = ARGV[4]}))
 redis.call('LPUSH', KEYS[4], ARGV[1])
 redis.call('LTRIM', KEYS[4], 0, 0)
 return {1, cur}
-""".replace("__QUEUED_CAP__", QUEUED_CAP).replace("__MAXLEN__", str(STREAM_MAXLEN)).replace("__OURS__", "ours")
+""".replace("__QUEUED_CAP__", QUEUED_CAP).replace("__MAXLEN__", str(STREAM_MAXLEN))
 
 # KEYS: job hash, all-jobs index, the owner's jobs index, the queue view, then the job's own keys (keys.job_keys)
 # ARGV: job id, comma-separated states it may be deleted in (the terminal ones)
