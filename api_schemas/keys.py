@@ -32,8 +32,26 @@ def emitted(job_id: str) -> str:
 
 
 def job_keys(job_id: str) -> list[str]:
-    """Every key that belongs to one job but its hash (what deleting it removes, with the hash)."""
+    """Every key of one job the service names, but its hash (what deleting it removes, with the hash and whatever
+    else ``job_key_pattern`` finds)."""
     return [events(job_id), emitted(job_id), trials(job_id), notified(job_id), job_run(job_id), preflight(job_id)]
+
+
+def own_keys(job_id: str) -> list[str]:
+    """The keys a job's own Redis user may touch, exactly these (service/launch/job_acl.py): its events stream and
+    emitted hash first (the sink's script writes them), then its trials, ``run`` and preflight hashes. Never its job
+    hash, nor ``notified``."""
+    return [events(job_id), emitted(job_id), trials(job_id), job_run(job_id), preflight(job_id)]
+
+
+def glob_escape(name: str) -> str:
+    """``name`` as a Redis glob that matches it alone (an ACL key pattern, a SCAN MATCH)."""
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in name)
+
+
+def job_key_pattern(job_id: str) -> str:
+    """SCAN MATCH pattern of every key under the job's hash (``tlab:job:<id>:*``): what deleting it sweeps."""
+    return f"{glob_escape(job(job_id))}:*"
 
 
 def unsettled() -> str:
@@ -149,17 +167,19 @@ def acl_secret() -> str:
 
 def job_run(job_id: str) -> str:
     """Hash: the job's record as its own processes see it (spec, sweep, start_from, attempts: the scheduler's copy
-    before each submit; summary: written by the job, copied into the job hash when it ends). A job's Redis user
-    may touch ``job(id) + ':*'`` only, never the job hash (service/launch/job_acl.py, workers/job/record.py)."""
+    before each submit; summary: written by the job, copied into the job hash when it ends; ``JOB_RUN_CAPS``: the
+    caps of the job's bounded writes). A job's Redis user may touch ``own_keys`` only, never the job hash
+    (service/launch/job_acl.py, workers/job/record.py)."""
     return f"{PREFIX}:job:{job_id}:run"
 
 
 JOB_RUN_MARK = "job"  # job_run's field naming its job: there once the scheduler wrote the copy
+JOB_RUN_CAPS = "redis_caps"  # job_run's field "<bytes per entry>,<bytes of all own_keys>" (api_schemas.redis_scripts)
 
 
 def ticket(user: str) -> str:
     """String: a job's own ``REDIS_URL``, read once and deleted (``GETDEL``) by its first process as the ticket's
-    Redis user ``user`` (``tlab-ticket-job-<id>``); outside ``job(id) + ':*'``, so no job's user can read it
+    Redis user ``user`` (``tlab-ticket-job-<id>``); none of any job's ``own_keys``, so no job's user can read it
     (service/launch/job_acl.py, workers/job/ticket.py)."""
     return f"{PREFIX}:ticket:{user}"
 

@@ -7,10 +7,72 @@ from api_schemas.keys import STREAM_MAXLEN
 
 OUTBOX_MAXLEN = 10_000  # webhook entries kept in the outbox (the sender takes them within a tick)
 
-# KEYS[1] = events stream, KEYS[2] = emitted hash; ARGV = maxlen, then (identity, kind, data) triples.
-# An event whose identity is already in the hash is skipped, so a worker restarted from a
-# checkpoint can re-emit the epochs it redoes without duplicating them. Identity "" = always add.
-XADD_ONCE = """
+# A job's own writes (its events, its `run`, trials and preflight hashes) go through scripts the service loaded, which
+# its Redis user runs with EVALSHA (service/launch/job_acl.py): each refuses, before writing anything, an entry over
+# the per-entry cap and a write that would take the job's keys over its share of Redis. Both caps are in the script's
+# text (`write_caps`), so a job cannot choose them: it may run no script but those the service loaded. Refusals are
+# error replies starting with `OVER_CAP`.
+JOB_REDIS_MB = 64.0  # TLAB_JOB_REDIS_MB's default: the caps of a job run without the scheduler (no `run` copy)
+ENTRY_MAX = 1 << 20  # bytes an entry (a field and its value, an event's identity, kind and data) may have at most
+ENTRY_MIN = 4096  # ... and at least, however small the job's share
+PER_ENTRY = 64  # bytes counted for each entry besides its own (Redis's bookkeeping of it)
+OVER_CAP = "OVERCAP"
+
+
+def write_caps(job_redis_mb: float = JOB_REDIS_MB) -> tuple[int, int]:
+    """(bytes per entry, bytes of the job's keys together) for a share of ``job_redis_mb`` MiB: an entry may take a
+    sixteenth of the share, between ``ENTRY_MIN`` and ``ENTRY_MAX``."""
+    share = int(job_redis_mb * 2**20)
+    return max(ENTRY_MIN, min(ENTRY_MAX, share // 16)), share
+
+
+def parse_caps(raw: object) -> tuple[int, int]:
+    """``write_caps`` from their text in the job's ``run`` copy ("entry,share"); the default's when absent."""
+    text = raw.decode() if isinstance(raw, bytes) else str(raw or "")
+    try:
+        entry, share = (int(x) for x in text.split(","))
+    except ValueError:
+        return write_caps()
+    return entry, share
+
+
+# KEYS: the job's own keys (keys.own_keys), its events stream first; the room is measured over all of them as the
+# scheduler's tick measures them (service/launch/job_caps.py): the stream whole (MEMORY USAGE ... SAMPLES 0: one step
+# per node; a sample would be of its first nodes only), each hash by a sample of 5 fields.
+_BOUND = """local ENTRY, SHARE, PER = __ENTRY__, __SHARE__, __PER__
+local function too_big(size, what)
+  if size > ENTRY then
+    return redis.error_reply(string.format('__OVER__ %s of %d bytes refused: over the cap of %d bytes per entry '
+      .. '(from TLAB_JOB_REDIS_MB); write smaller ones', what, size, ENTRY))
+  end
+end
+local function no_room(incoming)
+  local used = 0
+  for i = 1, #KEYS do
+    used = used + (redis.call('MEMORY', 'USAGE', KEYS[i], 'SAMPLES', i == 1 and '0' or '5') or 0)
+  end
+  if used + incoming > SHARE then
+    return redis.error_reply(string.format("__OVER__ this job's keys take %d bytes of Redis; %d more would pass its "
+      .. 'share of %d (TLAB_JOB_REDIS_MB): the write is refused; write fewer or smaller events', used, incoming,
+      SHARE))
+  end
+end
+"""
+
+# KEYS[1] = events stream, KEYS[2] = emitted hash, then the job's other keys; ARGV = maxlen, then (identity, kind,
+# data) triples. An event whose identity is already in the hash is skipped, so a worker restarted from a checkpoint
+# can re-emit the epochs it redoes without duplicating them. Identity "" = always add. The whole batch is refused,
+# nothing written, when one event is over the entry cap or the batch would pass the job's share.
+_XADD_ONCE = """
+local incoming = 0
+for i = 2, #ARGV, 3 do
+  local size = #ARGV[i] + #ARGV[i + 1] + #ARGV[i + 2]
+  local refused = too_big(size, 'an event (' .. string.sub(ARGV[i + 1], 1, 20) .. ')')
+  if refused then return refused end
+  incoming = incoming + size + PER
+end
+local refused = no_room(incoming)
+if refused then return refused end
 local added = 0
 for i = 2, #ARGV, 3 do
   local ident = ARGV[i]
@@ -21,6 +83,40 @@ for i = 2, #ARGV, 3 do
 end
 return added
 """
+
+# KEYS = the job's own keys; ARGV[1] = the position in KEYS of the hash written, then field/value pairs.
+# A field's growth is its new value less the one it replaces; refused whole as the events are.
+_HSET_OWN = """
+local key, growth, fields = KEYS[tonumber(ARGV[1])], 0, {}
+for i = 2, #ARGV, 2 do
+  local size = #ARGV[i] + #ARGV[i + 1]
+  local refused = too_big(size, 'field ' .. string.sub(ARGV[i], 1, 40))
+  if refused then return refused end
+  growth = growth + size + PER - redis.call('HSTRLEN', key, ARGV[i])
+  fields[#fields + 1], fields[#fields + 2] = ARGV[i], ARGV[i + 1]
+end
+if growth > 0 then
+  local refused = no_room(growth)
+  if refused then return refused end
+end
+return redis.call('HSET', key, unpack(fields))
+"""
+
+
+def _bounded(body: str, caps: tuple[int, int]) -> str:
+    entry, share = caps
+    return (_BOUND.replace("__ENTRY__", str(int(entry))).replace("__SHARE__", str(int(share)))
+            .replace("__PER__", str(PER_ENTRY)).replace("__OVER__", OVER_CAP) + body)
+
+
+def xadd_once(caps: tuple[int, int]) -> str:
+    """The sink's script (events, exactly once per identity) with these ``write_caps``."""
+    return _bounded(_XADD_ONCE, caps)
+
+
+def hset_own(caps: tuple[int, int]) -> str:
+    """The script of a job's hash writes (its ``run`` copy, trials, preflight) with these ``write_caps``."""
+    return _bounded(_HSET_OWN, caps)
 
 
 def _lua_transition_table() -> str:

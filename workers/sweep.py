@@ -123,6 +123,7 @@ class TrialTable:
     epochs run, whether the scheduler stopped the trial early, and the run summary so far."""
 
     time_limit_s: float | None = None  # a table restored from a sweep's saved state written before it had one
+    job_id = ""  # ... or its job id (its key names it)
 
     def __init__(self, redis_url: str, job_id: str, metric: str, mode: str, epochs: int,
                  time_limit_s: float | None = None) -> None:
@@ -146,7 +147,7 @@ class TrialTable:
         self.callback = _Callback()
         self.redis_url = redis_url
         self._r: redis.Redis | None = None
-        self.key = keys.trials(job_id)
+        self.key, self.job_id = keys.trials(job_id), job_id
         self.metric, self.mode, self.epochs, self.time_limit_s = metric, mode, epochs, time_limit_s
 
     def __getstate__(self) -> dict[str, Any]:
@@ -190,7 +191,10 @@ class TrialTable:
             row.pop("reason", None)
         if reason is not None:
             row["reason"] = reason
-        self.r.hset(self.key, trial.trial_id, json.dumps(row))
+        from workers.job.record import write_hash
+
+        # through the bounded script the scheduler loaded: a row over its cap, or past the job's share, is refused
+        write_hash(self.r, self.job_id or self.key.split(":")[2], self.key, {trial.trial_id: json.dumps(row)})
 
     def limit_reason(self, trial: Any, epochs: int) -> str | None:
         """Why a trial stopped early, when it was its time limit (Tune's ``time_total_s`` stop criterion) and

@@ -1,9 +1,10 @@
 """Deleting an ended job, by its owner (``DELETE``) or once its history has expired (``TLAB_HISTORY_DAYS``).
 
-Deleting removes the job's hash and every key of it in Redis in one step (a job that has not ended is left as it is,
-and its state said), takes its bytes off its owner's ``max_storage_gb`` count, then removes its files (checkpoints,
-artifacts, logs; a sweep's Tune directory too), here and in the bucket — never following a link out of the
-storage root.
+Deleting removes the job's hash and every key of it the service names in Redis in one step (a job that has not ended
+is left as it is, and its state said), then any other key under ``tlab:job:<id>:`` (found with SCAN: a job's user of an
+older release could make them), takes its bytes off its owner's ``max_storage_gb`` count, then removes its files
+(checkpoints, artifacts, logs; a sweep's Tune directory too), here and in the bucket — never following a link out of
+the storage root.
 
 Code packages: with ``TLAB_CODE_TTL_DAYS`` set, a stored package (``service.core.code_store``) that no job refers
 to — queued, running or ended, until it is deleted — is deleted that many days after its upload or last re-upload
@@ -55,9 +56,18 @@ def delete_ended(store: Store, settings: Settings, data: dict[str, str]) -> int 
         keys=[keys.job(job_id), keys.jobs(), keys.user_jobs(owner), keys.queue_view(), *keys.job_keys(job_id)],
         args=[job_id, ENDED])
     if done == 1:
+        drop_leftovers(store, job_id)
         forget(store, data)  # its bytes off its owner's max_storage_gb count
         remove_files(settings, job_id)
     return done
+
+
+def drop_leftovers(store: Store, job_id: str) -> int:
+    """Delete every key left under the deleted job's hash (``SCAN MATCH tlab:job:<id>:*``): how many."""
+    found = list(store.r.scan_iter(match=keys.job_key_pattern(job_id), count=1000))
+    for at in range(0, len(found), 500):
+        store.r.unlink(*found[at:at + 500])
+    return len(found)
 
 
 def remove_files(settings: Settings, job_id: str) -> None:

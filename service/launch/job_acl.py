@@ -1,14 +1,21 @@
 """A Redis ACL user per job: a job's processes (and the user's code in them) reach Redis only as
-``tlab-job-<id>``, allowed the job's own keys ``tlab:job:<id>:*`` (its events stream, emitted, trials and ``run``
-hashes) and the commands the workers use, never with the service's own ``REDIS_URL`` (docs/operations.md,
-"Isolation between jobs"). Not the job hash ``tlab:job:<id>`` itself: the scheduler and the API trust its owner,
-state, demand, priority, Ray submission id and ``id``; the job reads a copy of its inputs and writes its summary
-in ``keys.job_run`` (workers/job/record.py), which ``keep_summary`` copies back once the Ray job has ended.
+``tlab-job-<id>``, allowed exactly the job's own keys (``keys.own_keys``: its events stream, emitted, trials, ``run``
+and preflight hashes; no pattern, so no other key under ``tlab:job:<id>:``) and the commands the workers use, never
+with the service's own ``REDIS_URL`` (docs/operations.md, "Isolation between jobs"). Not the job hash
+``tlab:job:<id>`` itself: the scheduler and the API trust its owner, state, demand, priority, Ray submission id and
+``id``; the job reads a copy of its inputs and writes its summary in ``keys.job_run`` (workers/job/record.py), which
+``keep_summary`` copies back once the Ray job has ended.
 
-- ``credentials(job_id, submission_id)``, called by ``RayJobs.submit`` right before each submit: loads the metric
-  sink's script (the user may run only scripts the service loaded: ``EVALSHA``, no ``EVAL``/``SCRIPT LOAD``),
-  copies the job's inputs into ``keys.job_run``, makes the user (``ACL SETUSER name reset ...``: exactly these
-  rules) and returns a one-time ticket to the job's ``REDIS_URL``, never the URL itself: the Ray job's
+The workers write through the bounded scripts of ``api_schemas.redis_scripts`` (``xadd_once``, ``hset_own``), with the
+caps of ``TLAB_JOB_REDIS_MB`` in their text: an entry over its cap, or a write that would take the job's keys over its
+share, is refused before it lands. Redis checks a script's calls against the user that runs it, so the user holds the
+raw ``XADD``/``HSET``/``HSETNX`` those scripts call: a job's own code can still write raw into its own keys, which
+the scheduler's tick measures (``service.launch.job_caps``), with Redis's ``maxmemory`` behind it.
+
+- ``credentials(job_id, submission_id)``, called by ``RayJobs.submit`` right before each submit: loads the bounded
+  scripts (the user may run only scripts the service loaded: ``EVALSHA``, no ``EVAL``/``SCRIPT LOAD``), copies the
+  job's inputs and the scripts' caps into ``keys.job_run``, makes the user (``ACL SETUSER name reset ...``: exactly
+  these rules) and returns a one-time ticket to the job's ``REDIS_URL``, never the URL itself: the Ray job's
   ``runtime_env`` is readable by every job's code (Ray's Jobs API with the cluster's token). The ticket
   (``TLAB_JOB_TICKET``) is the URL of a second user, ``tlab-ticket-job-<id>``, allowed nothing but ``GETDEL`` of
   one key, ``keys.ticket``, which holds the job's ``REDIS_URL``: the job's first process redeems it at start
@@ -21,6 +28,8 @@ in ``keys.job_run`` (workers/job/record.py), which ``keep_summary`` copies back 
   users (and those already redeemed), and makes again those of active jobs that Redis lost (a restarted Redis keeps
   no ACL users); a deleted user's ``run`` copy and unredeemed ticket go with it; and takes the writes of a job
   over its share of Redis (``service.launch.job_caps``, ``TLAB_JOB_REDIS_MB``).
+- ``drop_users(r, job_id)``: the job's users and ticket users deleted at once (Redis closes their connections),
+  when the job itself is deleted.
 - ``refusal(job_id)``: with ``TLAB_JOB_REDIS_ACL=on`` but a Redis without ACL (older than 6.2, or the service's
   user may not run ``ACL``), a job that runs the user's code is refused rather than given full rights; an admin
   who accepts that sets ``TLAB_JOB_REDIS_ACL=off``.
@@ -39,7 +48,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import redis
 
 from api_schemas import keys
-from api_schemas.redis_scripts import XADD_ONCE
+from api_schemas.redis_scripts import hset_own, write_caps, xadd_once
 from api_schemas.spec import ExperimentSpec
 from service.core.settings import Settings
 from service.launch import job_caps
@@ -48,10 +57,11 @@ log = logging.getLogger("tlab.scheduler")
 USER_PREFIX = "tlab-job-"
 TICKET_PREFIX = "tlab-ticket-"
 INPUTS = ("spec", "sweep", "start_from", "attempts")  # what workers/ reads of its job (workers.job.record)
-# what workers/ sends (redis_sink, job_record, sweep's trials, the XADD_ONCE script's own calls, which Redis checks
-# against the user too), a few reads of the same keys, PING, SELECT for a non-zero db, and ACL WHOAMI (who it is)
-COMMANDS = ("ping", "select", "hget", "hmget", "hgetall", "hvals", "hset", "hsetnx", "del", "xadd", "xrange",
-            "xrevrange", "evalsha", "acl|whoami")
+# what workers/ sends (EVALSHA of the bounded scripts, whose own calls Redis checks against the user too: XADD,
+# HSETNX, HSET, HSTRLEN, MEMORY USAGE; DEL of its trials by a sweep's driver), a few reads of the same keys, PING,
+# SELECT for a non-zero db, and ACL WHOAMI (who it is)
+COMMANDS = ("ping", "select", "hget", "hmget", "hgetall", "hvals", "hstrlen", "hset", "hsetnx", "del", "xadd",
+            "xrange", "xrevrange", "evalsha", "memory|usage", "acl|whoami")
 
 
 def user_name(job_id: str) -> str:
@@ -59,8 +69,9 @@ def user_name(job_id: str) -> str:
 
 
 def rules(job_id: str, password: str) -> list[str]:
-    """``ACL SETUSER`` arguments: nothing but the job's keys and ``COMMANDS``, whatever the user had before."""
-    return ["reset", "on", f">{password}", f"~{keys.job(job_id)}:*", "-@all",
+    """``ACL SETUSER`` arguments: nothing but the job's own keys, each by its exact name, and ``COMMANDS``, whatever
+    the user had before."""
+    return ["reset", "on", f">{password}", *(f"~{keys.glob_escape(k)}" for k in keys.own_keys(job_id)), "-@all",
             *(f"+{c}" for c in COMMANDS)]
 
 
@@ -143,8 +154,11 @@ class JobAcl:
         name for it (a preflight's, which ``sync`` leaves alone: ``service.scheduler.preflight``)."""
         password = self.password(submission_id)
         inputs = {k: v for k, v in zip(INPUTS, self.r.hmget(keys.job(job_id), list(INPUTS)), strict=True) if v}
-        self.r.hset(keys.job_run(job_id), mapping={keys.JOB_RUN_MARK: job_id, **inputs})  # what the job may read
-        self.r.script_load(XADD_ONCE)  # before the user exists: its sink never needs SCRIPT LOAD
+        caps = write_caps(self.settings.job_redis_mb)
+        self.r.hset(keys.job_run(job_id), mapping={keys.JOB_RUN_MARK: job_id, **inputs,  # what the job may read
+                                                   keys.JOB_RUN_CAPS: ",".join(map(str, caps))})
+        for script in (xadd_once(caps), hset_own(caps)):  # before the user exists: it never needs SCRIPT LOAD
+            self.r.script_load(script)
         self.r.execute_command("ACL", "SETUSER", user or user_name(job_id), *rules(job_id, password))
         return password
 
@@ -229,6 +243,20 @@ class JobAcl:
         return ("this job runs your code, and the service cannot give it a Redis user of its own "
                 f"({self.unsupported}): an admin may set TLAB_JOB_REDIS_ACL=off to run such jobs with the service's "
                 "full Redis rights")
+
+
+def drop_users(r: redis.Redis, job_id: str) -> None:
+    """Delete the job's Redis users (its own, its preflight's) and their ticket users and tickets; Redis closes their
+    connections. Nothing to do where Redis has no ACL."""
+    from service.launch.preflight_jobs import preflight_user
+
+    names = [user_name(job_id), preflight_user(job_id)]
+    names += [ticket_user(n) for n in names]
+    try:
+        r.execute_command("ACL", "DELUSER", *names)
+    except redis.ResponseError:  # no ACL here (older than 6, or the service may not run it): no users were made
+        pass
+    r.delete(*(keys.ticket(n) for n in names[2:]))
 
 
 def _json_object(text: str) -> bool:

@@ -1,11 +1,14 @@
 """A job's share of Redis (``TLAB_JOB_REDIS_MB``): what its own keys hold, checked at each scheduler tick.
 
-A job writes its keys as its ACL user (``service.launch.job_acl``) with raw ``XADD``/``HSET`` as well as through the
-sink's script, so no write path of its own can be trusted to stay small. Each tick the scheduler asks Redis what
-each running job's keys take (``MEMORY USAGE``, sampled); a job over its cap loses every write right (its user
-keeps its reads), its stream is trimmed to its last entries (``KEEP`` at most, half its cap) and it gets one
-error ``log`` event saying why, which is its failure reason when it then stops. Redis's own ``maxmemory`` with
-``noeviction`` (``TLAB_REDIS_MAXMEMORY_MB``, set where ``tlab up`` starts Redis) is the hard stop between two ticks.
+A job's user may touch its own keys only (``keys.own_keys``, by their exact names: ``service.launch.job_acl``), and
+the workers write them through the bounded scripts of ``api_schemas.redis_scripts``, which refuse a write that would
+take those keys over the share. That is the first line. Redis checks a script's calls against the user that runs it,
+so the user also holds the raw ``XADD``/``HSET`` the scripts call, and a job's own code can write raw into its own
+keys past the share: this is the second line. Each tick the scheduler asks Redis what each running job's keys take
+(``MEMORY USAGE``: its stream whole, its hashes sampled); a job over its cap loses every write right (its user keeps
+its reads), its stream is trimmed to its last entries (``KEEP`` at most, half its cap) and it gets one error ``log``
+event saying why, which is its failure reason when it then stops. Redis's own ``maxmemory`` with ``noeviction``
+(``TLAB_REDIS_MAXMEMORY_MB``, set where ``tlab up`` starts Redis) is the hard stop between two ticks.
 """
 
 from __future__ import annotations
@@ -21,18 +24,23 @@ from api_schemas import keys
 log = logging.getLogger("tlab.scheduler")
 KEEP = 1000  # stream entries an over-cap job keeps
 WRITES = ("xadd", "hset", "hsetnx", "del", "evalsha")  # what the job's user may no longer run
-JOB_KEYS = (keys.events, keys.emitted, keys.trials, keys.job_run)
 
 
 def usage(r: redis.Redis, job_ids: list[str]) -> dict[str, int]:
-    """Bytes each job's keys take in Redis (sampled: ``MEMORY USAGE key SAMPLES 5``), one pipeline."""
+    """Bytes each job's own keys (every key its user may write) take in Redis, one pipeline, as the bounded scripts
+    measure them: ``MEMORY USAGE`` of its stream whole (``SAMPLES 0``, a step per node: a sample is of its first
+    nodes only), of each hash by a sample of 5 fields."""
     pipe = r.pipeline(transaction=False)
+    counts = []
     for job_id in job_ids:
-        for key in JOB_KEYS:
-            pipe.memory_usage(key(job_id), samples=5)
-    sizes = pipe.execute()
-    return {job_id: sum(int(s or 0) for s in sizes[i * len(JOB_KEYS):(i + 1) * len(JOB_KEYS)])
-            for i, job_id in enumerate(job_ids)}
+        own = keys.own_keys(job_id)
+        counts.append(len(own))
+        for key in own:
+            pipe.memory_usage(key, samples=0 if key == keys.events(job_id) else 5)
+    sizes, out, at = pipe.execute(), {}, 0
+    for job_id, n in zip(job_ids, counts, strict=True):
+        out[job_id], at = sum(int(s or 0) for s in sizes[at:at + n]), at + n
+    return out
 
 
 def clamp(r: redis.Redis, job_id: str, user: str, used: int, cap: int) -> None:

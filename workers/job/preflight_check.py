@@ -127,7 +127,7 @@ def run_preflight(job_id: str, redis_url: str, storage: str) -> PreflightResult:
 
     from workers.job.harness import load_job_spec
     from workers.job.logs import capture
-    from workers.job.record import connect, job_field
+    from workers.job.record import connect, job_field, write_hash
     from workers.job.redis_sink import RedisSink
 
     client = connect(redis_url, decode_responses=True)
@@ -145,6 +145,6 @@ def run_preflight(job_id: str, redis_url: str, storage: str) -> PreflightResult:
             sink.close()
         print(f"preflight {verdict.state}: {verdict.error or verdict.model_dump_json(exclude_none=True)}",
               file=sys.stderr, flush=True)
-    client.hset(keys.preflight(job_id), mapping={"result": verdict.model_dump_json()})
+    write_hash(client, job_id, keys.preflight(job_id), {"result": verdict.model_dump_json()})  # bounded
     client.close()
     return verdict

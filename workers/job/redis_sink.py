@@ -1,4 +1,9 @@
-"""Rank 0's metric sink into the job's Redis stream: batched, capped, exactly-once per epoch."""
+"""Rank 0's metric sink into the job's Redis stream: batched, capped, exactly-once per epoch.
+
+Its writes go through the bounded script the scheduler loaded (``api_schemas.redis_scripts.xadd_once``, with the caps
+of the job's ``run`` copy): an event over the per-entry cap is replaced here by a warning saying so, and a batch that
+would take the job's keys past its share of Redis is refused whole (``ShareFull``: the job stops, saying why).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,8 @@ from typing import Any
 import redis
 
 from api_schemas import keys
-from api_schemas.redis_scripts import XADD_ONCE
-from workers.job.record import connect
+from api_schemas.redis_scripts import xadd_once
+from workers.job.record import bounded, connect, write_caps
 from workers.train.sinks import identity
 
 # runner record kind -> stream/SSE event kind
@@ -24,7 +29,8 @@ class RedisSink:
     def __init__(self, url: str, job_id: str, batch_size: int = 32, flush_seconds: float = 0.5,
                  maxlen: int = keys.STREAM_MAXLEN, trial: str | None = None) -> None:
         self.client = connect(url)  # retries through a Redis restart (workers.job.record)
-        self.script = self.client.register_script(XADD_ONCE)
+        self.entry_cap, _ = caps = write_caps(self.client, job_id)
+        self.script = self.client.register_script(xadd_once(caps))
         self.job_id = job_id
         self.trial = trial  # a sweep's trial: its events carry "trial" and are deduplicated per trial
         self.batch_size, self.flush_seconds, self.maxlen = batch_size, flush_seconds, maxlen
@@ -47,11 +53,23 @@ class RedisSink:
             ident = identity(record)
             if ident and self.trial:
                 ident = f"{self.trial}/{ident}"
-            args += [ident, EVENT_KIND.get(str(record.get("kind")), "status"),
-                     json.dumps(record, default=float)]
-        self.script(keys=[keys.events(self.job_id), keys.emitted(self.job_id)], args=args)
+            kind, data = EVENT_KIND.get(str(record.get("kind")), "status"), json.dumps(record, default=float)
+            size = len(ident.encode()) + len(kind) + len(data.encode())
+            if size > self.entry_cap:
+                kind, data = "log", json.dumps(self.too_big(record, size))
+            args += [ident, kind, data]
+        bounded(lambda: self.script(keys=keys.own_keys(self.job_id), args=args))
         self.buffer.clear()
         self.last_flush = time.monotonic()
+
+    def too_big(self, record: dict[str, Any], size: int) -> dict[str, Any]:
+        """The warning written instead of an event over the per-entry cap."""
+        out = {"kind": "log", "level": "warning", "time": record.get("time"),
+               "message": f"a {record.get('kind')} event of {size} bytes was not written: over the cap of "
+                          f"{self.entry_cap} bytes per event (from TLAB_JOB_REDIS_MB)"}
+        if self.trial:
+            out["trial"] = self.trial
+        return out
 
     def close(self) -> None:
         self.flush()

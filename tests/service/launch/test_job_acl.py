@@ -91,9 +91,13 @@ def test_a_jobs_user_reaches_its_own_keys_only(service: tuple[Store, JobAcl]) ->
     assert store.r.hget(keys.job(mine), "summary") == '{"epochs": 2}'
     job.hset(keys.trials(mine), "t0", "{}")
     assert job.hvals(keys.trials(mine)) == ["{}"] and job.delete(keys.trials(mine)) == 1
-    # nothing else: its own job hash (what the scheduler trusts: owner, state, id, Ray submission id), another
-    # job's keys, the users and tokens, whole-server commands, scripts of its own
+    # nothing else: its own job hash (what the scheduler trusts: owner, state, id, Ray submission id), a key of its
+    # own choosing under it or the service's webhook record there, another job's keys, the users and tokens,
+    # whole-server commands, scripts of its own
     for call in (lambda: job.hset(keys.job(mine), "ray_job_id", f"tlab-{theirs}-1"),
+                 lambda: job.hset(f"{keys.job(mine)}:junk", "x", "y"),
+                 lambda: job.xadd(f"{keys.job(mine)}:junk", {"k": "v"}),
+                 lambda: job.hsetnx(keys.notified(mine), "succeeded:1", "{}"),
                  lambda: job.hset(keys.job(mine), "owner", "admin"), lambda: job.hget(keys.job(mine), "state"),
                  lambda: job.hgetall(keys.job(theirs)), lambda: job.hset(keys.job(theirs), "state", "failed"),
                  lambda: job.xadd(keys.events(theirs), {"k": "v"}), lambda: job.xrange(keys.events(theirs)),
