@@ -11,13 +11,16 @@ its time limit: SIGTERM gives it the grace period), from the last checkpoint Ray
 - ``SHA256SUMS``: every file's SHA-256, written last (``record_digests``), which the API lists so that it never
   reads a file to list it. Bounded: a file over ``HASH_FILE_MAX`` bytes, or past ``HASH_EXPORT_MAX`` in all, is
   not hashed (a comment line names it); no link is followed, only regular files are read. An experiment's
-  export runs in its sandbox, so its SHA256SUMS is the job's word: it checks a download, it proves nothing.
+  export runs in its sandbox; its supervisor, on the trusted side, then writes SHA256SUMS again from the files as
+  they are once the payload has ended (``workers.on_ray.supervisor``), so the digests the API lists are the
+  service's own.
 
 Each file is written to a hidden temporary name and renamed, so a reader never sees half a file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import io
@@ -62,9 +65,19 @@ def last_training_state(run_dirs: list[Path]) -> tuple[Path, dict[str, Any]] | N
 
 
 def _write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    """``data`` to a hidden name beside ``path``, then renamed over it, relative to its directory opened without
+    following a link (the supervisor writes SHA256SUMS into a directory its job could have turned into one)."""
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        tmp = f".{path.name}.tmp"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640, dir_fd=dir_fd)
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def save_weights(state_dict: dict[str, Any], path: Path) -> None:
@@ -161,7 +174,7 @@ def _sha256(out: Path, name: str, limit: int) -> str | None:
 def _open_under(out: Path, name: str) -> int:
     """``out/name`` opened one component at a time from ``out``'s descriptor, none of them followed if a link
     (``OSError``: ELOOP or ENOTDIR)."""
-    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     *dirs, last = PurePosixPath(name).parts
     try:
         for part in dirs:
@@ -176,6 +189,8 @@ def regular_files(out: Path, prefix: str = "") -> Iterator[tuple[str, int]]:
     """(name under ``out``, size) of each regular file below ``out`` (its SHA256SUMS and hidden names left out),
     found without following a link: a linked directory is not entered, a link or special file not listed (a
     directory swapped for a link meanwhile: ``_open_under`` refuses its files)."""
+    if not prefix and (out.is_symlink() or not out.is_dir()):
+        return
     try:
         with os.scandir(out / prefix) as entries:
             found = sorted((e.name, e.stat(follow_symlinks=False)) for e in entries)

@@ -29,6 +29,7 @@ from typing import Any
 from api_schemas import ExperimentSpec
 from api_schemas.reasons import killed_by, one_line
 from workers.job import job_user, sandbox
+from workers.job.artifacts import record_digests
 from workers.job.logs import StderrTail
 from workers.job.memory_limit import MemoryLimit, first_to_go
 from workers.job.orders import Orders, Outcome, split_result
@@ -259,6 +260,8 @@ def supervise(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str, m
                 ranks.stop()
             ranks = None
         if done.summary is not None:
+            if artifacts is not None and artifacts.is_dir() and not artifacts.is_symlink():
+                record_digests(artifacts)  # the service's own digests of what the job exported (bounded)
             return done.summary
         failures += 1
         if done.stopped:
