@@ -9,11 +9,13 @@ writes this directory, so every file is opened under the storage root without fo
 (``service.core.safe_files``): a link (``artifacts/`` itself one, or a file) or a special file is left out of the list,
 and asked for by name it is 404 with one line, logged; a download is served from the descriptor that was checked.
 
-Listing reads no file but ``SHA256SUMS`` (at most ``SUMS_MAX_BYTES``): each file's sha256 is the one its export
-recorded there (``workers.job.artifacts.record_digests``, bounded). An experiment exports in its sandbox, so that
-digest is the job's word, and each item says so: it lets ``tlab pull`` check what it downloaded, and the service
-decides nothing on it. A file it does not name (over the export's bound, written after it, no export yet) is
-listed with no sha256 and a note why; the list's own digest is taken from the bytes just read.
+Listing reads no file but ``SHA256SUMS`` (at most ``SUMS_MAX_BYTES``): each file's sha256 is the one recorded there
+(``workers.job.artifacts.record_digests``, bounded): written by the job's supervisor, on the trusted side, once its
+payload has ended; a job whose supervisor was killed before that keeps its payload's own list, and the job's code
+may rewrite the directory until it ends, so each item says where its digest comes from: it lets ``tlab pull`` check
+what it downloaded, and the service decides nothing on it. A file it does not name (over the export's bound,
+written after it, no export yet) is listed with no sha256 and a note why; the list's own digest is taken from the
+bytes just read.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ ARTIFACTS = "artifacts"  # workers.job.artifacts.ARTIFACTS (the service does not
 CHECKPOINT = "checkpoint.pt"
 SUMS_MAX_BYTES = 8 << 20  # a SHA256SUMS line per file: far more than TLAB_MAX_JOB_FILES lines of names
 SUMS_LINE = re.compile(r"([0-9a-f]{64}) [ *](.+)")
-RECORDED = "recorded at export in SHA256SUMS, in the job's storage (the job may have written it): checks a download"
+RECORDED = "in SHA256SUMS, by the job's supervisor once it ended (before that, the job's own): checks a download"
 NOT_EXPORTED = "none: the job has not exported its artifacts (SHA256SUMS)"
 STAND_IN = "none: the job did not export its artifacts; this is its newest checkpoint as Ray Train kept it"
 OVER = f"none: over the {HASH_FILE_MAX >> 30} GiB the export hashes per file"
