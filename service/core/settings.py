@@ -123,6 +123,14 @@ class Settings(BaseSettings):
                     "knowingly (service/core/sandbox_state.py)")
     sandbox_tmp_mb: int = Field(1024, ge=16, validation_alias="TLAB_SANDBOX_TMP_MB",
                                 description="a sandboxed job's private /tmp: a tmpfs (memory) of at most this many MB")
+    service_user: str = Field("tlab", min_length=1, validation_alias="TLAB_SERVICE_USER",
+                              description="tlab up as root: the unprivileged user its Ray head (every Ray worker and "
+                                          "job supervisor) runs as; made with useradd --system when missing "
+                                          "(service/stack/service_user.py)")
+    runtime_dir: str = Field("", validation_alias="TLAB_RUNTIME_DIR",
+                             description="tlab up as root, with a Python the service user cannot read (under /root): "
+                                         "where a copy it can read is made once (default /opt/tlab/runtime-<python "
+                                         "version>; service/stack/runtime.py)")
     job_redis_acl: bool = Field(True, validation_alias="TLAB_JOB_REDIS_ACL",
                                 description="on: each job reaches Redis as its own ACL user, allowed only its "
                                             "own keys (service/launch/job_acl.py); off: with the service's REDIS_URL")

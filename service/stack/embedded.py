@@ -3,6 +3,9 @@ auth, the API and the scheduler — each a child process on free loopback ports,
 part that dies is restarted on the same ports with the same secrets (``restart``), watched by
 ``service.stack.supervise``.
 
+With ``service_user`` (``tlab up`` as root) the Ray head runs as that unprivileged user, on a Python it can read
+(``service.stack.service_user``, ``service.stack.runtime``); the rest stays this process's user.
+
 With ``REDIS_URL`` and ``RAY_ADDRESS`` set it starts only the API and the scheduler. Data lives
 under ``$TLAB_HOME`` (default ``~/.tlab``): ``redis/`` (the AOF), ``storage/`` (checkpoints),
 ``admin.token``, ``ray.token``, ``api.url``; so a stopped and restarted stack loses nothing.
@@ -28,6 +31,8 @@ import redis
 from api_schemas import keys
 from service.core.store import Store
 from service.stack.ports import free_port, port_range  # noqa: F401 (port_range: up.py and the tests read it here)
+from service.stack.runtime import python_for
+from service.stack.service_user import ServiceUser, head_env, prepare
 
 ADMIN = "admin"
 
@@ -125,15 +130,16 @@ def job_safe(name: str) -> bool:
     return not upper.startswith("TLAB_") or upper in JOB_SETTINGS
 
 
-def kill_processes_of(ray_temp: str) -> None:
-    """SIGKILL this user's processes of one Ray head that its process group did not hold: workers and job drivers
-    (their own process groups and sessions; their titles renamed), found by ``HEAD_MARK`` in their environment."""
+def kill_processes_of(ray_temp: str, also: int | None = None) -> None:
+    """SIGKILL this user's (and the uid ``also``'s: the service user's) processes of one Ray head that its process
+    group did not hold: workers and job drivers (their own process groups and sessions; their titles renamed), found
+    by ``HEAD_MARK`` in their environment."""
     import psutil
 
-    me, found = os.getuid(), []
+    mine, found = {os.getuid()} | ({also} if also is not None else set()), []
     for p in psutil.process_iter(["uids"]):
         try:
-            if p.info["uids"] is None or p.info["uids"].real != me or p.pid == os.getpid():
+            if p.info["uids"] is None or p.info["uids"].real not in mine or p.pid == os.getpid():
                 continue
             if p.environ().get(HEAD_MARK) == ray_temp:
                 p.kill()
@@ -160,8 +166,12 @@ class Stack:
     def __init__(self, home: Path, port: int | None = None, redis_url: str | None = None,
                  ray_address: str | None = None, num_cpus: int | None = None, tick_s: float | None = None,
                  extra_env: dict[str, str] | None = None, ray_token: str = "", joinable: bool = False,
-                 num_gpus: int | None = None, resources: dict[str, float] | None = None) -> None:
+                 num_gpus: int | None = None, resources: dict[str, float] | None = None,
+                 service_user: ServiceUser | None = None) -> None:
         self.home = home
+        self.service_user = service_user  # the Ray head's user (tlab up as root); None: this process's
+        self.python = sys.executable  # the API's, the scheduler's and (as a job's entrypoint) every supervisor's
+        self.warnings: list[str] = []  # what ``start`` found the service user cannot reach (printed by ``up``)
         self.joinable = joinable  # a head other Ray nodes may join (`ray start --address`): not loopback-only
         self.port = port or free_port()
         self.redis_url, self.ray_address = redis_url, ray_address
@@ -177,6 +187,10 @@ class Stack:
         self.stopping = threading.Event()  # set (by `up`'s signal handler): a start in progress gives up
         self.admin_token = ""
         self.ray_token = ray_token or os.environ.get("RAY_AUTH_TOKEN", "")
+
+    @property
+    def service_uid(self) -> int | None:
+        return self.service_user.uid if self.service_user else None
 
     @property
     def url(self) -> str:
@@ -200,13 +214,15 @@ class Stack:
         return {k: v for k, v in self.env().items() if job_safe(k)}
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
-               ray: bool = False) -> subprocess.Popen:
-        """Start a part; ``ray``: a Ray node, given ``ray_env()`` rather than the service's own environment."""
+               ray: bool = False, user: ServiceUser | None = None, cwd: str | None = None) -> subprocess.Popen:
+        """Start a part; ``ray``: a Ray node, given ``ray_env()`` rather than the service's own environment;
+        ``user``: as that user (the log is still opened here, by this process), in ``cwd``."""
         self.logs.mkdir(parents=True, exist_ok=True)
         base = self.ray_env() if ray else self.env()
+        as_user = {**user.popen(), "cwd": cwd} if user else {}
         with (self.logs / f"{name}.log").open("ab") as out:  # the child keeps its own copy of the descriptor
             proc = subprocess.Popen(argv, env={**base, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # Ctrl-C reaches us; we stop the children in order
+                                    start_new_session=True, **as_user)  # Ctrl-C reaches us; we stop them in order
         self.procs[name] = proc
         return proc
 
@@ -233,7 +249,9 @@ class Stack:
         self.ray_token = read_or_create(self.home / "ray.token", lambda: secrets.token_hex(32))
         self.ray_temp = tempfile.mkdtemp(prefix="tlr", dir="/tmp")  # Ray's socket paths are length-limited
         ports = self.ray_ports = self.ray_ports or {flag: free_port() for flag in RAY_PORTS}
-        argv = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
+        ray_cli = [self.python, "-m", "ray.scripts.scripts"] if self.service_user else [
+            str(Path(sys.executable).with_name("ray"))]
+        argv = [*ray_cli, "start", "--head", "--block",
                 "--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--temp-dir", self.ray_temp,
                 "--disable-usage-stats", "--node-ip-address", "127.0.0.1"]
         # every fixed default port on free ones, so two stacks (and the tests) run side by side
@@ -247,7 +265,10 @@ class Stack:
         env = loopback_ray_env(ports)
         if self.joinable:  # Ray then listens on the machine's address, where a joining node looks for it
             env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
-        proc = self._spawn("ray", argv, {**env, HEAD_MARK: self.ray_temp}, ray=True)
+        if self.service_user:  # its own temp dir, home (where it starts) and PATH to its Python
+            env.update(head_env(self.service_user, Path(self.ray_temp), self.python, self.env().get("PATH", "")))
+        proc = self._spawn("ray", argv, {**env, HEAD_MARK: self.ray_temp}, ray=True, user=self.service_user,
+                           cwd=env.get("HOME"))
         self.ray_address = f"http://127.0.0.1:{ports['--dashboard-port']}"
         headers = {"Authorization": f"Bearer {self.ray_token}"}
         wait_for(lambda: httpx.get(f"{self.ray_address}/api/version", headers=headers, timeout=2).is_success,
@@ -255,7 +276,7 @@ class Stack:
 
     def start_service(self, which: tuple[str, ...] = ("scheduler", "api")) -> None:
         for name in which:
-            self._spawn(name, [sys.executable, "-m", f"service.{name}"])
+            self._spawn(name, [self.python, "-m", f"service.{name}"])
         if "api" in which:
             wait_for(lambda: httpx.get(f"{self.url}/healthz", timeout=2).is_success, "the API", 60,
                      self.procs["api"], self.logs / "api.log", self.stopping)
@@ -267,8 +288,21 @@ class Stack:
         store.r.close()
         write_private(self.home / "api.url", self.url + "\n")
 
+    def open_to_service_user(self) -> None:
+        """What the service user's Ray needs (``service_user.prepare``), and the Python it runs (and so the API and
+        the scheduler: a job's entrypoint is the scheduler's own Python)."""
+        from service.core.settings import Settings
+
+        user = self.service_user
+        if user is None:
+            return
+        settings = Settings(TLAB_HOME=self.home)
+        self.warnings = prepare(user, self.home, Path(settings.storage_path), settings.data_root_paths)
+        self.python = python_for(user.uid, user.gid, settings.runtime_dir)
+
     def start(self) -> Stack:
         self.home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.open_to_service_user()
         if not self.redis_url:
             self.start_redis()
         if not self.ray_address:
@@ -301,7 +335,7 @@ class Stack:
             # `ray start --block` stops its cluster at once on SIGINT; SIGTERM would wait a minute
             self.kill(name, signal.SIGINT if name == "ray" else signal.SIGTERM)
         if self.ray_temp:
-            kill_processes_of(self.ray_temp)  # what Ray's own stop leaves (job drivers, for up to a second)
+            kill_processes_of(self.ray_temp, self.service_uid)  # what Ray's stop leaves (drivers, for up to 1 s)
             shutil.rmtree(self.ray_temp, ignore_errors=True)
 
     # ---- restarting a part that died (service.stack.supervise) -----------------------------------------------
@@ -316,7 +350,7 @@ class Stack:
                 pass
             proc.wait(timeout=30)
         if name == "ray" and self.ray_temp:
-            kill_processes_of(self.ray_temp)
+            kill_processes_of(self.ray_temp, self.service_uid)
             shutil.rmtree(self.ray_temp, ignore_errors=True)
             self.ray_temp = None
 

@@ -159,10 +159,10 @@ class Watch:
 
 @pytest.mark.slow
 def test_tlab_up_restarts_a_killed_scheduler_redis_and_ray_head_and_the_job_goes_on(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        up_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in {"TLAB_TICK_S": "0.2", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}.items():
         monkeypatch.setenv(name, value)
-    home, took = tmp_path / "home", {}
+    home, took = up_home, {}
     with tlab_up(home, "--num-cpus", "2") as (proc, url, _printed):
         up = psutil.Process(proc.pid)
         api = part(up, is_api)

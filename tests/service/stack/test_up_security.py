@@ -1,12 +1,16 @@
 """`tlab up` as a user starts it, checked as an attacker on the same network or machine would: Redis asks for a
-password, no server of the stack listens beyond loopback, what it keeps under TLAB_HOME is the owner's only, and a
-job's code finds no service secret in its environment (it reaches Redis only as its own ACL user)."""
+password, no server of the stack listens beyond loopback, what it keeps under TLAB_HOME is the owner's only (as root:
+the home passable, the storage the service user's, the default data root readable by its group), and a job's code
+finds no service secret in its environment (it reaches Redis only as its own ACL user)."""
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import stat
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -63,8 +67,8 @@ def is_loopback(ip: str) -> bool:
 
 
 @pytest.mark.slow
-def test_tlab_up_keeps_redis_ray_and_its_files_private(tmp_path: Path) -> None:
-    home = tmp_path / "home"
+def test_tlab_up_keeps_redis_ray_and_its_files_private(up_home: Path) -> None:
+    home = up_home
     with tlab_up(home, "--num-cpus", "1") as (proc, url, printed):
         password = (home / "redis.password").read_text().strip()
         assert password not in "".join(printed + [proc.stdout.readline() if proc.stdout else ""])
@@ -95,7 +99,10 @@ def test_tlab_up_keeps_redis_ray_and_its_files_private(tmp_path: Path) -> None:
 
         for name in ("admin.token", "redis.password", "redis.conf", "api.url"):
             assert stat.S_IMODE((home / name).stat().st_mode) == 0o600, name
-        shared = [str(p) for p in [home, *home.rglob("*")] if p.stat().st_mode & 0o077]
+        # as root: passable to the service user's storage (its own, 0700), the default data root its group's
+        opened = {home: 0o711, home / "data": 0o2750} if os.geteuid() == 0 else {}
+        shared = [str(p) for p in [home, *home.rglob("*")]
+                  if p.stat().st_mode & 0o077 and stat.S_IMODE(p.stat().st_mode) != opened.get(p)]
         assert shared == [], f"readable by others under TLAB_HOME: {shared}"
         probe = job_environment(url, token, home / "pkg")
         own = f"tlab-job-{probe['job']}"  # (in its sandbox, REDIS_URL is the job's own user's: workers.payload)
@@ -122,3 +129,18 @@ def job_environment(url: str, token: str, pkg: Path) -> dict:
         assert view["state"] == "succeeded", view.get("failure_reason")
         line = next(x for x in c.logs(job).splitlines() if x.startswith("PROBE "))
     return {**json.loads(line.removeprefix("PROBE ")), "job": job}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the service user is a root tlab up's")
+def test_a_root_tlab_up_whose_home_the_service_user_cannot_reach_stops_with_one_line(tmp_path: Path) -> None:
+    """pytest's temp root is 0700, as /root is: nothing opens it, the start is refused, naming it and the way out."""
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "RAY_ADDRESS")}
+    env["TLAB_HOME"] = str(tmp_path / "home")
+    out = subprocess.run([str(Path(sys.executable).parent / "tlab"), "up"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: TLAB_HOME {tmp_path / 'home'} lies under ") and "TLAB_HOME=/var/lib/tlab" in last
+    closed = Path(last.split(" lies under ")[1].split(" (mode")[0])
+    assert stat.S_IMODE(closed.stat().st_mode) == 0o700  # left as it was
+    assert not (tmp_path / "home" / "redis").exists()  # nothing started
