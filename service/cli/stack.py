@@ -111,7 +111,7 @@ def add_commands(sub: Any) -> None:
     p = sub.add_parser("up", help="start Redis, a Ray head, the API and the scheduler here and restart any that "
                                   "dies (TLAB_RESTART_*, TLAB_CRASH_LOOP_*); Ctrl-C stops them")
     p.add_argument("--port", type=int, default=None, help="API port (default: a free one)")
-    p.add_argument("--home", default=None, help="data folder (default: TLAB_HOME or ~/.tlab)")
+    p.add_argument("--home", default=None, help="data folder (default: TLAB_HOME, else ~/.tlab; root: /var/lib/tlab)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs the local Ray head offers (default: all)")
     p.add_argument("--num-gpus", type=int, default=None,
                    help="GPUs the local Ray head offers (default: those Ray finds; on a machine without them, "

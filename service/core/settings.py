@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -12,7 +13,9 @@ from objstore import is_uri
 
 
 def default_home() -> Path:
-    return Path("~/.tlab").expanduser()
+    """``~/.tlab``; for root, ``/var/lib/tlab`` (as PostgreSQL keeps ``/var/lib/postgresql``): a root ``tlab up``
+    runs its Ray head as the service user, who must reach the storage, and root's home is closed to others."""
+    return Path("/var/lib/tlab") if os.geteuid() == 0 else Path("~/.tlab").expanduser()
 
 
 class Settings(BaseSettings):

