@@ -30,7 +30,7 @@ from typing import Any
 
 import redis
 
-from api_schemas import keys
+from api_schemas import gate, keys
 from api_schemas.reasons import one_line
 from api_schemas.sweeps import SweepSubmit, trial_spec
 from workers.job.artifacts import artifacts_dir
@@ -220,27 +220,50 @@ def trial_stop(sweep: SweepSubmit) -> dict[str, float] | None:
     return None if limit is None else {"time_total_s": limit}
 
 
-def best_trial(client: redis.Redis, job_id: str, mode: str) -> dict[str, Any] | None:
-    """The trials table's row with the best metric so far (None before any trial reported)."""
-    rows = [json.loads(v) for v in client.hvals(keys.trials(job_id))]
-    # in trial id order, as the API's table: of trials tied on the metric, both name the same one
-    rows = sorted((r for r in rows if r.get("best") is not None), key=lambda r: r["trial"])
-    if not rows:
+def best_trial(storage: str, job_id: str, metric: str, mode: str) -> dict[str, Any] | None:
+    """The trial with the best ``metric`` so far as Tune recorded it in the sweep's own directory (its experiment
+    state: each trial's config and the best of all its results), never as the trials table says: the trials can write
+    that. Of trials tied on the metric, the first in trial id order, as the API's table. None before any trial
+    reported (or before Tune saved its state)."""
+    from ray.tune import ExperimentAnalysis
+
+    try:
+        trials = ExperimentAnalysis(os.path.join(storage, f"sweep-{job_id}")).trials
+    except Exception:  # noqa: BLE001 - no state saved yet (stopped at once): no trial to export
         return None
-    return (min if mode == "min" else max)(rows, key=lambda r: r["best"])
+    rows = [{"trial": gate.trial_id(t.trial_id), "config": t.config, "best": best}
+            for t in trials if (best := _finite((t.metric_analysis.get(metric) or {}).get(mode))) is not None]
+    rows.sort(key=lambda r: r["trial"])
+    return (min if mode == "min" else max)(rows, key=lambda r: r["best"]) if rows else None
 
 
-def export_best(client: redis.Redis, job_id: str, sweep: SweepSubmit, storage: str) -> None:
-    """The best trial's artifacts (its weights, checkpoint, metrics) as the sweep's own artifacts."""
-    row = best_trial(client, job_id, sweep.mode)
+def trial_runs(storage: str, job_id: str, trial_id: str) -> list[Path]:
+    """A trial's Ray Train runs (``<storage>/<sweep>-<trial>``, a PBT trial's ``...-<trial>-<n>``): real
+    directories (no link) named after the sweep and the trial's id, checked by the gate."""
+    prefix = f"{job_id}-{gate.trial_id(trial_id)}"
+    runs = []
+    for path in glob.glob(os.path.join(glob.escape(storage), f"{glob.escape(prefix)}*")):
+        name = os.path.basename(path)
+        if name == prefix or name.startswith(f"{prefix}-"):
+            try:
+                runs.append(gate.real_dir(storage, name))
+            except (OSError, gate.Refused):
+                continue
+    return runs
+
+
+def export_best(job_id: str, sweep: SweepSubmit, storage: str) -> dict[str, Any] | None:
+    """The best trial's artifacts (its weights, checkpoint, metrics) as the sweep's own artifacts; that trial
+    (``best_trial``: Tune's word), or None."""
+    row = best_trial(storage, job_id, sweep.report_metric, sweep.mode)
     if row is None:
-        return
+        return None
     spec = trial_spec(sweep.base.model_dump(mode="json"), row["config"])
-    runs = [Path(p) for p in glob.glob(os.path.join(storage, f"{job_id}-{row['trial']}*")) if os.path.isdir(p)]
     # a trial that trained in itself left no training run: its checkpoints are the ones it reported to Tune
-    runs = runs or trial_dirs(storage, job_id, row["trial"])
+    runs = trial_runs(storage, job_id, row["trial"]) or trial_dirs(storage, job_id, row["trial"])
     export_artifacts(spec, runs, artifacts_dir(storage, job_id),
                      {"trial": row["trial"], "config": row["config"], sweep.metric: row["best"]})
+    return row
 
 
 def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
@@ -350,15 +373,11 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
     try:
         results = tuner.fit()
     finally:  # also when stopped (the sweep's own time limit): the best trial so far
-        export_best(client, job_id, sweep, storage)
+        row = export_best(job_id, sweep, storage)
     shutil.rmtree(os.path.join(storage, f"pbt-{job_id}"), ignore_errors=True)
-    # the trials table's best (its best value over every result of every trial, a rerun's too), as the API's
-    # `best` shows it; Tune's own only while no trial has a row: a restored trial's results there are its last
-    row = best_trial(client, job_id, sweep.mode)
-    if row is None:
-        best = results.get_best_result(metric=metric, mode=sweep.mode, scope="all")
-        row = {"trial": (best.metrics or {}).get("trial_id"), "config": best.config,
-               "best": (best.metrics or {}).get(metric)}
+    # Tune's best: its best value over every result of every trial, a rerun's too (the API's `best` reads the same
+    # from the trials table)
+    row = row or {"trial": None, "config": None, "best": None}
     summary = {"trials": len(results), "best_trial": row["trial"], "best_config": row["config"],
                "best_" + sweep.metric: _finite(row["best"]), "errors": sum(1 for r in results if r.error)}
     write_summary(client, job_id, json.dumps(summary))

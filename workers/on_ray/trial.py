@@ -18,13 +18,12 @@ restarts it from one, in one short-lived process per interval with no worker gro
 
 from __future__ import annotations
 
-import glob
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from api_schemas import ExperimentSpec
+from api_schemas import ExperimentSpec, gate
 from api_schemas.spec import ray_memory
 from api_schemas.sweeps import SweepSubmit
 from workers.train.context import RunContext, read_checkpoint, write_checkpoint
@@ -48,9 +47,19 @@ def trial_resources(sweep: SweepSubmit) -> dict[str, float]:
 
 
 def trial_dirs(storage: str | Path, job_id: str, trial_id: str) -> list[Path]:
-    """The directories Tune keeps a trial's reported checkpoints in (``<storage>/sweep-<job>/<...trial id...>``)."""
-    pattern = os.path.join(glob.escape(str(storage)), f"sweep-{job_id}", f"*{trial_id}*")
-    return [Path(p) for p in glob.glob(pattern) if os.path.isdir(p)]
+    """The directories Tune keeps a trial's reported checkpoints in (``<storage>/sweep-<job>/<...trial id...>``):
+    the trial's id checked by the gate, each a real directory (no link) of the sweep's own."""
+    trial, sweep = gate.trial_id(trial_id), f"sweep-{job_id}"
+    try:
+        fd = gate.open_dir(storage, sweep)
+    except (OSError, gate.Refused):
+        return []
+    try:
+        with os.scandir(fd) as entries:
+            names = sorted(e.name for e in entries if trial in e.name and e.is_dir(follow_symlinks=False))
+    finally:
+        os.close(fd)
+    return [Path(storage, sweep, name) for name in names]
 
 
 class TrialContext(RunContext):

@@ -7,19 +7,24 @@ writable place) and announced, with its metrics, as one JSON line on a pipe; the
 (Tune copies it into the trial's directory, ASHA and PBT decide) and answers on another pipe, so the loop waits for each
 report as it did in-process (``workers.on_ray.trial.TrialContext``). A restored trial (a Tune retry, a PBT exploit)
 starts from Tune's checkpoint, mounted read-only.
+
+A report is the payload's word, so the supervisor (``Relay``) takes it through ``api_schemas.gate``: the checkpoint
+must be a directory directly in the trial's scratch (which the supervisor made), reached without a link; it is copied
+as regular files only (no link followed, bounded by ``TLAB_MAX_JOB_GB`` and ``TLAB_MAX_JOB_FILES``) into a directory of
+the supervisor's own, and that copy is what Tune gets. A report naming anything else fails the trial.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import sys
 import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from api_schemas import ExperimentSpec
+from api_schemas import ExperimentSpec, gate
 from workers.job.orders import Orders, Stopped
 from workers.train.context import RunContext, read_checkpoint, write_checkpoint
 from workers.train.failure import JobFailed
@@ -43,7 +48,7 @@ class BridgedTrialContext(RunContext):
     def save(self, state: dict[str, Any], metrics: dict[str, Any]) -> None:
         tmp = Path(tempfile.mkdtemp(prefix="report-", dir=self.scratch))
         write_checkpoint(state, tmp)
-        self._tell(metrics, str(tmp))  # Tune has copied it once answered; the supervisor removes it
+        self._tell(metrics, str(tmp))  # the supervisor has copied it once answered, and removed it
 
     def report_metrics(self, metrics: dict[str, Any]) -> None:
         self._tell(metrics)
@@ -67,16 +72,48 @@ def train_bridged(orders: Orders, report_fd: int, answer_fd: int) -> dict[str, A
     return {}
 
 
-def relay(line: bytes) -> None:
-    """The supervisor's side of one report: to Tune, then the payload's copy removed."""
-    from ray import tune
+def copy_bounds() -> tuple[int, int]:
+    """Bytes and files one reported checkpoint may hold: a job directory's limits (``TLAB_MAX_JOB_GB``,
+    ``TLAB_MAX_JOB_FILES``; 100 GB and 100,000 by default, as the scheduler's)."""
+    gb = float(os.environ.get("TLAB_MAX_JOB_GB") or 100)
+    return int(gb * 2**30), int(os.environ.get("TLAB_MAX_JOB_FILES") or 100_000)
 
-    report = json.loads(line)
-    if report["checkpoint"] is None:
-        tune.report(report["metrics"])
-        return
-    tune.report(report["metrics"], checkpoint=tune.Checkpoint.from_directory(report["checkpoint"]))
-    shutil.rmtree(report["checkpoint"], ignore_errors=True)
+
+class Relay:
+    """The supervisor's side of a trial's reports: each one's metrics (and checkpoint, taken through the gate) to
+    Tune. ``storage``/``job_id``/``trial_id``: where the trial's scratch is, which the supervisor made."""
+
+    def __init__(self, storage: str, job_id: str, trial_id: str) -> None:
+        self.storage, self.scratch = storage, (job_id, "trials", gate.trial_id(trial_id))
+
+    def __call__(self, line: bytes) -> None:
+        from ray import tune
+
+        report = json.loads(line)
+        metrics = report.get("metrics") if isinstance(report, dict) else None
+        if not isinstance(metrics, dict):
+            raise gate.Refused("a trial's report refused: no metrics")
+        if report.get("checkpoint") is None:
+            tune.report(metrics)
+            return
+        name = self.report_dir(report["checkpoint"])
+        max_bytes, max_files = copy_bounds()
+        with tempfile.TemporaryDirectory(prefix="tlab-report-") as own:  # the supervisor's, outside storage
+            copied = gate.copy_tree(self.storage, (*self.scratch, name), own, max_bytes, max_files)
+            if copied.left_out:
+                print(f"the trial's checkpoint {name}: left out (links or special files, not copied): "
+                      f"{', '.join(copied.left_out[:10])}", file=sys.stderr, flush=True)
+            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(own))  # Tune copies it before returning
+        gate.remove_tree(self.storage, *self.scratch, name)  # the payload's directory, reached without a link
+
+    def report_dir(self, named: object) -> str:
+        """The name of the directory a report names, if it lies directly in the trial's scratch; else ``Refused``."""
+        scratch = os.path.join(self.storage, *self.scratch)
+        parts = gate.named_under(scratch, named) if isinstance(named, str) else ()
+        if len(parts) != 1:
+            raise gate.Refused(f"a trial's checkpoint {str(named)[:200]!r} refused: a report names a directory "
+                               f"in the trial's own {scratch}")
+        return parts[0]
 
 
 def supervise_trial(spec: ExperimentSpec, job_id: str, trial_id: str, redis_url: str, storage: str) -> None:
@@ -85,14 +122,15 @@ def supervise_trial(spec: ExperimentSpec, job_id: str, trial_id: str, redis_url:
 
     from workers.on_ray.supervisor import payload_argv, run_payload
 
-    scratch = Path(storage) / job_id / "trials" / trial_id  # (the sweep's own directory: its logs are there too)
-    shutil.rmtree(scratch, ignore_errors=True)  # what a killed try left
+    relay = Relay(storage, job_id, trial_id)
+    scratch = Path(storage, *relay.scratch)  # (the sweep's own directory: its logs are there too)
+    gate.remove_tree(storage, *relay.scratch)  # what a killed try left (no link in it followed)
     checkpoint = tune.get_checkpoint()
     with checkpoint.as_directory() if checkpoint else nullcontext() as restore:
         argv, env = payload_argv(spec, scratch, str(restore) if restore else None)
         orders = Orders(spec.model_dump_json(), job_id, redis_url, storage, -1, kind="trial", trial=trial_id,
                         scratch=str(scratch), start_from=str(restore) if restore else None)
         done = run_payload(orders, argv, env, relay=relay)
-    shutil.rmtree(scratch, ignore_errors=True)
+    gate.remove_tree(storage, *relay.scratch)
     if done.summary is None:
         raise JobFailed(done.error)

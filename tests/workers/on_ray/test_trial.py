@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from api_schemas import build_spec
+from api_schemas import build_spec, gate
 from api_schemas.sweeps import SweepSubmit
 from workers.job.artifacts import last_training_state
 from workers.on_ray.trial import in_trial, train_in_trial, trial_dirs, trial_resources
@@ -46,6 +46,11 @@ def test_trial_dirs_are_the_trials_own_tune_directories(tmp_path: Path) -> None:
     (tmp_path / "sweep-job2" / "own_trial_ab12c_00000_0_seed=0").mkdir(parents=True)
     assert [p.name for p in trial_dirs(tmp_path, "job1", "ab12c_00000")] == ["own_trial_ab12c_00000_0_seed=0"]
     assert trial_dirs(tmp_path, "job3", "ab12c_00000") == []
+    # a trial id that is no Tune id (a forged trials row's) names no directory; a link there is none of the sweep's
+    with pytest.raises(gate.Refused):
+        trial_dirs(tmp_path, "job1", "/../../job2")
+    (tmp_path / "sweep-job1" / "own_trial_ab12c_00002_link").symlink_to(tmp_path / "sweep-job2")
+    assert trial_dirs(tmp_path, "job1", "ab12c_00002") == []
 
 
 class FailOnce(JsonlSink):
