@@ -46,13 +46,31 @@ def gang_rank(*args: Any) -> None:
     supervise_rank(*args)
 
 
+DECIDE = "decide"  # ``Ranks``'s start_from when the driver has not decided it yet
+
+
+def decided_start(job_id: str, redis_url: str, storage: str | Path) -> Path | None:
+    """The checkpoint the job starts from, decided here, in the driver, before any payload of its runs
+    (``workers.job.start_from``)."""
+    import redis
+
+    from workers.job.start_from import start_checkpoint
+
+    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+        return start_checkpoint(client, job_id, storage)
+
+
 class Ranks:
-    """Ranks 1..N-1 of one try of the gang, running as Ray tasks, and the socket they will meet rank 0 on."""
+    """Ranks 1..N-1 of one try of the gang, running as Ray tasks, and the socket they will meet rank 0 on.
+    ``start_from``: the checkpoint the driver decided the job starts from (``DECIDE``: decide it now, before the
+    ranks start), handed to each rank as its task's argument; the ranks never read it from the job's keys."""
 
     def __init__(self, spec: ExperimentSpec, job_id: str, redis_url: str, storage: str | Path,
-                 placement: Sequence[str] = (), artifacts: str | Path | None = None) -> None:
+                 placement: Sequence[str] = (), artifacts: str | Path | None = None,
+                 start_from: str | Path | None = DECIDE) -> None:
         import ray
 
+        self.start_from = decided_start(job_id, redis_url, storage) if start_from is DECIDE else start_from
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
         self.world, self.host = spec.resources.workers, ray.util.get_node_ip_address()
@@ -64,7 +82,7 @@ class Ranks:
                 options = rank_options(spec, placement[k] if k < len(placement) else None)
                 self.refs.append(task.options(**options).remote(
                     spec.model_dump_json(), job_id, redis_url, str(storage), k, self.world, self.host, self.port,
-                    str(artifacts) if artifacts else None))
+                    str(artifacts) if artifacts else None, str(self.start_from) if self.start_from else None))
         except BaseException:
             self.stop()
             raise

@@ -243,12 +243,15 @@ def unreported(code: int | None, said: str, started: bool = True) -> Outcome:
 def supervise(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str, max_failures: int,
               artifacts: Path | None, start_from: Path | None, placement: list[str],
               ranks: Ranks | None = None) -> dict[str, Any]:
-    """Train ``spec``: a payload per try, retried from the last checkpoint; the summary (see the module)."""
+    """Train ``spec``: a payload per try, retried from the last checkpoint; the summary (see the module). A gang's
+    ranks start from what its first ranks were given (``Ranks.start_from``: decided once, in this driver), rank 0
+    too."""
+    start_from = ranks.start_from if ranks is not None else start_from
     argv, env = payload_argv(spec, Path(storage) / job_id, str(start_from) if start_from else None)
     failures = 0
     while True:
         if spec.resources.workers > 1 and ranks is None:  # a retry starts its own
-            ranks = Ranks(spec, job_id, redis_url, storage, placement, artifacts)
+            ranks = Ranks(spec, job_id, redis_url, storage, placement, artifacts, start_from)
         orders = Orders(spec.model_dump_json(), job_id, redis_url, storage, -1, str(artifacts) if artifacts else None,
                         str(start_from) if start_from else None)
         if ranks is not None:
@@ -280,18 +283,17 @@ def retry_note(redis_url: str, job_id: str, failures: int, max_failures: int, er
 
 
 def supervise_rank(spec_json: str, job_id: str, redis_url: str, storage: str, rank: int, world: int, host: str,
-                   port: int, artifacts: str | None) -> None:
-    """A gang rank's Ray task: its payload joins the gang (``workers.on_ray.gang``); its log kept as ``rank-<k>``."""
-    import redis
-
+                   port: int, artifacts: str | None, start_from: str | None = None) -> None:
+    """A gang rank's Ray task: its payload joins the gang (``workers.on_ray.gang``); its log kept as ``rank-<k>``.
+    ``start_from``: the checkpoint the driver decided the job starts from (never read from the job's own keys),
+    checked again on this node (``workers.job.start_from.resolve_start``)."""
     from workers.job.logs import capture
     from workers.job.record import attempt_of
-    from workers.job.start_from import start_checkpoint
+    from workers.job.start_from import resolve_start
 
     with capture(storage, job_id, f"rank-{rank}", attempt_of(redis_url, job_id)):
         spec = ExperimentSpec.model_validate_json(spec_json)
-        with redis.Redis.from_url(redis_url, decode_responses=True) as client:
-            start = start_checkpoint(client, job_id, storage)
+        start = resolve_start(storage, job_id, start_from)
         argv, env = payload_argv(spec, Path(storage) / job_id, str(start) if start else None)
         orders = Orders(spec_json, job_id, redis_url, storage, -1, artifacts, str(start) if start else None,
                         rank=rank, host=host, port=port)
