@@ -7,6 +7,10 @@ the parent's checkpoint directory), which the worker reads before its own resume
 checkpoints of its own (it was requeued or retried) goes on from them, else it loads ``start_from``'s. The parent's
 hash lists its ``children``.
 
+The parent must be the caller's own experiment (an admin's: anyone's), and the checkpoint a child starts from is
+taken through ``api_schemas.gate``: the parent's id as the service makes them, its checkpoint a real directory of its
+run with a regular ``checkpoint.pt``, no link below the storage root (the parent's job wrote that directory).
+
 Only an ended parent (succeeded, failed or cancelled) has children: a running job still prunes its checkpoints
 to the latest ``TLAB_KEEP_CHECKPOINTS``, while an ended one's are never deleted, so the checkpoint a child starts
 from stays for as long as the child may need it (a requeue included).
@@ -22,7 +26,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from api_schemas import ExperimentSpec, keys
+from api_schemas import ExperimentSpec, gate, keys
 from api_schemas.jobs import TERMINAL, ExperimentSubmit, JobState, JobView, Role, UserPublic
 from api_schemas.lineage import (
     ContinueRequest,
@@ -71,6 +75,21 @@ def ended_parent(st: State, user: UserPublic, job_id: str) -> tuple[dict[str, st
     return data, kept
 
 
+def start_from(st: State, job_id: str, epoch: int, name: str) -> StartFrom:
+    """Where the child starts: the parent's checkpoint ``name`` after ``epoch``, through the gate (409 when it is a
+    link, lies under one, or lost its file)."""
+    root = st.settings.storage_path
+    try:
+        gate.real_dir(root, gate.job_id(job_id), gate.plain_name(name))
+        usable = gate.regular_file(root, job_id, name, "checkpoint.pt")
+    except (OSError, gate.Refused):
+        usable = False
+    if not usable:
+        raise InvalidState(f"experiment {job_id}'s checkpoint after epoch {epoch} cannot be used (it is gone, or is "
+                           "no plain directory of its run): submit its spec again instead", field="id")
+    return StartFrom(job=job_id, epoch=epoch, checkpoint=name)
+
+
 def submit_child(st: State, user: UserPublic, parent: dict[str, str], spec: ExperimentSpec, start: StartFrom,
                  name: str, idempotency_key: str | None) -> tuple[JobView, bool]:
     """Queue the child as the caller's job (admitted, limited and queued as any submission) and list it among
@@ -114,7 +133,7 @@ def continue_job(st: State, user: UserPublic, job_id: str, req: ContinueRequest,
         spec = continue_spec(parent_spec(job_id, parent), final, req.epochs)
     except LineageError as err:
         raise _refused(err) from None
-    start = StartFrom(job=job_id, epoch=final, checkpoint=kept[final])
+    start = start_from(st, job_id, final, kept[final])
     return submit_child(st, user, parent, spec, start, f"{parent.get('name') or job_id} +{req.epochs}",
                         idempotency_key)
 
@@ -131,7 +150,7 @@ def fork_job(st: State, user: UserPublic, job_id: str, req: ForkRequest,
         spec = fork_spec(parent_spec(job_id, parent), req.from_epoch, req.set)
     except LineageError as err:
         raise _refused(err) from None
-    start = StartFrom(job=job_id, epoch=req.from_epoch, checkpoint=kept[req.from_epoch])
+    start = start_from(st, job_id, req.from_epoch, kept[req.from_epoch])
     changed = " ".join(f"{k}={json.dumps(v)}" for k, v in req.set.items())
     return submit_child(st, user, parent, spec, start,
                         f"{parent.get('name') or job_id} @{req.from_epoch} {changed}".rstrip(), idempotency_key)
