@@ -13,16 +13,16 @@ raw ``XADD``/``HSET``/``HSETNX`` those scripts call: a job's own code can still 
 the scheduler's tick measures (``service.launch.job_caps``), with Redis's ``maxmemory`` behind it.
 
 - ``credentials(job_id, submission_id)``, called by ``RayJobs.submit`` right before each submit: loads the bounded
-  scripts (the user may run only scripts the service loaded: ``EVALSHA``, no ``EVAL``/``SCRIPT LOAD``), copies the
-  job's inputs and the scripts' caps into ``keys.job_run``, makes the user (``ACL SETUSER name reset ...``: exactly
-  these rules) and returns a one-time ticket to the job's ``REDIS_URL``, never the URL itself: the Ray job's
-  ``runtime_env`` is readable by every job's code (Ray's Jobs API with the cluster's token). The ticket
-  (``TLAB_JOB_TICKET``) is the URL of a second user, ``tlab-ticket-job-<id>``, allowed nothing but ``GETDEL`` of
+  scripts (the user may run only scripts the service loaded: ``EVALSHA``, no ``EVAL``/``SCRIPT LOAD``), copies the job's
+  inputs and the scripts' caps into ``keys.job_run`` (exactly, each time: ``copy_inputs``), makes the user (``ACL
+  SETUSER name reset ...``: exactly these rules) and returns a one-time ticket to the job's ``REDIS_URL``, never the URL
+  itself: the Ray job's ``runtime_env`` is readable by every job's code (Ray's Jobs API with the cluster's token). The
+  ticket (``TLAB_JOB_TICKET``) is the URL of a second user, ``tlab-ticket-job-<id>``, allowed nothing but ``GETDEL`` of
   one key, ``keys.ticket``, which holds the job's ``REDIS_URL``: the job's first process redeems it at start
-  (workers/job/ticket.py) and from then on the ticket opens nothing; a ticket someone else redeemed first makes
-  the job fail at start, saying so. Both passwords are HMAC(a secret kept in Redis, the Ray submission id): a
-  scheduler that died between making the users and submitting gives the same submission id the same ones when it
-  submits again, and each attempt (a resume after a preemption or a lost Ray job) new ones.
+  (workers/job/ticket.py) and from then on the ticket opens nothing; a ticket someone else redeemed first makes the job
+  fail at start, saying so. Both passwords are HMAC(a secret kept in Redis, the Ray submission id): a scheduler that
+  died between making the users and submitting gives the same submission id the same ones when it submits again, and
+  each attempt (a resume after a preemption or a lost Ray job) new ones.
 - ``sync()``, each tick after reconcile: deletes the users of jobs no longer starting or running (ended, cancelled,
   preempted back to the queue, a dead scheduler's leftovers; Redis disconnects their clients) and their ticket
   users (and those already redeemed), and makes again those of active jobs that Redis lost (a restarted Redis keeps
@@ -52,10 +52,9 @@ from api_schemas.redis_scripts import hset_own, write_caps, xadd_once
 from api_schemas.spec import ExperimentSpec
 from service.core.settings import Settings
 from service.launch import job_caps
+from service.launch.redis_users import TICKET_PREFIX, USER_PREFIX, preflight_user, ticket_user, user_name
 
 log = logging.getLogger("tlab.scheduler")
-USER_PREFIX = "tlab-job-"
-TICKET_PREFIX = "tlab-ticket-"
 INPUTS = ("spec", "sweep", "start_from", "attempts")  # what workers/ reads of its job (workers.job.record)
 # what workers/ sends (EVALSHA of the bounded scripts, whose own calls Redis checks against the user too: XADD,
 # HSETNX, HSET, HSTRLEN, MEMORY USAGE; DEL of its trials by a sweep's driver), a few reads of the same keys, PING,
@@ -64,20 +63,11 @@ COMMANDS = ("ping", "select", "hget", "hmget", "hgetall", "hvals", "hstrlen", "h
             "xrange", "xrevrange", "evalsha", "memory|usage", "acl|whoami")
 
 
-def user_name(job_id: str) -> str:
-    return f"{USER_PREFIX}{job_id}"
-
-
 def rules(job_id: str, password: str) -> list[str]:
     """``ACL SETUSER`` arguments: nothing but the job's own keys, each by its exact name, and ``COMMANDS``, whatever
     the user had before."""
     return ["reset", "on", f">{password}", *(f"~{keys.glob_escape(k)}" for k in keys.own_keys(job_id)), "-@all",
             *(f"+{c}" for c in COMMANDS)]
-
-
-def ticket_user(user: str) -> str:
-    """The ticket user of the job's user ``user``: ``tlab-ticket-job-<id>`` (a preflight's: ``-preflight-<id>``)."""
-    return f"{TICKET_PREFIX}{user.removeprefix('tlab-')}"
 
 
 def ticket_rules(ticket: str, password: str) -> list[str]:
@@ -153,14 +143,27 @@ class JobAcl:
         """Make (or make again, the same) the job's user for this submission: its password. ``user``: another
         name for it (a preflight's, which ``sync`` leaves alone: ``service.scheduler.preflight``)."""
         password = self.password(submission_id)
-        inputs = {k: v for k, v in zip(INPUTS, self.r.hmget(keys.job(job_id), list(INPUTS)), strict=True) if v}
         caps = write_caps(self.settings.job_redis_mb)
-        self.r.hset(keys.job_run(job_id), mapping={keys.JOB_RUN_MARK: job_id, **inputs,  # what the job may read
-                                                   keys.JOB_RUN_CAPS: ",".join(map(str, caps))})
+        self.copy_inputs(job_id, caps)
         for script in (xadd_once(caps), hset_own(caps)):  # before the user exists: it never needs SCRIPT LOAD
             self.r.script_load(script)
         self.r.execute_command("ACL", "SETUSER", user or user_name(job_id), *rules(job_id, password))
         return password
+
+    def copy_inputs(self, job_id: str, caps: tuple[int, int]) -> None:
+        """The job's inputs (``INPUTS``) and the scripts' caps copied into its run copy, exactly: every input written
+        again, one the job hash lacks deleted (the job's user may write the copy: a field it planted there, a
+        ``start_from`` say, never survives a resume or a restore), in one ``MULTI`` against the job hash as read."""
+        job, run = keys.job(job_id), keys.job_run(job_id)
+
+        def copy(pipe: Any) -> None:
+            inputs = {k: v for k, v in zip(INPUTS, pipe.hmget(job, list(INPUTS)), strict=True) if v}
+            pipe.multi()
+            pipe.hdel(run, *INPUTS)
+            pipe.hset(run, mapping={keys.JOB_RUN_MARK: job_id, **inputs,  # what the job may read
+                                    keys.JOB_RUN_CAPS: ",".join(map(str, caps))})
+
+        self.r.transaction(copy, job)  # (WATCHed: a job hash changed meanwhile is read and copied again)
 
     def credentials(self, job_id: str, submission_id: str, user: str = "") -> dict[str, str]:
         """The job's environment overrides: the one-time ticket to its own ``REDIS_URL`` (none when jobs are not
@@ -248,8 +251,6 @@ class JobAcl:
 def drop_users(r: redis.Redis, job_id: str) -> None:
     """Delete the job's Redis users (its own, its preflight's) and their ticket users and tickets; Redis closes their
     connections. Nothing to do where Redis has no ACL."""
-    from service.launch.preflight_jobs import preflight_user
-
     names = [user_name(job_id), preflight_user(job_id)]
     names += [ticket_user(n) for n in names]
     try:

@@ -6,7 +6,8 @@ run (``service.api.dry_run``). The Ray job asks for ``PREFLIGHT_CPUS`` CPU, no G
 when it is a Ray node; it runs in the job's runtime_env (its package as ``working_dir``, its requirements as ``pip``)
 and reaches Redis as a user of its own, ``tlab-preflight-<id>``, allowed the job's keys only
 (``service.launch.job_acl.rules``; a name ``JobAcl.sync`` leaves alone), whose ``REDIS_URL`` it redeems at start with
-the one-time ticket in its runtime_env (ticket user ``tlab-ticket-preflight-<id>``, as a job's).
+the one-time ticket in its runtime_env (ticket user ``tlab-ticket-preflight-<id>``, as a job's; the names:
+``service.launch.redis_users``).
 """
 
 from __future__ import annotations
@@ -16,23 +17,18 @@ from typing import Any
 from api_schemas import keys
 from api_schemas.preflight import PreflightResult
 from api_schemas.spec import ray_memory
-from service.launch.job_acl import ticket_user
 from service.launch.ray_cluster import _RAY_NODE_ID, NODE_ID_LABEL, RayJobs, with_credentials
 from service.launch.ray_reasons import reason_from_ray
+from service.launch.redis_users import preflight_user, ticket_user
 
 PREFLIGHT_CPUS = 1.0
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # it runs on the CPU, and its code sees no GPU of the node
 MODULE = "workers.preflight"
-USER_PREFIX = "tlab-preflight-"
 
 
 def preflight_sid(job_id: str) -> str:
     """The preflight's Ray submission id: one per job, so a restarted scheduler never starts it twice."""
     return f"tlab-{job_id}-preflight"
-
-
-def preflight_user(job_id: str) -> str:
-    return f"{USER_PREFIX}{job_id}"
 
 
 def timeout_reason(timeout_s: float) -> str:
