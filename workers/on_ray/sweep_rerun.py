@@ -16,15 +16,32 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 from typing import Any
 
-from api_schemas import keys
+from api_schemas import gate, keys
+from api_schemas.reasons import one_line
 from workers.job.harness import SetupError
 
 
 def marked_trials(client: Any, job_id: str) -> set[str]:
-    """The trials the latest rerun named, read from the trials table."""
-    return {row["trial"] for row in map(json.loads, client.hvals(keys.trials(job_id))) if row.get("rerun")}
+    """The trials the latest rerun named, read from the trials table. The job's code can write that table: a row
+    counts only when it is a JSON object whose ``trial`` is a trial id (``api_schemas.gate.trial_id``) and its own
+    field's name; any other marked row is dropped, with a line in the job's log."""
+    marked = set()
+    for field, raw in client.hgetall(keys.trials(job_id)).items():
+        try:
+            row = json.loads(raw)
+            if not isinstance(row, dict) or not row.get("rerun"):
+                continue
+            trial = gate.trial_id(row.get("trial"))
+            if trial != field:
+                raise gate.Refused(f"trial id {trial!r} refused: its row is {str(field)[:80]!r}'s")
+        except ValueError as err:  # (gate.Refused and a row that is no JSON are ValueErrors)
+            print(f"[tlab] rerun: a trials row left out: {one_line(str(err))}", file=sys.stderr, flush=True)
+            continue
+        marked.add(trial)
+    return marked
 
 
 def state_gone(path: str) -> SetupError:
