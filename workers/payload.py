@@ -1,11 +1,12 @@
 """``python -m workers.payload``: one try of a job's training, in its sandbox (``workers.job.sandbox``).
 
 Its supervisor (``workers.on_ray.supervisor``: the Ray job's driver, or a gang rank's Ray task) starts it and hands it
-``Orders`` on stdin (never in an environment variable: its Redis URL is the job's own ACL user's); it says it started,
-trains one try as ``workers.on_ray.driver`` / ``workers.on_ray.gang`` do in-process, exports the run's artifacts (rank
-0), and writes its ``Outcome`` (JSON) to the descriptor the orders name. It holds no Ray connection and no ticket; rank
-0 of a gang opens the gang's TCP store on the socket its supervisor opened (``listen_fd``, inherited), and waits for
-the other ranks there (its supervisor watches their Ray tasks and ends this process if one fails first).
+``Orders`` on stdin; it says it started, trains one try as ``workers.on_ray.driver`` / ``workers.on_ray.gang`` do
+in-process, exports the run's artifacts (rank 0), and writes its ``Outcome`` (JSON) to the descriptor the orders name.
+It holds no Ray connection, no ticket and no Redis login: rank 0's records go as JSON lines on a pipe to its
+supervisor, which writes them to the job's stream (``workers.job.pipe_sink``); rank 0 of a gang opens the gang's TCP
+store on the socket its supervisor opened (``listen_fd``, inherited), and waits for the other ranks there (its
+supervisor watches their Ray tasks and ends this process if one fails first).
 
 Exit status: 0 trained, 1 failed, 143 stopped (a SIGTERM: from Ray's stop, or forwarded by the supervisor).
 """
@@ -49,7 +50,7 @@ def train(orders: Orders) -> dict[str, Any]:
     import torch.distributed as dist
 
     from api_schemas import ExperimentSpec
-    from workers.job.redis_sink import RedisSink
+    from workers.job.pipe_sink import PipeSink
     from workers.on_ray.driver import DriverContext, attempt
     from workers.on_ray.gang import GangContext, join, said, timeout
     from workers.train.gpu_share import claim_device
@@ -59,7 +60,7 @@ def train(orders: Orders) -> dict[str, Any]:
     spec = ExperimentSpec.model_validate_json(orders.spec)
     device, world = claim_device(spec), spec.resources.workers  # (its share of the card fenced first)
     run_dir, start = Path(orders.storage) / orders.job_id, Path(orders.start_from) if orders.start_from else None
-    sink = RedisSink(orders.redis_url, orders.job_id) if orders.rank == 0 else NullSink()
+    sink = PipeSink(orders.records_fd) if orders.records_fd is not None else NullSink()  # (rank 0)
     try:
         if world == 1:
             return attempt(spec, DriverContext(sink, run_dir, device=device, artifacts_dir=orders.artifacts,
@@ -105,7 +106,7 @@ def outcome(orders: Orders) -> Outcome:
         if orders.kind == "preflight":
             from workers.job.preflight_check import run_preflight
 
-            return Outcome(summary={"preflight": run_preflight(orders.job_id, orders.redis_url, orders.storage).state})
+            return Outcome(summary={"preflight": run_preflight(orders).model_dump(mode="json")})
         try:
             summary = train(orders)
         finally:
@@ -123,7 +124,6 @@ def main() -> int:
     begin()
     orders = Orders(**json.loads(sys.stdin.read()))
     say_started(orders.result_fd)
-    os.environ["REDIS_URL"] = orders.redis_url  # the job's own user (``job_redis_url``), seen by this sandbox only
     result = outcome(orders)
     result.startup = timeline()
     with os.fdopen(orders.result_fd, "w") as out:

@@ -1,6 +1,7 @@
 """No job process is host root: a user's code, submitted through the real stack and run in the real bwrap, probes
 what a root payload could do (its uid on the host, ``/proc/sys``, a nested user namespace, ``ptrace`` of the
-sandbox's init, a set-uid file in storage, the kernel calls escapes start with, a fork bomb), while the test reads
+sandbox's init, a set-uid file in storage, the kernel calls escapes start with, a fork bomb, a Redis login in its
+own memory), while the test reads
 ``/proc/*/status`` on the host for every payload process. Every probe must be refused, and the job still trains."""
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def probe(storage):
     shutil.copy("/bin/sh", shell)
     found["chmod_setuid"] = caught(lambda: os.chmod(shell, 0o6755))
     found["create_setuid"] = caught(lambda: os.close(os.open(job_dir / "made", os.O_CREAT | os.O_WRONLY, 0o4755)))
+    import gc
+    from workers.job.orders import Orders
+    logins = [o.redis_url for o in gc.get_objects() if isinstance(o, Orders)] + [
+        v for v in os.environ.values() if v.startswith(("redis://", "rediss://", "unix://"))]
+    found["redis_logins"] = [x for x in logins if x]  # its orders in its own memory, its environment
     found["mounts"] = sorted({line.split()[4] for line in open("/proc/self/mountinfo")})
     found["nproc"] = resource.getrlimit(resource.RLIMIT_NPROC)[0]
     found["core"] = caught(lambda: resource.setrlimit(resource.RLIMIT_CORE, (1 << 20, 1 << 20)))
@@ -153,6 +159,7 @@ def test_no_job_process_is_host_root_and_every_escape_probe_is_refused(stack: St
     assert found["ptrace_1"] == 1 and found["mount"] == 1, found
     assert all(found[name] == 1 for name in ("keyctl", "bpf", "perf_event_open", "init_module", "kexec_load",
                                               "open_by_handle_at") if name in found), found
+    assert found["redis_logins"] == [], found  # its records go through its supervisor: no Redis login to steal
     assert found["chmod_setuid"] == 1 and found["create_setuid"] == 1, found
     assert found["core"] != 0, found  # no core dump, and it cannot raise its own limit (no core_pattern run)
     assert found["nproc"] == job_user.DEFAULT_MAX_PROCS and found["threads"] < found["nproc"], found

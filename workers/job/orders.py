@@ -28,7 +28,7 @@ class Orders:
 
     spec: str  # the ExperimentSpec as JSON
     job_id: str
-    redis_url: str  # the job's own Redis user (its stream and run copy only)
+    redis_url: str  # the job's own Redis user: the supervisor's only ('' in the payload's copy: ``records_fd``)
     storage: str
     result_fd: int
     artifacts: str | None = None
@@ -42,6 +42,8 @@ class Orders:
     scratch: str = ""  # the pipes its reports to Tune go out on and are answered on
     report_fd: int | None = None
     answer_fd: int | None = None
+    records_fd: int | None = None  # rank 0: where its records go, one JSON line each (``workers.job.pipe_sink``)
+    sweep: str | None = None  # a preflight of a sweep: the sweep as JSON (its first point is what is tried)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from api_schemas import ExperimentSpec, keys
 from api_schemas.preflight import PreflightResult
 from api_schemas.sweeps import preflighted_spec
+from workers.job.orders import Orders
 from workers.train.sinks import MetricSink
 
 if TYPE_CHECKING:
@@ -121,21 +122,19 @@ def preflight(spec: ExperimentSpec, sink: MetricSink) -> PreflightResult:
     return PreflightResult(state="passed", seconds=time.perf_counter() - started, **out)
 
 
-def run_preflight(job_id: str, redis_url: str, storage: str) -> PreflightResult:
-    """Read the job's spec (its ``run`` copy), try it, write the verdict where the scheduler reads it."""
+def run_preflight(orders: Orders) -> PreflightResult:
+    """In the payload: try the spec its supervisor read from the job's record (a sweep's first point); the verdict
+    goes back in its outcome, and the supervisor writes it where the scheduler reads it (``record_verdict``)."""
     import torch
 
-    from workers.job.harness import load_job_spec
     from workers.job.logs import capture
-    from workers.job.record import connect, job_field, write_hash
-    from workers.job.redis_sink import RedisSink
+    from workers.job.pipe_sink import PipeSink
+    from workers.train.sinks import NullSink
 
-    client = connect(redis_url, decode_responses=True)
     torch.set_num_threads(1)
-    with capture(storage, job_id, "preflight", 1):
-        spec = load_job_spec(client, job_id)
-        sweep = job_field(client, job_id, "sweep")
-        sink = RedisSink(redis_url, job_id)
+    with capture(orders.storage, orders.job_id, "preflight", 1):
+        spec, sweep = ExperimentSpec.model_validate_json(orders.spec), orders.sweep
+        sink = PipeSink(orders.records_fd) if orders.records_fd is not None else NullSink()
         try:
             spec = preflighted_spec(spec, json.loads(sweep) if sweep else None)
             verdict = preflight(spec, sink)
@@ -145,6 +144,18 @@ def run_preflight(job_id: str, redis_url: str, storage: str) -> PreflightResult:
             sink.close()
         print(f"preflight {verdict.state}: {verdict.error or verdict.model_dump_json(exclude_none=True)}",
               file=sys.stderr, flush=True)
-    write_hash(client, job_id, keys.preflight(job_id), {"result": verdict.model_dump_json()})  # bounded
-    client.close()
+    return verdict
+
+
+def record_verdict(redis_url: str, job_id: str, said: object) -> PreflightResult:
+    """The supervisor's side: the payload's verdict, checked as a ``PreflightResult``, written where the scheduler
+    reads it (through the bounded script)."""
+    from workers.job.record import connect, write_hash
+
+    verdict = PreflightResult.model_validate(said)
+    client = connect(redis_url, decode_responses=True)
+    try:
+        write_hash(client, job_id, keys.preflight(job_id), {"result": verdict.model_dump_json()})
+    finally:
+        client.close()
     return verdict

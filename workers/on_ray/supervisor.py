@@ -1,4 +1,4 @@
-"""The trusted side of a job's process (issue 26): it starts the job's training as a payload in a sandbox
+"""The trusted side of a job's process: it starts the job's training as a payload in a sandbox
 (``workers.payload`` under ``workers.job.sandbox``) and keeps what the payload must not have: the Ray connection, the
 job's ticket, every other job's files.
 
@@ -33,6 +33,7 @@ from workers.job.artifacts import record_digests
 from workers.job.logs import StderrTail
 from workers.job.memory_limit import MemoryLimit, first_to_go
 from workers.job.orders import Orders, Outcome, split_result
+from workers.job.pipe_sink import start_relay
 from workers.job.redis_sink import RedisSink
 
 # (gang_start's rank task imports this module back, when it runs on its node: the declared trampoline)
@@ -43,6 +44,7 @@ from workers.train.startup import adopt
 WATCH_S = 0.2  # how often the supervisor looks at the gang's other ranks while its payload runs
 MAX_ACCOUNT = 4 << 20  # bytes of a payload's account of how it ended (its summary) the supervisor reads
 MAX_REPORT_LINE = 1 << 20  # bytes of one trial report (metrics and a checkpoint's name)
+RECORDS_WAIT_S = 30.0  # how long the supervisor waits, after its payload ended, to write the records it sent
 PUSH_EVERY_S = 10.0  # with a bucket: the job directory is uploaded this often while the payload runs
 
 
@@ -114,10 +116,12 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
     """Start the payload, hand it its orders, wait (watching ``ranks``; ``relay``: each line it reports, answered
     once handled: ``workers.on_ray.trial_bridge``), and read how it ended."""
     read_fd, orders.result_fd = os.pipe()
-    lines = answers = None
+    lines = answers = records = None
     if relay is not None:
         (lines, orders.report_fd), (orders.answer_fd, answers) = os.pipe(), os.pipe()
-    theirs = [fd for fd in (orders.result_fd, orders.report_fd, orders.answer_fd) if fd is not None]
+    if orders.rank == 0 and orders.redis_url:  # its records, written by this process (``workers.job.pipe_sink``)
+        orders.records_fd, records = start_relay(RedisSink(orders.redis_url, orders.job_id, trial=orders.trial))
+    theirs = [fd for fd in (orders.result_fd, orders.report_fd, orders.answer_fd, orders.records_fd) if fd is not None]
     shared = [orders.listen_fd] if orders.listen_fd is not None else []  # (the gang's socket stays its Ranks')
     err_read, err_write = os.pipe()
     proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stderr=err_write, pass_fds=theirs + shared,
@@ -129,7 +133,7 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
         os.close(fd)
     try:
         assert proc.stdin is not None
-        proc.stdin.write(json.dumps(asdict(orders)).encode())
+        proc.stdin.write(json.dumps({**asdict(orders), "redis_url": ""}).encode())  # (no Redis login for it)
         proc.stdin.close()
         if relay is not None and lines is not None and answers is not None:
             relayed(relay, lines, answers)
@@ -141,6 +145,9 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
         memory.close()
         with os.fdopen(read_fd, "rb") as result:  # (job-written: read within a bound)
             raw = result.read(MAX_ACCOUNT).decode(errors="replace")
+        if records is not None:  # its last records written (a child of it still holding the pipe: not waited for)
+            records.join(timeout=RECORDS_WAIT_S)
+        orders.records_fd = None
         job_user.strip_setid(Path(orders.scratch or Path(orders.storage) / orders.job_id))
     if memory.error:  # killed over resources.memory_gb: the job's own failure, not retried
         return Outcome(error=memory.error)
@@ -308,11 +315,16 @@ def supervise_preflight(job_id: str, redis_url: str, storage: str) -> int:
     import redis
 
     from workers.job.harness import load_job_spec
+    from workers.job.preflight_check import record_verdict
+    from workers.job.record import job_field
 
     with redis.Redis.from_url(redis_url, decode_responses=True) as client:
-        spec = load_job_spec(client, job_id)
+        spec, sweep = load_job_spec(client, job_id), job_field(client, job_id, "sweep")
     argv, env = payload_argv(spec, Path(storage) / job_id, None)
-    done = run_payload(Orders(spec.model_dump_json(), job_id, redis_url, storage, -1, kind="preflight"), argv, env)
+    done = run_payload(Orders(spec.model_dump_json(), job_id, redis_url, storage, -1, kind="preflight",
+                              sweep=sweep or None), argv, env)
     if done.summary is None:
         print(f"preflight: {done.error}", file=sys.stderr, flush=True)
-    return 0 if done.summary is not None else 1
+        return 1
+    record_verdict(redis_url, job_id, done.summary.get("preflight"))  # checked, then written by this process
+    return 0

@@ -1,4 +1,4 @@
-"""A 1-worker sweep trial's training in the job's sandbox (issue 26), with Tune on the trusted side of the line.
+"""A 1-worker sweep trial's training in the job's sandbox, with Tune on the trusted side of the line.
 
 The Tune trial's process (``workers.sweep``'s ``own_trial``) is the supervisor: it holds Ray and Tune's session, and
 starts the trial's payload (``workers.payload``, kind ``trial``) in the sandbox. The payload trains with a
@@ -59,12 +59,13 @@ class BridgedTrialContext(RunContext):
 
 def train_bridged(orders: Orders, report_fd: int, answer_fd: int) -> dict[str, Any]:
     """The payload's side: ``workers.on_ray.trial.train_in_trial`` with a ``BridgedTrialContext``."""
-    from workers.job.redis_sink import RedisSink
+    from workers.job.pipe_sink import PipeSink
     from workers.on_ray.trial import train_in_trial
     from workers.train.gpu_share import claim_device
+    from workers.train.sinks import NullSink
 
     spec = ExperimentSpec.model_validate_json(orders.spec)
-    sink = RedisSink(orders.redis_url, orders.job_id, trial=orders.trial)
+    sink = PipeSink(orders.records_fd) if orders.records_fd is not None else NullSink()  # (its supervisor tags it)
     with os.fdopen(report_fd, "wb") as reports, os.fdopen(answer_fd, "rb") as answers:
         train_in_trial(spec, sink, BridgedTrialContext(
             reports=reports, answers=answers, scratch=Path(orders.scratch), sink=sink, device=claim_device(spec),

@@ -71,7 +71,7 @@ def payload(code: str, tries: Path) -> list[str]:
 
 def test_a_payload_that_never_started_fails_at_once_and_one_that_crashed_after_its_start_is_retried(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    orders = Orders(ExperimentSpec().model_dump_json(), "job-1", "redis://unused", str(tmp_path), -1)
+    orders = Orders(ExperimentSpec().model_dump_json(), "job-1", "", str(tmp_path), -1)  # (no Redis: no records)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     crashed = run_payload(orders, payload(CRASHES, tmp_path / "crashed"), env)
     assert crashed.retried and crashed.error == "the training process ended with exit status 1: Segmentation fault"
@@ -79,7 +79,7 @@ def test_a_payload_that_never_started_fails_at_once_and_one_that_crashed_after_i
     monkeypatch.setattr(supervisor, "payload_argv", lambda *args: (payload(DIES, tmp_path / "never"), env))
     with pytest.raises(JobFailed, match=r"^the training process could not start, exit status 1: No module named "
                                          r"workers; not retried \(a retry would meet the same\)$"):
-        supervisor.supervise(ExperimentSpec(), "job-2", "redis://unused", str(tmp_path), 3, None, None, [])
+        supervisor.supervise(ExperimentSpec(), "job-2", "", str(tmp_path), 3, None, None, [])
     assert (tmp_path / "never").read_text() == "x"
     killed = unreported(-signal.SIGKILL, "", started=False)  # killed before it started (its memory): tried again
     assert killed.retried and killed.error.endswith("(killed: out of memory?)")
