@@ -96,11 +96,10 @@ def reuse_actors(sweep: SweepSubmit, own: bool) -> bool:
     """Whether a trial's process supervises the next trial too (it saves that process's start): only when no trial
     ends early (FIFO). A reused process must first end the last trial's thread, and Tune waits for it only
     ``TUNE_FUNCTION_THREAD_TIMEOUT_S`` (2 s). Under ASHA a stopped trial's thread waits for its payload's next report
-    (an epoch away) before it sees the stop, so the next trial given that process failed ("Could not re-use actor
-    for trial ...: reset_config() ... return True"; a fresh-clone ``make test`` on 2026-11-27, and the "1 of 4 trials
-    failed" seen once before); under PBT, whose rounds pause every trial and restart it on another's checkpoint, a
-    moved trial lost its last report (it ended "stopped early" at 5 of 6 epochs, 3 runs in 15 with both cores
-    busy). Since a trial trains in its sandboxed payload (issue 26), its own process holds no torch or data to keep."""
+    (an epoch away) before it sees the stop, so the next trial given that process can fail ("Could not re-use actor
+    for trial ...: reset_config() ... return True"); under PBT, whose rounds pause every trial and restart it on
+    another's checkpoint, a moved trial can lose its last report (it ends "stopped early" one epoch short on a busy
+    machine). Since a trial trains in its sandboxed payload, its own process holds no torch or data to keep."""
     return own and sweep.scheduler == "fifo"
 
 

@@ -1,4 +1,4 @@
-"""Admission at submit: refuse what can never run, knowable without running user code (issue 19).
+"""Admission at submit: refuse what can never run, knowable without running user code.
 
 Each check names the field: the model takes the dataset's samples (``api_schemas.compat``, the rule the
 workers apply), the dataset's files are there and under the data roots (``TLAB_DATA_ROOTS``; ``..`` and

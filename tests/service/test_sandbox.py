@@ -1,4 +1,4 @@
-"""A job's code plays the attacker on the real stack (issue 26): a user with code rights submits a package whose model
+"""A job's code plays the attacker on the real stack: a user with code rights submits a package whose model
 factory looks around before it builds the model, in a 1-worker job and on both ranks of a 2-rank gang, and logs what
 it found. Every attempt must be refused: other processes' environments, the service's and the Ray head's secret files,
 another job's files, a Ray token or the service's Redis URL in its environment, writing outside its job directory,

@@ -1,4 +1,4 @@
-"""The sandbox a job's own code runs in (issue 26; docs/security.md): bubblewrap, one per process that trains.
+"""The sandbox a job's own code runs in (docs/security.md): bubblewrap, one per process that trains.
 
 Our code (a Ray job's driver, a gang rank's Ray task, a preflight's entrypoint) is the trusted supervisor: it holds the
 Ray connection and the job's ticket, and starts the payload (``python -m workers.payload``: the user's factories,

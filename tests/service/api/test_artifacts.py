@@ -1,4 +1,4 @@
-"""Artifacts (issue 16): a finished job keeps model.safetensors, checkpoint.pt, metrics.csv and summary.json;
+"""Artifacts: a finished job keeps model.safetensors, checkpoint.pt, metrics.csv and summary.json;
 the API lists them with sha256, streams them (Range too) to the owner or an admin only, and never serves a
 name outside the job's directory; ``tlab pull`` writes them."""
 

@@ -1,4 +1,4 @@
-"""Preemption (issue 16): the max_unpreemptible quota at submit; the requeue on a real Redis (age kept, counted,
+"""Preemption: the max_unpreemptible quota at submit; the requeue on a real Redis (age kept, counted,
 not a failure); and on the real 2-CPU stack, a priority-5 job preempting a priority-0 one that then resumes
 from its checkpoint with every epoch exactly once, and a non-preemptible job left alone."""
 
