@@ -7,6 +7,7 @@ working directory as the job's code when that is ``/``."""
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,3 +112,16 @@ def test_the_nodes_working_directory_is_never_the_jobs_code_when_it_is_root(node
     with pytest.raises(sandbox.MountRefused):
         supervisor.mounts(spec, node / "storage" / "job-a", None)
     assert os.getcwd() == "/"
+
+
+def test_a_python_path_of_slash_binds_nothing_of_the_whole_file_system(node: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ray worker started from ``/`` has ``/`` on ``sys.path``; the checkout holding the service's home (``make
+    demo``'s ``runs/demo``) is on it too: neither is bound, only Python's and our packages' own directories."""
+    monkeypatch.setattr(sys, "path", ["/", str(node.parent), *sys.path])
+    box = sandbox.Mounts(writable=node / "storage" / "job-a", hidden=sandbox.hidden_dirs())
+    argv = sandbox.bwrap_argv(["true"], {}, box)
+    binds = {argv[i + 1] for i, a in enumerate(argv) if a == "--ro-bind"}
+    assert "/" not in binds and str(node.parent) not in binds and str(node) not in binds, binds
+    for ours in sandbox.our_package_dirs():  # still there, on their own or under a directory that is
+        assert any(Path(ours).resolve().is_relative_to(b) for b in binds), (ours, binds)

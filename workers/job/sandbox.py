@@ -120,9 +120,18 @@ def our_package_dirs() -> list[Path]:
     return found
 
 
-def python_paths() -> list[Path]:
-    """Python's own directories and those on ``sys.path``, and our packages."""
-    return [*(Path(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path) if p), *our_package_dirs()]
+def python_paths(hidden: Sequence[Path] = ()) -> list[Path]:
+    """Python's own directories and those on ``sys.path``, and our packages; never ``/`` nor a directory holding a
+    ``hidden`` one (a Ray worker started from ``/`` has it on ``sys.path``: the whole file system would be bound)."""
+    covered = [Path(os.path.realpath(h)) for h in hidden]
+    found = [Path(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path) if p]
+    found = [p for p in found if (real := Path(os.path.realpath(p))) != Path("/") and not _under_any(covered, real)]
+    return [*found, *our_package_dirs()]
+
+
+def _under_any(paths: Sequence[Path], top: Path) -> bool:
+    """Whether one of ``paths`` is ``top`` or lies below it."""
+    return any(_under(p, [top]) for p in paths)
 
 
 def _under(path: Path, roots: Sequence[Path]) -> bool:
@@ -178,7 +187,7 @@ def bwrap_argv(command: Sequence[str], env: Mapping[str, str], mounts: Mounts, u
         if os.path.islink(name):  # Debian's merged /usr: /bin -> usr/bin
             argv += ["--symlink", os.readlink(name), name]
     system = [Path(p) for p in SYSTEM if not os.path.islink(p)] + [Path("/etc", name) for name in ETC]
-    readable = [*system, *python_paths(), *mounts.readable]
+    readable = [*system, *python_paths(mounts.hidden), *mounts.readable]
     outer = [p for p in _outermost(readable) if not _under(p, mounts.hidden)]
     inner = _outermost([p for p in readable if _under(Path(os.path.realpath(p)), mounts.hidden)])
     job_dir = Path(os.path.realpath(mounts.writable))
