@@ -56,16 +56,17 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
     spec = load_job_spec(client, job_id)
     out = artifacts_dir(storage, job_id)
     ranks = None
-    if in_driver() and spec.resources.workers > 1:  # the gang's other ranks start while this driver imports
-        from workers.on_ray.gang_start import Ranks
-
-        ranks = Ranks(spec, job_id, redis_url, storage, placement(), out)
-        mark("ranks")
     try:
         from workers.job.start_from import start_checkpoint
 
         pull_checkpoint(storage, job_id)  # the bucket's newest, when newer than any here (``workers.job.bucket``)
-        start = start_checkpoint(client, job_id, storage)  # a continued or forked job's parent checkpoint
+        # a continued or forked job's parent checkpoint, decided once, here: a gang's ranks get it as an argument
+        start = start_checkpoint(client, job_id, storage)
+        if in_driver() and spec.resources.workers > 1:  # the gang's other ranks start while this driver imports
+            from workers.on_ray.gang_start import Ranks
+
+            ranks = Ranks(spec, job_id, redis_url, storage, placement(), out, start)
+            mark("ranks")
         if in_driver():  # its payload trains, in a sandbox (``workers.on_ray.supervisor``), and exports the artifacts
             from workers.on_ray.supervisor import supervise
 

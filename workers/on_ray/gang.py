@@ -105,10 +105,10 @@ def await_ranks(store: Any, ranks: Ranks) -> None:
 def lead(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str | Path, sink: MetricSink,
          device: torch.device, artifacts: str | Path | None = None, start_from: Path | None = None,
          placement: Sequence[str] = (), ranks: Ranks | None = None) -> dict[str, Any]:
-    """One try of the gang: ranks 1..N-1 (``ranks`` if the driver started them already, else started now),
-    rank 0 trained here; the summary once every rank is done."""
+    """One try of the gang: ranks 1..N-1 (``ranks`` if the driver started them already, else started now with the
+    ``start_from`` it decided), rank 0 trained here; the summary once every rank is done."""
     t0 = time.perf_counter()
-    ranks = ranks or Ranks(spec, job_id, redis_url, storage, placement, artifacts)
+    ranks = ranks or Ranks(spec, job_id, redis_url, storage, placement, artifacts, start_from)
     world = ranks.world
     try:
         store = dist.TCPStore(ranks.host, ranks.port, world, is_master=True, timeout=timeout(),

@@ -46,12 +46,9 @@ def gang_rank(*args: Any) -> None:
     supervise_rank(*args)
 
 
-DECIDE = "decide"  # ``Ranks``'s start_from when the driver has not decided it yet
-
-
 def decided_start(job_id: str, redis_url: str, storage: str | Path) -> Path | None:
-    """The checkpoint the job starts from, decided here, in the driver, before any payload of its runs
-    (``workers.job.start_from``)."""
+    """The checkpoint the job starts from, as its driver decides it once, before any payload of its runs
+    (``workers.job.start_from``; ``workers.run`` does the same on its own connection), on a connection of its own."""
     import redis
 
     from workers.job.start_from import start_checkpoint
@@ -62,15 +59,14 @@ def decided_start(job_id: str, redis_url: str, storage: str | Path) -> Path | No
 
 class Ranks:
     """Ranks 1..N-1 of one try of the gang, running as Ray tasks, and the socket they will meet rank 0 on.
-    ``start_from``: the checkpoint the driver decided the job starts from (``DECIDE``: decide it now, before the
-    ranks start), handed to each rank as its task's argument; the ranks never read it from the job's keys."""
+    ``start_from``: the checkpoint the driver decided, once, the job starts from (None: from scratch), handed to each
+    rank as its task's argument; the ranks never read it from the job's keys."""
 
     def __init__(self, spec: ExperimentSpec, job_id: str, redis_url: str, storage: str | Path,
-                 placement: Sequence[str] = (), artifacts: str | Path | None = None,
-                 start_from: str | Path | None = DECIDE) -> None:
+                 placement: Sequence[str], artifacts: str | Path | None, start_from: str | Path | None) -> None:
         import ray
 
-        self.start_from = decided_start(job_id, redis_url, storage) if start_from is DECIDE else start_from
+        self.start_from = start_from
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
         self.world, self.host = spec.resources.workers, ray.util.get_node_ip_address()
