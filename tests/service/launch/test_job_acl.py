@@ -181,37 +181,6 @@ def test_what_a_job_writes_cannot_break_the_apis_views(service: tuple[Store, Job
     assert store.view(job).summary == {"epochs": 2}
 
 
-def test_what_a_job_planted_in_its_run_copy_never_survives_the_next_copy(service: tuple[Store, JobAcl]) -> None:
-    """The job's user may write its run copy: a ``start_from`` it planted there (its job hash has none) and inputs
-    it rewrote are gone once the copy is made again, by a restore after Redis lost its users and by a resume's new
-    credentials; the copy holds the job hash's inputs exactly."""
-    store, acl = service
-    job = started(store)
-    url, run = job_credentials(acl, job), keys.job_run(job)
-    planted = json.dumps({"job": "18f3a2b4c5d-000003", "epoch": 1, "checkpoint": "checkpoint_evil"})
-    inputs = store.r.hgetall(keys.job(job))
-    assert "start_from" not in inputs and "sweep" not in inputs and inputs["spec"] and inputs["attempts"] == "1"
-
-    def plant() -> None:
-        own = redis.Redis.from_url(url, decode_responses=True)
-        own.hset(run, mapping={"start_from": planted, "sweep": "{}", "spec": "{}", "attempts": "99"})
-        assert job_field(own, job, "start_from") == planted  # what the job's driver would read, were it kept
-        own.close()
-
-    def exact() -> None:
-        copy = store.r.hgetall(run)
-        assert "start_from" not in copy and "sweep" not in copy, copy
-        assert (copy["spec"], copy["attempts"]) == (inputs["spec"], inputs["attempts"])
-
-    plant()
-    store.r.execute_command("ACL", "DELUSER", user_name(job))  # a restarted Redis keeps no ACL users
-    acl.sync()  # made again, the same password: the copy too
-    exact()
-    plant()
-    acl.credentials(job, f"tlab-{job}-2")  # a resume's submission
-    exact()
-
-
 def test_a_jobs_user_goes_when_it_leaves_starting_or_running(service: tuple[Store, JobAcl]) -> None:
     store, acl = service
     ends, preempted, live, waiting = started(store), started(store), started(store), started(store)
