@@ -50,17 +50,16 @@ def train(orders: Orders) -> dict[str, Any]:
     import torch.distributed as dist
 
     from api_schemas import ExperimentSpec
-    from workers.job.pipe_sink import PipeSink
+    from workers.job.pipe_sink import records_sink
     from workers.on_ray.driver import DriverContext, attempt
     from workers.on_ray.gang import GangContext, join, said, timeout
     from workers.train.gpu_share import claim_device
-    from workers.train.sinks import NullSink
 
     mark("torch")
     spec = ExperimentSpec.model_validate_json(orders.spec)
     device, world = claim_device(spec), spec.resources.workers  # (its share of the card fenced first)
     run_dir, start = Path(orders.storage) / orders.job_id, Path(orders.start_from) if orders.start_from else None
-    sink = PipeSink(orders.records_fd) if orders.records_fd is not None else NullSink()  # (rank 0)
+    sink = records_sink(orders)  # (rank 0)
     try:
         if world == 1:
             return attempt(spec, DriverContext(sink, run_dir, device=device, artifacts_dir=orders.artifacts,

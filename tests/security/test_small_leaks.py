@@ -173,7 +173,7 @@ def test_listing_artifacts_reads_the_recorded_digests_and_no_file(api_only: Api)
     assert read_bytes_of(api) - before < 1 << 20  # SHA256SUMS, a request, a few Redis answers
     assert set(items) == {"model.safetensors", "huge.bin", "SHA256SUMS"}, items  # no link
     assert items["model.safetensors"]["sha256"] == hashlib.sha256(weights).hexdigest()  # recorded, not computed
-    assert "recorded at export in SHA256SUMS" in items["model.safetensors"]["sha256_note"]
+    assert "in SHA256SUMS, by the job's supervisor" in items["model.safetensors"]["sha256_note"]
     assert items["huge.bin"]["sha256"] is None and items["huge.bin"]["bytes"] == SPARSE
     assert items["huge.bin"]["sha256_note"] == "none: over the 4 GiB the export hashes per file"
 

@@ -11,8 +11,9 @@ Under an unprivileged supervisor (a service user's Ray: ``tlab up`` as root runs
 service user on the host: bwrap cannot map another uid without privileges.
 
 - ``own_job_dir``: the job's directory (made by the supervisor) owned by the job's uid, group-readable by the jobs;
-- ``readable_code``: the job's code, unpacked by Ray under the node's 0700 temp directory with 0700 folders, opened
-  to others there (still unreachable from the host's other users: its parents stay 0700);
+- ``readable_code``: the job's code, unpacked by Ray under the node's 0700 temp directory with 0700 folders, and the
+  checkpoint it starts from (a bucket's copy pulled by root, a Tune checkpoint), opened to others there (still
+  unreachable from the host's other users: their parents stay closed);
 - ``strip_setid``: no set-uid or set-gid bit survives in the job's directory (the seccomp filter refuses them too);
 - ``limit_processes``: ``TLAB_SANDBOX_MAX_PROCS`` (1024) processes and threads for the payload's uid, no core dump.
 """
@@ -68,24 +69,34 @@ def payload_ids(job_id: str) -> tuple[int, int]:
 
 def own_job_dir(job_dir: Path, uid: int, gid: int) -> None:
     """The job directory, made if missing, owned by the payload (0750: the jobs' group may read a checkpoint the
-    service hands a child run). Only the directory itself: what is inside is the payload's already, or the
-    supervisor's own (its log), which the payload must not write."""
+    service hands a child run), and what the trusted side put in it since (its log, checkpoints pulled back from a
+    bucket) the payload's too: its own run's files. Links are changed themselves, never followed; a file with more
+    than one link is left as it is (a hard link into the job's directory is not the job's to have)."""
     job_dir.mkdir(parents=True, exist_ok=True)
-    if rootful():
-        fd = os.open(job_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        try:
-            os.fchown(fd, uid, gid)
-            os.fchmod(fd, 0o750)
-        finally:
-            os.close(fd)
-
-
-def readable_code(code_dirs: list[Path]) -> None:
-    """Folders 0755 and files at least 0644 in the job's code, which Ray unpacked with its umask: the payload is
-    another uid. Links are left alone (never followed)."""
     if not rootful():
         return
-    for top in code_dirs:
+    fd = os.open(job_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchown(fd, uid, gid)
+        os.fchmod(fd, 0o750)
+    finally:
+        os.close(fd)
+    for _root, dirs, files, dir_fd in os.fwalk(job_dir, follow_symlinks=False):
+        for name in [*dirs, *files]:
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if st.st_uid != uid and (stat.S_ISDIR(st.st_mode) or st.st_nlink == 1):
+                    os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
+            except OSError:  # gone meanwhile
+                continue
+
+
+def readable_code(tops: list[Path]) -> None:
+    """Folders 0755 and files at least 0644 under each of ``tops`` (the job's code, which Ray unpacked with its umask;
+    the checkpoint it starts from): the payload is another uid. Links are left alone (never followed)."""
+    if not rootful():
+        return
+    for top in tops:
         for _root, _dirs, files, fd in os.fwalk(top, follow_symlinks=False):
             os.chmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) | 0o755)
             for name in files:

@@ -42,7 +42,8 @@ class Orders:
     scratch: str = ""  # the pipes its reports to Tune go out on and are answered on
     report_fd: int | None = None
     answer_fd: int | None = None
-    records_fd: int | None = None  # rank 0: where its records go, one JSON line each (``workers.job.pipe_sink``)
+    records_fd: int | None = None  # rank 0: where its records go, one JSON line each (``workers.job.pipe_sink``),
+    answers_fd: int | None = None  # and where each is answered once written
     sweep: str | None = None  # a preflight of a sweep: the sweep as JSON (its first point is what is tried)
 
 

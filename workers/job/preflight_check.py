@@ -128,13 +128,12 @@ def run_preflight(orders: Orders) -> PreflightResult:
     import torch
 
     from workers.job.logs import capture
-    from workers.job.pipe_sink import PipeSink
-    from workers.train.sinks import NullSink
+    from workers.job.pipe_sink import records_sink
 
     torch.set_num_threads(1)
     with capture(orders.storage, orders.job_id, "preflight", 1):
         spec, sweep = ExperimentSpec.model_validate_json(orders.spec), orders.sweep
-        sink = PipeSink(orders.records_fd) if orders.records_fd is not None else NullSink()
+        sink = records_sink(orders)
         try:
             spec = preflighted_spec(spec, json.loads(sweep) if sweep else None)
             verdict = preflight(spec, sink)

@@ -94,7 +94,7 @@ def payload_argv(spec: ExperimentSpec, job_dir: Path, start_from: str | None,
         return command, {**env, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     uid, gid = job_user.payload_ids(job_id or job_dir.name)
     job_user.own_job_dir(job_dir, uid, gid)
-    job_user.readable_code(code_dirs(spec))
+    job_user.readable_code([*code_dirs(spec), *([Path(start_from)] if start_from else [])])
     return sandbox.bwrap_argv(command, env, box, uid), {}  # bwrap's own, none: the sandbox reads its /proc/1/environ
 
 
@@ -120,8 +120,10 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
     if relay is not None:
         (lines, orders.report_fd), (orders.answer_fd, answers) = os.pipe(), os.pipe()
     if orders.rank == 0 and orders.redis_url:  # its records, written by this process (``workers.job.pipe_sink``)
-        orders.records_fd, records = start_relay(RedisSink(orders.redis_url, orders.job_id, trial=orders.trial))
-    theirs = [fd for fd in (orders.result_fd, orders.report_fd, orders.answer_fd, orders.records_fd) if fd is not None]
+        orders.records_fd, orders.answers_fd, records = start_relay(
+            RedisSink(orders.redis_url, orders.job_id, trial=orders.trial))
+    theirs = [fd for fd in (orders.result_fd, orders.report_fd, orders.answer_fd, orders.records_fd,
+                            orders.answers_fd) if fd is not None]
     shared = [orders.listen_fd] if orders.listen_fd is not None else []  # (the gang's socket stays its Ranks')
     err_read, err_write = os.pipe()
     proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stderr=err_write, pass_fds=theirs + shared,
@@ -147,7 +149,7 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
             raw = result.read(MAX_ACCOUNT).decode(errors="replace")
         if records is not None:  # its last records written (a child of it still holding the pipe: not waited for)
             records.join(timeout=RECORDS_WAIT_S)
-        orders.records_fd = None
+        orders.records_fd = orders.answers_fd = None
         job_user.strip_setid(Path(orders.scratch or Path(orders.storage) / orders.job_id))
     if memory.error:  # killed over resources.memory_gb: the job's own failure, not retried
         return Outcome(error=memory.error)

@@ -59,13 +59,12 @@ class BridgedTrialContext(RunContext):
 
 def train_bridged(orders: Orders, report_fd: int, answer_fd: int) -> dict[str, Any]:
     """The payload's side: ``workers.on_ray.trial.train_in_trial`` with a ``BridgedTrialContext``."""
-    from workers.job.pipe_sink import PipeSink
+    from workers.job.pipe_sink import records_sink
     from workers.on_ray.trial import train_in_trial
     from workers.train.gpu_share import claim_device
-    from workers.train.sinks import NullSink
 
     spec = ExperimentSpec.model_validate_json(orders.spec)
-    sink = PipeSink(orders.records_fd) if orders.records_fd is not None else NullSink()  # (its supervisor tags it)
+    sink = records_sink(orders)  # (its supervisor tags it)
     with os.fdopen(report_fd, "wb") as reports, os.fdopen(answer_fd, "rb") as answers:
         train_in_trial(spec, sink, BridgedTrialContext(
             reports=reports, answers=answers, scratch=Path(orders.scratch), sink=sink, device=claim_device(spec),

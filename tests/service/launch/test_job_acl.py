@@ -14,6 +14,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -267,8 +268,7 @@ def test_a_jobs_url_is_the_services_with_its_own_credentials() -> None:
 
 
 EVIL = '''
-    import json, socket
-    from urllib.parse import urlsplit
+    import json, os, socket
 
     import redis
     from ray.job_submission import JobSubmissionClient
@@ -284,10 +284,9 @@ EVIL = '''
             return f"{type(err).__name__}: {err}"
 
 
-    def anonymous(url):
-        """A connection without the job's credentials (as Redis's default user)."""
-        parts = urlsplit(url)
-        with socket.create_connection((parts.hostname, parts.port), timeout=5) as s:
+    def anonymous(host, port):
+        """A connection without credentials (as Redis's default user): the job's code holds none."""
+        with socket.create_connection((host, port), timeout=5) as s:
             s.sendall(b"HGETALL tlab:users\\r\\n")
             return s.recv(200).decode(errors="replace").strip()
 
@@ -308,14 +307,15 @@ EVIL = '''
         return attempt(lambda: redis.Redis.from_url(ticket, retry=None).getdel(f"tlab:ticket:{user}"))
 
 
-    def build(victim, dashboard):
-        url = job_redis_url()  # this job's own credentials, as its first process redeemed them
-        r = redis.Redis.from_url(url, decode_responses=True)
+    def build(victim, dashboard, host, port):
+        login = job_redis_url() or os.environ.get("REDIS_URL", "")  # none: its supervisor writes its records
+        r = redis.Redis(host=host, port=port, decode_responses=True, retry=None)  # the network, with no password
         envs, listing = runtime_envs(dashboard)
         tickets = {sid: env["TLAB_JOB_TICKET"] for sid, env in envs.items() if "TLAB_JOB_TICKET" in env}
         theirs = tickets.get(f"tlab-{victim}-1", "")
-        tried = {"other_job": attempt(lambda: r.hgetall(f"tlab:job:{victim}")), "flushall": attempt(r.flushall),
-                 "users": attempt(lambda: r.hgetall("tlab:users")), "anonymous": anonymous(url),
+        tried = {"login": login, "other_job": attempt(lambda: r.hgetall(f"tlab:job:{victim}")),
+                 "flushall": attempt(r.flushall), "users": attempt(lambda: r.hgetall("tlab:users")),
+                 "anonymous": anonymous(host, port),
                  "jobs": sorted(envs), "secrets": sorted(k for env in envs.values() for k, v in env.items()
                                                          if k == "REDIS_URL" or k.startswith("AWS_") or "tlab-job-" in v
                                                          or "tlab-preflight-" in v),
@@ -358,8 +358,10 @@ def test_a_jobs_code_is_refused_other_jobs_data_and_tickets_and_still_trains(
         request.addfinalizer(lambda: cancel_quietly(stack, victim))  # before the stack's own teardown
         wait_for_state(c, victim, ("running",))
         package = upload(c, str(tmp_path / "pkg"))["package"]
+        where = urlsplit(stack.redis_url or "")
         spec = {**tiny(), "model": {"kind": "custom", "factory": "evil.model:build",
-                                    "args": {"victim": victim, "dashboard": stack.ray_address}},
+                                    "args": {"victim": victim, "dashboard": stack.ray_address,
+                                             "host": where.hostname, "port": where.port}},
                 "code": {"package": package}}
         job = c.submit(spec, name="evil")["id"]
         view = wait_for_state(c, job, ("succeeded", "failed", "cancelled"))
@@ -367,7 +369,9 @@ def test_a_jobs_code_is_refused_other_jobs_data_and_tickets_and_still_trains(
         assert c.get(victim)["state"] == "running"
         line = next(x for x in c.logs(job).splitlines() if x.startswith("ISOLATION "))
         tried = json.loads(line.removeprefix("ISOLATION "))
-        assert all(tried[k].startswith("NoPermissionError") for k in ("other_job", "flushall", "users")), tried
+        # its code holds no Redis login (its supervisor writes its records): without one Redis answers nothing
+        assert tried["login"] == "", tried
+        assert all(tried[k].startswith("AuthenticationError") for k in ("other_job", "flushall", "users")), tried
         assert tried["anonymous"].startswith("-NOAUTH"), tried
         # in its sandbox the job holds no Ray token: it cannot even list Ray's jobs, so it finds no other job's
         # runtime_env or ticket (before the sandbox it listed them all, and no ticket it found opened anything)
