@@ -128,8 +128,8 @@ class Settings(BaseSettings):
                                 description="a sandboxed job's private /tmp: a tmpfs (memory) of at most this many MB")
     service_user: str = Field("tlab", min_length=1, validation_alias="TLAB_SERVICE_USER",
                               description="tlab up as root: the unprivileged user its Ray head (every Ray worker and "
-                                          "job supervisor) runs as; made with useradd --system when missing "
-                                          "(service/stack/service_user.py)")
+                                          "job supervisor) runs as; made with useradd --system when missing; off: "
+                                          "Ray runs as root, knowingly (service/stack/service_user.py)")
     runtime_dir: str = Field("", validation_alias="TLAB_RUNTIME_DIR",
                              description="tlab up as root, with a Python the service user cannot read (under /root): "
                                          "where a copy it can read is made once (default /opt/tlab/runtime-<python "

@@ -26,6 +26,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+OFF = "off"  # TLAB_SERVICE_USER=off: a root tlab up runs Ray as root, knowingly (said at start)
 DATA_MODE = 0o2750  # the default data root: root's, its group the service user's, new entries in that group
 
 
@@ -78,6 +79,9 @@ def said_at_start(user: ServiceUser | None) -> str:
             me = pwd.getpwuid(os.getuid()).pw_name
         except KeyError:  # a uid with no name (a container's)
             me = "this user"
+        if os.getuid() == 0:
+            return ("ray: runs as ROOT (TLAB_SERVICE_USER=off, or Ray is not ours: RAY_ADDRESS): every Ray worker "
+                    "and job supervisor is root; each job's code still runs as a uid of its own")
         return f"ray: runs as {me} (uid {os.getuid()}), as the rest of the stack"
     return (f"ray: runs as the service user {user.name} (uid {user.uid}): Ray's daemons, its workers and each job's "
             "supervisor; Redis, the API and the scheduler run as root and hold the secrets")

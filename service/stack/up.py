@@ -14,7 +14,7 @@ from service.core.storage import check_or_exit
 from service.core.store import redact_url
 from service.stack.embedded import Interrupted, Stack, port_range
 from service.stack.runtime import RuntimeRefused
-from service.stack.service_user import ServiceUser, ServiceUserRefused, resolve
+from service.stack.service_user import OFF, ServiceUser, ServiceUserRefused, resolve
 from service.stack.service_user import said_at_start as who_at_start
 from service.stack.supervise import Supervisor, supervise_policy
 
@@ -22,9 +22,10 @@ from service.stack.supervise import Supervisor, supervise_policy
 def service_user(home: Path) -> ServiceUser | None:
     """As root, the unprivileged user the Ray head runs as (``TLAB_SERVICE_USER``, made when missing); else None, and
     None with ``RAY_ADDRESS`` (no Ray head started here)."""
-    if os.geteuid() != 0 or os.environ.get("RAY_ADDRESS"):
+    name = Settings(TLAB_HOME=home).service_user
+    if os.geteuid() != 0 or os.environ.get("RAY_ADDRESS") or name.strip().lower() == OFF:
         return None
-    return resolve(Settings(TLAB_HOME=home).service_user)
+    return resolve(name)
 
 
 def up(home: Path, port: int | None, num_cpus: int | None, num_gpus: int | None = None) -> int:

@@ -25,13 +25,16 @@ from service.cli.code_zip import upload
 from service.core.sandbox_state import probe
 from service.core.settings import Settings
 from service.stack.embedded import HEAD_MARK
-from tests.service.conftest import tiny, tlab_up
+from tests.service.conftest import closed_checkout, tiny, tlab_up
 from tests.service.stack.conftest import passable_home
 from tests.service.test_code_packages import wait_end
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0, reason="the service user is a root tlab up's"),
-              pytest.mark.skipif(bool(probe()), reason="no sandbox here: jobs with users' code are refused")]
+              pytest.mark.skipif(bool(probe()), reason="no sandbox here: jobs with users' code are refused"),
+              pytest.mark.skipif(closed_checkout() is not None,
+                                 reason=f"this checkout lies under {closed_checkout()}, closed to other users: a "
+                                        "root tlab up refuses to run Ray as its service user from it")]
 
 # a model factory that says where it runs, then holds the job for a while so the test can look at its processes
 SLOW = '''

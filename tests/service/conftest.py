@@ -158,12 +158,28 @@ def wait_ray_idle(stack: Stack, timeout_s: float = 120.0) -> None:
         time.sleep(1.0)
 
 
+def closed_checkout() -> Path | None:
+    """The first directory above this checkout's environment that other users cannot pass (a clone under /root,
+    0700), or None. A root ``tlab up`` runs Ray as its service user, which must import the project from there: with
+    such a checkout the tests run ``tlab up`` with ``TLAB_SERVICE_USER=off`` and the service user's own test skips,
+    naming the directory."""
+    import sysconfig
+
+    site = Path(sysconfig.get_paths()["purelib"]).resolve()
+    return next((p for p in [*reversed(site.parents), site] if not os.stat(p).st_mode & 0o001), None)
+
+
+def service_user_env() -> dict[str, str]:
+    """``tlab up``'s environment for the tests: the service user off where it could not run the project."""
+    return {"TLAB_SERVICE_USER": "off"} if os.geteuid() == 0 and closed_checkout() is not None else {}
+
+
 @contextmanager
 def tlab_up(home: Path, *args: str, timeout_s: float = 180) -> Iterator[tuple[subprocess.Popen[str], str, list[str]]]:
     """``tlab up ARGS`` on its own Redis and Ray (REDIS_URL/RAY_ADDRESS unset), as a user starts it: yields the
     process, the URL it printed, and what it printed; stops it with Ctrl-C (SIGINT) on the way out."""
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "RAY_ADDRESS", "RAY_AUTH_MODE")}
-    env["TLAB_HOME"] = str(home)
+    env.update(TLAB_HOME=str(home), **service_user_env())
     proc = subprocess.Popen([str(Path(sys.executable).parent / "tlab"), "up", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
