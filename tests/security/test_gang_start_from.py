@@ -21,7 +21,6 @@ from api_schemas.lineage import StartFrom
 from tests.service.api.test_lineage_api import ended_parent
 from tests.service.conftest import Api, api_env, api_only  # noqa: F401 (fixtures)
 from workers.job.start_from import resolve_start, start_checkpoint
-from workers.on_ray.gang_start import decided_start
 
 GANG, PARENT, ATTACKER, VICTIM = (f"18f3a2b4c5d-00000{i}" for i in range(4))
 CKPT = "checkpoint_2026-01-01_00-00-00.000000"
@@ -50,7 +49,7 @@ def test_a_rewritten_start_from_never_reaches_a_rank(redis_server: str, tmp_path
     service = StartFrom(job=PARENT, epoch=1, checkpoint=CKPT)
     record(client, keys.job(GANG), service, copy=False)  # the API's record: the job's user cannot write it
     record(client, keys.job_run(GANG), service, copy=True)  # the scheduler's copy, before the submit
-    decided = decided_start(GANG, redis_server, storage)  # the driver, before any payload of the job runs
+    decided = start_checkpoint(client, GANG, storage)  # the driver (workers.run), before any payload runs
     assert decided == storage / PARENT / CKPT
 
     # the job rewrites its copy (its user may), then a rank dies and the retry's ranks start

@@ -11,19 +11,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from api_schemas.jobs import Demand
 from service.core.settings import Settings
 from service.core.store import Store
-from service.launch.ray_cluster import RayJobs, StaticCluster
+from service.launch.ray_cluster import StaticCluster
 from service.rules import webhooks
 from service.scheduler.tick import Scheduler
 from tests.service import conftest as service
 from tests.service.conftest import Api, tiny
+from tests.service.scheduler.test_fair_share import Jobs  # Ray's Jobs API as the scheduler sees it
 from workers.job.artifacts import record_digests
 
 api_env, api_only = service.api_env, service.api_only  # the service fixtures, reused
@@ -33,31 +32,6 @@ WHOLE = tiny(resources={"cpus_per_worker": 2})  # the whole node
 HALF = tiny(resources={"cpus_per_worker": 1})
 THEIRS = "another user's job"
 SPARSE = 20 << 30  # bytes of a sparse file: no disk, and no reading it either
-
-
-class Jobs:
-    """Ray's Jobs API as the scheduler sees it: every submission runs until stopped."""
-
-    submission_id = staticmethod(RayJobs.submission_id)
-
-    def __init__(self) -> None:
-        self.states: dict[str, str] = {}
-
-    def submit(self, job_id: str, submission_id: str, module: str = "", demand: Demand | None = None,
-               placement: Sequence[str] = ()) -> None:
-        self.states.setdefault(submission_id, "RUNNING")
-
-    def status(self, submission_id: str) -> str | None:
-        return self.states.get(submission_id)
-
-    def message(self, submission_id: str) -> str:
-        return ""
-
-    def exit_code(self, submission_id: str) -> int | None:
-        return None
-
-    def stop(self, submission_id: str) -> None:
-        self.states[submission_id] = "STOPPED"
 
 
 def scheduler(api: Api) -> Scheduler:

@@ -46,17 +46,6 @@ def gang_rank(*args: Any) -> None:
     supervise_rank(*args)
 
 
-def decided_start(job_id: str, redis_url: str, storage: str | Path) -> Path | None:
-    """The checkpoint the job starts from, as its driver decides it once, before any payload of its runs
-    (``workers.job.start_from``; ``workers.run`` does the same on its own connection), on a connection of its own."""
-    import redis
-
-    from workers.job.start_from import start_checkpoint
-
-    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
-        return start_checkpoint(client, job_id, storage)
-
-
 class Ranks:
     """Ranks 1..N-1 of one try of the gang, running as Ray tasks, and the socket they will meet rank 0 on.
     ``start_from``: the checkpoint the driver decided, once, the job starts from (None: from scratch), handed to each

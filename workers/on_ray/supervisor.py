@@ -81,18 +81,17 @@ def code_dirs(spec: ExperimentSpec) -> list[Path]:
     return on_path or [Path.cwd()]
 
 
-def payload_argv(spec: ExperimentSpec, job_dir: Path, start_from: str | None,
-                 job_id: str | None = None) -> tuple[list[str], dict[str, str]]:
-    """The payload's command line (in bwrap when ``sandbox.required``, as the job's own uid: ``job_id``, else the
-    directory's name) and the environment to start it with; the job directory made the payload's, its code readable
-    by it."""
+def payload_argv(spec: ExperimentSpec, job_dir: Path, start_from: str | None) -> tuple[list[str], dict[str, str]]:
+    """The payload's command line (in bwrap when ``sandbox.required``, as the uid of the directory's name: the job's,
+    or a sweep trial's) and the environment to start it with; the job directory made the payload's, its code and
+    start checkpoint readable by it."""
     command = [sys.executable, "-m", "workers.payload"]
     box = mounts(spec, job_dir, start_from)
     env = sandbox.payload_env(os.pathsep.join(str(p) for p in code_dirs(spec)))
     job_dir.mkdir(parents=True, exist_ok=True)
     if not sandbox.required(user_code(spec)):
         return command, {**env, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    uid, gid = job_user.payload_ids(job_id or job_dir.name)
+    uid, gid = job_user.payload_ids(job_dir.name)
     job_user.own_job_dir(job_dir, uid, gid)
     job_user.readable_code([*code_dirs(spec), *([Path(start_from)] if start_from else [])])
     return sandbox.bwrap_argv(command, env, box, uid), {}  # bwrap's own, none: the sandbox reads its /proc/1/environ
