@@ -202,3 +202,8 @@ def hub_wake(hub_id: str) -> str:
     """Stream (one entry, expiring): an API process's event reader is woken through it when a job is first
     followed, so its single blocked XREAD over every followed job starts again with that job in it."""
     return f"{PREFIX}:hub:{hub_id}:wake"
+
+
+def join_tokens() -> str:
+    """Hash: join token id -> JSON {sha256 of the token, note, created_at}; a token not here is refused (revoked)."""
+    return f"{PREFIX}:join_tokens"

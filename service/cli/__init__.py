@@ -22,7 +22,7 @@ import argparse
 import os
 import sys
 
-from service.cli import artifacts, jobs, lineage, local, stack, sweeps, users
+from service.cli import artifacts, jobs, lineage, local, nodes, stack, sweeps, users
 
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
 
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--url", default=None, help="the API (default: TLAB_URL, else the local `tlab up`)")
     parser.add_argument("--token", default=None, help="bearer token (default: TLAB_TOKEN, else the local admin's)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for group in (stack, jobs, lineage, artifacts, sweeps, users, local):
+    for group in (stack, nodes, jobs, lineage, artifacts, sweeps, users, local):
         group.add_commands(sub)
     return parser
 

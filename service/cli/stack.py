@@ -14,13 +14,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     from service.cli.client import home
     from service.stack.up import up
 
-    return up(Path(args.home).expanduser() if args.home else home(), args.port, args.num_cpus, args.num_gpus)
+    return up(Path(args.home).expanduser() if args.home else home(), args.port, args.num_cpus, args.num_gpus,
+              args.listen)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from service.cli.demo import main as demo
 
-    return demo(Path(args.home) if args.home else Path("runs/demo"), args.epochs)
+    return demo(Path(args.home) if args.home else Path("runs/demo"), args.epochs, args.seeds)
 
 
 def cmd_queue(args: argparse.Namespace) -> int:
@@ -111,6 +112,9 @@ def add_commands(sub: Any) -> None:
     p = sub.add_parser("up", help="start Redis, a Ray head, the API and the scheduler here and restart any that "
                                   "dies (TLAB_RESTART_*, TLAB_CRASH_LOOP_*); Ctrl-C stops them")
     p.add_argument("--port", type=int, default=None, help="API port (default: a free one)")
+    p.add_argument("--listen", default="127.0.0.1", metavar="ADDR",
+                   help="the address Redis, the Ray head and the API listen on, where other machines reach them "
+                        "(`tlab join`); 0.0.0.0: the default route's (default: 127.0.0.1, this machine only)")
     p.add_argument("--home", default=None, help="data folder (default: TLAB_HOME, else ~/.tlab; root: /var/lib/tlab)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs the local Ray head offers (default: all)")
     p.add_argument("--num-gpus", type=int, default=None,
@@ -118,10 +122,12 @@ def add_commands(sub: Any) -> None:
                         "advertised only: jobs that ask for a share then train with training.device=cpu)")
     p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser("demo", help="start the embedded stack, run digits with and without teleport through "
-                                    "the API, follow both, plot and compare")
+    p = sub.add_parser("demo", help="start the embedded stack, run the paper's MNIST/SGD row on digits with and "
+                                    "without teleport through the API (3 seeds, ~20-40 s a run), follow each, plot "
+                                    "and compare")
     p.add_argument("--home", default=None, help="stack data folder (default: runs/demo)")
-    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--epochs", type=int, default=60, help="epochs per run (default: 60)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds, each run with and without teleport (default: 3)")
     p.set_defaults(func=cmd_demo)
 
     add_read_command(sub, "queue", "the queue in start order, with why each job waits", cmd_queue)

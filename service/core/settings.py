@@ -36,6 +36,9 @@ class Settings(BaseSettings):
                                            "(default $TLAB_HOME/storage)")
     bind: str = Field("127.0.0.1", validation_alias="TLAB_BIND")
     port: int = Field(8470, validation_alias="TLAB_PORT")
+    join_address: str = Field("", validation_alias="TLAB_JOIN_ADDRESS",
+                              description="the Ray head's GCS address (host:port) a node joining with a join token "
+                                          "is given; `tlab up --listen` sets it (empty: the API lets no node join)")
     # scheduler
     tick_s: float = Field(1.0, gt=0, validation_alias="TLAB_TICK_S",
                           description="the scheduler decides at least this often (and at once on submit/cancel)")

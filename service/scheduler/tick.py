@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -347,13 +348,34 @@ def build(settings: Settings) -> Scheduler:
     return Scheduler(store, settings, cluster, jobs, acl, preflights)
 
 
+RAY_WAIT_SAY_S = 30.0  # while Ray does not answer at start, the scheduler says so this often
+
+
+def build_when_ray_answers(settings: Settings, stop: threading.Event) -> Scheduler | None:
+    """``build`` once Ray's dashboard answers (a head still starting, or restarting): the scheduler waits for it,
+    saying so every ``RAY_WAIT_SAY_S``, rather than exiting; None when stopped first."""
+    waited, said = time.monotonic(), 0.0
+    while not stop.is_set():
+        try:
+            return build(settings)
+        except (ConnectionError, RuntimeError, OSError, redis.ConnectionError) as err:  # no answer from Ray (or Redis)
+            if time.monotonic() - said >= RAY_WAIT_SAY_S:
+                said = time.monotonic()
+                log.warning("waiting for Ray at %s (%.0f s so far; RAY_ADDRESS): %s", settings.ray_address,
+                            said - waited, str(err).splitlines()[0][:200])
+            stop.wait(1.0)
+    return None
+
+
 def serve(settings: Settings) -> None:
     """Hold the lock and tick until SIGTERM/SIGINT; the wake list cuts the wait short."""
-    scheduler = build(settings)
+    stop = stop_on_signals()
+    scheduler = build_when_ray_answers(settings, stop)
+    if scheduler is None:
+        return
     r = scheduler.store.r
     lock_ttl = max(15.0, 5 * settings.tick_s)  # longer than a slow tick (a Ray submit can take 10 s)
     lock = r.lock(keys.scheduler_lock(), timeout=lock_ttl, thread_local=False)
-    stop = stop_on_signals()
 
     def take_lock() -> None:
         while not stop.is_set() and not lock.acquire(blocking=True, blocking_timeout=1.0):

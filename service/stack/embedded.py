@@ -1,5 +1,6 @@
 """The embedded stack ``tlab up`` runs (``service.stack.up``) — a real Redis (AOF), a local Ray head with token
-auth, the API and the scheduler — each a child process on free loopback ports, stopped together on Ctrl-C. A
+auth, the API and the scheduler — each a child process on free ports of loopback (or of ``listen``, where other
+machines reach them: ``tlab up --listen``, ``tlab join``), stopped together on Ctrl-C. A
 part that dies is restarted on the same ports with the same secrets (``restart``), watched by
 ``service.stack.supervise``.
 
@@ -30,6 +31,7 @@ import redis
 
 from api_schemas import keys
 from service.core.store import Store
+from service.stack.addresses import LOOPBACK, is_loopback, reachable
 from service.stack.ports import free_port, port_range  # noqa: F401 (port_range: up.py and the tests read it here)
 from service.stack.runtime import python_for
 from service.stack.service_user import ServiceUser, head_env, prepare
@@ -113,6 +115,17 @@ RAY_STOP_WAIT_S = 5.0  # `ray start --block` stops its cluster in about a second
 HEAD_MARK = "TLAB_RAY_HEAD"  # in the environment of every process of a Ray head `tlab up` started: its temp dir
 
 
+# how fast Ray's head declares a silent node dead (its GCS health checks; Ray's defaults take about a minute for a
+# machine cut off but alive): a check every 2 s, 3 s to answer, the 5th missed in a row → ~10-15 s
+NODE_HEALTH = {"RAY_health_check_period_ms": "2000", "RAY_health_check_timeout_ms": "3000",
+               "RAY_health_check_failure_threshold": "5"}
+
+
+def node_health_env() -> dict[str, str]:
+    """``NODE_HEALTH``, each one overridden by the same variable in this environment."""
+    return {k: os.environ.get(k) or v for k, v in NODE_HEALTH.items()}
+
+
 # what a Ray node's environment keeps of the service's TLAB_* settings: those a job's processes read themselves
 JOB_SETTINGS = frozenset({"TLAB_GANG_TIMEOUT_S", "TLAB_MAX_LOG_MB", "TLAB_DEBUG", "TLAB_DATA", "TLAB_IN_DRIVER",
                           "TLAB_TRIAL_RETRIES", HEAD_MARK})
@@ -167,14 +180,18 @@ class Stack:
                  ray_address: str | None = None, num_cpus: int | None = None, tick_s: float | None = None,
                  extra_env: dict[str, str] | None = None, ray_token: str = "", joinable: bool = False,
                  num_gpus: int | None = None, resources: dict[str, float] | None = None,
-                 service_user: ServiceUser | None = None) -> None:
+                 service_user: ServiceUser | None = None, listen: str = LOOPBACK) -> None:
         self.home = home
+        self.listen = listen  # where Redis, the Ray head and the API listen (`tlab up --listen`)
+        self.address = reachable(listen)  # where the other machines reach them (an AddressRefused: one line)
         self.service_user = service_user  # the Ray head's user (tlab up as root); None: this process's
         self.python = sys.executable  # the API's, the scheduler's and (as a job's entrypoint) every supervisor's
         self.warnings: list[str] = []  # what ``start`` found the service user cannot reach (printed by ``up``)
-        self.joinable = joinable  # a head other Ray nodes may join (`ray start --address`): not loopback-only
+        # a head other Ray nodes may join (`ray start --address`, `tlab join`): not loopback-only
+        self.joinable = joinable or not is_loopback(self.address)
         self.port = port or free_port()
         self.redis_url, self.ray_address = redis_url, ray_address
+        self.ray_address_given = bool(ray_address)  # RAY_ADDRESS: a Ray cluster of the admin's, not started here
         self.num_cpus, self.tick_s = num_cpus, tick_s
         self.num_gpus = num_gpus  # GPUs the head offers (None: those Ray finds); more than it has: advertised only
         self.resources = resources or {}  # more resources the head offers (`ray start --resources`)
@@ -194,13 +211,21 @@ class Stack:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.address}:{self.port}"
+
+    @property
+    def join_address(self) -> str:
+        """The Ray head's GCS address a joining node is given (``tlab join``); empty: not joinable."""
+        port = self.ray_ports.get("--port")
+        return f"{self.address}:{port}" if self.joinable and port and not self.ray_address_given else ""
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update({"REDIS_URL": self.redis_url or "", "RAY_ADDRESS": self.ray_address or "",
                     "TLAB_HOME": str(self.home), "TLAB_PORT": str(self.port), "OMP_NUM_THREADS": "1",
-                    "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+                    "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TLAB_BIND": self.listen})
+        if self.join_address:  # what the API hands a node with a join token
+            env["TLAB_JOIN_ADDRESS"] = self.join_address
         if self.ray_token:
             env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.ray_token})
         if self.tick_s:
@@ -216,10 +241,10 @@ class Stack:
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
                ray: bool = False, user: ServiceUser | None = None, cwd: str | None = None) -> subprocess.Popen:
         """Start a part; ``ray``: a Ray node, given ``ray_env()`` rather than the service's own environment;
-        ``user``: as that user (the log is still opened here, by this process), in ``cwd``."""
+        ``user``: as that user (the log is still opened here, by this process); in ``cwd`` when given."""
         self.logs.mkdir(parents=True, exist_ok=True)
         base = self.ray_env() if ray else self.env()
-        as_user = {**user.popen(), "cwd": cwd} if user else {}
+        as_user = {**(user.popen() if user else {}), **({"cwd": cwd} if cwd else {})}
         with (self.logs / f"{name}.log").open("ab") as out:  # the child keeps its own copy of the descriptor
             proc = subprocess.Popen(argv, env={**base, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True, **as_user)  # Ctrl-C reaches us; we stop them in order
@@ -236,12 +261,16 @@ class Stack:
         write_private(self.home / "redis.conf", f"requirepass {password}\n" + redis_limits())
         port = self.redis_port = self.redis_port or free_port()
         proc = self._spawn("redis", [redis_binary(), str(self.home / "redis.conf"), "--port", str(port),
-                                     "--bind", "127.0.0.1", "--appendonly", "yes", "--appendfsync", "always",
+                                     "--bind", *self.redis_binds(), "--appendonly", "yes", "--appendfsync", "always",
                                      "--dir", str(data), "--save", ""])
-        self.redis_url = f"redis://:{password}@127.0.0.1:{port}/0"
+        self.redis_url = f"redis://:{password}@{self.address}:{port}/0"  # the jobs on other nodes reach it there
         client = redis.Redis.from_url(self.redis_url)
         wait_for(client.ping, "redis", 30, proc, self.logs / "redis.log", self.stopping)
         client.close()
+
+    def redis_binds(self) -> list[str]:
+        """Redis listens where the stack does (``listen``), and on loopback."""
+        return [LOOPBACK] if is_loopback(self.address) else list(dict.fromkeys([self.listen, LOOPBACK]))
 
     def start_ray(self) -> None:
         """A Ray head with token auth and its dashboard (the Jobs API) on loopback; ``--block`` keeps it
@@ -253,7 +282,7 @@ class Stack:
             str(Path(sys.executable).with_name("ray"))]
         argv = [*ray_cli, "start", "--head", "--block",
                 "--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--temp-dir", self.ray_temp,
-                "--disable-usage-stats", "--node-ip-address", "127.0.0.1"]
+                "--disable-usage-stats", "--node-ip-address", self.address]
         # every fixed default port on free ones, so two stacks (and the tests) run side by side
         argv += [str(x) for flag, port in ports.items() if flag.startswith("--") for x in (flag, port)]
         if self.num_cpus is not None:
@@ -262,7 +291,7 @@ class Stack:
             argv += ["--num-gpus", str(self.num_gpus)]
         if self.resources:  # e.g. {"accelerator_type:H100": 1}: the GPU model a head that only advertises GPUs has
             argv += ["--resources", json.dumps(self.resources)]
-        env = loopback_ray_env(ports)
+        env = {**loopback_ray_env(ports), **node_health_env()}
         if self.joinable:  # Ray then listens on the machine's address, where a joining node looks for it
             env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
         if self.service_user:  # its own temp dir, home (where it starts) and PATH to its Python

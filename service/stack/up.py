@@ -12,6 +12,7 @@ from service.core.settings import Settings
 from service.core.signals import stop_on_signals
 from service.core.storage import check_or_exit
 from service.core.store import redact_url
+from service.stack.addresses import LOOPBACK
 from service.stack.embedded import Interrupted, Stack, port_range
 from service.stack.runtime import RuntimeRefused
 from service.stack.service_user import OFF, ServiceUser, ServiceUserRefused, resolve
@@ -28,20 +29,22 @@ def service_user(home: Path) -> ServiceUser | None:
     return resolve(name)
 
 
-def up(home: Path, port: int | None, num_cpus: int | None, num_gpus: int | None = None) -> int:
+def up(home: Path, port: int | None, num_cpus: int | None, num_gpus: int | None = None,
+       listen: str = LOOPBACK) -> int:
     """Start the stack and keep it up (``service.stack.supervise``) until Ctrl-C or SIGTERM; 1 after a crash loop.
-    As root, its Ray head (every Ray worker and job supervisor) runs as the service user (``service_user``)."""
+    As root, its Ray head (every Ray worker and job supervisor) runs as the service user (``service_user``).
+    ``listen``: the address Redis, the Ray head and the API listen on (other machines join there: ``tlab join``)."""
     policy = supervise_policy()  # a bad TLAB_RESTART_*/TLAB_CRASH_LOOP_* setting stops here, before anything runs
     check_or_exit(Settings(TLAB_HOME=home))  # so does a malformed TLAB_STORAGE URI or an unreachable bucket
     try:
         port_range()
         user = service_user(home)
-    except (ValueError, ServiceUserRefused) as err:  # and a malformed TLAB_PORT_RANGE, no service user to be had
+        stack = Stack(home, port=port, redis_url=os.environ.get("REDIS_URL") or None,
+                      ray_address=os.environ.get("RAY_ADDRESS") or None, num_cpus=num_cpus, num_gpus=num_gpus,
+                      service_user=user, listen=listen)
+    except (ValueError, ServiceUserRefused) as err:  # a malformed TLAB_PORT_RANGE, no service user, a bad --listen
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
-    stack = Stack(home, port=port, redis_url=os.environ.get("REDIS_URL") or None,
-                  ray_address=os.environ.get("RAY_ADDRESS") or None, num_cpus=num_cpus, num_gpus=num_gpus,
-                  service_user=user)
     supervisor = Supervisor(stack, policy)
     os.umask(0o077)  # what the stack writes under TLAB_HOME (Redis's AOF, checkpoints, logs) is the owner's only
     stopping = stack.stopping = stop_on_signals()
@@ -58,6 +61,10 @@ def up(home: Path, port: int | None, num_cpus: int | None, num_gpus: int | None 
               f"  redis {redact_url(stack.redis_url or '')}   ray {stack.ray_address}\n"
               f"  admin token: {home / 'admin.token'}   (tlab reads it from there)\n"
               "A part that dies is restarted. Ctrl-C stops everything.", flush=True)
+        if stack.join_address:
+            print(f"Other machines join with `tlab join {stack.url}` and a token from `tlab join-token`; open "
+                  f"ports {stack.port} (API), {stack.redis_port or '-'} (Redis) and Ray's to them only "
+                  "(docs/operations.md, Several machines).", flush=True)
         crash_loop = supervisor.run(stopping)
     except Interrupted:
         pass  # Ctrl-C while a part was starting: stop what is up

@@ -1,0 +1,67 @@
+"""Machines joining the cluster: join tokens (admin only), and the join itself (``tlab join``, with a join token)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Depends
+
+from api_schemas.nodes import JoinGrant, JoinRequest, JoinTokenCreate, JoinTokenCreated, JoinTokenView
+from service.api.deps import AdminUser, Credentials, StateDep, admin_user
+from service.api.responses import ADMIN, AUTHED, BODY, error
+from service.api.strict import strict_json
+from service.core import join_tokens
+from service.core.errors import InvalidState, UserNotFound
+
+router = APIRouter(prefix="/v1", tags=["nodes"], responses=AUTHED)
+log = logging.getLogger(__name__)
+
+# of the head's settings, those a joining node's Ray node passes to the job processes it starts (its environment)
+NODE_SETTINGS = ("TLAB_GANG_TIMEOUT_S", "TLAB_MAX_LOG_MB", "TLAB_DEBUG", "TLAB_DATA", "TLAB_IN_DRIVER",
+                 "TLAB_TRIAL_RETRIES", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
+
+
+@router.post("/join-tokens", status_code=201, responses=ADMIN | BODY,
+             dependencies=[Depends(strict_json(JoinTokenCreate, admin_user))])
+def create_join_token(body: JoinTokenCreate, st: StateDep, admin: AdminUser) -> JoinTokenCreated:
+    """Make a join token (admin only): a machine with it joins as a Ray node (`tlab join`); the token is in this
+    response and nowhere else."""
+    view, secret = join_tokens.create(st.store.r, body.note, time.time())
+    return JoinTokenCreated(token=view, secret=secret)
+
+
+@router.get("/join-tokens", responses=ADMIN)
+def list_join_tokens(st: StateDep, admin: AdminUser) -> list[JoinTokenView]:
+    """The join tokens not revoked (admin only), without their secrets."""
+    return join_tokens.listed(st.store.r)
+
+
+@router.delete("/join-tokens/{token_id}", status_code=204, responses=ADMIN | {404: error("no such join token")})
+def revoke_join_token(token_id: str, st: StateDep, admin: AdminUser) -> None:
+    """Revoke a join token (admin only): the next join with it is refused; nodes already joined stay."""
+    if not join_tokens.revoke(st.store.r, token_id):
+        raise UserNotFound(f"no join token {token_id!r}: `tlab join-token --list` shows them", field="token_id")
+
+
+def join_token(st: StateDep, creds: Credentials) -> str:
+    """The bearer token as a join token: its id (401 for an unknown or revoked one, or a user's token)."""
+    return join_tokens.check(st.store.r, creds.credentials if creds else "")
+
+
+JoinToken = Annotated[str, Depends(join_token)]
+
+
+@router.post("/nodes/join", responses=BODY | {409: error("this service lets no node join (tlab up --listen)")},
+             dependencies=[Depends(strict_json(JoinRequest, join_token))])
+def join(body: JoinRequest, st: StateDep, token_id: JoinToken) -> JoinGrant:
+    """What a machine with a join token (the bearer token here, never a user's) needs to join as a Ray node."""
+    address, ray_token = st.settings.join_address, os.environ.get("RAY_AUTH_TOKEN", "")
+    if not address:
+        raise InvalidState("this service lets no node join: start it with `tlab up --listen ADDR` (or set "
+                           "TLAB_JOIN_ADDRESS to the Ray head's host:port)", field="ray_address")
+    log.warning("node %s (%s) joins with join token %s", body.hostname, body.address, token_id)
+    return JoinGrant(ray_address=address, ray_token=ray_token,
+                     env={k: os.environ[k] for k in NODE_SETTINGS if os.environ.get(k)})

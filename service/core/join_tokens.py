@@ -1,0 +1,51 @@
+"""Join tokens (``tlab join-token``): made and revoked by an admin, checked when a machine joins
+(``POST /v1/nodes/join``). Only the token's sha256 is kept; a revoked token is gone from ``keys.join_tokens``, so
+the next join with it is refused. Revoking does not cut off a node already joined: ``tlab leave`` on it, or rotate
+the cluster's Ray token (``$TLAB_HOME/ray.token``) and restart."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import secrets
+
+import redis
+
+from api_schemas import keys
+from api_schemas.nodes import JoinTokenView
+from service.core.errors import Unauthorized
+from service.core.store import hash_token
+
+PREFIX = "tlj_"  # a join token is told apart from a user's (tl_) at a glance
+
+
+def create(r: redis.Redis, note: str, now: float) -> tuple[JoinTokenView, str]:
+    """A new join token: its view and the secret (``tlj_<id>.<secret>``), which is not kept."""
+    token_id = secrets.token_hex(6)
+    secret = f"{PREFIX}{token_id}.{secrets.token_urlsafe(32)}"
+    view = JoinTokenView(id=token_id, note=note, created_at=now)
+    r.hset(keys.join_tokens(), token_id, json.dumps({"sha256": hash_token(secret), **view.model_dump()}))
+    return view, secret
+
+
+def listed(r: redis.Redis) -> list[JoinTokenView]:
+    raws = r.hgetall(keys.join_tokens()).values()
+    rows = [json.loads(raw) for raw in raws]
+    return sorted((JoinTokenView(**{k: v for k, v in row.items() if k != "sha256"}) for row in rows),
+                  key=lambda v: v.created_at)
+
+
+def revoke(r: redis.Redis, token_id: str) -> bool:
+    return bool(r.hdel(keys.join_tokens(), token_id))
+
+
+def check(r: redis.Redis, secret: str) -> str:
+    """The id of the join token ``secret``, counted as used once more; 401 for an unknown or revoked one."""
+    token_id = secret.removeprefix(PREFIX).partition(".")[0] if secret.startswith(PREFIX) else ""
+    raw = r.hget(keys.join_tokens(), token_id) if token_id else None
+    row = json.loads(raw) if raw else {}
+    if not row or not hmac.compare_digest(str(row.get("sha256", "")), hash_token(secret)):
+        raise Unauthorized("unknown or revoked join token: ask the admin for one (`tlab join-token` on the head)")
+    row["joins"] = int(row.get("joins", 0)) + 1
+    r.hset(keys.join_tokens(), token_id, json.dumps(row))
+    return token_id
