@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-from workers.job import job_user, seccomp
+from workers.job import collectives, job_user, seccomp
 
 SETTING = "TLAB_SANDBOX"  # "off": no sandbox, knowingly; anything else: a sandbox wherever one can run
 HIDE = "TLAB_SANDBOX_HIDE"  # colon-separated directories the payload must never see (the service's home)
@@ -215,12 +215,14 @@ def payload_env(code_dir: str | None) -> dict[str, str]:
     """The payload's whole environment: ``PASSED`` (those set), a PATH to Python, HOME in its private /tmp, and a
     PYTHONPATH of the job's package first (as Ray's working_dir is), then the folders our packages are imported
     from: a checkout run without ``pip install`` (``PYTHONPATH=.``, as on a lent GPU machine) has them nowhere else,
-    and in the sandbox only our packages are mounted there."""
+    and in the sandbox only our packages are mounted there; and the interface the gang's collectives use
+    (``workers.job.collectives``)."""
     env = {k: os.environ[k] for k in PASSED if k in os.environ}
     env.update(PATH=f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", HOME="/tmp",
                PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
     ours = dict.fromkeys(str(p.parent) for p in our_package_dirs())
     env["PYTHONPATH"] = os.pathsep.join([*([code_dir] if code_dir else []), *ours])
+    env.update(collectives.socket_env(collectives.node_ip()))  # gloo/NCCL on the node's own interface
     return env
 
 
