@@ -21,6 +21,8 @@ FORBIDDEN = {
     # the bucket layer both workers/ and service/ use: pyarrow and the standard library only
     "objstore": ["torch", "ray", "redis", "fastapi", "pydantic", "teleport", "api_schemas", "workers", "service"],
     "plots.curves": ["torch", "ray", "redis", "fastapi", "teleport", "workers", "service", "api_schemas"],
+    # the notebook client (docs/client.md): HTTP, pandas and the spec files only
+    "tlab": ["torch", "ray", "redis", "fastapi", "teleport", "workers", "service", "matplotlib", "pandas"],
     "plots.tables": ["torch", "ray", "redis", "fastapi", "teleport", "workers", "service", "api_schemas", "matplotlib"],
 }
 

@@ -7,66 +7,24 @@ skipped; a ``.part`` left by an interrupted pull is continued with a Range reque
 from __future__ import annotations
 
 import argparse
-import hashlib
-from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 from service.cli.common import add_remote_args, client, fail
 
-if TYPE_CHECKING:
-    from service.cli.client import Client
-
-CHUNK = 1 << 20
-
 
 def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+    """The file's sha256, as ``tlab pull`` checks it (``tlab.pull``, imported when called: ``tlab --help`` stays
+    fast)."""
+    from tlab.pull import file_sha256 as digest
 
-
-def target(out: Path, name: str) -> Path:
-    """Where artifact ``name`` goes under ``out``; a name that would leave it is refused."""
-    rel = PurePosixPath(name)
-    if rel.is_absolute() or ".." in rel.parts or not rel.parts:
-        fail(f"the API listed an artifact named {name!r}, which would be written outside {out}: not pulled")
-    return out.joinpath(*rel.parts)
-
-
-def fetch(c: Client, job_id: str, item: dict[str, Any], dest: Path, bar: Any) -> None:
-    """One artifact into ``dest`` (through ``dest.part``, continued if one is there), its sha256 checked."""
-    from service.cli.client import ApiError
-
-    part = dest.with_name(dest.name + ".part")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    have = part.stat().st_size if part.exists() else 0
-    if have > item["bytes"]:
-        part.unlink()
-        have = 0
-    headers = {"Range": f"bytes={have}-"} if 0 < have < item["bytes"] else {}
-    bar.update(have)
-    if have < item["bytes"] or item["bytes"] == 0:
-        with c.http.stream("GET", f"/v1/experiments/{job_id}/artifacts/{item['name']}", headers=headers) as r:
-            if r.status_code >= 400:
-                r.read()
-                raise ApiError(r.status_code, str(r.json().get("detail", r.text)))
-            with part.open("ab" if r.status_code == 206 else "wb") as f:
-                for chunk in r.iter_bytes(CHUNK):
-                    f.write(chunk)
-                    bar.update(len(chunk))
-    if item.get("sha256") is None and part.stat().st_size != item["bytes"]:
-        part.unlink()
-        fail(f"{item['name']}: its size does not match the API's listing (changed while pulling?): pull again")
-    if item.get("sha256") is not None and file_sha256(part) != item["sha256"]:
-        part.unlink()
-        fail(f"{item['name']}: its sha256 does not match the API's listing (changed while pulling?): pull again")
-    part.replace(dest)
+    return digest(path)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
     from tqdm import tqdm
+
+    from tlab.pull import fetch, target, to_fetch
 
     out = Path(args.output or args.id)
     with client(args) as c:
@@ -74,13 +32,12 @@ def cmd_pull(args: argparse.Namespace) -> int:
         if not items:
             print(f"{args.id} has no artifacts yet (they are written when it ends)")
             return 1
-        todo = [(i, target(out, i["name"])) for i in items]
-        todo = [(i, d) for i, d in todo if not (i.get("sha256") and d.is_file() and file_sha256(d) == i["sha256"])]
+        todo = to_fetch(items, out)
         total = sum(i["bytes"] for i, _ in todo)
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"pull {args.id}",
                   disable=args.quiet) as bar:
             for item, dest in todo:
-                fetch(c, args.id, item, dest, bar)
+                fetch(c, args.id, item, dest, bar.update)
     for item in items:
         digest = (item.get("sha256") or "")[:12] or f"- ({item.get('sha256_note', 'none listed')})"
         print(f"{target(out, item['name'])}  {item['bytes']} bytes  sha256 {digest}")
