@@ -54,7 +54,7 @@ class ForkRequest(_Strict):
     """``POST /v1/experiments/{id}/fork``: a new run from the parent's checkpoint after ``from_epoch``."""
 
     from_epoch: int = Field(..., ge=1, description="start from the checkpoint taken after this many epochs (one "
-                                                   "the parent kept: a 422 lists them)")
+                                                   "the parent kept: a 409 lists them)")
     set: dict[SetPath, Any] = Field(
         default_factory=dict, max_length=MAX_SET,
         description="dotted spec path -> new value, e.g. {\"teleport.tau\": 0.99}; model.*, dataset.*, code.*, "

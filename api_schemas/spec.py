@@ -8,9 +8,10 @@ field's path instead of being ignored.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import Discriminator, Field, Tag, create_model, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from api_schemas.code import CodeSpec, FactoryRef, LossRef
 from api_schemas.strict import Strict as _Strict
@@ -119,7 +120,10 @@ _NEEDS_ROOT = {"mnist", "fashion_mnist", "cifar10", "cifar100", "tiny_imagenet",
 
 
 class DatasetSpec(_Strict):
-    """Where the data lives. Offline formats only: IDX, CIFAR pickles, image folders, text matrices, token files."""
+    """Where the data lives. Offline formats only: IDX, CIFAR pickles, image folders, text matrices, token files.
+
+    Every kind's fields in one class (what the loaders read); the spec's ``dataset`` is one of the kinds below,
+    chosen by ``name``, each taking only its own fields (``DATASET_FIELDS``)."""
 
     name: DatasetName = "digits"
     root: str | None = Field(None, description="directory holding the dataset's standard files")
@@ -140,6 +144,24 @@ class DatasetSpec(_Strict):
                                                          "(train, test) torch Datasets of (x, y) pairs")
     args: dict[str, Any] = Field(default_factory=dict, description="name=custom: keyword arguments of the factory")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _own_fields(cls, data: Any) -> Any:
+        """A kind refuses another kind's field by name (its schema does not list it)."""
+        own = DATASET_FIELDS.get(cls.__name__)
+        if own is None or not isinstance(data, dict):
+            return data
+        name = data.get("name", "digits")
+        for field, why in (("factory", "package.module:function"), ("path", "the .npz file with arrays X and y"),
+                           ("root", "the directory of its files")):
+            if cls.__name__ in _REQUIRED[field] and data.get(field) is None:
+                raise ValueError(f"dataset.{field} is required for name={name}: give {why}")
+        for field in data:
+            if field in DatasetSpec.model_fields and field not in own and field not in _EVERY_DATASET:
+                takers = [n for kind, fields in DATASET_FIELDS.items() if field in fields for n in _NAMES[kind]]
+                raise ValueError(f"dataset.{field} is for name={', '.join(takers)} only, not name={name}")
+        return data
+
     @model_validator(mode="after")
     def _paths(self) -> DatasetSpec:
         if self.name == "custom" and not self.factory:
@@ -153,6 +175,78 @@ class DatasetSpec(_Strict):
         if self.name in _NEEDS_ROOT and not self.root:
             raise ValueError(f"dataset.root is required for name={self.name}: give the directory of its files")
         return self
+
+
+_EVERY_DATASET = ("name", "max_train", "max_test", "test_fraction", "normalize")
+# each kind of dataset (the names it covers) and the fields it takes besides _EVERY_DATASET's
+_NAMES: dict[str, tuple[str, ...]] = {
+    "BundledDataset": ("digits", "synthetic"),
+    "FilesDataset": ("mnist", "fashion_mnist", "smnist", "cifar10", "cifar100"),
+    "TinyImageNetDataset": ("tiny_imagenet",),
+    "SeriesDataset": ("electricity", "traffic"),
+    "PTBDataset": ("ptb",),
+    "TokensDataset": ("tokens",),
+    "NpzDataset": ("npz",),
+    "CustomDataset": ("custom",),
+}
+DATASET_FIELDS: dict[str, tuple[str, ...]] = {
+    "BundledDataset": (),
+    "FilesDataset": ("root",),
+    "TinyImageNetDataset": ("root", "image_size"),
+    "SeriesDataset": ("root", "seq_len", "horizon"),
+    "PTBDataset": ("root", "seq_len"),
+    "TokensDataset": ("root", "seq_len", "token_dtype", "vocab_size"),
+    "NpzDataset": ("path",),
+    "CustomDataset": ("factory", "args", "root", "path"),
+}
+_KIND_DOCS = {
+    "BundledDataset": "Generated or bundled with scikit-learn: no files.",
+    "FilesDataset": "The standard files (IDX, CIFAR pickles) in ``root``.",
+    "TinyImageNetDataset": "Tiny-ImageNet's folders in ``root``, resized to ``image_size``.",
+    "SeriesDataset": "A text matrix (rows = hours) in ``root``: ``seq_len`` hours in, the value ``horizon`` later out.",
+    "PTBDataset": "PTB's text files in ``root``, ``seq_len`` tokens per sample.",
+    "TokensDataset": "Token files (train.bin, val.bin) in ``root``, ``seq_len`` tokens per sample.",
+    "NpzDataset": "One .npz file at ``path`` with arrays X and y.",
+    "CustomDataset": "The user's own ``factory(**args)``; ``root`` and ``path``, when absolute, are mounted for it.",
+}
+_REQUIRED = {"root": ("FilesDataset", "TinyImageNetDataset", "SeriesDataset", "PTBDataset", "TokensDataset"),
+             "path": ("NpzDataset",), "factory": ("CustomDataset",)}
+
+
+def _dataset_kind(kind: str) -> type[DatasetSpec]:
+    """A DatasetSpec whose JSON Schema lists its own fields only: another kind's is left out of the schema and of
+    every dump, and refused by ``_own_fields`` when given."""
+    names = _NAMES[kind]
+    default = ... if "digits" not in names else "digits"  # a dataset with no name is digits
+    fields: dict[str, Any] = {"name": (Literal[names], default)}  # type: ignore[valid-type]
+    for field, info in DatasetSpec.model_fields.items():
+        if field in _EVERY_DATASET:
+            continue
+        if field not in DATASET_FIELDS[kind]:
+            hidden = Field(default_factory=info.default_factory, exclude=True) if info.default_factory \
+                else Field(info.default, exclude=True)
+            fields[field] = (SkipJsonSchema[info.annotation], hidden)  # type: ignore[name-defined]
+        elif kind in _REQUIRED.get(field, ()):
+            fields[field] = (info.annotation.__args__[0], Field(..., description=info.description,  # type: ignore
+                                                               json_schema_extra=None))
+    return create_model(kind, __base__=DatasetSpec, __doc__=_KIND_DOCS[kind], __module__=__name__, **fields)
+
+
+_DATASET_KINDS = {kind: _dataset_kind(kind) for kind in _NAMES}
+_KIND_OF_NAME = {name: kind for kind, names in _NAMES.items() for name in names}
+DATASET_TAGS = tuple(_NAMES)  # the union's tags, in an error's location
+
+
+def _dataset_tag(value: object) -> str | None:
+    name = value.get("name", "digits") if isinstance(value, dict) else getattr(value, "name", "digits")
+    return _KIND_OF_NAME.get(name) if isinstance(name, str) else None
+
+
+Dataset = Annotated[
+    Union[tuple(Annotated[cls, Tag(kind)] for kind, cls in _DATASET_KINDS.items())],  # type: ignore[valid-type]  # noqa: UP007
+    Discriminator(_dataset_tag, custom_error_type="dataset_name",
+                  custom_error_message=f"dataset.name must be one of {', '.join(_KIND_OF_NAME)}"),
+]
 
 
 # ------------------------------------------------------------------------- optimizer
@@ -297,7 +391,7 @@ class ExperimentSpec(_Strict):
     """One training run: what to train, on what, how, and when to teleport."""
 
     model: ModelSpec = Field(default_factory=MLPModel)
-    dataset: DatasetSpec = Field(default_factory=DatasetSpec)
+    dataset: Dataset = Field(default_factory=lambda: _DATASET_KINDS["BundledDataset"]())
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     teleport: TeleportSpec = Field(default_factory=TeleportSpec)

@@ -9,8 +9,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from api_schemas.spec import ExperimentSpec
+from api_schemas.spec import DATASET_TAGS, ExperimentSpec
 
+UNION_TAGS = frozenset({"mlp", "cnn", "resnet", "transformer", "custom", *DATASET_TAGS})  # not fields: which kind
 
 class SpecError(ValueError):
     """A spec that cannot be used; the message names the field path and what to change."""
@@ -20,8 +21,7 @@ def format_validation_error(err: ValidationError) -> str:
     """One line per problem: ``teleport.tau: Input should be less than or equal to 1``."""
     lines = []
     for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"] if not (isinstance(p, str) and p in {"mlp", "cnn", "resnet",
-                                                                                      "transformer", "custom"}))
+        path = ".".join(str(p) for p in e["loc"] if not (isinstance(p, str) and p in UNION_TAGS))
         msg = e["msg"].removeprefix("Value error, ")
         lines.append(f"{path}: {msg}" if path else msg)
     return "\n".join(lines)

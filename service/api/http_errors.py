@@ -16,12 +16,13 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from api_schemas.errors import ErrorBody
+from api_schemas.spec import DATASET_TAGS
 from service.api.responses import document_errors
 from service.core.errors import ServiceError, TooManyRequests
 
 FASTAPI_UNDECODABLE = "There was an error parsing the body"  # fastapi.routing's 400 for a body it cannot decode
 # location parts that say where a value came from or which union member was tried, not which field it is
-_NOT_FIELDS = ("body", "query", "header", "path", "mlp", "cnn", "resnet", "transformer", "custom")
+_NOT_FIELDS = ("body", "query", "header", "path", "mlp", "cnn", "resnet", "transformer", "custom", *DATASET_TAGS)
 
 
 def _loc(loc: tuple[Any, ...] | list[Any]) -> str:

@@ -143,7 +143,7 @@ def fork_job(st: State, user: UserPublic, job_id: str, req: ForkRequest,
     """``POST /v1/experiments/{id}/fork``: from the checkpoint after ``req.from_epoch``, with ``req.set``."""
     parent, kept = ended_parent(st, user, job_id)
     if req.from_epoch not in kept:
-        raise InvalidInput(f"epoch {req.from_epoch} was not kept: experiment {job_id} has checkpoints after epochs "
+        raise InvalidState(f"epoch {req.from_epoch} was not kept: experiment {job_id} has checkpoints after epochs "
                            f"{', '.join(map(str, sorted(kept)))} (each run keeps its latest TLAB_KEEP_CHECKPOINTS)",
                            field="from_epoch")
     try:

@@ -28,7 +28,8 @@ MODELS: list[dict[str, Any]] = [
 
 
 def spec_for(model: dict[str, Any], dataset: str) -> ExperimentSpec:
-    return ExperimentSpec.model_validate({"model": model, "dataset": {"name": dataset, "root": "r"}})
+    files = {} if dataset in FILELESS else {"root": "r"}
+    return ExperimentSpec.model_validate({"model": model, "dataset": {"name": dataset, **files}})
 
 
 @pytest.mark.parametrize("dataset", BUILT_IN)

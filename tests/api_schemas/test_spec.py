@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from api_schemas import ExperimentSpec, SpecError, build_spec, load_spec
 
@@ -83,3 +84,22 @@ def test_schema_snapshot_is_deliberate() -> None:
     if os.environ.get("UPDATE_SNAPSHOTS") or not SNAPSHOT.exists():
         SNAPSHOT.write_text(schema)
     assert SNAPSHOT.read_text() == schema, "ExperimentSpec changed: rerun with UPDATE_SNAPSHOTS=1 if deliberate"
+
+
+def test_the_dataset_schema_says_which_fields_each_kind_takes() -> None:
+    schema = ExperimentSpec.model_json_schema()
+    kinds = {d["$ref"].rsplit("/", 1)[1] for d in schema["properties"]["dataset"]["oneOf"]}
+    props = {k: set(schema["$defs"][k]["properties"]) for k in kinds}
+    assert props["BundledDataset"] == {"name", "max_train", "max_test", "test_fraction", "normalize"}
+    assert {"factory", "args"} <= props["CustomDataset"] and "factory" not in props["TokensDataset"]
+    assert schema["$defs"]["NpzDataset"]["required"] == ["name", "path"]
+    for refused, why in [({"name": "digits", "seq_len": 8}, "dataset.seq_len is for name=electricity"),
+                         ({"name": "mnist"}, "dataset.root is required for name=mnist"),
+                         ({"name": "mnist", "root": "r", "factory": "a.b:c"}, "dataset.factory is for name=custom")]:
+        with pytest.raises(ValidationError, match=why):
+            ExperimentSpec.model_validate({"dataset": refused})
+    spec = ExperimentSpec.model_validate({"dataset": {"name": "tokens", "root": "r", "seq_len": 8}})
+    assert spec.dataset.factory is None and spec.dataset.seq_len == 8  # every field still reads, own or not
+    assert "factory" not in spec.model_dump()["dataset"]  # and a dump holds the kind's own: it validates again
+    assert ExperimentSpec.model_validate(spec.model_dump()) == spec
+    assert ExperimentSpec().dataset.name == "digits"

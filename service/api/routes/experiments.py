@@ -167,8 +167,8 @@ def plot(job_id: str, st: StateDep, user: CurrentUser,
     return Response(buf.getvalue(), media_type="image/png")
 
 
-LINEAGE = OWNED | SUBMIT | {409: error("the experiment has not ended, or kept no checkpoint; or the Idempotency-Key "
-                                      "was used before with another body")}
+LINEAGE = OWNED | SUBMIT | {409: error("the experiment has not ended, kept no checkpoint, or (fork) kept none after "
+                                      "from_epoch; or the Idempotency-Key was used before with another body")}
 
 
 def _child(response: Response, made: tuple[JobView, bool]) -> JobView:
@@ -193,7 +193,7 @@ def continue_experiment(job_id: str, body: ContinueRequest, st: StateDep, user: 
              responses={200: {"description": "an Idempotency-Key replay (the original child)"}} | LINEAGE)
 def fork_experiment(job_id: str, body: ForkRequest, st: StateDep, user: CurrentUser, response: Response,
                     idempotency_key: IdempotencyKey = None) -> JobView:
-    """A new experiment (yours) from the ended experiment's checkpoint after ``from_epoch`` (one it kept: a 422
+    """A new experiment (yours) from the ended experiment's checkpoint after ``from_epoch`` (one it kept: a 409
     lists them), with the ``set`` fields changed; model, dataset, code, training.dtype and optimizer.name
     cannot change across a checkpoint (422 naming the field)."""
     return _child(response, fork_job(st, user, job_id, body, idempotency_key))

@@ -65,7 +65,7 @@ def test_fork_from_a_kept_epoch_with_fields_that_may_change(api_only: Api) -> No
     with api_only.client() as c:
         parent = ended_parent(api_only, c, [2, 3])
         fork = f"/v1/experiments/{parent}/fork"
-        refused(c.post(fork, json={"from_epoch": 1}), 422, "from_epoch", "epoch 1 was not kept", "epochs 2, 3")
+        refused(c.post(fork, json={"from_epoch": 1}), 409, "from_epoch", "epoch 1 was not kept", "epochs 2, 3")
         refused(c.post(fork, json={"from_epoch": 2, "set": {"model.hidden": [64]}}), 422, "set.model.hidden",
                 "model cannot change across a checkpoint")
         refused(c.post(fork, json={"from_epoch": 2, "set": {"dataset.name": "mnist"}}), 422, "set.dataset.name")

@@ -111,7 +111,7 @@ def test_bad_token_files_say_which_file_and_what_to_set(tmp_path: Path) -> None:
 
 
 def test_the_spec_keeps_the_token_fields_to_tokens() -> None:
-    with pytest.raises(SpecError, match="dataset.token_dtype and dataset.vocab_size are for name=tokens"):
+    with pytest.raises(SpecError, match="dataset.vocab_size is for name=tokens only, not name=digits"):
         build_spec({"dataset": {"name": "digits", "vocab_size": 100}})
     with pytest.raises(SpecError, match="dataset.root is required for name=tokens"):
         build_spec({"dataset": {"name": "tokens"}})
