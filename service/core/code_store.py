@@ -195,7 +195,7 @@ def check_may_run_code(settings: Settings, user: UserPublic, field: str, why: st
     if user.role != Role.ADMIN and not user.can_submit_code:
         raise Forbidden(f"your user may not run its own code{why}: ask an admin to allow it "
                         f"(tlab users set {user.name} --can-submit-code yes)", field=field)
-    state = sandbox_state(settings)  # issue 26: users' code runs in a sandbox, or not at all unless turned off
+    state = sandbox_state(settings)  # users' code runs in a sandbox, or not at all unless turned off
     if state.startswith("unavailable"):
         raise Forbidden(f"no sandbox can hold users' code on this service{why} ({state.split(': ', 1)[1]}): ask an "
                         "admin (make sandbox; or TLAB_SANDBOX=off, knowingly)", field=field)

@@ -1,4 +1,4 @@
-"""Whether a job's code can run in a sandbox here (issue 26; ``workers/job/sandbox.py`` builds it; docs/security.md).
+"""Whether a job's code can run in a sandbox here (``workers/job/sandbox.py`` builds it; docs/security.md).
 
 ``TLAB_SANDBOX`` (``service.core.settings``): ``auto`` (the default) probes this machine with a real ``bwrap ... true``;
 ``on`` says the Ray nodes have one without probing here (compose, KubeRay: the API's container is not where jobs run;

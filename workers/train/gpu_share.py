@@ -1,4 +1,4 @@
-"""A process's share of a GPU (issue 28): which device it trains on, how much of its card's memory it may take,
+"""A process's share of a GPU: which device it trains on, how much of its card's memory it may take,
 which process-group backend its gang uses, and what it reports of the GPU afterwards.
 
 Ray hands out shares of a card: two ranks at ``gpus_per_worker: 0.5`` may both be told ``CUDA_VISIBLE_DEVICES=0``

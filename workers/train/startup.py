@@ -1,4 +1,4 @@
-"""A job driver's start-up timeline (issue 15): the wall-clock time (``time.time()``, seconds) at which this
+"""A job driver's start-up timeline: the wall-clock time (``time.time()``, seconds) at which this
 process first passed each phase, sent as the optional ``startup`` field of the job's ``finished`` status event
 (``workers.job.harness.guarded``), where ``benchmarks/service/startup.py`` reads it. A few dict writes per job: free.
 
