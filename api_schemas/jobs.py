@@ -185,7 +185,10 @@ class NodeShare(_Strict):
 
 class NodeView(_Strict):
     id: str
-    alive: bool
+    alive: bool = Field(description="false: Ray declared the node dead (kept until a node of the same host and "
+                                    "address joins again)")
+    hostname: str | None = Field(None, description="the machine's name (its Ray node name); null: not known")
+    address: str | None = Field(None, description="the node's IP address; null: not known")
     cpus_total: float
     cpus_free: float
     gpus_total: float

@@ -27,7 +27,7 @@ def known_nodes(cluster_nodes: str, view: ClusterView | None) -> list[policy.Nod
     if view is None:
         return None
     return [policy.Node(n.id, n.cpus_total, n.gpus_total, gpu_type=n.gpu_type, memory_gb=n.memory_gb_total)
-            for n in view.nodes]
+            for n in view.nodes if n.alive]  # (a dead node is listed until its host joins again)
 
 
 def never_fits(demand: Demand, nodes: list[policy.Node] | None) -> str | None:
@@ -39,7 +39,7 @@ def dry_run_view(demand: Demand, view: ClusterView | None, nodes: list[policy.No
     """Whether the gang fits ever and now, and on which nodes (free room from the scheduler's view if any)."""
     why = never_fits(demand, nodes)
     free = ({n.id: [n.cpus_free, n.gpus_free, math.inf if n.memory_gb_free is None else n.memory_gb_free]
-             for n in view.nodes} if view else {n.id: n.room() for n in nodes or []})
+             for n in view.nodes if n.alive} if view else {n.id: n.room() for n in nodes or []})
     placement = policy.place(demand, policy.of_type(free, nodes, demand)) if nodes else None
     reason = why or (None if placement else "no room now: it would wait in the queue" if nodes
                      else "the cluster is not known yet: no scheduler has reported")

@@ -40,9 +40,17 @@ def cmd_queue(args: argparse.Namespace) -> int:
 
 def _print_nodes(view: dict[str, Any]) -> None:
     rows = [("NODE", "ALIVE", "CPUS FREE/TOTAL", "GPUS FREE/TOTAL", "MEMORY GIB FREE/TOTAL", "GPU MODEL")]
-    rows += [(n["id"], "yes" if n["alive"] else "no", f"{n['cpus_free']:g}/{n['cpus_total']:g}",
+    rows += [(node_name(n), "yes" if n["alive"] else "DEAD", f"{n['cpus_free']:g}/{n['cpus_total']:g}",
               f"{n['gpus_free']:g}/{n['gpus_total']:g}", _memory(n), n.get("gpu_type") or "-") for n in view["nodes"]]
     print_table(rows)
+
+
+def node_name(node: dict[str, Any]) -> str:
+    """``host (address)`` as the scheduler knows it, else the Ray node id's first 12 characters."""
+    host, address = node.get("hostname"), node.get("address")
+    if host and address:
+        return f"{host} ({address})"
+    return host or address or node["id"][:12]
 
 
 def _memory(node: dict[str, Any]) -> str:
@@ -53,7 +61,7 @@ def _memory(node: dict[str, Any]) -> str:
 
 def _print_shares(view: dict[str, Any]) -> None:
     """Each running job's share of each node it runs on (a GPU count below 1: a share of a card)."""
-    rows = [(s["job"], n["id"], str(s["workers"]), f"{s['cpus']:g}", f"{s['gpus']:g}",
+    rows = [(s["job"], node_name(n), str(s["workers"]), f"{s['cpus']:g}", f"{s['gpus']:g}",
              "-" if s.get("memory_gb") is None else f"{s['memory_gb']:g}",
              "-" if s.get("gpu_memory_mb") is None else f"{s['gpu_memory_mb']:g}")
             for n in view["nodes"] for s in n.get("jobs") or []]

@@ -55,6 +55,9 @@ class StaticCluster:
     def nodes(self) -> list[Node]:
         return list(self._nodes)
 
+    def lost(self) -> list[Node]:
+        return []
+
 
 class RayNodes:
     """Alive nodes of a Ray cluster: their total CPUs, GPUs and memory (State API over the dashboard address) and
@@ -68,6 +71,7 @@ class RayNodes:
         self.address = address.rstrip("/")
         self.refresh_s = refresh_s
         self._used: tuple[float, dict[str, Used]] | None = None  # (when, what) it last answered
+        self._lost: dict[str, Node] = {}  # the nodes Ray declared dead, by id (``lost``)
         try:  # the cluster's token, as Ray's own clients send it
             from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
 
@@ -81,17 +85,28 @@ class RayNodes:
         from ray.util.state import list_nodes
 
         used = self.usage()
-        out = []
+        out: list[Node] = []
+        dead: dict[str, Node] = {}
         for n in list_nodes(address=self.address, detail=True, raise_on_missing_output=False):
-            if n.state != "ALIVE":
-                continue
             res = n.resources_total or {}
             memory = res.get("memory")  # bytes of Ray's logical memory resource: what entrypoint_memory holds
             u = used.get(n.node_id) or Used()
-            out.append(Node(id=n.node_id, cpus=float(res.get("CPU", 0)), gpus=float(res.get("GPU", 0)),
-                            cpus_used=u.cpus, gpus_used=u.gpus, gpu_type=gpu_type_of(res),
-                            memory_gb=None if memory is None else float(memory) / GIB, memory_used_gb=u.memory_gb))
+            node = Node(id=n.node_id, cpus=float(res.get("CPU", 0)), gpus=float(res.get("GPU", 0)),
+                        cpus_used=u.cpus, gpus_used=u.gpus, gpu_type=gpu_type_of(res),
+                        memory_gb=None if memory is None else float(memory) / GIB, memory_used_gb=u.memory_gb,
+                        hostname=n.node_name if n.node_name and n.node_name != n.node_ip else None,
+                        address=n.node_ip or None)
+            if n.state == "ALIVE":
+                out.append(node)
+            else:
+                dead[n.node_id] = node
+        back = {(n.hostname, n.address) for n in out}
+        self._lost = {k: v for k, v in dead.items() if (v.hostname, v.address) not in back}
         return out
+
+    def lost(self) -> list[Node]:
+        """The nodes Ray declared dead at the last ``nodes``, but those whose host and address joined again."""
+        return list(self._lost.values())
 
     def usage(self) -> dict[str, Used]:
         """``ask_usage``'s answer of at most ``refresh_s`` ago: it costs the head and this process ~27 ms of CPU

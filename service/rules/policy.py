@@ -45,6 +45,13 @@ def weight(demand: Demand) -> float:
     return demand.gpus + CPU_WEIGHT * demand.cpus + MEMORY_WEIGHT * demand.memory
 
 
+def node_label(node_id: str, hostname: str | None, address: str | None) -> str:
+    """``host (address)``, ``address`` or ``host`` as known, else the id's first 12 characters."""
+    if hostname and address and hostname != address:
+        return f"{hostname} ({address})"
+    return hostname or address or node_id[:12]
+
+
 @dataclass(frozen=True)
 class Node:
     id: str
@@ -57,6 +64,13 @@ class Node:
     gpu_type: str | None = None  # the node's GPU model (Ray's accelerator_type:<name> resource); None: not known
     memory_gb: float | None = None  # Ray's ``memory`` resource on the node in GiB; None: not known (no limit)
     memory_used_gb: float | None = None  # what Ray reports reserved of it now; None: not known
+    hostname: str | None = None  # the machine's name (its Ray node name), None: not known
+    address: str | None = None  # the node's IP, None: not known
+
+    @property
+    def label(self) -> str:
+        """How people name the node: ``host (address)``, else its id's first 12 characters."""
+        return node_label(self.id, self.hostname, self.address)
 
     def room(self) -> list[float]:
         """[CPUs, GPUs, memory GiB] of the whole node (memory not known: without end)."""

@@ -49,9 +49,10 @@ def node_shares(node_id: str, active: list[ActiveJob], gpu_memory: Mapping[str, 
     return out
 
 
-def cluster_view(nodes: list[Node], active: list[ActiveJob], gpu_memory: Mapping[str, Sequence[float]] | None = None
-                 ) -> ClusterView:
-    """The view the scheduler publishes each tick (``gpu_memory``: job -> its ranks' peak GPU MiB so far)."""
+def cluster_view(nodes: list[Node], active: list[ActiveJob], gpu_memory: Mapping[str, Sequence[float]] | None = None,
+                 lost: Sequence[Node] = ()) -> ClusterView:
+    """The view the scheduler publishes each tick (``gpu_memory``: job -> its ranks' peak GPU MiB so far; ``lost``:
+    the nodes Ray declared dead, listed after the alive ones with nothing free)."""
     gpu_memory = gpu_memory or {}
     free = free_resources(nodes, active)
     outside = held_outside(nodes, active)
@@ -59,8 +60,11 @@ def cluster_view(nodes: list[Node], active: list[ActiveJob], gpu_memory: Mapping
         nodes=[NodeView(id=n.id, alive=True, cpus_total=n.cpus, cpus_free=free[n.id][0], gpus_total=n.gpus,
                         gpus_free=free[n.id][1], gpu_type=n.gpu_type, memory_gb_total=n.memory_gb,
                         memory_gb_free=None if n.memory_gb is None else free[n.id][2],
-                        jobs=node_shares(n.id, active, gpu_memory))
-               for n in nodes],
+                        jobs=node_shares(n.id, active, gpu_memory), hostname=n.hostname, address=n.address)
+               for n in nodes]
+        + [NodeView(id=n.id, alive=False, cpus_total=n.cpus, cpus_free=0.0, gpus_total=n.gpus, gpus_free=0.0,
+                    gpu_type=n.gpu_type, memory_gb_total=n.memory_gb, hostname=n.hostname, address=n.address)
+           for n in lost],
         cpus_total=sum(n.cpus for n in nodes), gpus_total=sum(n.gpus for n in nodes),
         cpus_free=sum(f[0] for f in free.values()), gpus_free=sum(f[1] for f in free.values()),
         running_jobs=[a.id for a in active], scheduler_alive=True, cpus_outside=outside[0], gpus_outside=outside[1],

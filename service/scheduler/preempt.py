@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Protocol
 
@@ -98,10 +99,11 @@ def preempt(store: Store, launcher: Stopper, settings: Settings, decision: polic
 
 
 def evict_from_lost_nodes(store: Store, launcher: Stopper, nodes: list[policy.Node], active: list[ActiveJob],
-                          now: float) -> list[str]:
+                          now: float, names: Mapping[str, str] | None = None) -> list[str]:
     """Stop the jobs placed on a node Ray no longer reports alive (its raylet died, its machine went away) and
     mark them as preempted by that loss: once stopped they go back to the queue like a preempted job, and resume
-    from their last checkpoint where the gang fits again (or wait saying the cluster lacks the room)."""
+    from their last checkpoint where the gang fits again (or wait saying the cluster lacks the room). ``names``: node
+    id -> how people name it (``host (address)``)."""
     alive = {n.id for n in nodes}
     if not alive:  # no node at all is a cluster view that failed, not every node lost at once
         return []
@@ -112,7 +114,7 @@ def evict_from_lost_nodes(store: Store, launcher: Stopper, nodes: list[policy.No
         data = raws.get(job.id)
         if not lost or data is None or stopping(data):
             continue
-        cause = f"the loss of node {lost[0][:12]}"
+        cause = f"the loss of node {(names or {}).get(lost[0]) or lost[0][:12]}"
         log.info("%s: %s; stopping it to resume elsewhere", job.id, cause)
         store.r.hset(keys.job(job.id), mapping={PREEMPTED_BY: cause, PREEMPTED_PRIORITY: LOST_NODE})
         store.log_event(job.id, "info", f"{cause}: Ray no longer reports it alive; stopping this attempt to resume "

@@ -225,6 +225,10 @@ class Scheduler:
     def nodes(self) -> list[Node]:
         return self.cluster.nodes()
 
+    def lost(self) -> list[Node]:
+        """The nodes Ray declared dead as of the last ``nodes`` (``RayNodes.lost``; none for a static cluster)."""
+        return list(getattr(self.cluster, "lost", list)())
+
     def decide(self, now: float, nodes: list[Node] | None = None
                ) -> tuple[policy.Decision, list[Node], list[ActiveJob]]:
         nodes = self.nodes() if nodes is None else nodes
@@ -305,7 +309,8 @@ class Scheduler:
 
     def publish(self, decision: policy.Decision, nodes: list[Node], active: list[ActiveJob], now: float) -> None:
         """Queue positions and reasons, and the cluster view, for the API to show."""
-        view = cluster_view(nodes, active, gpu_memory(self.store, active))  # per node: totals, free, each job's share
+        view = cluster_view(nodes, active, gpu_memory(self.store, active),  # per node: totals, free, each job's share
+                            self.lost())
         pipe = self.store.r.pipeline(transaction=True)
         pipe.delete(keys.queue_view())
         if decision.order:
@@ -320,7 +325,7 @@ class Scheduler:
         # before reconcile: a job whose driver died with its node may already show FAILED in Ray this tick
         nodes = self.nodes()
         preempting.evict_from_lost_nodes(self.store, self.launcher, nodes, [self.as_active(d) for d in self.active()],
-                                         now)
+                                         now, {n.id: n.label for n in self.lost()})
         self.reconcile(now)
         if now - self.expired_at >= retention.EXPIRE_EVERY_S:  # TLAB_HISTORY_DAYS: old ended jobs go, with their files
             self.expired_at = now

@@ -19,6 +19,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -282,7 +283,7 @@ class Stack:
             str(Path(sys.executable).with_name("ray"))]
         argv = [*ray_cli, "start", "--head", "--block",
                 "--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--temp-dir", self.ray_temp,
-                "--disable-usage-stats", "--node-ip-address", self.address]
+                "--disable-usage-stats", "--node-ip-address", self.address, "--node-name", socket.gethostname()]
         # every fixed default port on free ones, so two stacks (and the tests) run side by side
         argv += [str(x) for flag, port in ports.items() if flag.startswith("--") for x in (flag, port)]
         if self.num_cpus is not None:

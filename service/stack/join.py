@@ -105,7 +105,7 @@ class JoinedNode(Stack):
         ray_cli = [self.python, "-m", "ray.scripts.scripts"] if self.service_user else [
             str(Path(sys.executable).with_name("ray"))]
         argv = [*ray_cli, "start", "--address", self.gcs, "--block", "--node-ip-address", self.address,
-                "--temp-dir", self.ray_temp, "--disable-usage-stats"]
+                "--node-name", socket.gethostname(), "--temp-dir", self.ray_temp, "--disable-usage-stats"]
         if self.num_cpus is not None:
             argv += ["--num-cpus", str(self.num_cpus)]
         if self.num_gpus is not None:
