@@ -10,7 +10,7 @@ export MKL_NUM_THREADS ?= 1
 export RAY_AUTH_MODE ?= disabled
 export TMPDIR ?= /tmp
 
-.PHONY: setup browser sandbox demo test test-fast lint bench device-carry clean
+.PHONY: setup browser sandbox demo test test-fast lint bench docs-ref device-carry clean
 
 setup: $(STAMP)
 
@@ -53,6 +53,11 @@ test-fast: setup browser sandbox
 
 lint: setup
 	$(BIN)/ruff check .
+
+# docs/reference/settings.md and cli.md, read off the settings classes and the CLI's argparse tree
+# (tests/test_docs_reference.py fails when a checked-in page differs from what this writes)
+docs-ref: setup
+	$(BIN)/python scripts/docs_ref.py
 
 bench: setup
 	$(BIN)/python -m benchmarks.run_all
