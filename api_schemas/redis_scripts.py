@@ -17,6 +17,8 @@ ENTRY_MAX = 1 << 20  # bytes an entry (a field and its value, an event's identit
 ENTRY_MIN = 4096  # ... and at least, however small the job's share
 PER_ENTRY = 64  # bytes counted for each entry besides its own (Redis's bookkeeping of it)
 OVER_CAP = "OVERCAP"
+ENDED = "ATTEMPTENDED"  # the error reply of a write whose attempt the job's record has moved past (fencing)
+OWN_KEYS = 5  # len(keys.own_keys): a fenced write's KEYS may add the job hash after them (no run copy)
 
 
 def write_caps(job_redis_mb: float = JOB_REDIS_MB) -> tuple[int, int]:
@@ -48,7 +50,7 @@ local function too_big(size, what)
 end
 local function no_room(incoming)
   local used = 0
-  for i = 1, #KEYS do
+  for i = 1, math.min(#KEYS, __OWN__) do
     used = used + (redis.call('MEMORY', 'USAGE', KEYS[i], 'SAMPLES', i == 1 and '0' or '5') or 0)
   end
   if used + incoming > SHARE then
@@ -103,20 +105,66 @@ return redis.call('HSET', key, unpack(fields))
 """
 
 
-def _bounded(body: str, caps: tuple[int, int]) -> str:
+# Fencing (docs/security.md, "Fencing"): a write made by a job's attempt carries that attempt in its script's text
+# (as the caps are: the service loaded the script, so the job cannot choose another); `ended()` compares it with the
+# job's record in the same atomic step as the write. The record is the job's `run` copy (KEYS[4]: the scheduler writes
+# its `attempts` before each submit and deletes it once the job is no longer starting or running) or, for a job
+# without one (no Redis users: TLAB_JOB_REDIS_ACL=off, a job run by hand), the job hash itself, named after the own
+# keys (KEYS[6]), whose state must also be starting or running. An attempt of '' is not fenced (a preflight, a trial).
+_FENCE = """local ATTEMPT = '__ATTEMPT__'
+local function ended()
+  if ATTEMPT == '' then return nil end
+  local copy = #KEYS <= __OWN__
+  local f = redis.call('HMGET', copy and KEYS[4] or KEYS[__OWN__ + 1], 'attempts', 'state', 'job')
+  local cur, why = f[1] or '1', nil
+  if copy and not f[3] then why = 'its run record is gone'
+  elseif cur ~= ATTEMPT then why = 'the job is on attempt ' .. cur
+  elseif f[2] and f[2] ~= 'starting' and f[2] ~= 'running' then why = 'the job is ' .. f[2] end
+  if why then
+    return redis.error_reply('__ENDED__ attempt ' .. ATTEMPT .. ' of this job has ended (' .. why
+      .. '): its write is refused')
+  end
+end
+"""
+_FENCED = """local refused = ended()
+if refused then return refused end
+"""
+# KEYS: the job's own keys, then the job hash; ARGV: field/value pairs. The fenced write of a job without a run copy.
+_HSET_JOB = """return redis.call('HSET', KEYS[__OWN__ + 1], unpack(ARGV))
+"""
+
+
+def _fence(attempt: int | None) -> str:
+    return (_FENCE.replace("__ATTEMPT__", "" if attempt is None else str(int(attempt)))
+            .replace("__ENDED__", ENDED).replace("__OWN__", str(OWN_KEYS)))
+
+
+def _bounded(body: str, caps: tuple[int, int], attempt: int | None = None) -> str:
     entry, share = caps
-    return (_BOUND.replace("__ENTRY__", str(int(entry))).replace("__SHARE__", str(int(share)))
-            .replace("__PER__", str(PER_ENTRY)).replace("__OVER__", OVER_CAP) + body)
+    return (_fence(attempt) + _BOUND.replace("__ENTRY__", str(int(entry))).replace("__SHARE__", str(int(share)))
+            .replace("__PER__", str(PER_ENTRY)).replace("__OVER__", OVER_CAP).replace("__OWN__", str(OWN_KEYS))
+            + _FENCED + body)
 
 
-def xadd_once(caps: tuple[int, int]) -> str:
-    """The sink's script (events, exactly once per identity) with these ``write_caps``."""
-    return _bounded(_XADD_ONCE, caps)
+def xadd_once(caps: tuple[int, int], attempt: int | None = None) -> str:
+    """The sink's script (events, exactly once per identity) with these ``write_caps``, fenced to ``attempt``."""
+    return _bounded(_XADD_ONCE, caps, attempt)
 
 
-def hset_own(caps: tuple[int, int]) -> str:
-    """The script of a job's hash writes (its ``run`` copy, trials, preflight) with these ``write_caps``."""
-    return _bounded(_HSET_OWN, caps)
+def hset_own(caps: tuple[int, int], attempt: int | None = None) -> str:
+    """The script of a job's hash writes (its ``run`` copy, trials, preflight) with these ``write_caps``, fenced to
+    ``attempt``."""
+    return _bounded(_HSET_OWN, caps, attempt)
+
+
+def fence_check(attempt: int) -> str:
+    """1 while ``attempt`` is the job's current one, else the ``ENDED`` error (KEYS as a fenced write's)."""
+    return _fence(attempt) + _FENCED + "return 1\n"
+
+
+def hset_job(attempt: int) -> str:
+    """HSET of the job hash (KEYS[6]) fenced to ``attempt``: a job without a run copy writes its summary so."""
+    return _fence(attempt) + _FENCED + _HSET_JOB.replace("__OWN__", str(OWN_KEYS))
 
 
 def _lua_transition_table() -> str:
@@ -213,9 +261,10 @@ redis.call('LTRIM', KEYS[6], 0, 0)
 return {1, redis.call('ZCARD', KEYS[4])}
 """.replace("__QUEUED_CAP__", QUEUED_CAP)
 
-# KEYS: job hash, queue zset, active set, events stream, notify outbox stream
+# KEYS: job hash, queue zset, active set, events stream, notify outbox stream, the job's run copy (optional)
 # ARGV: to-state, now, comma-separated states the caller expects the job in ('' = any), reason, field/value pairs.
-# Moves the job only along the transition table; keeps the queue and active sets in step; writes a
+# Moves the job only along the transition table; keeps the queue and active sets in step; names the new state in
+# the job's run copy while there is one (what the fenced scripts read: an attempt's writes end with it); writes a
 # `status` event (and `end` when the state is terminal); when the job's `notify_on` (comma-separated) names the
 # new state (`preempted` for running -> queued), adds a webhook entry to the outbox in the same step.
 # Returns {1, from} or {0, current state}.
@@ -233,6 +282,7 @@ if not T[cur] or not T[cur][to] then return {0, cur} end
 local now = tonumber(ARGV[2])
 redis.call('HSET', KEYS[1], 'state', to, 'updated_at', ARGV[2])
 for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if KEYS[6] and redis.call('HEXISTS', KEYS[6], 'job') == 1 then redis.call('HSET', KEYS[6], 'state', to) end
 local id = redis.call('HGET', KEYS[1], 'id')
 if to == 'queued' then
   redis.call('ZADD', KEYS[2], tonumber(redis.call('HGET', KEYS[1], 'created_at')), id)

@@ -60,10 +60,11 @@ def train(orders: Orders) -> dict[str, Any]:
     device, world = claim_device(spec), spec.resources.workers  # (its share of the card fenced first)
     run_dir, start = Path(orders.storage) / orders.job_id, Path(orders.start_from) if orders.start_from else None
     sink = records_sink(orders)  # (rank 0)
+    fencing = {"attempt": orders.attempt, "fence": getattr(sink, "check", None)}  # (its supervisor checks: rank 0)
     try:
         if world == 1:
             return attempt(spec, DriverContext(sink, run_dir, device=device, artifacts_dir=orders.artifacts,
-                                               start_from=start))
+                                               start_from=start, **fencing))
         store = None
         if orders.rank == 0:
             store = dist.TCPStore(orders.host, orders.port, world, is_master=True, timeout=timeout(),
@@ -75,7 +76,7 @@ def train(orders: Orders) -> dict[str, Any]:
             said(f"gang of {world} on {backend}: every rank joined")
         try:
             return attempt(spec, GangContext(sink, run_dir, rank=orders.rank, world_size=world, device=device,
-                                             artifacts_dir=orders.artifacts, start_from=start))
+                                             artifacts_dir=orders.artifacts, start_from=start, **fencing))
         finally:
             dist.destroy_process_group()
     finally:
@@ -83,14 +84,18 @@ def train(orders: Orders) -> dict[str, Any]:
 
 
 def export(orders: Orders) -> None:
-    """Rank 0 writes the run's artifacts from its last checkpoint, here in the sandbox, however the try ended."""
+    """Rank 0 writes the run's artifacts from its last checkpoint, here in the sandbox, however the try ended: with
+    an attempt, from its own checkpoints into its staging directory, which its supervisor promotes
+    (``workers.job.artifacts.promote``)."""
     if orders.rank != 0 or not orders.artifacts:
         return
     from api_schemas import ExperimentSpec
+    from workers.job.artifacts import staging_dir
     from workers.job.harness import export_artifacts
 
     spec = ExperimentSpec.model_validate_json(orders.spec)
-    export_artifacts(spec, [Path(orders.storage) / orders.job_id], Path(orders.artifacts))
+    out = Path(orders.artifacts) if orders.attempt is None else staging_dir(Path(orders.artifacts), orders.attempt)
+    export_artifacts(spec, [Path(orders.storage) / orders.job_id], out, attempt=orders.attempt)
 
 
 def outcome(orders: Orders) -> Outcome:

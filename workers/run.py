@@ -28,6 +28,7 @@ import redis
 from api_schemas import ExperimentSpec
 from workers.job.artifacts import artifacts_dir
 from workers.job.bucket import pull_checkpoint, push
+from workers.job.fence import still_current
 from workers.job.harness import exit_now, export_artifacts, job_main, load_job_spec
 from workers.job.logs import also_as
 from workers.job.record import write_summary
@@ -81,7 +82,7 @@ def run_job(job_id: str, redis_url: str, storage: str, max_failures: int | None 
     finally:  # however it ended (a stop too: SIGTERM leaves the grace period for this), from the last checkpoint
         if ranks is not None:
             ranks.stop()  # (a no-op once the first try has ended them)
-        if not in_driver():
+        if not in_driver() and still_current(job_id, "artifacts not exported"):  # (``workers.job.fence``)
             export_artifacts(spec, [Path(storage) / job_id], out)
         push(storage, job_id, prune=True, final=True)  # the run's last word (its checkpoint uploads may be cut off)
     if summary.get("failed"):

@@ -249,7 +249,7 @@ class Store:
         for k, v in fields.items():
             args += [k, v if isinstance(v, str) else json.dumps(v)]
         ok, cur = self._transition(keys=[keys.job(job_id), keys.queue(), keys.active(), keys.events(job_id),
-                                         keys.notify_outbox()], args=args)
+                                         keys.notify_outbox(), keys.job_run(job_id)], args=args)
         if int(ok) and cur == JobState.QUEUED.value and to in TERMINAL and int(self.r.hget(keys.job(job_id),
                                                                                          "attempts") or 0):
             self.r.sadd(keys.unsettled(), job_id)  # it ran before it was requeued: files to prune and count

@@ -13,9 +13,10 @@ raw ``XADD``/``HSET``/``HSETNX`` those scripts call: a job's own code can still 
 the scheduler's tick measures (``service.launch.job_caps``), with Redis's ``maxmemory`` behind it.
 
 - ``credentials(job_id, submission_id)``, called by ``RayJobs.submit`` right before each submit: loads the bounded
-  scripts (the user may run only scripts the service loaded: ``EVALSHA``, no ``EVAL``/``SCRIPT LOAD``), copies the job's
-  inputs and the scripts' caps into ``keys.job_run`` (exactly, each time: ``copy_inputs``), makes the user (``ACL
-  SETUSER name reset ...``: exactly these rules) and returns a one-time ticket to the job's ``REDIS_URL``, never the URL
+  scripts, also fenced to the job's current attempt (``workers.job.fence``; the user may run only scripts the
+  service loaded: ``EVALSHA``, no ``EVAL``/``SCRIPT LOAD``), copies the job's inputs and the scripts' caps into
+  ``keys.job_run`` (exactly, each time: ``copy_inputs``), makes the user (``ACL SETUSER name reset ...``: exactly
+  these rules) and returns a one-time ticket to the job's ``REDIS_URL``, never the URL
   itself: the Ray job's ``runtime_env`` is readable by every job's code (Ray's Jobs API with the cluster's token). The
   ticket (``TLAB_JOB_TICKET``) is the URL of a second user, ``tlab-ticket-job-<id>``, allowed nothing but ``GETDEL`` of
   one key, ``keys.ticket``, which holds the job's ``REDIS_URL``: the job's first process redeems it at start
@@ -48,7 +49,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import redis
 
 from api_schemas import keys
-from api_schemas.redis_scripts import hset_own, write_caps, xadd_once
+from api_schemas.redis_scripts import fence_check, hset_own, write_caps, xadd_once
 from api_schemas.spec import ExperimentSpec
 from service.core.settings import Settings
 from service.launch import job_caps
@@ -145,7 +146,9 @@ class JobAcl:
         password = self.password(submission_id)
         caps = write_caps(self.settings.job_redis_mb)
         self.copy_inputs(job_id, caps)
-        for script in (xadd_once(caps), hset_own(caps)):  # before the user exists: it never needs SCRIPT LOAD
+        attempt = int(self.r.hget(keys.job(job_id), "attempts") or 1)  # what the job pins (workers.job.fence)
+        for script in (xadd_once(caps), hset_own(caps), xadd_once(caps, attempt), hset_own(caps, attempt),
+                       fence_check(attempt)):  # before the user exists: it never needs SCRIPT LOAD
             self.r.script_load(script)
         self.r.execute_command("ACL", "SETUSER", user or user_name(job_id), *rules(job_id, password))
         return password

@@ -15,7 +15,10 @@ its time limit: SIGTERM gives it the grace period), from the last checkpoint Ray
   they are once the payload has ended (``workers.on_ray.supervisor``), so the digests the API lists are the
   service's own.
 
-Each file is written to a hidden temporary name and renamed, so a reader never sees half a file.
+Each file is written to a hidden temporary name and renamed, so a reader never sees half a file. A job's attempt
+exports from the checkpoints it wrote (an earlier attempt's only while it wrote none, a later one's never) into a
+staging directory of its own, ``<job>/.export-<attempt>``; its supervisor promotes the files into ``artifacts/`` only
+while the attempt is still the job's current one (``promote``, ``workers.job.fence``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import json
 import os
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -53,11 +56,31 @@ def checkpoints(run_dirs: list[Path]) -> list[Path]:
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 
-def last_training_state(run_dirs: list[Path]) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that holds a model (a diverged run's last one holds only its failure)."""
+def checkpoint_attempt(path: Path) -> int:
+    """The job's attempt that wrote the checkpoint ``path`` (its ``meta.json``; 0 when it says none)."""
+    try:
+        with os.fdopen(os.open(path / "meta.json", NOFOLLOW), "rb") as f:
+            found = json.loads(f.read(1 << 16)).get("attempt")
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return found if isinstance(found, int) else 0
+
+
+def of_attempt(found: list[Path], attempt: int | None) -> list[Path]:
+    """Of ``found`` (newest first), what ``attempt`` may go on from or export: its own checkpoints first, then those of
+    earlier attempts; never a later attempt's. All of them, as they are, when ``attempt`` is None."""
+    if attempt is None:
+        return found
+    by = {p: checkpoint_attempt(p) for p in found}
+    return [p for p in found if by[p] == attempt] + [p for p in found if by[p] < attempt]
+
+
+def last_training_state(run_dirs: list[Path], attempt: int | None = None) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that holds a model (a diverged run's last one holds only its failure), of those
+    ``attempt`` may take (``of_attempt``)."""
     from workers.train.context import read_checkpoint
 
-    for path in checkpoints(run_dirs):
+    for path in of_attempt(checkpoints(run_dirs), attempt):
         state = read_checkpoint(path)
         if "model" in state:
             return path, state
@@ -102,13 +125,15 @@ def metrics_csv(history: list[dict[str, Any]]) -> str:
     return out.getvalue()
 
 
-def export(spec: ExperimentSpec, run_dirs: list[Path], out: Path, extra: dict[str, Any] | None = None) -> list[str]:
+def export(spec: ExperimentSpec, run_dirs: list[Path], out: Path, extra: dict[str, Any] | None = None,
+           attempt: int | None = None) -> list[str]:
     """Write the artifacts of the run whose checkpoints are in ``run_dirs`` (a PBT trial trains in several) to
     ``out``, then their digests (``record_digests``); returns the names written ([] with no checkpoint yet: the
-    digests of what the run's code wrote there are recorded all the same). ``extra`` goes into summary.json."""
+    digests of what the run's code wrote there are recorded all the same). ``extra`` goes into summary.json.
+    ``attempt``: the job's attempt exporting (``of_attempt``: from its own checkpoints)."""
     from workers.train.shared import summarize
 
-    found = last_training_state(run_dirs)
+    found = last_training_state(run_dirs, attempt)
     if found is None:
         if out.is_dir():
             record_digests(out)
@@ -127,6 +152,49 @@ def export(spec: ExperimentSpec, run_dirs: list[Path], out: Path, extra: dict[st
     _write(out / "summary.json", (json.dumps(summary, indent=2, default=float) + "\n").encode())
     record_digests(out)
     return [*EXPORTED, SUMS]
+
+
+def staging_dir(out: Path, attempt: int) -> Path:
+    """Where ``attempt`` exports before its supervisor promotes the files into ``out`` (beside it, hidden)."""
+    return out.parent / f".export-{int(attempt)}"
+
+
+def promote(staging: Path, out: Path, check: Callable[[], None]) -> list[str]:
+    """Move the export's files from ``staging`` into ``out`` once ``check`` passed (it raises ``AttemptEnded`` for
+    an attempt that ended: nothing is moved), then write ``out``'s digests; ``staging`` removed either way. The
+    names moved."""
+    moved: list[str] = []
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC  # (job-written: no link followed)
+    try:
+        src = os.open(staging, flags)
+    except OSError:
+        return moved
+    try:
+        check()
+        out.mkdir(parents=True, exist_ok=True)
+        dst = os.open(out, flags)
+        try:
+            for name in (*EXPORTED, SUMS):
+                with contextlib.suppress(OSError):
+                    if stat.S_ISREG(os.stat(name, dir_fd=src, follow_symlinks=False).st_mode):
+                        os.replace(name, name, src_dir_fd=src, dst_dir_fd=dst)  # each whole, at once
+                        moved.append(name)
+        finally:
+            os.close(dst)
+        if moved:
+            record_digests(out)
+        return moved
+    finally:
+        os.close(src)
+        remove_staged(staging)
+
+
+def remove_staged(staging: Path) -> None:
+    """Delete a staging directory without following a link in it (what an ended attempt left, too)."""
+    from api_schemas.gate import Refused, remove_tree
+
+    with contextlib.suppress(OSError, Refused):
+        remove_tree(staging.parent, staging.name)
 
 
 def record_digests(out: Path) -> list[str]:

@@ -7,7 +7,8 @@ The scheduler gives every Ray job ``TLAB_STORAGE`` (the local working directory,
   after the artifacts export (``final``: it first waits for the background upload, then drops the bucket's
   checkpoints the run no longer keeps) and when a process's log closes (a sweep's driver: its artifacts too).
   ``push_later``: the same on a background thread after each checkpoint (the training loop never waits for it).
-  A failed push is a warning in the job's log, never the job's failure (the next push sends what it missed).
+  A failed push is a warning in the job's log, never the job's failure (the next push sends what it missed). A process
+  that pinned its attempt pushes only after the attempt's check passed (``workers.job.fence``).
 - ``pull_checkpoint(storage, job_id)``: before a run restores, the newest checkpoint the bucket holds when it is
   newer than any here (a job requeued onto a node that never saw it goes on from there); ``pull_dir``: one
   directory (a continued or forked job's parent checkpoint).
@@ -22,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from objstore import Bucket, bucket_for, one_line
+from workers.job import fence
 from workers.job.artifacts import CHECKPOINT_FILE, checkpoints
 
 ENV = "TLAB_STORAGE_URI"
@@ -63,6 +65,8 @@ def push(storage: str | Path, job_id: str, prune: bool = False, final: bool = Fa
     retries); a ``final`` one (the end of a run: its driver, after the export) always tries."""
     b = bucket()
     if b is None or (prune and not final and time.monotonic() - _failed_at[0] < RETRY_S):
+        return
+    if not fence.still_current(job_id, "not copied to the bucket"):  # an ended attempt uploads and prunes nothing
         return
     if final:  # a checkpoint's upload still running would send what this one's prune deletes
         wait_uploads()

@@ -5,6 +5,7 @@ can read (``workers.train.failure``), marked in the job's log for the scheduler.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -16,6 +17,7 @@ import redis
 
 from api_schemas import ExperimentSpec, keys
 from api_schemas.reasons import FAILURE_MARK, one_line
+from workers.job.fence import AttemptEnded, pin
 from workers.job.logs import capture
 from workers.job.record import attempt_of, job_field
 from workers.job.redis_sink import RedisSink
@@ -23,6 +25,8 @@ from workers.job.ticket import TicketError, job_redis_url
 from workers.job.vitals import watch as watch_vitals
 from workers.train.failure import failure_reason
 from workers.train.startup import begin, timeline
+
+ENDED_EXIT = 3  # the exit status of a job's process whose attempt ended under it (``workers.job.fence``)
 
 
 class SetupError(RuntimeError):
@@ -44,12 +48,13 @@ def load_job_spec(client: redis.Redis, job_id: str) -> ExperimentSpec:
     return ExperimentSpec.model_validate_json(raw)
 
 
-def export_artifacts(spec: ExperimentSpec, run_dirs: list[Path], out: Path, extra: dict | None = None) -> None:
+def export_artifacts(spec: ExperimentSpec, run_dirs: list[Path], out: Path, extra: dict | None = None,
+                     attempt: int | None = None) -> None:
     """``workers.job.artifacts.export``; a failure to export is logged, never the job's own failure."""
     from workers.job.artifacts import export
 
     try:
-        names = export(spec, run_dirs, out, extra)
+        names = export(spec, run_dirs, out, extra, attempt)
         print(f"artifacts: {', '.join(names) or 'none (no checkpoint yet)'} in {out}", file=sys.stderr, flush=True)
     except Exception:
         traceback.print_exc()
@@ -87,7 +92,9 @@ def job_main(prog: str, description: str, run: Callable[[str, str, str], dict], 
     except (SetupError, TicketError) as err:
         print(f"{FAILURE_MARK}{err}", file=sys.stderr)  # no Redis to say it in: the scheduler reads it from Ray
         return 2
-    with capture(storage, args.job, "driver", attempt_of(redis_url, args.job)):
+    attempt = attempt_of(redis_url, args.job)
+    pin(args.job, attempt, redis_url)  # every write of this process carries it (``workers.job.fence``)
+    with capture(storage, args.job, "driver", attempt):
         return guarded(args.job, redis_url, storage, run)
 
 
@@ -99,6 +106,10 @@ def guarded(job_id: str, redis_url: str, storage: str, run: Callable[[str, str, 
     vitals = watch_vitals(redis_url, job_id)  # what a SIGKILL leaves the scheduler to go by (service.scheduler.deaths)
     try:
         summary = run(job_id, redis_url, storage)
+    except AttemptEnded as err:  # the service moved on: this attempt writes nothing more, anywhere
+        print(f"[tlab] {err}; this process ends", file=sys.stderr, flush=True)
+        sink.buffer.clear()
+        return ENDED_EXIT
     except Stopped as err:
         sink.emit({"kind": "log", "level": "info", "message": str(err)})
         return 143
@@ -111,9 +122,14 @@ def guarded(job_id: str, redis_url: str, storage: str, run: Callable[[str, str, 
         return 1
     finally:
         vitals.set()
-        sink.flush()
-    sink.emit({"kind": "status", "state": "finished", "summary": summary, "startup": timeline()})
-    sink.close()
+        with contextlib.suppress(AttemptEnded):
+            sink.flush()
+    try:
+        sink.emit({"kind": "status", "state": "finished", "summary": summary, "startup": timeline()})
+        sink.close()
+    except AttemptEnded as err:
+        print(f"[tlab] {err}; this process ends", file=sys.stderr, flush=True)
+        return ENDED_EXIT
     return 0
 
 

@@ -45,6 +45,7 @@ class Orders:
     records_fd: int | None = None  # rank 0: where its records go, one JSON line each (``workers.job.pipe_sink``),
     answers_fd: int | None = None  # and where each is answered once written
     sweep: str | None = None  # a preflight of a sweep: the sweep as JSON (its first point is what is tried)
+    attempt: int | None = None  # the job's attempt this try belongs to (``workers.job.fence``); None: not fenced
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Outcome:
     retried: bool = False
     stopped: bool = False
     startup: dict[str, float] = field(default_factory=dict)
+    ended: bool = False  # the job's attempt ended under it (``workers.job.fence``): no retry, nothing more written
 
 
 class Stopped(Exception):

@@ -8,6 +8,9 @@ scripts the service loaded, and answers. So what lands in Redis is what the supe
 returns as it was when the payload wrote to Redis itself: an epoch's metrics are in the stream before its checkpoint
 is written, so a stop or a lost node loses none.
 
+A record ``{"kind": "fence"}`` is no event: the supervisor answers it once it checked that the job's attempt is still
+current (``PipeSink.check``, before a checkpoint is renamed into place: ``workers.job.fence``).
+
 A line over ``MAX_LINE`` bytes, or one that is not a JSON object, is dropped and said in the job's stream as a
 warning. A write the job's share refuses (``ShareFull``) is answered with its message, and the payload's ``emit``
 raises it: the job stops, saying why, as before.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from workers.job.orders import Orders
@@ -25,6 +29,7 @@ from workers.train.sinks import MetricSink, NullSink
 
 MAX_LINE = 1 << 20  # bytes of one record as JSON (the job's per-event cap in Redis is at most this too)
 OK = b"ok\n"
+FENCE = "fence"  # a record's kind that asks the supervisor to check the attempt (``PipeSink.check``)
 
 
 class RecordsRefused(RuntimeError):
@@ -47,6 +52,13 @@ class PipeSink:
         if said != OK:
             raise RecordsRefused(said.decode(errors="replace").strip() or "the supervisor stopped taking records")
 
+    def check(self) -> None:
+        """Return once the supervisor said this job's attempt is still its current one; ``RecordsRefused`` (with
+        why) once it is not, or once the supervisor stopped answering."""
+        if self.out.closed:
+            raise RecordsRefused("the records pipe is closed: the attempt cannot be checked")
+        self.emit({"kind": FENCE})
+
     def close(self) -> None:
         with self.lock:
             for f in (self.out, self.answers):
@@ -61,9 +73,10 @@ def records_sink(orders: Orders) -> MetricSink:
     return PipeSink(orders.records_fd, orders.answers_fd)
 
 
-def relay_records(fd: int, answers: int, sink: MetricSink) -> None:
-    """The supervisor's side: every line on ``fd`` until its end, each a record for ``sink``, answered on
-    ``answers``; then ``sink`` closed. A write ``sink`` refuses is answered with its message and ends the relay."""
+def relay_records(fd: int, answers: int, sink: MetricSink, fence: Callable[[], None] | None = None) -> None:
+    """The supervisor's side: every line on ``fd`` until its end, each a record for ``sink`` (or, ``{"kind":
+    "fence"}``, a call of ``fence``), answered on ``answers``; then ``sink`` closed. A write ``sink`` refuses (or a
+    check ``fence`` fails) is answered with its message and ends the relay."""
     with os.fdopen(fd, "rb") as lines, os.fdopen(answers, "wb", buffering=0) as out:
         try:
             while line := lines.readline(MAX_LINE + 1):
@@ -74,7 +87,10 @@ def relay_records(fd: int, answers: int, sink: MetricSink) -> None:
                     record = {"kind": "log", "level": "warning", "message": "a record from the training process was "
                               f"dropped: not one JSON object within {MAX_LINE} bytes"}
                 try:
-                    sink.emit(record)
+                    if record.get("kind") != FENCE:
+                        sink.emit(record)
+                    elif fence is not None:
+                        fence()
                 except Exception as err:  # noqa: BLE001 - the job's share full, Redis gone: the payload is told
                     _answer(out, (" ".join(str(err).split()) or type(err).__name__).encode()[:4000] + b"\n")
                     return
@@ -103,10 +119,11 @@ def _record(line: bytes) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def start_relay(sink: MetricSink) -> tuple[int, int, threading.Thread]:
-    """The payload's two ends (records out, answers in) and a thread relaying them to ``sink``."""
+def start_relay(sink: MetricSink, fence: Callable[[], None] | None = None) -> tuple[int, int, threading.Thread]:
+    """The payload's two ends (records out, answers in) and a thread relaying them to ``sink`` (``fence``: the
+    attempt's check)."""
     lines, theirs = os.pipe()
     mine, answers = os.pipe()
-    thread = threading.Thread(target=relay_records, args=(lines, answers, sink), name="records", daemon=True)
+    thread = threading.Thread(target=relay_records, args=(lines, answers, sink, fence), name="records", daemon=True)
     thread.start()
     return theirs, mine, thread

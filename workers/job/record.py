@@ -8,7 +8,9 @@ hash once the Ray job has ended). Run without the scheduler (tests, tools, ``TLA
 copy: the job hash itself.
 
 Its hashes are written through the bounded script the scheduler loaded (``write_hash``: ``hset_own`` with the caps the
-copy names), which refuses an entry over its cap or a write past the job's share of Redis (``ShareFull``).
+copy names), which refuses an entry over its cap or a write past the job's share of Redis (``ShareFull``), and, when
+this process pinned its attempt (``workers.job.fence``), a write of an attempt the record has moved past
+(``AttemptEnded``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
 from api_schemas import keys
-from api_schemas.redis_scripts import OVER_CAP, hset_own, parse_caps
+from api_schemas.redis_scripts import OVER_CAP, hset_job, hset_own, parse_caps
+from workers.job.fence import ended_error, pinned, record_keys
 
 MARK = keys.JOB_RUN_MARK  # the copy's field naming its job: there once the scheduler wrote the copy
 
@@ -45,11 +48,14 @@ def write_summary(client: Any, job_id: str, summary: str) -> None:
 
 def write_field(client: Any, job_id: str, field: str, value: str) -> None:
     """A field the job writes of its record: in the scheduler's copy (or the job hash, run without one)."""
-    run = keys.job_run(job_id)
+    run, attempt = keys.job_run(job_id), pinned(job_id)
     if client.hget(run, MARK) is not None:
         write_hash(client, job_id, run, {field: value})
-    else:
+    elif attempt is None:
         client.hset(keys.job(job_id), field, value)
+    else:  # (no run copy: the service's own Redis URL, which may run any script)
+        script = client.register_script(hset_job(attempt))
+        bounded(lambda: script(keys=[*keys.own_keys(job_id), keys.job(job_id)], args=[field, value]))
 
 
 class ShareFull(RuntimeError):
@@ -63,10 +69,14 @@ def write_caps(client: Any, job_id: str) -> tuple[int, int]:
 
 
 def bounded(call: Any) -> Any:
-    """``call()``, a refused bounded write raised as ``ShareFull`` with Redis's words."""
+    """``call()``, a refused bounded write raised as ``ShareFull`` with Redis's words (an ended attempt's as
+    ``AttemptEnded``)."""
     try:
         return call()
     except redis.ResponseError as err:
+        ended = ended_error(err)
+        if ended is not None:
+            raise ended from None
         text = str(err)
         if OVER_CAP in text:
             raise ShareFull(text[text.index(OVER_CAP) + len(OVER_CAP):].strip()) from None
@@ -75,8 +85,11 @@ def bounded(call: Any) -> Any:
 
 def write_hash(client: Any, job_id: str, key: str, mapping: dict[str, str],
                caps: tuple[int, int] | None = None) -> None:
-    """``HSET key mapping`` through the bounded script (``key``: one of the job's own keys)."""
-    script, own = client.register_script(hset_own(caps or write_caps(client, job_id))), keys.own_keys(job_id)
+    """``HSET key mapping`` through the bounded script (``key``: one of the job's own keys), fenced to the attempt
+    this process pinned."""
+    attempt = pinned(job_id)
+    script = client.register_script(hset_own(caps or write_caps(client, job_id), attempt))
+    own = keys.own_keys(job_id) if attempt is None else record_keys(client, job_id)
     bounded(lambda: script(keys=own, args=[own.index(key) + 1, *(x for kv in mapping.items() for x in kv)]))
 
 

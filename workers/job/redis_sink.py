@@ -2,7 +2,8 @@
 
 Its writes go through the bounded script the scheduler loaded (``api_schemas.redis_scripts.xadd_once``, with the caps
 of the job's ``run`` copy): an event over the per-entry cap is replaced here by a warning saying so, and a batch that
-would take the job's keys past its share of Redis is refused whole (``ShareFull``: the job stops, saying why).
+would take the job's keys past its share of Redis is refused whole (``ShareFull``: the job stops, saying why), as is
+one of an attempt the job's record has moved past (``AttemptEnded``: ``workers.job.fence``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import redis
 
 from api_schemas import keys
 from api_schemas.redis_scripts import xadd_once
+from workers.job.fence import pinned, record_keys
 from workers.job.record import bounded, connect, write_caps
 from workers.train.sinks import identity
 
@@ -27,10 +29,13 @@ class RedisSink:
     records or every ``flush_seconds``, whichever comes first (and on ``close``)."""
 
     def __init__(self, url: str, job_id: str, batch_size: int = 32, flush_seconds: float = 0.5,
-                 maxlen: int = keys.STREAM_MAXLEN, trial: str | None = None) -> None:
+                 maxlen: int = keys.STREAM_MAXLEN, trial: str | None = None, attempt: int | None = None) -> None:
+        """``attempt``: the job's attempt its writes are fenced to (default: the one this process pinned)."""
         self.client = connect(url)  # retries through a Redis restart (workers.job.record)
         self.entry_cap, _ = caps = write_caps(self.client, job_id)
-        self.script = self.client.register_script(xadd_once(caps))
+        self.attempt = pinned(job_id) if attempt is None else attempt
+        self.script = self.client.register_script(xadd_once(caps, self.attempt))
+        self.keys = keys.own_keys(job_id) if self.attempt is None else record_keys(self.client, job_id)
         self.job_id = job_id
         self.trial = trial  # a sweep's trial: its events carry "trial" and are deduplicated per trial
         self.batch_size, self.flush_seconds, self.maxlen = batch_size, flush_seconds, maxlen
@@ -58,7 +63,7 @@ class RedisSink:
             if size > self.entry_cap:
                 kind, data = "log", json.dumps(self.too_big(record, size))
             args += [ident, kind, data]
-        bounded(lambda: self.script(keys=keys.own_keys(self.job_id), args=args))
+        bounded(lambda: self.script(keys=self.keys, args=args))
         self.buffer.clear()
         self.last_flush = time.monotonic()
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import redis
 
 from api_schemas.vitals import CGROUP_ROOT, VITALS_FIELD, DriverVitals, oom_kills
+from workers.job.fence import AttemptEnded
 from workers.job.record import connect, write_field
 
 EVERY_S = 2.0
@@ -105,6 +106,8 @@ def watch(redis_url: str, job_id: str, every_s: float = EVERY_S) -> threading.Ev
                     written = now.peak_rss_bytes
                 except redis.RedisError:
                     pass  # Redis restarting: the next round writes them
+                except AttemptEnded:  # this attempt is over (``workers.job.fence``): nothing more to say
+                    break
             done.wait(every_s)
         client.close()
 

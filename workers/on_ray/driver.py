@@ -35,8 +35,9 @@ from typing import Any
 import torch
 
 from api_schemas import ExperimentSpec
-from workers.job.artifacts import checkpoints, last_training_state
+from workers.job.artifacts import checkpoint_attempt, checkpoints, last_training_state
 from workers.job.bucket import pull_checkpoint, push_later
+from workers.job.fence import AttemptEnded
 from workers.job.redis_sink import RedisSink
 from workers.job.start_from import start_checkpoint  # noqa: F401 (its old home: ``workers.job.start_from``)
 from workers.train.context import (
@@ -58,7 +59,7 @@ TMP_PREFIX = ".tmp-checkpoint_"  # never matches ``checkpoint_*``: a half-writte
 # checkpoint, a failure already explained; anything else (a lost connection, a full disk, a CUDA error) is retried
 NOT_RETRIED: tuple[type[BaseException], ...] = (
     ValueError, TypeError, LookupError, AttributeError, NameError, ImportError, SyntaxError, NotImplementedError,
-    CheckpointRefused, JobFailed,
+    CheckpointRefused, JobFailed, AttemptEnded,
 )
 
 
@@ -111,13 +112,17 @@ class DriverContext(RunContext):
 
     def __init__(self, sink: MetricSink, run_dir: str | Path, *, device: torch.device | None = None,
                  artifacts_dir: str | Path | None = None, keep: int | None = None,
-                 start_from: Path | None = None, rank: int = 0, world_size: int = 1) -> None:
+                 start_from: Path | None = None, rank: int = 0, world_size: int = 1, attempt: int | None = None,
+                 fence: Callable[[], None] | None = None) -> None:
         """``start_from``: another run's checkpoint directory to start from while this run has none of its own
         (a continued or forked job: ``start_checkpoint``). ``rank``/``world_size``: a rank of a driver-led gang
-        (``workers.on_ray.gang``); rank 0 is the run directory's only writer."""
+        (``workers.on_ray.gang``); rank 0 is the run directory's only writer. ``attempt``: the job's attempt this
+        run is, stamped on its checkpoints; ``fence``: raises ``AttemptEnded`` once it is no longer the job's
+        current one (``workers.job.fence``), asked before each checkpoint is renamed into place."""
         super().__init__(device=device or torch.device("cpu"), sink=sink, rank=rank, world_size=world_size)
         self.run_dir = Path(run_dir)
         self.start_from = start_from
+        self.attempt, self.fence = attempt, fence
         self.keep = keep_checkpoints() if keep is None else keep
         self.every_s = checkpoint_every_s()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -133,6 +138,11 @@ class DriverContext(RunContext):
     def checkpoints(self) -> list[Path]:
         """This run's complete checkpoints, newest first (``workers.job.artifacts.checkpoints``)."""
         return checkpoints([self.run_dir])
+
+    def rotated(self) -> list[Path]:
+        """The checkpoints past the last ``keep`` that this run may delete: never a later attempt's."""
+        mine = [p for p in self.checkpoints() if self.attempt is None or checkpoint_attempt(p) <= self.attempt]
+        return mine[self.keep:]
 
     def drop_partial(self) -> None:
         """Remove half-written checkpoints (this process is the run directory's only writer)."""
@@ -178,7 +188,9 @@ class DriverContext(RunContext):
         try:  # the temporary directory is made inside: a stop may land between its mkdir and mkdtemp's return
             tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=self.run_dir))
             tmp.chmod(0o750)  # (mkdtemp's 0700) a child run, another uid of the jobs' group, may start from it
-            write_checkpoint(entry.state, tmp)
+            write_checkpoint(entry.state, tmp, self.attempt)
+            if self.fence is not None:  # an ended attempt's checkpoint is never renamed into place
+                self.fence()
             final = self.run_dir / entry.name  # the save's time: a copy held, then written, sorts in epoch order
             while final.exists():  # two saves within one microsecond
                 final = self.run_dir / checkpoint_name()
@@ -193,7 +205,7 @@ class DriverContext(RunContext):
         except BaseException:  # a stop in the middle: leave nothing half-written (a kill leaves it to the next run)
             self.drop_partial()
             raise
-        for old in self.checkpoints()[self.keep:]:
+        for old in self.rotated():
             shutil.rmtree(old, ignore_errors=True)
         if self.is_chief:  # with a bucket: uploaded on a thread no flush waits for (``workers.job.bucket``)
             push_later(self.run_dir.parent, self.run_dir.name)
@@ -203,7 +215,7 @@ class DriverContext(RunContext):
         failure; with none here, the bucket's newest when storage is one); with none, the one it was told to start
         from (if any)."""
         pull_checkpoint(self.run_dir.parent, self.run_dir.name)  # the bucket's, when newer than any here
-        found = last_training_state([self.run_dir])
+        found = last_training_state([self.run_dir], self.attempt)
         if found is None and self.start_from is not None:
             return read_checkpoint(self.start_from)
         return None if found is None else found[1]

@@ -38,9 +38,10 @@ from workers.train.startup import mark
 
 
 def timeout() -> timedelta:
-    """How long a rank waits for the others (joining, or at a collective): ``TLAB_GANG_TIMEOUT_S``, 1800 s as
-    Ray Train's default. A rank that dies closes its connections, and the others fail at once, not after this."""
-    return timedelta(seconds=float(os.environ.get("TLAB_GANG_TIMEOUT_S", "1800")))
+    """How long a rank waits for the others (joining, or at a collective): ``TLAB_GANG_TIMEOUT_S``, 300 s: a rank
+    whose peer went silent (a host cut off) fails within minutes, not Ray Train's 30. A rank that dies closes its
+    connections, and the others fail at once, not after this."""
+    return timedelta(seconds=float(os.environ.get("TLAB_GANG_TIMEOUT_S", "300")))
 
 
 class GangContext(DriverContext):
@@ -48,9 +49,10 @@ class GangContext(DriverContext):
     checkpoints (and, through its sink, metrics); every rank restores the newest one."""
 
     def __init__(self, sink: MetricSink, run_dir: str | Path, *, rank: int, world_size: int, device: torch.device,
-                 artifacts_dir: str | Path | None = None, start_from: Path | None = None) -> None:
+                 artifacts_dir: str | Path | None = None, start_from: Path | None = None, **fencing: Any) -> None:
+        """``fencing``: ``attempt`` and ``fence``, as ``DriverContext`` takes them (rank 0 writes checkpoints)."""
         super().__init__(sink, run_dir, device=device, artifacts_dir=artifacts_dir, start_from=start_from,
-                         rank=rank, world_size=world_size)
+                         rank=rank, world_size=world_size, **fencing)
         self._comm = TorchDistributed()
 
     @property

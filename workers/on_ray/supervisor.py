@@ -11,6 +11,11 @@ job's ticket, every other job's files.
 No torch here: the payload is started before anything imports it (start-up stays as it was: one import of torch,
 in the payload). A SIGTERM (Ray's stop) reaches the payload from Ray too; the supervisor forwards it (a payload takes
 one stop) and waits for the payload to save and export, within Ray's grace period.
+
+Fencing (``workers.job.fence``): each try carries the job's attempt this process pinned. While the payload runs, a
+``Keepalive`` kills it once the attempt ended (or Redis was lost for ``TLAB_ATTEMPT_LEASE_S``); the payload's
+records and its checkpoints' renames pass the attempt's check; its export is staged and promoted into ``artifacts/``
+only after the check passed (``workers.job.artifacts.promote``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from api_schemas import ExperimentSpec
 from api_schemas.reasons import killed_by, one_line
 from workers.job import job_user, sandbox
 from workers.job.artifacts import record_digests
+from workers.job.fence import AttemptEnded, Keepalive, attempt_ended, attempt_fence, clear_staged, kill_tree, pinned
+from workers.job.fence import promote_export as promote_export_of
 from workers.job.logs import StderrTail
 from workers.job.memory_limit import MemoryLimit, first_to_go
 from workers.job.orders import Orders, Outcome, split_result
@@ -118,9 +125,11 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
     lines = answers = records = None
     if relay is not None:
         (lines, orders.report_fd), (orders.answer_fd, answers) = os.pipe(), os.pipe()
+    fence = attempt_fence(orders)
     if orders.rank == 0 and orders.redis_url:  # its records, written by this process (``workers.job.pipe_sink``)
         orders.records_fd, orders.answers_fd, records = start_relay(
-            RedisSink(orders.redis_url, orders.job_id, trial=orders.trial))
+            RedisSink(orders.redis_url, orders.job_id, trial=orders.trial, attempt=orders.attempt),
+            fence.check if fence else None)
     theirs = [fd for fd in (orders.result_fd, orders.report_fd, orders.answer_fd, orders.records_fd,
                             orders.answers_fd) if fd is not None]
     shared = [orders.listen_fd] if orders.listen_fd is not None else []  # (the gang's socket stays its Ranks')
@@ -130,6 +139,7 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
     os.close(err_write)
     said = StderrTail(err_read)
     memory = MemoryLimit(json.loads(orders.spec)["resources"].get("memory_gb")).start(proc.pid)
+    keepalive = Keepalive(fence, lambda why: kill_tree(proc, why)).start() if fence else None
     for fd in theirs:
         os.close(fd)
     try:
@@ -144,12 +154,19 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
         raise
     finally:
         memory.close()
+        if keepalive is not None:
+            keepalive.close()
         with os.fdopen(read_fd, "rb") as result:  # (job-written: read within a bound)
             raw = result.read(MAX_ACCOUNT).decode(errors="replace")
         if records is not None:  # its last records written (a child of it still holding the pipe: not waited for)
             records.join(timeout=RECORDS_WAIT_S)
         orders.records_fd = orders.answers_fd = None
         job_user.strip_setid(Path(orders.scratch or Path(orders.storage) / orders.job_id))
+        if fence is not None and orders.rank == 0 and orders.artifacts:
+            promote_export_of(orders.job_id, Path(orders.artifacts), orders.attempt, fence)
+    ended = attempt_ended(fence, keepalive)
+    if ended:  # whatever the payload said: nothing more of this attempt is written, nor retried
+        return Outcome(error=ended, ended=True)
     if memory.error:  # killed over resources.memory_gb: the job's own failure, not retried
         return Outcome(error=memory.error)
     started, raw = split_result(raw)
@@ -256,12 +273,13 @@ def supervise(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str, m
     too."""
     start_from = ranks.start_from if ranks is not None else start_from
     argv, env = payload_argv(spec, Path(storage) / job_id, str(start_from) if start_from else None)
-    failures = 0
+    failures, attempt = 0, pinned(job_id)
+    clear_staged(Path(storage) / job_id, attempt)
     while True:
         if spec.resources.workers > 1 and ranks is None:  # a retry starts its own
             ranks = Ranks(spec, job_id, redis_url, storage, placement, artifacts, start_from)
         orders = Orders(spec.model_dump_json(), job_id, redis_url, storage, -1, str(artifacts) if artifacts else None,
-                        str(start_from) if start_from else None)
+                        str(start_from) if start_from else None, attempt=attempt)
         if ranks is not None:
             orders.host, orders.port, orders.listen_fd = ranks.host, ranks.port, ranks.sock.fileno()
         try:
@@ -270,6 +288,8 @@ def supervise(spec: ExperimentSpec, job_id: str, redis_url: str, storage: str, m
             if ranks is not None:
                 ranks.stop()
             ranks = None
+        if done.ended:
+            raise AttemptEnded(done.error)
         if done.summary is not None:
             if artifacts is not None and artifacts.is_dir() and not artifacts.is_symlink():
                 record_digests(artifacts)  # the service's own digests of what the job exported (bounded)
@@ -295,16 +315,19 @@ def supervise_rank(spec_json: str, job_id: str, redis_url: str, storage: str, ra
     """A gang rank's Ray task: its payload joins the gang (``workers.on_ray.gang``); its log kept as ``rank-<k>``.
     ``start_from``: the checkpoint the driver decided the job starts from (never read from the job's own keys),
     checked again on this node (``workers.job.start_from.resolve_start``)."""
+    from workers.job.fence import pin
     from workers.job.logs import capture
     from workers.job.record import attempt_of
     from workers.job.start_from import resolve_start
 
-    with capture(storage, job_id, f"rank-{rank}", attempt_of(redis_url, job_id)):
+    attempt = attempt_of(redis_url, job_id)
+    pin(job_id, attempt, redis_url)
+    with capture(storage, job_id, f"rank-{rank}", attempt):
         spec = ExperimentSpec.model_validate_json(spec_json)
         start = resolve_start(storage, job_id, start_from)
         argv, env = payload_argv(spec, Path(storage) / job_id, str(start) if start else None)
         orders = Orders(spec_json, job_id, redis_url, storage, -1, artifacts, str(start) if start else None,
-                        rank=rank, host=host, port=port)
+                        rank=rank, host=host, port=port, attempt=attempt)
         done = run_payload(orders, argv, env)
         if done.summary is None:  # the job's own error (its memory, its code) fails the job; anything else a try
             raise (JobFailed if not done.retried and not done.stopped else RuntimeError)(done.error)

@@ -96,11 +96,12 @@ def detached_copy(value: Any) -> Any:
     return value
 
 
-def write_checkpoint(state: dict[str, Any], directory: Path) -> None:
+def write_checkpoint(state: dict[str, Any], directory: Path, attempt: int | None = None) -> None:
     """``DIR/checkpoint.pt`` (plain types and tensors only) and ``DIR/meta.json`` (the epoch to go on from,
-    readable without loading the weights: a PBT trial's driver)."""
+    readable without loading the weights: a PBT trial's driver; the job's attempt that wrote it, when known)."""
     torch.save(plain(state), directory / CHECKPOINT_FILE)
-    (directory / "meta.json").write_text(json.dumps({"epoch": state.get("epoch")}))
+    meta = {"epoch": state.get("epoch"), **({"attempt": attempt} if attempt is not None else {})}
+    (directory / "meta.json").write_text(json.dumps(meta))
 
 
 def read_checkpoint(directory: Path) -> dict[str, Any]:
