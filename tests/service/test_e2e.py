@@ -17,7 +17,7 @@ from api_schemas.jobs import JobState
 from service.cli.client import Client, Event
 from service.core.store import Store
 from service.stack.embedded import Stack
-from tests.service.conftest import ray_holders, ray_jobs, ray_rest, tiny
+from tests.service.conftest import ray_holders, ray_jobs, ray_rest, tiny, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -274,8 +274,9 @@ def test_cpus_held_by_other_ray_work_are_not_handed_out(stack: Stack, capsys: py
             time.sleep(0.5)
         assert [j["id"] for j in held["ray_jobs"]] == [holder], held
         assert [g["bundles"] for g in held["placement_groups"]] == [[{"CPU": 1.5}]], held
-        time.sleep(8.0)  # the head's autoscaler report (refreshed every ~5 s) has seen the placement group
-        with Client(stack.url, stack.admin_token) as c:
+        with Client(stack.url, stack.admin_token) as c:  # once the head's usage report (every ~5 s) shows the group
+            wait_for(lambda: c.json("GET", "/v1/cluster")["cpus_outside"] == pytest.approx(1.5), 60,
+                     f"the scheduler never saw the 1.5 CPUs held outside: {ray_holders(stack)}")
             job = c.submit(tiny(training={"epochs": 1}))["id"]
             deadline = time.monotonic() + 30
             while "Ray reports 1.5 CPUs" not in (reason := c.get(job)["pending_reason"] or ""):

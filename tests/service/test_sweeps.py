@@ -198,8 +198,8 @@ def test_cancelling_a_sweep_stops_every_trial(stack: Stack) -> None:
             assert sorted(t["trial"] for t in trials) == sorted(running), trials
             # and Ray holds what the scheduler counts, 2 x 0.9 CPU (the trials' drivers take none): once the
             # head's usage report (every ~5 s) has caught up, 0.2 CPU is free by both counts
-            time.sleep(6.0)
-            assert c.json("GET", "/v1/cluster")["cpus_free"] == pytest.approx(0.2), ray_holders(stack)
+            wait_for(lambda: c.json("GET", "/v1/cluster")["cpus_free"] == pytest.approx(0.2), 30,
+                     f"the free CPUs never came to 0.2: {c.json('GET', '/v1/cluster')} {ray_holders(stack)}")
             assert c.json("POST", f"/v1/sweeps/{sweep}/cancel")["state"] in {"starting", "running"}
             events = list(c.events(sweep))
             assert events[-1].data["state"] == "cancelled"

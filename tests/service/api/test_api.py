@@ -7,7 +7,7 @@ import json
 import httpx
 
 from api_schemas import keys
-from tests.service.conftest import Api, tiny
+from tests.service.conftest import Api, tiny, wait_for
 
 
 def submit(c: httpx.Client, spec: dict | None = None, **kw: object) -> httpx.Response:
@@ -182,8 +182,8 @@ def test_the_cluster_shows_another_users_running_job_without_its_id(api_only: Ap
                        running_jobs=[ids["alice"], ids["bob"]], scheduler_alive=True)
     r = redis.Redis.from_url(api_only.stack.redis_url or "")
     r.set(keys.cluster(), json.dumps({"view": view.model_dump(mode="json"), "at": time.time()}))
-    time.sleep(0.6)  # the API re-reads the published view at most every 0.5 s
-    with api_only.client("alice") as c:
+    with api_only.client("alice") as c:  # the API re-reads the published view at most every 0.5 s
+        wait_for(lambda: bool(c.get("/v1/cluster").json()["running_jobs"]), 10, "the API never read the view")
         seen = c.get("/v1/cluster").json()
     assert seen["running_jobs"] == [ids["alice"]] and ids["bob"] not in json.dumps(seen), seen
     assert [(s["job"], s["cpus"]) for s in seen["nodes"][0]["jobs"]] == [(ids["alice"], 1), (None, 1)]

@@ -339,13 +339,13 @@ def files_holding(root: Path, secret: str) -> list[str]:
     return [str(p) for p in root.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
 
 
-@pytest.mark.slow
 def cancel_quietly(stack: Stack, job: str) -> None:  # a failed test must not leave it on the shared Ray head
     with Client(stack.url, stack.admin_token) as c, contextlib.suppress(Exception):
         c.cancel(job)
         wait_for_state(c, job, ("cancelled",), timeout_s=60)
 
 
+@pytest.mark.slow
 def test_a_jobs_code_is_refused_other_jobs_data_and_tickets_and_still_trains(
     stack: Stack, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -398,7 +398,6 @@ def test_a_jobs_code_is_refused_other_jobs_data_and_tickets_and_still_trains(
     r.close()
 
 
-@pytest.mark.slow
 def submit_twice(ray_address: str, redis_url: str, job: str) -> tuple[bool, bool]:
     """Submit, wait for the end, submit again; the ticket live after each? (own process: Ray caches its auth mode)"""
     from service.launch.ray_cluster import RayJobs
@@ -416,6 +415,7 @@ def submit_twice(ray_address: str, redis_url: str, job: str) -> tuple[bool, bool
     return after_run, bool(acl.r.exists(ticket))
 
 
+@pytest.mark.slow
 def test_a_resubmitted_attempt_never_arms_its_spent_ticket_again(
     ray_head: Stack, redis_server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

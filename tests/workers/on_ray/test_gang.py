@@ -143,6 +143,7 @@ def test_ending_ranks_that_ended_never_cancels_them(ray_local: Any) -> None:
     assert done.returncode == 0 and done.stdout.strip().endswith("lived"), done.stderr[-4000:]
 
 
+@pytest.mark.timeout(120)
 def test_a_rank_that_cannot_start_fails_the_try_at_once_not_after_the_gang_timeout(
     ray_local: Any, redis_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -156,10 +157,10 @@ def test_a_rank_that_cannot_start_fails_the_try_at_once_not_after_the_gang_timeo
     with redis.Redis.from_url(redis_server) as client:
         spec = ExperimentSpec.model_validate_json(client.hget(keys.job("gone"), "spec"))
     head = ray.get_runtime_context().get_node_id()
-    start = time.monotonic()
-    with pytest.raises(Exception, match="(?i)node|unschedulable|infeasible"):  # rank 1 planned on a node gone
+    with pytest.raises(Exception, match="(?i)node|unschedulable|infeasible") as failed:  # rank 1 on a node gone
         run_in_driver(spec, "gone", redis_server, tmp_path, max_failures=0, placement=[head, "ab" * 28])
-    assert time.monotonic() - start < 60  # not TLAB_GANG_TIMEOUT_S
+    assert "TLAB_GANG_TIMEOUT_S" not in str(failed.value)  # its own reason, not the others' wait (the test's
+    # timeout, well under the 600 s wait, fails a run that waited for it)
 
 
 def test_a_rank_that_failed_of_its_own_fails_the_job_and_one_that_died_retries_the_try(ray_local: Any) -> None:

@@ -89,10 +89,13 @@ def test_on_cuda_the_fence_limits_this_process() -> None:
     resources = ResourcesSpec(gpus_per_worker=1, gpu_memory_gb=1)
     fraction = fence_memory(resources, CUDA)
     assert fraction == pytest.approx(GIB / torch.cuda.get_device_properties(0).total_memory)
+    torch.cuda.reset_peak_memory_stats(CUDA)
+    held = torch.empty(256 * 2**20, dtype=torch.uint8, device=CUDA)  # 256 MiB, within the fence
     with pytest.raises(JobFailed, match=r"resources.gpu_memory_gb=1\)"), oom_named(resources):
         torch.empty(int(1.5 * GIB), dtype=torch.uint8, device=CUDA)  # over its 1 GiB, though the card has room
     torch.cuda.set_per_process_memory_fraction(1.0, 0)
-    assert device_report(CUDA)["gpu_memory_peak_mb"] >= 0
+    assert 256 <= device_report(CUDA)["gpu_memory_peak_mb"] < 1024, device_report(CUDA)  # what it held, not the refused
+    del held
 
 
 def test_out_of_memory_fails_the_job_naming_its_own_limit() -> None:

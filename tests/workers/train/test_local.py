@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from matplotlib.image import imread
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import TensorDataset
 
 from api_schemas import ExperimentSpec, build_spec
@@ -198,11 +199,18 @@ def test_symmetry_teleport_and_optimizer_reset_run() -> None:
     assert len(teleports) == 4 and {t["method"] for t in teleports} == {"symmetry"}
 
 
-def test_max_steps_per_epoch_caps_the_epoch() -> None:
+@pytest.mark.parametrize("cap", [2, 3])
+def test_max_steps_per_epoch_caps_the_epoch(cap: int) -> None:
+    """300 samples in batches of 32 are 10 steps an epoch: the cap stops it after ``cap`` optimizer steps each."""
+    steps: list[int] = []
+    hook = register_optimizer_step_post_hook(lambda *_: steps.append(1))
     sink = MemorySink()
-    train(tiny(epochs=1, max_steps_per_epoch=2, teleport={"enabled": False}), RunContext(sink=sink))
-    [epoch] = [r for r in sink.records if r["kind"] == "epoch"]
-    assert math.isfinite(epoch["train_loss"])
+    try:
+        train(tiny(epochs=2, max_steps_per_epoch=cap, teleport={"enabled": False}), RunContext(sink=sink))
+    finally:
+        hook.remove()
+    assert len(steps) == 2 * cap, len(steps)
+    assert [math.isfinite(r["train_loss"]) for r in sink.records if r["kind"] == "epoch"] == [True, True]
 
 
 def test_lm_evaluation_reports_perplexity() -> None:
