@@ -95,9 +95,11 @@ def build_parts(spec: ExperimentSpec, sink: MetricSink, seed: int
                 ) -> tuple[DataBundle, nn.Module, Callable[[Tensor, Tensor], Tensor]]:
     """The data, the model and the loss of ``spec`` (built-in or the user's factories). A failure inside the
     user's code is raised as one line (``workers.train.user_code.UserCodeError``) after its full traceback went to
-    ``sink`` as a ``log`` event."""
+    ``sink`` as a ``log`` event. The loss checks the model's output on its first call (``workers.train.model_output``:
+    a tuple, a scalar or a misshapen output is one line naming the fix)."""
     from workers.train.custom_data import check_targets
     from workers.train.datasets import load_dataset
+    from workers.train.model_output import CheckedLoss
     from workers.train.models import build_model_for, loss_fn_for
     from workers.train.user_code import UserCodeError, report
 
@@ -107,7 +109,9 @@ def build_parts(spec: ExperimentSpec, sink: MetricSink, seed: int
         mark("data")  # the start-up timeline of a job's driver (``workers.train.startup``)
         model = build_model_for(spec.model, data)
         mark("model")
-        return data, model, loss_fn_for(data.task, spec.training.loss)
+        loss_fn = loss_fn_for(data.task, spec.training.loss)
+        own_loss = spec.training.loss and ":" in spec.training.loss  # the user's loss takes what their model gives
+        return data, model, loss_fn if own_loss else CheckedLoss(loss_fn, data.task)
     except UserCodeError as err:
         report(sink, err)
         raise
