@@ -258,7 +258,12 @@ class OptimizerSpec(_Strict):
     name: Literal["sgd", "momentum", "adagrad", "adam", "adamw"] = "sgd"
     lr: float = Field(0.01, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, description="adamw: on matrices and embeddings only, not on biases and "
+                                                       "normalization weights (1-D), as nanoGPT and Hugging Face's "
+                                                       "Trainer do, unless decay_all; the other optimizers: on every "
+                                                       "parameter (an L2 term in the gradient)")
+    decay_all: bool = Field(False, description="adamw: weight_decay on every parameter, biases and normalization "
+                                               "weights too")
     betas: tuple[float, float] = (0.9, 0.999)
     schedule: Literal["constant", "cosine", "linear"] = Field(
         "constant", description="the learning rate over the run's optimizer steps (training.warmup_steps' "

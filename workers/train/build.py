@@ -12,7 +12,7 @@ import math
 import os
 import random
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -45,8 +45,20 @@ def build_optimizer(spec: OptimizerSpec, params: Iterable[nn.Parameter]) -> torc
     if spec.name == "adam":
         return torch.optim.Adam(params, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
     if spec.name == "adamw":
-        return torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
+        return torch.optim.AdamW(decay_groups(params, spec), lr=spec.lr, betas=spec.betas,
+                                 weight_decay=spec.weight_decay)
     raise ValueError(f"optimizer.name={spec.name!r}: use one of {', '.join(OPTIMIZER_NAMES)}")
+
+
+def decay_groups(params: list[nn.Parameter], spec: OptimizerSpec) -> list[dict[str, Any]]:
+    """AdamW's parameter groups: matrices and embeddings (2-D and up) decay, biases and normalization weights (1-D)
+    do not, as nanoGPT's ``configure_optimizers`` and Hugging Face's Trainer do; ``optimizer.decay_all``: one group
+    where every parameter decays."""
+    if spec.decay_all:
+        return [{"params": params}]
+    groups = [{"params": [p for p in params if p.dim() >= 2]},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def lr_factor(spec: OptimizerSpec, step: int, total: int) -> float:

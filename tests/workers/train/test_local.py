@@ -348,3 +348,19 @@ def test_cli_divergence_exits_1(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert code == 1
     assert "diverged at epoch 0" in capsys.readouterr().err
     assert np.isfinite(read_metrics(tmp_path / "metrics.jsonl")[0]["params"])
+
+
+def test_adamw_decays_matrices_not_biases_or_norm_weights_unless_decay_all() -> None:
+    """As nanoGPT and Hugging Face's Trainer: with zero gradients AdamW's only move is its decay, lr x wd x w."""
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 3))
+    for decay_all, moved in ((False, {"0.weight", "2.weight"}), (True, {n for n, _ in model.named_parameters()})):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(1.0)
+                p.grad = torch.zeros_like(p)
+        opt = build_optimizer(OptimizerSpec(name="adamw", lr=0.1, weight_decay=0.5, decay_all=decay_all),
+                              model.parameters())
+        opt.step()
+        changed = {n for n, p in model.named_parameters() if not torch.all(p == 1.0)}
+        assert changed == moved, (decay_all, changed)
+        assert torch.allclose(model[2].weight, torch.full((3, 4), 1 - 0.1 * 0.5))
