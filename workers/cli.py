@@ -89,8 +89,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         summary = run_on_ray(spec, out, code=code)  # DIR goes to every worker as Ray's working_dir
     else:
         from workers.train.loop import run_local
+        from workers.train.sinks import SaySink
 
-        summary = run_local(spec, out, progress=not args.no_progress, threads=args.threads)
+        say = SaySink() if args.no_progress else None  # (with progress, run_local says them itself)
+        summary = run_local(spec, out, progress=not args.no_progress, sink=say, threads=args.threads)
     print(_describe(summary))
     print(f"wrote {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'curves.png'}")
     return 0
@@ -107,7 +109,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from plots.curves import plot_bands
     from workers.train.loop import run_label, run_local
     from workers.train.shared import TrainingDiverged
-    from workers.train.sinks import MemorySink
+    from workers.train.sinks import MemorySink, SaySink, TeeSink
 
     out = Path(args.out) if args.out else _default_out(args.spec, "-compare")
     labels = {enabled: run_label(spec) for enabled, spec in variants.items()}
@@ -124,8 +126,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             print(f"[{k}/{total}] {label}, seed {seed} -> {run_dir}", file=sys.stderr)
             memory = MemorySink()
             try:
-                summary = run_local(spec, run_dir, progress=not args.no_progress, sink=memory,
-                                    threads=args.threads)
+                sink = TeeSink(memory, SaySink()) if args.no_progress else memory  # the hints, bar or not
+                summary = run_local(spec, run_dir, progress=not args.no_progress, sink=sink, threads=args.threads)
             except TrainingDiverged as err:  # a result too: counted, left out of the means
                 print(f"warning: {err}", file=sys.stderr)
                 summary = {"seed": seed, "diverged": str(err)}

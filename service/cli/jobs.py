@@ -130,6 +130,8 @@ def follow_one(c: Client, job_id: str) -> int:
                 bar.n = int(d["epoch"]) + 1
                 bar.set_postfix_str(f"train {fmt(d.get('train_loss'))} test {fmt(d.get('test_loss'))}"
                                     + (f" lr {fmt(d['lr'])}" if d.get("lr") is not None else ""))
+            elif event.kind == "status" and d.get("kind") in ("budget", "hint") and d.get("message"):
+                bar.write(f"{job_id}: {d['kind']}: {d['message']}", file=sys.stderr)  # the run's own advice
             elif event.kind == "status" and "at" in d:
                 bar.write(f"{job_id}: {d['state']}" + (f" ({d['reason']})" if d.get("reason") else ""),
                           file=sys.stderr)

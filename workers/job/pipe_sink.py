@@ -25,10 +25,11 @@ from collections.abc import Callable
 from typing import Any
 
 from workers.job.orders import Orders
-from workers.train.sinks import MetricSink, NullSink
+from workers.train.sinks import MetricSink, NullSink, SaySink
 
 MAX_LINE = 1 << 20  # bytes of one record as JSON (the job's per-event cap in Redis is at most this too)
 OK = b"ok\n"
+SAY = SaySink()
 FENCE = "fence"  # a record's kind that asks the supervisor to check the attempt (``PipeSink.check``)
 
 
@@ -45,6 +46,7 @@ class PipeSink:
         self.lock = threading.Lock()  # (the loop and a logging thread may both emit)
 
     def emit(self, record: dict[str, Any]) -> None:
+        SAY.emit(record)  # the run's hints and budget cuts in the rank's log too, as a local run prints them
         line = (json.dumps(record, default=float) + "\n").encode()
         with self.lock:
             self.out.write(line)

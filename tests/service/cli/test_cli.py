@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
 
+from api_schemas import keys
 from tests.service.cli.tlab_process import closed_pipe, tlab
 
 
@@ -90,8 +92,13 @@ def test_service_commands_against_the_api(api_only, tmp_path: Path) -> None:  # 
     assert huge.returncode == 1 and huge.stderr.startswith("error: spec.resources:"), huge.stderr
     dry = tlab("submit", "--preset", "digits/teleport", "--dry-run", env=env)
     assert dry.returncode == 0 and json.loads(dry.stdout)["fits_now"] is True
+    hint = {"kind": "hint", "epoch": 0, "reason": "adaptive_optimizer", "message": "consider teleport.epochs: [0]"}
+    with redis.Redis.from_url(api_only.stack.redis_url) as r:  # as the job's sink writes its records
+        r.xadd(keys.events(job), {"kind": "status", "data": json.dumps(hint)})
     cancelled = tlab("cancel", job, env=env)
     assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout
+    followed = tlab("follow", job, env=env)  # what `tlab submit --follow` shows: the run's hints among its states
+    assert f"{job}: hint: consider teleport.epochs: [0]" in followed.stderr, followed.stderr
     again = tlab("cancel", job, env=env)
     assert again.returncode == 1 and "already ended" in again.stderr
     assert tlab("plot", job, "-o", str(tmp_path / "c.png"), env=env).returncode == 0

@@ -81,3 +81,16 @@ def test_a_refused_write_fails_the_payloads_emit_with_its_reason() -> None:
 
 def test_a_rank_without_the_pipes_writes_nowhere() -> None:
     assert isinstance(records_sink(Orders("{}", "job", "", "/s", -1, rank=1)), NullSink)
+
+
+def test_the_runs_hints_are_in_the_ranks_log_too(capfd: pytest.CaptureFixture[str]) -> None:
+    """What the payload prints is the rank's log (``tlab logs``): a hint or a budget cut is there, as in a local run."""
+    into = MemorySink()
+    theirs, answers, thread = start_relay(into)
+    sink = records_sink(Orders("{}", "job", "", "/s", -1, records_fd=theirs, answers_fd=answers))
+    sink.emit({"kind": "hint", "epoch": 0, "reason": "adaptive_optimizer", "message": "consider teleport.epochs: [0]"})
+    sink.emit({"kind": "epoch", "epoch": 0})
+    sink.close()
+    thread.join(timeout=10)
+    assert capfd.readouterr().err.splitlines() == ["hint: consider teleport.epochs: [0]"]
+    assert [r["kind"] for r in into.records] == ["hint", "epoch"]

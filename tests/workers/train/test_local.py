@@ -364,3 +364,10 @@ def test_adamw_decays_matrices_not_biases_or_norm_weights_unless_decay_all() -> 
         changed = {n for n, p in model.named_parameters() if not torch.all(p == 1.0)}
         assert changed == moved, (decay_all, changed)
         assert torch.allclose(model[2].weight, torch.full((3, 4), 1 - 0.1 * 0.5))
+
+
+def test_no_progress_still_says_the_runs_hints(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Adam with a teleport after epoch 0 gets the schedule hint: on stderr with --no-progress as with the bar."""
+    assert cli.main(["run", "digits/teleport", "--local", "--out", str(tmp_path), *FAST, "optimizer.name=adam",
+                     "teleport.epochs=[0,1]", "teleport.budget=null"]) == 0
+    assert any(line.startswith("hint: teleport with adam") for line in capsys.readouterr().err.splitlines())
