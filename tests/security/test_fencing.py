@@ -205,12 +205,11 @@ def test_a_check_passed_just_before_the_record_moved_renames_nothing_on_a_shared
     run_dir, out = tmp_path / job, tmp_path / job / "artifacts"
     url = start(store, job, 1, redis_server)
     base = Fence(redis.Redis.from_url(url), job, 1).check
-    frozen, go_on, calls = threading.Semaphore(0), threading.Event(), [0]
+    frozen, go_on, freezing = threading.Semaphore(0), threading.Event(), threading.Event()
 
-    def freezing_check() -> None:  # passes, then (from its second call on) the host freezes
+    def freezing_check() -> None:  # passes; then, once ``freezing`` is set, the host freezes
         base()
-        calls[0] += 1
-        if calls[0] > 1:
+        if freezing.is_set():
             frozen.release()
             assert go_on.wait(30)
 
@@ -218,6 +217,7 @@ def test_a_check_passed_just_before_the_record_moved_renames_nothing_on_a_shared
         a = cut_writer(run_dir, job, url, 1, fence=freezing_check)
         a.save(state(1, 1), {})
         a.flush()
+        freezing.set()
         a.save(state(2, 2), {})  # its writer thread: staged, checked, frozen before the rename
         assert export(SPEC, [run_dir], staging_dir(out, 1), attempt=1)
         promoting = threading.Thread(target=promote, args=(staging_dir(out, 1), out, freezing_check))

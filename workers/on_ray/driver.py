@@ -130,7 +130,9 @@ class DriverContext(RunContext):
         self._recent: deque[HeldCheckpoint] = deque(maxlen=self.keep)  # the last saves (``save``)
         self._last_write = -float("inf")
         if self.is_chief:
-            self.drop_partial()  # what a kill left mid-write
+            if fence is not None:  # an ended attempt touches nothing here, not even what another left staged
+                fence()
+            self.drop_partial()  # what a kill left mid-write (and what an ended attempt staged: fencing)
         if artifacts_dir is not None:
             self.artifacts_dir = Path(artifacts_dir)
             self.artifacts_dir.mkdir(parents=True, exist_ok=True)
@@ -185,7 +187,8 @@ class DriverContext(RunContext):
         entry.submitted = True  # marked once submitted: a stop raised in ``submit`` leaves it to the next flush
 
     def _write(self, entry: HeldCheckpoint) -> None:
-        try:  # the temporary directory is made inside: a stop may land between its mkdir and mkdtemp's return
+        tmp: Path | None = None  # (a stop between mkdtemp's mkdir and its return leaves one to the next run's start)
+        try:
             tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=self.run_dir))
             tmp.chmod(0o750)  # (mkdtemp's 0700) a child run, another uid of the jobs' group, may start from it
             write_checkpoint(entry.state, tmp, self.attempt)
@@ -198,12 +201,12 @@ class DriverContext(RunContext):
             mark("checkpoint")  # the first one: the start-up timeline (``workers.train.startup``)
         except Exception as err:  # a full disk: the previous checkpoint stays, and the job ends saying so
             full = out_of_space(err, self.run_dir, self.checkpoints())  # (before the partial one goes)
-            self.drop_partial()
+            drop(tmp)  # its own only: another attempt's may be in flight beside it
             if full is None:
                 raise
             raise full from err
         except BaseException:  # a stop in the middle: leave nothing half-written (a kill leaves it to the next run)
-            self.drop_partial()
+            drop(tmp)
             raise
         for old in self.rotated():
             shutil.rmtree(old, ignore_errors=True)
@@ -219,6 +222,11 @@ class DriverContext(RunContext):
         if found is None and self.start_from is not None:
             return read_checkpoint(self.start_from)
         return None if found is None else found[1]
+
+
+def drop(partial: Path | None) -> None:
+    if partial is not None:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def retried(err: BaseException, never: tuple[type[BaseException], ...] = ()) -> bool:
