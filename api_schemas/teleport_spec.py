@@ -60,15 +60,15 @@ class TeleportSpec(Strict):
         description="how the ascent steps run: host (the guard decides in Python), device (it decides on the "
         "device: no host read between kernels), cuda_graph (those device steps captured once per model in a CUDA "
         "graph and replayed for every later batch of its shapes; without CUDA the device steps); auto: cuda_graph "
-        "on one GPU (8 steps of a GPT-style LM 3.3x faster than host on an H200), host on the CPU, across ranks "
-        "and for a model a graph cannot hold or whose batch shapes keep changing (measured fastest there)",
+        "on one GPU, host on the CPU, across ranks and for a model a graph cannot hold or whose batch shapes keep "
+        "changing (the fastest there: docs/results.md)",
     )
     hvp: Literal["exact", "difference"] = Field(
         "exact",
         description="how the teleport gradient H·grad L is computed (nullspace only): exact (the double backward "
-        "of grad L, the paper's) or difference (a forward difference of two gradients, no double backward: 0.89x "
-        "a step on a GPT-style LM, 1.5x on an MLP, measured on a CPU; float32/float64 weights; its direction within "
-        "~1e-4 of the exact one, the loss kept as exactly)",
+        "of grad L, the paper's) or difference (a forward difference of two gradients, no double backward, half the "
+        "kernels a step; float32/float64 weights; its direction within ~1e-4 of the exact one, the loss kept as "
+        "exactly)",
     )
     reset_optimizer: bool = Field(False, description="clear optimizer state (momentum, Adam moments) after teleport")
     parallel: Literal["auto", "serial", "threads", "ray"] = "auto"

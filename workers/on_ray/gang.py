@@ -2,14 +2,14 @@
 ``workers.on_ray.driver``), ranks 1..N-1 as Ray tasks on the nodes the scheduler planned (``workers.on_ray.gang_start``:
 started before the driver imports torch), all joined in one ``torch.distributed`` process group over a TCP store the
 driver opens. No Ray Train controller, worker group or polling: a 2-worker TorchTrainer took ~9 s here from ``fit()`` to
-its loop, most of a job's start (issue 15).
+its loop, most of a job's start.
 
 What Ray Train did for the gang, done here: DDP and sharded loaders (``RunContext`` with ``world_size > 1``),
 checkpoints written by rank 0 only (``DriverContext.save``, in Ray Train's layout), every rank resuming from
 the newest one, a failed rank failing the whole try (its process group closes, the others' collectives raise)
 and the try retried from the last checkpoint (``run_in_driver``). ``TLAB_IN_DRIVER=0`` keeps the TorchTrainer.
 
-A job of the service trains each rank in its sandbox (issue 26): rank 0's payload and each other rank's (started by
+A job of the service trains each rank in its sandbox: rank 0's payload and each other rank's (started by
 the rank's Ray task, ``workers.on_ray.supervisor``) use ``join`` and ``GangContext`` from here; ``lead`` stays the
 in-process path (``run_in_driver``: tests, benchmarks), whose other ranks are sandboxed the same way.
 """
