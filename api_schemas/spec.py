@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag, create_model, model_validator
+from pydantic import Discriminator, Field, Tag, ValidationInfo, create_model, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from api_schemas.code import CodeSpec, FactoryRef, LossRef
@@ -146,20 +146,14 @@ class DatasetSpec(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _own_fields(cls, data: Any) -> Any:
-        """A kind refuses another kind's field by name (its schema does not list it)."""
-        own = DATASET_FIELDS.get(cls.__name__)
-        if own is None or not isinstance(data, dict):
+    def _required(cls, data: Any) -> Any:
+        """A kind's required field, missing, is named with what to give."""
+        if cls.__name__ not in DATASET_FIELDS or not isinstance(data, dict):
             return data
-        name = data.get("name", "digits")
         for field, why in (("factory", "package.module:function"), ("path", "the .npz file with arrays X and y"),
                            ("root", "the directory of its files")):
             if cls.__name__ in _REQUIRED[field] and data.get(field) is None:
-                raise ValueError(f"dataset.{field} is required for name={name}: give {why}")
-        for field in data:
-            if field in DatasetSpec.model_fields and field not in own and field not in _EVERY_DATASET:
-                takers = [n for kind, fields in DATASET_FIELDS.items() if field in fields for n in _NAMES[kind]]
-                raise ValueError(f"dataset.{field} is for name={', '.join(takers)} only, not name={name}")
+                raise ValueError(f"dataset.{field} is required for name={data.get('name')}: give {why}")
         return data
 
     @model_validator(mode="after")
@@ -215,7 +209,7 @@ _REQUIRED = {"root": ("FilesDataset", "TinyImageNetDataset", "SeriesDataset", "P
 
 def _dataset_kind(kind: str) -> type[DatasetSpec]:
     """A DatasetSpec whose JSON Schema lists its own fields only: another kind's is left out of the schema and of
-    every dump, and refused by ``_own_fields`` when given."""
+    every dump, and refused by name when given (``_not_mine``)."""
     names = _NAMES[kind]
     default = ... if "digits" not in names else "digits"  # a dataset with no name is digits
     fields: dict[str, Any] = {"name": (Literal[names], default)}  # type: ignore[valid-type]
@@ -229,7 +223,17 @@ def _dataset_kind(kind: str) -> type[DatasetSpec]:
         elif kind in _REQUIRED.get(field, ()):
             fields[field] = (info.annotation.__args__[0], Field(..., description=info.description,  # type: ignore
                                                                json_schema_extra=None))
-    return create_model(kind, __base__=DatasetSpec, __doc__=_KIND_DOCS[kind], __module__=__name__, **fields)
+    hidden_fields = [f for f in DatasetSpec.model_fields if f not in _EVERY_DATASET and f not in DATASET_FIELDS[kind]]
+    refuse = field_validator(*hidden_fields, mode="before")(_not_mine) if hidden_fields else None
+    return create_model(kind, __base__=DatasetSpec, __doc__=_KIND_DOCS[kind], __module__=__name__,
+                        __validators__={"_not_mine": refuse} if refuse else None, **fields)
+
+
+def _not_mine(cls: type[DatasetSpec], value: Any, info: ValidationInfo) -> Any:
+    """Another kind's field, given: refused at its own path, naming the kinds that take it."""
+    takers = [n for kind, fields in DATASET_FIELDS.items() if info.field_name in fields for n in _NAMES[kind]]
+    raise ValueError(f"dataset.{info.field_name} is for name={', '.join(takers)} only, not name="
+                     f"{info.data.get('name')}")
 
 
 _DATASET_KINDS = {kind: _dataset_kind(kind) for kind in _NAMES}

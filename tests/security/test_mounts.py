@@ -95,7 +95,8 @@ def test_the_supervisor_checks_a_specs_data_again_before_it_mounts(node: Path, f
                                                                                               / "mnist")}})
     assert Path(node.parent / "data" / "mnist") in supervisor.mounts(fine, job_dir, None).readable
     for bad in (node, node / "storage", node / "storage" / "job-a", Path("/"), node.parent / "elsewhere"):
-        spec = ExperimentSpec.model_validate({**tiny(), "dataset": {"name": "digits", field: str(bad)}})
+        spec = ExperimentSpec.model_validate({**tiny(), "dataset": {"name": "custom", "factory": "data:make",
+                                                                    field: str(bad)}})
         with pytest.raises(sandbox.MountRefused, match=f"dataset.{field} {bad} "):
             supervisor.mounts(spec, job_dir, None)
 
