@@ -60,6 +60,7 @@ from service.scheduler.cluster_view import cluster_view, gpu_memory
 from service.scheduler.notify import Sender
 from service.scheduler.preflight import Preflights
 from service.scheduler.repeated import RepeatedErrors
+from service.scheduler.trackers import Trackers
 
 log = logging.getLogger("tlab.scheduler")
 ENTRYPOINT = {"experiment": "workers.run", "sweep": "workers.sweep"}  # job kind -> the module its Ray job runs
@@ -356,12 +357,24 @@ def build(settings: Settings) -> Scheduler:
 RAY_WAIT_SAY_S = 30.0  # while Ray does not answer at start, the scheduler says so this often
 
 
+def ray_answers(address: str) -> None:
+    """Raise ConnectionError unless Ray's dashboard answers HTTP at ``address`` (any status: it is up)."""
+    import httpx
+
+    try:
+        httpx.get(f"{address.rstrip('/')}/api/version", timeout=5)
+    except httpx.HTTPError as err:
+        raise ConnectionError(f"no answer from Ray's dashboard at {address}: {err}") from err
+
+
 def build_when_ray_answers(settings: Settings, stop: threading.Event) -> Scheduler | None:
     """``build`` once Ray's dashboard answers (a head still starting, or restarting): the scheduler waits for it,
     saying so every ``RAY_WAIT_SAY_S``, rather than exiting; None when stopped first."""
     waited, said = time.monotonic(), 0.0
     while not stop.is_set():
         try:
+            if not settings.cluster_nodes:
+                ray_answers(settings.ray_address)  # at once, where Ray's own client retries for half a minute
             return build(settings)
         except (ConnectionError, RuntimeError, OSError, redis.ConnectionError) as err:  # no answer from Ray (or Redis)
             if time.monotonic() - said >= RAY_WAIT_SAY_S:
@@ -390,6 +403,7 @@ def serve(settings: Settings) -> None:
     take_lock()
     log.info("scheduler holds the lock; Redis %s, Ray %s", redact_url(settings.redis_url), settings.ray_address)
     sender = Sender(scheduler.store, settings).start()  # webhooks from their own threads: a tick never waits
+    trackers = Trackers(scheduler.store, settings).start()  # TensorBoard files, MLflow runs: their own thread too
     quiet = RepeatedErrors(log)
     try:
         while not stop.is_set():
@@ -412,6 +426,7 @@ def serve(settings: Settings) -> None:
                 time.sleep(settings.tick_s)
     finally:
         sender.stop()
+        trackers.stop()
         try:
             lock.release()
         except Exception:

@@ -26,10 +26,15 @@ import httpx
 
 from service.stack.addresses import is_loopback, node_address, resolve
 from service.stack.embedded import HEAD_MARK, Stack, write_private
+from service.stack.ports import free_port
 from service.stack.service_user import head_env
 
 GCS_CONNECT_S = 5.0
 LEAVE_WAIT_S = 60.0
+# a node's ports, chosen once and kept across restarts (firewall rules can name them); given, not left to Ray: a
+# raylet whose agents pick their own ports waits 15 s for their port files, and dies on a busy machine
+NODE_PORTS = ("--node-manager-port", "--object-manager-port", "--metrics-export-port",
+              "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port")
 
 
 class JoinRefused(RuntimeError):
@@ -106,6 +111,8 @@ class JoinedNode(Stack):
             str(Path(sys.executable).with_name("ray"))]
         argv = [*ray_cli, "start", "--address", self.gcs, "--block", "--node-ip-address", self.address,
                 "--node-name", socket.gethostname(), "--temp-dir", self.ray_temp, "--disable-usage-stats"]
+        self.ray_ports = self.ray_ports or {flag: free_port() for flag in NODE_PORTS}
+        argv += [str(x) for flag, port in self.ray_ports.items() for x in (flag, port)]
         if self.num_cpus is not None:
             argv += ["--num-cpus", str(self.num_cpus)]
         if self.num_gpus is not None:
@@ -170,8 +177,10 @@ def run_node(node: JoinedNode) -> int:
         note = name_note(node.address)
         if note:
             print(note, flush=True)
-        print(f"joined the Ray head at {node.gcs} as {socket.gethostname()} ({node.address}); Ray's logs: "
-              f"{node.ray_temp}. Ctrl-C or `tlab leave` takes this node out.", flush=True)
+        ports = " ".join(str(p) for p in node.ray_ports.values())
+        print(f"joined the Ray head at {node.gcs} as {socket.gethostname()} ({node.address}); this node's Ray ports: "
+              f"{ports} (open them to the other machines); Ray's logs: {node.ray_temp}. Ctrl-C or `tlab leave` takes "
+              "this node out.", flush=True)
         crash_loop = supervisor.run(stopping)
     except Interrupted:
         pass
