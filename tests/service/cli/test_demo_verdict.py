@@ -1,41 +1,38 @@
-"""tlab demo's verdict: both ratios, seconds first (the one that counts), and a loss on the clock said first."""
+"""tlab demo's verdict: seconds first (the one that counts), pooled over the seeds with their range; a loss on the
+clock is said first, seeds that disagree decide nothing, a missed target is counted."""
 
 from __future__ import annotations
 
-from service.cli.demo import SHORT_RUN_S, noise_note, verdict
-
-TELE = {"epochs_to_target": 8, "seconds_to_target": 1.1, "teleport_share": 0.59}
-BASE = {"epochs_to_target": 16, "seconds_to_target": 0.5, "teleport_share": 0.0}
+from service.cli.demo import seconds_ratio, verdict
 
 
-def test_a_run_that_loses_on_the_clock_says_so_first() -> None:
-    assert verdict(TELE, BASE) == ("teleport lost on wall-clock: 2.20x more seconds to the target, though 2.00x "
-                                   "fewer epochs (teleport took 59 % of its run)")
+def seed(et: int, st: float, eb: int, sb: float, share: float = 0.05) -> tuple[dict, dict]:
+    return ({"epochs_to_target": et, "seconds_to_target": st, "teleport_share": share, "final_train_loss": 1.9},
+            {"epochs_to_target": eb, "seconds_to_target": sb, "teleport_share": 0.0, "final_train_loss": 2.0})
 
 
-def test_a_run_that_wins_names_seconds_then_epochs() -> None:
-    fast = {**TELE, "seconds_to_target": 0.4, "teleport_share": 0.08}
-    assert verdict(fast, BASE) == ("teleport reached the target in 1.25x fewer seconds and 2.00x fewer epochs "
-                                   "(teleport took 8 % of its run)")
-    slower_epochs = {**fast, "epochs_to_target": 20}
-    assert verdict(slower_epochs, BASE).endswith("1.25x fewer seconds and 1.25x more epochs (teleport took 8 % of "
-                                                 "its run)")
+def test_a_win_names_seconds_then_epochs_pooled_with_the_seed_range() -> None:
+    pairs = [seed(14, 6.0, 42, 18.0), seed(15, 7.0, 43, 17.0), seed(15, 5.0, 43, 15.0)]
+    assert seconds_ratio(pairs) == 18.0 / 50.0
+    assert verdict(pairs) == ("teleport won on wall-clock: 2.78x fewer seconds to the target (over 3 seeds: "
+                              "0.33-0.41x the baseline's) and 2.91x fewer epochs (0.33-0.35x) (teleport took 5 % of "
+                              "its runs)")
 
 
-def test_a_run_that_missed_the_target_is_named() -> None:
-    missed = {**TELE, "epochs_to_target": None, "seconds_to_target": None}
-    assert verdict(missed, BASE) == ("teleport did not reach the target; without teleport: 16 epochs, 0.5 s "
-                                     "(teleport took 59 % of its run)")
-    assert verdict(TELE, {**BASE, "epochs_to_target": None, "seconds_to_target": None}).startswith(
-        "teleport reached the target in 8 epochs, 1.1 s; without teleport it did not")
-    ended = {"epochs": 6, "final_train_loss": 0.1427, "seconds": 0.5}
-    assert verdict({**missed, **ended}, {**ended, "final_train_loss": 0.1533, "seconds": 0.6}) == (
-        "neither run reached the target; after 6 epochs train loss 0.1427 with teleport vs 0.1533, in 0.5 vs 0.6 "
-        "seconds (teleport took 59 % of its run)")
+def test_a_loss_on_the_clock_is_said_first() -> None:
+    assert verdict([seed(8, 1.1, 16, 0.5, share=0.59)]) == (
+        "teleport lost on wall-clock: 2.20x more seconds to the target (one seed: 2.20-2.20x the baseline's), though "
+        "2.00x fewer epochs (0.50-0.50x) (teleport took 59 % of its runs)")
 
 
-def test_runs_too_short_to_time_say_the_epochs_are_the_steady_ratio() -> None:
-    assert noise_note(TELE, BASE).startswith("(both runs reached the target in under 5 s: between demos")
-    slow = {**BASE, "seconds_to_target": SHORT_RUN_S}
-    assert noise_note(TELE, slow) is None  # one run long enough to time: the verdict stands alone
-    assert noise_note(TELE, {**BASE, "seconds_to_target": None}) is None  # nothing to compare
+def test_seeds_that_disagree_decide_nothing() -> None:
+    assert verdict([seed(8, 0.9, 16, 1.0), seed(8, 1.2, 16, 1.0)]).startswith(
+        "no verdict on wall-clock: 1.05x more seconds to the target (over 2 seeds: 0.90-1.20x the baseline's)")
+
+
+def test_a_missed_target_is_counted() -> None:
+    missed = ({**seed(1, 1, 1, 1)[0], "epochs_to_target": None, "seconds_to_target": None}, seed(1, 1, 16, 5.0)[1])
+    assert seconds_ratio([missed]) is None
+    assert verdict([missed, seed(8, 1.0, 16, 2.0)]) == (
+        "no verdict: teleport reached the target in 1 of 2 seeds, the baseline in 2; final train loss 1.9000 with "
+        "teleport vs 2.0000 (teleport took 5 % of its runs)")
