@@ -11,7 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,12 +29,13 @@ from service.core import storage
 from service.core.settings import Settings
 from service.core.store import Store
 from service.launch.job_acl import JobAcl
+from tests.conftest import _free_port, start_redis
 from tests.s3 import s3_endpoint, s3_uri  # noqa: F401 - fixtures
 from tests.service.conftest import tiny
 from workers.job import fence
 from workers.job.artifacts import export, promote, staging_dir
 from workers.job.bucket import ENV, bucket, pull_checkpoint, push, wait_uploads
-from workers.job.fence import AttemptEnded, Fence, clear_staged
+from workers.job.fence import AttemptEnded, Fence, Keepalive, clear_staged
 from workers.job.record import write_summary
 from workers.job.redis_sink import RedisSink, read_events
 from workers.job.ticket import redeem
@@ -239,3 +243,42 @@ def test_a_check_passed_just_before_the_record_moved_renames_nothing_on_a_shared
     assert sorted(p.name for p in run_dir.glob("checkpoint_*")) == ours and len(ours) == 2
     assert not out.exists() or not os.listdir(out)  # nothing of attempt 1's export was promoted
     assert not any(n.startswith(".") for n in os.listdir(run_dir))
+
+
+def test_an_attempt_that_loses_redis_ends_itself_after_its_lease(tmp_path: Path) -> None:
+    """The supervisor's keepalive: quiet while the attempt is current; Redis gone (the host cut off from the serving
+    one) for the lease, it ends the attempt, saying why."""
+    port = _free_port()
+    server = start_redis(port, tmp_path)
+    url = f"redis://127.0.0.1:{port}/0"
+    store = Store.from_url(url)
+    job = submitted(store)
+    start(store, job, 1, url)
+    ended = threading.Event()
+    client = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    keepalive = Keepalive(Fence(client, job, 1), lambda why: ended.set(), lease=1.0, every_s=0.1).start()
+    assert not ended.wait(0.5)
+    cut = time.monotonic()
+    server.kill()
+    server.wait()
+    assert ended.wait(10)
+    assert 0.8 <= time.monotonic() - cut < 5 and "lost Redis for 1 s" in keepalive.ended
+
+
+def test_a_payload_dies_with_its_supervisor() -> None:
+    """A supervisor ended with its Ray worker (its node lost) takes its payload along: nothing of it runs on."""
+    import psutil
+
+    code = ("import subprocess, time; from workers.on_ray.supervisor import die_with_parent; "
+            "p = subprocess.Popen(['sleep', '60'], preexec_fn=die_with_parent); print(p.pid, flush=True); "
+            "time.sleep(60)")
+    supervisor = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert supervisor.stdout is not None
+    payload = psutil.Process(int(supervisor.stdout.readline()))
+    supervisor.kill()
+    supervisor.wait()
+    supervisor.stdout.close()
+    deadline = time.monotonic() + 10
+    while payload.is_running() and payload.status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the payload outlived its supervisor"
+        time.sleep(0.05)

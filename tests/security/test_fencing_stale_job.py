@@ -14,10 +14,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import redis
+import pytest
 
 from api_schemas import keys
 from api_schemas.jobs import ExperimentSubmit, JobState
@@ -75,8 +75,19 @@ def kept(run_dir: Path) -> dict[str, int]:
     return {p.name: checkpoint_attempt(p) for p in run_dir.glob("checkpoint_*")}
 
 
-def test_frozen_attempts_continued_during_and_after_the_live_one_land_nothing(redis_server: str,
-                                                                              tmp_path: Path) -> None:
+@pytest.fixture()
+def started() -> Iterator[list[subprocess.Popen]]:
+    """The drivers a test started: none is left behind, frozen or running, whatever the test found."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_frozen_attempts_continued_during_and_after_the_live_one_land_nothing(
+        redis_server: str, tmp_path: Path, started: list[subprocess.Popen]) -> None:
     store = Store.from_url(redis_server)
     job = store.submit("alice", ExperimentSubmit(spec=SPEC))[0]
     run_dir, logs = tmp_path / job, {n: tmp_path / f"attempt-{n}.log" for n in (1, 2, 3)}
@@ -85,12 +96,14 @@ def test_frozen_attempts_continued_during_and_after_the_live_one_land_nothing(re
     for attempt, after in ((1, 3), (2, 8)):  # each cut off mid-run; the service requeues the job
         start(store, job, attempt)
         frozen[attempt] = driver(redis_server, tmp_path, job, logs[attempt])
+        started.append(frozen[attempt])
         freeze_mid_run(frozen[attempt], redis_server, job, after)
         checkpoints_at_freeze[attempt] = set(kept(run_dir))
         assert store.transition(job, JobState.QUEUED, expect=[JobState.RUNNING], reason="its node was lost")
 
     start(store, job, 3)
     live = driver(redis_server, tmp_path, job, logs[3])
+    started.append(live)
     wait(lambda: max(epochs(redis_server, job), default=0) >= 12, "attempt 3 made no progress")
     os.killpg(frozen[1].pid, signal.SIGCONT)  # healed while attempt 3 trains
     assert frozen[1].wait(60) == ENDED_EXIT, logs[1].read_text()[-3000:]
@@ -110,4 +123,3 @@ def test_frozen_attempts_continued_during_and_after_the_live_one_land_nothing(re
     assert not any(n.startswith(".") for n in os.listdir(run_dir))
     for attempt in (1, 2):
         assert "has ended" in logs[attempt].read_text()
-    redis.Redis.from_url(redis_server).close()

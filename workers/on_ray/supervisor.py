@@ -107,14 +107,26 @@ def payload_argv(spec: ExperimentSpec, job_dir: Path, start_from: str | None) ->
 def before_payload(procs: int) -> Callable[[], None]:
     """What the payload's process does before it starts: SIGTERM ignored (bwrap dies of one and takes the payload
     with it: Ray's stop), the kernel's first OOM victim (``workers.job.memory_limit``), at most ``procs`` processes
-    for its uid, and the umask that keeps its files its own (``workers.job.job_user``)."""
+    for its uid, the umask that keeps its files its own (``workers.job.job_user``), and SIGKILL when its supervisor
+    dies (a Ray worker ended with its node: fencing; bwrap's ``--die-with-parent`` does the same inside)."""
 
     def before() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        die_with_parent()
         first_to_go()
         job_user.limit_processes(procs)
 
     return before
+
+
+def die_with_parent() -> None:
+    """``prctl(PR_SET_PDEATHSIG, SIGKILL)`` for this process (Linux; elsewhere nothing)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ranks | None = None,
