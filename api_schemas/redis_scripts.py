@@ -263,8 +263,9 @@ return {1, redis.call('ZCARD', KEYS[4])}
 
 # KEYS: job hash, queue zset, active set, events stream, notify outbox stream, the job's run copy (optional)
 # ARGV: to-state, now, comma-separated states the caller expects the job in ('' = any), reason, field/value pairs.
-# Moves the job only along the transition table; keeps the queue and active sets in step; names the new state in
-# the job's run copy while there is one (what the fenced scripts read: an attempt's writes end with it); writes a
+# Moves the job only along the transition table; keeps the queue and active sets in step; names the new state and
+# attempt in the job's run copy while there is one (what the fenced scripts read: an attempt's writes end with it,
+# whether or not a tick deleted the copy since); writes a
 # `status` event (and `end` when the state is terminal); when the job's `notify_on` (comma-separated) names the
 # new state (`preempted` for running -> queued), adds a webhook entry to the outbox in the same step.
 # Returns {1, from} or {0, current state}.
@@ -282,7 +283,9 @@ if not T[cur] or not T[cur][to] then return {0, cur} end
 local now = tonumber(ARGV[2])
 redis.call('HSET', KEYS[1], 'state', to, 'updated_at', ARGV[2])
 for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-if KEYS[6] and redis.call('HEXISTS', KEYS[6], 'job') == 1 then redis.call('HSET', KEYS[6], 'state', to) end
+if KEYS[6] and redis.call('HEXISTS', KEYS[6], 'job') == 1 then
+  redis.call('HSET', KEYS[6], 'state', to, 'attempts', redis.call('HGET', KEYS[1], 'attempts') or '0')
+end
 local id = redis.call('HGET', KEYS[1], 'id')
 if to == 'queued' then
   redis.call('ZADD', KEYS[2], tonumber(redis.call('HGET', KEYS[1], 'created_at')), id)

@@ -111,14 +111,17 @@ def guarded(job_id: str, redis_url: str, storage: str, run: Callable[[str, str, 
         sink.buffer.clear()
         return ENDED_EXIT
     except Stopped as err:
-        sink.emit({"kind": "log", "level": "info", "message": str(err)})
+        with contextlib.suppress(AttemptEnded):
+            sink.emit({"kind": "log", "level": "info", "message": str(err)})
         return 143
     except SetupError as err:
-        report_failure(sink, one_line(str(err)))
+        with contextlib.suppress(AttemptEnded):
+            report_failure(sink, one_line(str(err)))
         return 2
     except Exception as err:  # the job boundary: every failure becomes a reason the user can read
         traceback.print_exc()  # the whole story, for the job's log
-        report_failure(sink, failure_reason(err))
+        with contextlib.suppress(AttemptEnded):  # (an ended attempt's reason lands nowhere: its log has it)
+            report_failure(sink, failure_reason(err))
         return 1
     finally:
         vitals.set()
