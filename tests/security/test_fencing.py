@@ -71,7 +71,7 @@ def as_attempt(job: str, attempt: int, url: str) -> Iterator[None]:
     try:
         yield
     finally:
-        fence._pinned.pop(job, None)
+        fence.unpin(job)
 
 
 def epoch(n: int) -> dict:

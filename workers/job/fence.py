@@ -91,6 +91,11 @@ def pin(job_id: str, attempt: int, redis_url: str) -> None:
     _pinned[job_id] = (int(attempt), redis_url)
 
 
+def unpin(job_id: str) -> None:
+    """This process no longer works for ``job_id`` (a test acting as several attempts in turn)."""
+    _pinned.pop(job_id, None)
+
+
 def pinned(job_id: str) -> int | None:
     """The attempt this process pinned for ``job_id`` (None: none; its writes are not fenced)."""
     return _pinned[job_id][0] if job_id in _pinned else None
