@@ -139,6 +139,17 @@ class Client(Http):
                          "epochs": (v.get("progress") or {}).get("epoch"), **flat_summary(v.get("summary"))})
         return frame(rows).set_index("id")
 
+    def job(self, job_id: str) -> Experiment | Sweep:
+        """An experiment or a sweep by id, whichever it is."""
+        view = self.get(job_id)
+        return self.sweep_by_id(job_id) if view.get("kind") == "sweep" else Experiment(self, view)
+
+    def tensorboard(self, job_ids: list[str], directory: str | Path = "tensorboard") -> Path:
+        """The TensorBoard files of these experiments and sweeps, one run directory each under ``directory``."""
+        for job_id in job_ids:
+            self.job(job_id).tensorboard(directory)
+        return Path(directory)
+
     def compare_figure(self, job_ids: list[str], x: str = "both") -> Figure:
         """A matplotlib figure of these runs' train/test losses (teleports marked): ``x`` ``epoch``, ``seconds``
         (wall clock, teleport time included) or ``both``."""

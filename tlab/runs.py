@@ -100,6 +100,21 @@ class Job:
         """Delete the ended job and everything it left."""
         self.client.request("DELETE", f"/v1/{self.route}/{self.id}")
 
+    def tensorboard(self, directory: str | Path = "tensorboard") -> Path:
+        """Download its TensorBoard event files into ``directory/ID`` (replacing an older copy): point
+        ``tensorboard --logdir directory`` (or ``%tensorboard --logdir directory`` in Jupyter) at it."""
+        import io
+        import shutil
+        import tarfile
+
+        data = self.client.request("GET", f"/v1/{self.route}/{self.id}/tensorboard").content
+        out = Path(directory)
+        shutil.rmtree(out / self.id, ignore_errors=True)
+        out.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+            tar.extractall(out, filter="data")  # names stay below ``out``; no links, no devices
+        return out / self.id
+
 
 class Experiment(Job):
     """One experiment. ``metrics()`` and ``teleports()`` are DataFrames; ``continue_()`` and ``fork()`` start new

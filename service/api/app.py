@@ -19,12 +19,24 @@ from fastapi.staticfiles import StaticFiles
 from service.api.deps import State
 from service.api.http_errors import add_error_handlers
 from service.api.middleware import BodyLimit, Measure
-from service.api.routes import artifacts, cluster, code, experiments, health, logs, nodes, presets, sweeps, users
+from service.api.routes import (
+    artifacts,
+    cluster,
+    code,
+    experiments,
+    health,
+    logs,
+    nodes,
+    presets,
+    sweeps,
+    tensorboard,
+    users,
+)
 from service.core.settings import Settings
 from service.core.storage import check_or_exit
 
 WEB_DIR = Path(__file__).parent / "web"  # the dashboard: static files, no build step (package data)
-ROUTERS = (health, experiments, logs, sweeps, artifacts, code, cluster, nodes, presets, users)
+ROUTERS = (health, experiments, logs, sweeps, artifacts, tensorboard, code, cluster, nodes, presets, users)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

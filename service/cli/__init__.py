@@ -3,7 +3,8 @@
 ===============  ====================================================================================
 ``jobs``         ``submit``, ``ls``, ``show``, ``follow``, ``cancel``, ``rm``, ``plot``, ``compare``
 ``lineage``      ``continue``, ``fork``
-``artifacts``    ``pull``
+``artifacts``    ``pull``, ``logs``
+``tensorboard``  ``tensorboard``
 ``sweeps``       ``sweep``, ``sweeps``, ``sweep-show``, ``sweep-rerun``
 ``users``        ``users create|list``, ``me``, ``admin bootstrap`` (Redis directly, for deployments)
 ``stack``        ``up``, ``demo``, ``queue``, ``cluster``, ``completion``
@@ -22,7 +23,7 @@ import argparse
 import os
 import sys
 
-from service.cli import artifacts, jobs, lineage, local, nodes, stack, sweeps, users
+from service.cli import artifacts, jobs, lineage, local, nodes, stack, sweeps, tensorboard, users
 
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
 
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--url", default=None, help="the API (default: TLAB_URL, else the local `tlab up`)")
     parser.add_argument("--token", default=None, help="bearer token (default: TLAB_TOKEN, else the local admin's)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for group in (stack, nodes, jobs, lineage, artifacts, sweeps, users, local):
+    for group in (stack, nodes, jobs, lineage, artifacts, tensorboard, sweeps, users, local):
         group.add_commands(sub)
     return parser
 

@@ -83,6 +83,8 @@ def remove_files(settings: Settings, job_id: str) -> None:
         except OSError as err:
             log.warning("deleting %s: could not remove %s: %s", job_id, path, err)
         storage.delete(settings, name)
+    # its TensorBoard files (service.core.tensorboard_files.directory: the scheduler's own, no job writes there)
+    shutil.rmtree(Path(settings.home) / "tensorboard" / job_id, ignore_errors=True)
 
 
 def expire(store: Store, settings: Settings, now: float) -> list[str]:

@@ -134,10 +134,11 @@ JOB_SETTINGS = frozenset({"TLAB_GANG_TIMEOUT_S", "TLAB_MAX_LOG_MB", "TLAB_DEBUG"
 
 def job_safe(name: str) -> bool:
     """Whether the variable ``name`` may be in a Ray node's environment, which every job inherits: no Redis URL or
-    password, no admin token or other secret (``*PASSWORD*``, ``*SECRET*``, ``*TOKEN*`` but Ray's own auth token),
+    password, no MLflow server or credentials (``MLFLOW_*``: the scheduler logs the jobs there, not the jobs), no
+    admin token or other secret (``*PASSWORD*``, ``*SECRET*``, ``*TOKEN*`` but Ray's own auth token),
     and of ``TLAB_*`` only ``JOB_SETTINGS`` (``TLAB_HOME`` holds the service's secrets)."""
     upper = name.upper()
-    if upper.startswith("REDIS") or any(word in upper for word in ("PASSWORD", "SECRET", "CREDENTIAL")):
+    if upper.startswith(("REDIS", "MLFLOW_")) or any(word in upper for word in ("PASSWORD", "SECRET", "CREDENTIAL")):
         return False
     if "TOKEN" in upper:
         return upper == "RAY_AUTH_TOKEN"

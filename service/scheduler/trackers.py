@@ -1,0 +1,114 @@
+"""The scheduler's tracker thread: TensorBoard files for every job, and MLflow runs when an admin names a server.
+
+Every ``TRACK_S`` it looks at the jobs that are starting or running, and at those it saw running that have since
+ended (once more, then no longer); at its start, at the newest ``BACKFILL`` jobs (an ended one whose files a stopped
+scheduler did not finish). For each whose stream moved it reads the job's records and hands them to the writers:
+``service.core.tensorboard_files`` and, with ``TLAB_MLFLOW_TRACKING_URI``, ``service.scheduler.mlflow_runs``. Both
+take the records as data (numbers by epoch, deduplicated) and are safe to repeat. A writer that fails (MLflow down)
+is logged, once per kind of error, and tried again on the next pass; a tick of the scheduler never waits for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from typing import Any
+
+from api_schemas import gate, keys
+from api_schemas.jobs import TrialRow
+from service.core import tensorboard_files
+from service.core.settings import Settings
+from service.core.store import Store
+from service.scheduler.repeated import RepeatedErrors
+
+log = logging.getLogger(__name__)
+TRACK_S = 2.0
+BACKFILL = 100
+TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+MLFLOW_URI = "TLAB_MLFLOW_TRACKING_URI"
+
+
+class Trackers:
+    """``start()`` a daemon thread, or call ``sync(job_id)`` (tests)."""
+
+    def __init__(self, store: Store, settings: Settings, period_s: float = TRACK_S) -> None:
+        self.store, self.settings, self.period_s = store, settings, period_s
+        self.uri = os.environ.get(MLFLOW_URI, "")
+        self.mlflow: Any = None  # imported on first use: MLflow takes seconds to import
+        self.seen: dict[str, tuple[str, str]] = {}  # job -> (last stream id, state) when last written
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.quiet = RepeatedErrors(log)
+
+    def start(self) -> Trackers:
+        self.thread = threading.Thread(target=self.loop, name="tlab-trackers", daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+
+    def loop(self) -> None:
+        backfill = list(self.store.r.zrange(keys.jobs(), -BACKFILL, -1))
+        while not self.stopping.is_set():
+            for job_id in sorted(set(backfill) | self.store.r.smembers(keys.active()) | self.watched()):
+                try:
+                    self.sync(job_id)
+                except Exception as err:  # a writer or MLflow failed: said once per kind, tried on the next pass
+                    self.quiet.report(err)
+            backfill = []
+            self.stopping.wait(self.period_s)
+
+    def watched(self) -> set[str]:
+        """The jobs last seen not ended: one more pass each after they end."""
+        return {j for j, (_, state) in self.seen.items() if state not in TERMINAL}
+
+    def sync(self, job_id: str) -> None:
+        """Write what is new of the job: its TensorBoard files, and its MLflow run (with a server named)."""
+        job = self.store.r.hgetall(keys.job(job_id))
+        if not job or "state" not in job:
+            self.seen.pop(job_id, None)
+            return
+        last = self.store.r.xrevrange(keys.events(job_id), count=1)
+        mark = (last[0][0] if last else "", job["state"])
+        if self.seen.get(job_id) == mark:
+            return
+        records = self.records(job_id)
+        trials = self.trials(job_id) if job.get("kind") == "sweep" else None
+        start = float(job.get("started_at") or job.get("created_at") or 0.0)
+        ended = job["state"] if job["state"] in TERMINAL else None
+        tensorboard_files.write_job(tensorboard_files.directory(self.settings, job_id), records, start, trials, ended)
+        if self.uri:
+            if self.mlflow is None:
+                from service.scheduler.mlflow_runs import Tracking
+
+                self.mlflow = Tracking(self.uri)
+            self.mlflow.sync({**job, "id": job_id}, records, trials, self.settings.storage_path if ended else None)
+        self.seen[job_id] = mark
+
+    def records(self, job_id: str) -> list[dict[str, Any]]:
+        out = []
+        for _id, fields in self.store.events(job_id):
+            try:
+                data = json.loads(fields.get("data", "{}"))
+            except json.JSONDecodeError:
+                continue
+            if isinstance(data, dict) and data.get("kind") in ("epoch", "teleport"):
+                out.append(data)
+        return out
+
+    def trials(self, sweep_id: str) -> dict[str, dict[str, Any]]:
+        """The sweep's trials table (the driver writes it: each row validated, a malformed one left out)."""
+        rows = {}
+        for raw in self.store.r.hgetall(keys.trials(sweep_id)).values():
+            try:
+                row = TrialRow.model_validate_json(raw)
+                gate.trial_id(row.trial)  # a directory's name below the job's
+            except ValueError:  # gate.Refused too
+                continue
+            rows[row.trial] = row.model_dump()
+        return rows
