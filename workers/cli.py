@@ -103,6 +103,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.seeds < 1:
         print("error: --seeds must be at least 1", file=sys.stderr)
         return 2
+    if args.code:
+        from workers.train.user_code import add_code_dir
+
+        add_code_dir(args.code)  # the factories' modules import from DIR, as in `tlab run --local --code DIR`
     # both variants validated before anything runs
     variants = {on: load_spec(args.spec, [*args.overrides, f"teleport.enabled={str(on).lower()}"])
                 for on in (True, False)}
@@ -203,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=3, help="seeds per variant (training.seed = 0..N-1)")
     p.add_argument("--out", help="output directory (default runs/<spec>-compare-<time>)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--code", metavar="DIR", default=None,
+                   help="your package's directory, put on sys.path: factories (pkg.module:function) import from it")
     threads_arg(p)
     p.set_defaults(func=cmd_compare)
 

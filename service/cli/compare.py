@@ -95,6 +95,8 @@ def local_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--set", *args.overrides]
     if args.out:
         argv += ["--out", args.out]
+    if args.code:
+        argv += ["--code", args.code]
     return argv + (["--no-progress"] if args.no_progress else [])
 
 
@@ -110,4 +112,7 @@ def add_parser(sub: Any, spec_args: Any, func: Any) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print the study as JSON instead of the table")
     p.add_argument("--local", action="store_true", help="run every seed in this process instead (no service)")
+    p.add_argument("--code", metavar="DIR", default=None,
+                   help="your package's directory (as for `tlab submit --code`): uploaded once and set as the "
+                        "sweep's code.package; with --local, put on sys.path")
     p.set_defaults(func=func)

@@ -179,9 +179,14 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """The study as a sweep on the service; ``--local`` never gets here (``tlab`` hands it to workers.cli)."""
+    from service.cli.code_zip import with_code
     from service.cli.compare import cmd_compare as compare
 
-    return compare(args, spec_from(args), client(args))
+    spec = spec_from(args)
+    if args.code:
+        with client(args) as c:
+            spec = with_code(c, spec, args.code)  # every trial's code.package
+    return compare(args, spec, client(args))
 
 
 def add_commands(sub: Any) -> None:

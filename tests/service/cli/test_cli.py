@@ -5,6 +5,7 @@ start Ray (``run --ray``, ``up``, ``demo``, a job on the session's stack) are in
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import redis
 
 from api_schemas import keys
-from tests.service.cli.tlab_process import closed_pipe, tlab
+from tests.service.cli.tlab_process import TLAB, closed_pipe, tlab
 
 
 def test_help_lists_the_commands() -> None:
@@ -276,3 +277,36 @@ def test_a_gang_is_shown_with_its_memory_when_it_asks_some() -> None:
     demand = {"workers": 2, "cpus_per_worker": 1, "gpus_per_worker": 0.5}
     assert gang(demand) == gang({**demand, "memory_gb": None}) == "2 x (1 CPU, 0.5 GPU)"
     assert gang({**demand, "memory_gb": 4}) == "2 x (1 CPU, 0.5 GPU, 4 GiB)"
+
+
+def test_compare_uploads_the_code_for_every_trial(api_only, tmp_path: Path) -> None:  # noqa: ANN001
+    """``tlab compare SPEC --code DIR`` on the service: DIR uploaded once, the sweep's base names it (here the sweep
+    stays queued, no scheduler: it is cancelled, and compare ends saying so)."""
+    import time
+
+    import httpx
+
+    env = {"TLAB_URL": api_only.url, "TLAB_TOKEN": api_only.stack.admin_token, "TLAB_HOME": str(tmp_path)}
+    (tmp_path / "code" / "cmpsvc").mkdir(parents=True)
+    (tmp_path / "code" / "cmpsvc" / "__init__.py").write_text("")
+    (tmp_path / "code" / "cmpsvc" / "models.py").write_text("def build():\n    raise SystemExit\n")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("model: {kind: custom, factory: cmpsvc.models:build}\ndataset: {name: digits}\n"
+                    "training: {epochs: 2}\n")
+    proc = subprocess.Popen([TLAB, "compare", str(spec), "--code", str(tmp_path / "code"), "--seeds", "1",
+                             "--no-progress", "--out", str(tmp_path / "out")], env={**os.environ, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with httpx.Client(base_url=api_only.url, headers={"Authorization": f"Bearer {env['TLAB_TOKEN']}"}) as c:
+            deadline = time.monotonic() + 60
+            while not (sweeps := c.get("/v1/sweeps").json()["items"]):
+                assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+                time.sleep(0.2)
+            package = sweeps[0]["spec"]["code"]["package"]  # (a sweep's view shows its base spec)
+            assert package.startswith("sha256:") and c.get(f"/v1/code/{package}").status_code == 200
+            c.post(f"/v1/sweeps/{sweeps[0]['id']}/cancel").raise_for_status()
+        _out, err = proc.communicate(timeout=60)
+        assert "code " in err and "uploaded" in err, err
+    finally:
+        proc.kill()
+        proc.communicate()

@@ -371,3 +371,18 @@ def test_no_progress_still_says_the_runs_hints(tmp_path: Path, capsys: pytest.Ca
     assert cli.main(["run", "digits/teleport", "--local", "--out", str(tmp_path), *FAST, "optimizer.name=adam",
                      "teleport.epochs=[0,1]", "teleport.budget=null"]) == 0
     assert any(line.startswith("hint: teleport with adam") for line in capsys.readouterr().err.splitlines())
+
+
+def test_compare_takes_the_users_code(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``tlab compare --local --code DIR``: the factories import from DIR (not on sys.path before)."""
+    pkg = tmp_path / "code" / "cmpcode"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "models.py").write_text("from torch import nn\n\n\ndef build():\n    return nn.Sequential("
+                                   "nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))\n")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("model: {kind: custom, factory: cmpcode.models:build}\ndataset: {name: digits}\n")
+    assert cli.main(["compare", str(spec), "--code", str(tmp_path / "code"), "--seeds", "1", "--out",
+                     str(tmp_path / "out"), *[a for a in FAST if not a.startswith("model.")]]) == 0
+    result = json.loads((tmp_path / "out" / "compare.json").read_text())
+    assert {g: len(v["runs"]) for g, v in result["groups"].items()} == {"nullspace teleport": 1, "no teleport": 1}
