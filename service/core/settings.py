@@ -168,6 +168,11 @@ class Settings(BaseSettings):
     webhook_timeout_s: float = Field(5.0, gt=0, le=60, validation_alias="TLAB_WEBHOOK_TIMEOUT_S")
     webhook_attempts: int = Field(3, ge=1, le=10, validation_alias="TLAB_WEBHOOK_ATTEMPTS",
                                   description="tries per webhook (1 s, 2 s, ... apart)")
+    # researchers' tools (service/scheduler/trackers.py, docs/mlflow.md)
+    mlflow_tracking_uri: str = Field("", validation_alias="TLAB_MLFLOW_TRACKING_URI",
+                                     description="an MLflow tracking server the scheduler logs every job to (its "
+                                                 "credentials: MLflow's own MLFLOW_TRACKING_* variables, which no job "
+                                                 "sees); empty: none")
 
     @property
     def storage_path(self) -> str:

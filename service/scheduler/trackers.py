@@ -3,8 +3,8 @@
 Every ``TRACK_S`` it looks at the jobs that are starting or running, and at those it saw running that have since
 ended (once more, then no longer); at its start, at the newest ``BACKFILL`` jobs (an ended one whose files a stopped
 scheduler did not finish). For each whose stream moved it reads the job's records and hands them to the writers:
-``service.core.tensorboard_files`` and, with ``TLAB_MLFLOW_TRACKING_URI``, ``service.scheduler.mlflow_runs``. Both
-take the records as data (numbers by epoch, deduplicated) and are safe to repeat. A writer that fails (MLflow down)
+``service.core.tensorboard_files`` and, with ``TLAB_MLFLOW_TRACKING_URI`` set, ``service.scheduler.mlflow_runs``.
+Both take the records as data (numbers by epoch, deduplicated) and are safe to repeat. A writer that fails (MLflow down)
 is logged, once per kind of error, and tried again on the next pass; a tick of the scheduler never waits for it.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from typing import Any
 
@@ -27,7 +26,6 @@ log = logging.getLogger(__name__)
 TRACK_S = 2.0
 BACKFILL = 100
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
-MLFLOW_URI = "TLAB_MLFLOW_TRACKING_URI"
 
 
 class Trackers:
@@ -35,7 +33,7 @@ class Trackers:
 
     def __init__(self, store: Store, settings: Settings, period_s: float = TRACK_S) -> None:
         self.store, self.settings, self.period_s = store, settings, period_s
-        self.uri = os.environ.get(MLFLOW_URI, "")
+        self.uri = settings.mlflow_tracking_uri
         self.mlflow: Any = None  # imported on first use: MLflow takes seconds to import
         self.seen: dict[str, tuple[str, str]] = {}  # job -> (last stream id, state) when last written
         self.stopping = threading.Event()
