@@ -121,14 +121,20 @@ def start_redis(port: int, data: object) -> subprocess.Popen:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     client = redis.Redis.from_url(f"redis://127.0.0.1:{port}/0")
-    for _ in range(300):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.01)
-    client.close()
-    return proc
+    try:
+        for _ in range(300):
+            try:
+                if client.ping():
+                    return proc
+            except redis.ConnectionError:
+                if proc.poll() is not None:
+                    break  # it exited (the port taken, the directory refused): no use waiting
+                time.sleep(0.01)
+    finally:
+        client.close()
+    proc.kill()
+    proc.wait(timeout=10)
+    raise RuntimeError(f"redis-server on port {port} never answered a PING (exit code {proc.returncode})")
 
 
 @pytest.fixture()
