@@ -80,8 +80,8 @@ def test_tlab_up_prints_its_url_and_ctrl_c_stops_everything(tmp_path: Path) -> N
     assert proc.returncode == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/healthz", timeout=5)
-    time.sleep(1.0)
-    assert [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
+    _gone, alive = psutil.wait_procs(children, timeout=10)  # the stack's processes, each waited for, not a nap
+    assert [c for c in alive if c.status() != psutil.STATUS_ZOMBIE] == []
 
 
 @pytest.mark.slow
