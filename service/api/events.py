@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from api_schemas import keys
+from api_schemas.jobs import TERMINAL, JobState
 from service.api.event_vetting import Vetter
 
 Entry = tuple[str, dict[str, str]]
@@ -236,17 +237,26 @@ async def follow(hub: Hub, job_id: str, last_id: str | None, heartbeat_s: float,
         queue = await hub.subscribe(job_id)
         yield "retry: 2000\n\n"
         cursor = f"({last_id}" if last_id else "-"
-        while True:  # history, in pages
-            page = await hub.r.xrange(keys.events(job_id), min=cursor, max="+", count=1000)
-            if not page:
-                break
-            good = await vetter.vet(page)
-            if good:
-                yield sse(good)
-            sent = stream_id(page[-1][0])
-            if any(f.get("kind") == "end" for _, f in good):
+        ended = False
+        while True:
+            while True:  # history, in pages
+                page = await hub.r.xrange(keys.events(job_id), min=cursor, max="+", count=1000)
+                if not page:
+                    break
+                good = await vetter.vet(page)
+                if good:
+                    yield sse(good)
+                sent = stream_id(page[-1][0])
+                if any(f.get("kind") == "end" for _, f in good):
+                    return
+                cursor = f"({page[-1][0]}"
+            if ended:  # a resume past the end (or a job deleted meanwhile): nothing live will come
                 return
-            cursor = f"({page[-1][0]}"
+            # the end is written with the ended state in one script: once the state says so, one more read has it
+            state = await hub.r.hget(keys.job(job_id), "state")
+            ended = state is None or JobState(state) in TERMINAL
+            if not ended:
+                break
         await hub.listen(job_id)
         gate = _Reauth(still_valid)
         quiet = 0.0

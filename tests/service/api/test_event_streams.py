@@ -311,3 +311,18 @@ def test_a_job_cannot_say_a_state_or_end_its_followers_stream(api_only: Api, rds
     assert ids == [eid for eid in every if eid not in forged], (ids, forged)
     assert events == ["status", "metric", "status", "metric", "status", "end"], events  # the job's own status too
 
+
+
+@pytest.mark.timeout(60)  # (a stream that waits keeps sending heartbeats: only the test's timeout ends it)
+def test_a_resume_past_an_ended_jobs_end_ends_at_once(api_only: Api) -> None:
+    """A ``Last-Event-ID`` after the ``end`` (any id the schema allows): nothing live will come, so the stream ends
+    instead of waiting for ever; one before the end resumes up to it."""
+    with api_only.client() as c:
+        job = c.post("/v1/experiments", json={"spec": tiny()}).json()["id"]
+        assert c.post(f"/v1/experiments/{job}/cancel").json()["state"] == "cancelled"
+        r = c.get(f"/v1/experiments/{job}/events", headers={"Last-Event-ID": "99999999999999999999-0"})
+        assert r.status_code == 200 and "event: " not in r.text, r.text
+        ids = [line.split(": ", 1)[1] for line in c.get(f"/v1/experiments/{job}/events").text.splitlines()
+               if line.startswith("id: ")]
+        resumed = c.get(f"/v1/experiments/{job}/events", headers={"Last-Event-ID": ids[0]}).text
+        assert "event: end" in resumed and f"id: {ids[0]}\n" not in resumed, resumed
