@@ -122,3 +122,45 @@ def test_every_epoch_once_in_tensorboard_and_mlflow_after_kill9_and_resume(stack
     assert runs[0].data.params["training.epochs"] == str(EPOCHS)
     names = {a.path for a in client.list_artifacts(rid)}
     assert {"summary.json", "model.safetensors"} <= names, names
+
+
+def test_a_restarted_tracker_logs_each_epoch_once(redis_server: str, mlflow_server: str, tmp_path: Path) -> None:
+    """The stream holds an epoch twice (as a job could write it) and a second tracker starts after the first
+    logged part of the run (a restarted scheduler): one run, each epoch once, TensorBoard and MLflow alike."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from api_schemas import keys
+    from service.core.settings import Settings
+    from service.core.store import Store
+    from service.scheduler.trackers import Trackers
+
+    store = Store.from_url(redis_server)
+    settings = Settings(redis_url=redis_server, home=tmp_path, mlflow_tracking_uri=mlflow_server)
+    job = "01JTRACKERRESTART"
+    store.r.hset(keys.job(job), mapping={"state": "running", "name": "restarted", "owner": "ann", "started_at": "1000",
+                                         "spec": json.dumps({"training": {"epochs": 4}})})
+
+    def epoch(e: int) -> None:
+        store.r.xadd(keys.events(job), {"kind": "metric", "data": json.dumps(
+            {"kind": "epoch", "epoch": e, "train_loss": 1.0 / (e + 1), "seconds": e + 1.0})})
+
+    up(mlflow_server)
+    for e in (0, 1, 1):
+        epoch(e)
+    Trackers(store, settings).sync(job)
+    for e in (2, 3):
+        epoch(e)
+    store.r.hset(keys.job(job), mapping={"state": "succeeded", "summary": json.dumps({"final_train_loss": 0.25})})
+    again = Trackers(store, settings)  # knows nothing of the first: finds the run by its tag
+    again.sync(job)
+    again.sync(job)
+
+    client = MlflowClient(tracking_uri=mlflow_server)
+    runs = client.search_runs([client.get_experiment_by_name("restarted").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss/train")] == [0, 1, 2, 3]
+    acc = EventAccumulator(str(tmp_path / "tensorboard" / job))
+    acc.Reload()
+    assert [s.step for s in acc.Scalars("loss/train")] == [0, 1, 2, 3]
