@@ -18,6 +18,9 @@ def one_line(text: str, limit: int = MAX_REASON) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
+ENDED_EXIT = 3  # a job's driver that ended itself: its attempt lost the service's Redis (workers.job.fence)
+
+
 def killed_by(exit_code: int | None) -> int | None:
     """The signal that ended a process (a job's driver, its payload), from its exit status (``-N``, or ``128 + N``
     through a shell or bwrap); None for an exit of its own.

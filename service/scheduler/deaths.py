@@ -26,7 +26,7 @@ from pathlib import Path
 
 from api_schemas import keys
 from api_schemas.jobs import JobState
-from api_schemas.reasons import killed_by, one_line
+from api_schemas.reasons import ENDED_EXIT, killed_by, one_line
 from api_schemas.vitals import CGROUP_ROOT, OOM_FILES, VITALS_FIELD, DriverVitals, oom_kills
 from service.core.settings import Settings
 from service.core.store import Store
@@ -124,8 +124,12 @@ def can_retry(settings: Settings, data: dict[str, str]) -> bool:
 
 
 def died(store: Store, settings: Settings, data: dict[str, str], exit_code: int | None, now: float) -> bool:
-    """A driver ended by a signal without a word: retried or failed, saying so (module doc). False for a driver
-    that exited by itself."""
+    """A driver ended by a signal without a word, or one that ended itself having lost Redis (``ENDED_EXIT``):
+    retried or failed, saying so (module doc). False for a driver that exited by itself otherwise."""
+    if exit_code == ENDED_EXIT:  # the attempt ended itself without a word: it lost Redis (workers.job.fence)
+        what = "the job's driver ended itself: it could not reach the service's Redis for TLAB_ATTEMPT_LEASE_S"
+        retry_or_fail(store, settings, data, what, now)
+        return True
     signum = killed_by(exit_code)
     if signum is None:
         return False

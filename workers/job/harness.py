@@ -16,7 +16,7 @@ from pathlib import Path
 import redis
 
 from api_schemas import ExperimentSpec, keys
-from api_schemas.reasons import FAILURE_MARK, one_line
+from api_schemas.reasons import ENDED_EXIT, FAILURE_MARK, one_line
 from workers.job.fence import AttemptEnded, pin
 from workers.job.logs import capture
 from workers.job.record import attempt_of, job_field
@@ -25,8 +25,6 @@ from workers.job.ticket import TicketError, job_redis_url
 from workers.job.vitals import watch as watch_vitals
 from workers.train.failure import failure_reason
 from workers.train.startup import begin, timeline
-
-ENDED_EXIT = 3  # the exit status of a job's process whose attempt ended under it (``workers.job.fence``)
 
 
 class SetupError(RuntimeError):

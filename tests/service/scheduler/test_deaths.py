@@ -11,6 +11,7 @@ import pytest
 
 from api_schemas import ExperimentSpec, keys
 from api_schemas.jobs import ExperimentSubmit, JobState
+from api_schemas.reasons import ENDED_EXIT
 from api_schemas.vitals import DriverVitals
 from service.core.settings import Settings
 from service.core.store import Store
@@ -92,6 +93,9 @@ def test_a_killed_driver_is_queued_again_until_its_retries_are_used(redis_server
     assert store.raw(last["id"])["state"] == "failed"
     assert store.raw(last["id"])["failure_reason"].startswith("driver killed by SIGTERM before its first epoch; not")
     assert deaths.died(store, settings, running(store, spec, 1), 1, time.time()) is False  # its own exit: not ours
+    lost = running(store, spec, 1)  # a driver that lost Redis for its lease ended itself (workers.job.fence)
+    assert deaths.died(store, settings, lost, ENDED_EXIT, time.time()) is True
+    assert store.raw(lost["id"])["state"] == ("queued" if max_retries else "failed")
 
 
 def test_the_peak_rss_counts_the_drivers_children() -> None:
