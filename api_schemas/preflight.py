@@ -35,6 +35,8 @@ class PreflightResult(BaseModel):
     state: PreflightState
     error: str | None = Field(None, description="one line naming the user's file:line and the error")
     seconds: float | None = Field(None, description="how long the preflight's own work took (not Ray's start)")
+    wall_seconds: float | None = Field(None, description="from its submit to Ray to its verdict, as the scheduler "
+                                                         "saw it (Ray's start, the runtime env and the imports too)")
     entrypoint: str | None = Field(None, description="an own loop: the function checked (imported, one argument)")
     params: int | None = Field(None, description="the model's parameter count")
     task: str | None = None

@@ -98,8 +98,10 @@ def preflight_lines(pf: dict[str, Any] | None) -> list[str]:
     """A preflight's result as ``tlab show`` prints it: the verdict, then what it measured."""
     if not pf:
         return []
-    lines = [f"preflight {pf['state']}" + (f" in {pf['seconds']:.1f} s" if pf.get("seconds") is not None else "")
-             + (f": {pf['error']}" if pf.get("error") else "")]
+    took = [f"in {pf['wall_seconds']:.1f} s"] if pf.get("wall_seconds") is not None else []  # what the job waited
+    if pf.get("seconds") is not None:
+        took.append(f"({pf['seconds']:.1f} s of it its own work)" if took else f"in {pf['seconds']:.1f} s")
+    lines = [" ".join([f"preflight {pf['state']}", *took]) + (f": {pf['error']}" if pf.get("error") else "")]
     if pf.get("entrypoint"):
         lines.append(f"  entrypoint {pf['entrypoint']} imported, takes one argument")
     if pf.get("params") is not None:

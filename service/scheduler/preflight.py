@@ -186,6 +186,8 @@ class Preflights:
                 self.acl.restore(job_id, sid, preflight_user(job_id))  # a restarted Redis lost it
             return f"preflight running ({elapsed:.0f} s): its code is tried on one CPU before its gang is held"
         verdict = read_verdict(self.r, job_id)
+        if verdict is not None:  # what the job waited, whatever the payload said of it
+            verdict = verdict.model_copy(update={"wall_seconds": round(elapsed, 2)})
         if verdict is not None and verdict.state == "passed":
             self.r.hset(keys.job(job_id), mapping={"preflight": "passed", "preflight_result":
                                                    verdict.model_dump_json()})

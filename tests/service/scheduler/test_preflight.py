@@ -81,6 +81,7 @@ def test_a_good_package_passes_its_preflight_then_trains(stack: Stack, tmp_path:
         assert pf["teleport"] == "nullspace" and pf["free_directions"] == sum(x["free"] for x in pf["layers"])
         seen = f"‖∇L‖² {pf['grad_norm_sq']:.3g} at the model's first weights"  # what teleport will do, before the gang
         assert pf["step_advice"].startswith(seen) and f"  teleport step: {pf['step_advice']}" in preflight_lines(pf)
+        assert pf["wall_seconds"] >= pf["seconds"]  # what the job waited: Ray's start and the imports too
         assert view["attempts"] == 1
         messages = [e.data.get("message", "") for e in c.events(job, reconnect=False) if e.kind == "log"]
         assert any(m.startswith("preflight passed") for m in messages)
@@ -136,3 +137,10 @@ def test_a_preflight_without_room_for_its_memory_runs_unreserved(stack: Stack, t
         assert preflight_memory(stack, job) == 0.0  # no reservation: it would have waited in Ray
         c.cancel(job)
         c.cancel(hog)
+
+
+def test_tlab_show_says_what_the_job_waited_for_its_preflight_and_its_own_work() -> None:
+    pf = {"state": "passed", "seconds": 0.04, "wall_seconds": 2.63}
+    assert preflight_lines(pf)[0] == "preflight passed in 2.6 s (0.0 s of it its own work)"
+    assert preflight_lines({"state": "failed", "seconds": 0.5, "error": "boom"})[0] == "preflight failed in 0.5 s: boom"
+    assert preflight_lines({"state": "failed", "error": "no verdict"})[0] == "preflight failed: no verdict"
