@@ -1,9 +1,10 @@
-"""The service's home is hidden from a job wherever it lies: under a directory the sandbox binds for the job (here
-/usr, as a ``TLAB_HOME=/usr/local/...`` would be), an empty tmpfs covers it. (Under /tmp, where every other test's home
-is, the sandbox's own /tmp already replaces it: this is the case where the covering is what hides it.)"""
+"""The sandbox seen from inside: the service's home hidden wherever it lies (under a directory the sandbox binds for
+the job, here /usr as a ``TLAB_HOME=/usr/local/...`` would be, an empty tmpfs covers it; under /tmp, where every other
+test's home is, the sandbox's own /tmp already replaces it), and a PID namespace of its own."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -43,3 +44,14 @@ def test_a_home_under_a_bound_directory_is_covered(home_under_usr: Path, tmp_pat
 
     assert seen([]) == "['admin.token']"  # /usr is bound for the job: without the covering, the home shows
     assert seen([home_under_usr]) == "[]"
+
+
+@pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")
+def test_a_job_sees_only_its_own_processes(tmp_path: Path) -> None:
+    """Its own PID namespace: the host's processes (this test's among them) are not there to see or signal."""
+    argv = bwrap_argv([sys.executable, "-c", "import os; print(sorted(int(p) for p in os.listdir('/proc') "
+                       "if p.isdigit()))"], {"PATH": "/usr/bin:/bin"}, Mounts(writable=tmp_path))
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    pids = json.loads(done.stdout)  # a list of ints, printed by the sandboxed Python
+    assert len(pids) <= 4 and max(pids) < 10, pids  # bwrap, setpriv's child and itself: a handful, numbered anew
