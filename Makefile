@@ -69,3 +69,9 @@ device-carry: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+
+# One-line mutations of the guarantees the docs name (tests/mutations.py), each in a temporary copy of the tree with
+# the tests that hold it: every one must be caught. Not part of `make test` (about 8 minutes here).
+.PHONY: mutation
+mutation: setup
+	$(BIN)/python -m tests.mutations
