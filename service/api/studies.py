@@ -75,5 +75,15 @@ def sweep_png(sweep_id: str, sweep: SweepSubmit, recs: list[dict[str, Any]], row
         bands = {label: [by_trial[t.trial] for t in ts] for label, ts in seed_groups(sweep, rows).items()}
         plot_bands(bands, buf, title=f"sweep {sweep_id}: mean ± std over training.seed", fmt="png")
     else:
-        plot_curves({t.trial: by_trial[t.trial] for t in rows}, buf, title=f"sweep {sweep_id}", fmt="png")
+        plot_curves({label: by_trial[t.trial] for label, t in legend(rows).items()}, buf, title=f"sweep {sweep_id}",
+                    fmt="png")
     return buf.getvalue()
+
+
+def legend(rows: list[TrialRow]) -> dict[str, TrialRow]:
+    """Each trial under its settings (``teleport.lr=0.1, training.seed=0``), not its id: the id is added only where
+    two trials share their settings (a repeated grid point, or ``num_samples`` drawing alike)."""
+    counts: dict[str, int] = {}
+    for t in rows:
+        counts[_label(t.config)] = counts.get(_label(t.config), 0) + 1
+    return {_label(t.config) + (f" ({t.trial})" if counts[_label(t.config)] > 1 else ""): t for t in rows}

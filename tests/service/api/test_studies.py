@@ -9,7 +9,7 @@ import pytest
 from api_schemas import keys
 from api_schemas.jobs import TrialRow
 from api_schemas.sweeps import SweepSubmit
-from service.api.studies import best_trial, seed_groups, study_view, sweep_png, trial_rows
+from service.api.studies import best_trial, legend, seed_groups, study_view, sweep_png, trial_rows
 from service.core.store import Store
 from tests.service.conftest import tiny
 
@@ -81,3 +81,11 @@ def test_sweep_png_draws_bands_with_a_seed_axis_and_curves_without() -> None:
     plain = sweep_png("s1", sweep({"teleport.lr": {"choice": [0.1, 0.2]}}), recs, ROWS)
     assert seeded.startswith(PNG_MAGIC) and plain.startswith(PNG_MAGIC)
     assert seeded != plain
+
+
+def test_a_sweeps_plot_names_each_curve_by_its_settings() -> None:
+    rows = [TrialRow(trial=f"t{i}", config=config, state="running", epochs=1)
+            for i, config in enumerate([{"teleport.lr": 0.1, "optimizer.name": "sgd"}, {"teleport.lr": 0.25},
+                                        {"teleport.lr": 0.25}])]
+    assert list(legend(rows)) == ["optimizer.name=sgd, teleport.lr=0.1", "teleport.lr=0.25 (t1)",
+                                  "teleport.lr=0.25 (t2)"]  # the id only to tell a repeated setting apart
