@@ -196,10 +196,11 @@ class Sweep(Job):
         """trial, state, epochs, last and best value of the sweep's metric, stopped early, then one column per
         searched path (``teleport.tau``...) and the trial's summary figures, indexed by trial."""
         self.refresh()
-        rows = [{"trial": t["trial"], "state": t["state"], "epochs": t["epochs"], "last": t.get("last"),
-                 "best": t.get("best"), "stopped_early": t.get("stopped_early", False), **t["config"],
-                 **{k: v for k, v in (t.get("summary") or {}).items() if k not in t["config"]}}
-                for t in self.detail["trials"]]
+        rows = []
+        for t in self.detail["trials"]:
+            row = {"trial": t["trial"], "state": t["state"], "epochs": t["epochs"], "last": t.get("last"),
+                   "best": t.get("best"), "stopped_early": t.get("stopped_early", False), **t["config"]}
+            rows.append(row | {k: v for k, v in (t.get("summary") or {}).items() if k not in row})
         df = frame(rows)
         return df.set_index("trial") if len(df) else df
 
