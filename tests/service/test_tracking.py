@@ -107,7 +107,7 @@ def test_every_epoch_once_in_tensorboard_and_mlflow_after_kill9_and_resume(stack
 
     up(mlflow_server)
     client = MlflowClient(tracking_uri=mlflow_server)
-    deadline = time.monotonic() + 120  # the first MLflow import in the scheduler takes seconds
+    deadline = time.monotonic() + 240  # the first MLflow import in the scheduler takes seconds (a minute, loaded)
     while True:
         experiment = client.get_experiment_by_name("tracked")
         runs = client.search_runs([experiment.experiment_id]) if experiment else []
@@ -164,3 +164,12 @@ def test_a_restarted_tracker_logs_each_epoch_once(redis_server: str, mlflow_serv
     acc = EventAccumulator(str(tmp_path / "tensorboard" / job))
     acc.Reload()
     assert [s.step for s in acc.Scalars("loss/train")] == [0, 1, 2, 3]
+
+
+def test_no_mlflow_setting_reaches_a_ray_node() -> None:
+    """What a job's processes inherit: none of MLflow's variables, nor the service's tracking URI."""
+    from service.stack.embedded import job_safe
+
+    for name in ("TLAB_MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME",
+                 "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "MLFLOW_S3_ENDPOINT_URL"):
+        assert not job_safe(name), name
