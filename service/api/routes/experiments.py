@@ -28,10 +28,10 @@ from service.core.store import demand_of
 
 router = APIRouter(prefix="/v1/experiments", tags=["experiments"], responses=AUTHED)
 IdempotencyKey = Annotated[str | None, Header(max_length=200)]
-# the pattern in the schema is what ``event_stream`` checks (its 422 names Last-Event-ID and shows one)
-StreamId = Annotated[str, WithJsonSchema({"type": "string", "maxLength": 64, "pattern": STREAM_ID_PATTERN})]
-LastEventId = Annotated[StreamId | None, Header(max_length=64, description="resume after this stream id "
-                                                                          "(1712345678901-0)")]
+# the pattern in the schema is what ``event_stream`` checks (its 422 names Last-Event-ID and shows one); the schema
+# says a string, never null (a header is absent or a string)
+LastEventId = Annotated[str | None, WithJsonSchema({"type": "string", "maxLength": 64, "pattern": STREAM_ID_PATTERN}),
+                        Header(max_length=64, description="resume after this stream id (1712345678901-0)")]
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}  # proxies: no buffer
 
 

@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, StreamingResponse
+from pydantic import WithJsonSchema
 
 from api_schemas import keys
 from api_schemas.jobs import TERMINAL, JobState
@@ -24,8 +25,10 @@ Rank = Annotated[str, Query(pattern=r"^(\d{1,4}|driver|preflight|trial-[0-9a-z_]
                             "(a sweep's 1-worker trial, which trains in its Tune trial)")]
 Attempt = Annotated[int | None, Query(ge=1, le=10_000, description="which start of the job (default: the newest)")]
 Tail = Annotated[int | None, Query(ge=0, le=100_000, description="only the last N lines")]
-LogCursor = Annotated[str | None, Header(pattern=r"^\d{1,6}:\d{1,15}$", description="resume after this event's id "
-                                         "(`<attempt>:<byte offset>`)")]
+CURSOR_PATTERN = r"^[0-9]{1,6}:[0-9]{1,15}$"  # what ``job_logs.parse_cursor`` reads (its 422 names Last-Event-ID)
+# the schema says the header is this string (a header is never null: absent is the default), as /events says of its own
+LogCursor = Annotated[str | None, WithJsonSchema({"type": "string", "pattern": CURSOR_PATTERN}),  # (22 at most)
+                     Header(max_length=24, description="resume after this event's id (`<attempt>:<byte offset>`)")]
 
 
 @router.get("/{job_id}/logs", response_class=PlainTextResponse, responses=OWNED)

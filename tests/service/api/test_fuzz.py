@@ -8,8 +8,8 @@ the admin's run may disable them.
 Left out, on purpose, and each for a reason:
 - ``/readyz`` answers 503 by design here (no scheduler in this fixture), which ``not_a_server_error`` fails;
 - the SSE routes (``/events``, ``/logs/stream``) stream a live job until it ends, and no job ends here (no
-  scheduler): each case would wait for its request timeout. The streams have their own tests (test_api.py,
-  test_admission.py, tests/workers/job/test_job_logs.py).
+  scheduler): each case would wait for its request timeout. ``test_fuzz_stateful`` fuzzes them on an ended job, and
+  they have their own tests (test_api.py, test_admission.py, tests/workers/job/test_job_logs.py).
 - ``positive_data_acceptance`` takes a 422 as an answer on the two submit routes only: admission refuses, naming
   the field, specs that match the JSON Schema but can never run, which a JSON Schema cannot say (cross-field rules
   such as "some teleport epoch < training.epochs", data files under the data roots, service limits, quotas, a gang
