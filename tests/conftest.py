@@ -43,6 +43,7 @@ RAY_CHAIN_B = frozenset({  # stacks on the session head, and `tlab up` stacks of
     "tests/service/test_lineage.py", "tests/service/api/test_artifacts.py", "tests/service/test_driver_death.py",
     "tests/service/test_storage_full.py", "tests/security/test_trial_gate.py", "tests/security/test_service_user.py",
     "tests/service/test_tracking.py", "tests/service/test_notebook.py",
+    "tests/hosts/test_hosts.py",
 })
 RAY_MODULES = RAY_CHAIN_A | RAY_CHAIN_B
 

@@ -1,0 +1,166 @@
+"""A cluster of real hosts (``tests.hosts.netns``: own address, host name, processes, /tmp and storage cache each; a
+host name that resolves to 127.0.1.1, as on Debian): ``tlab up --listen`` on the serving host, ``tlab join`` with
+nothing but a join token on the others. A 2-rank gang trains across two hosts; a host killed mid-run and a host cut
+off mid-run are declared lost, their job requeued and resumed from the bucket on what is left, every epoch once.
+
+The tests share one lab and run in order (each leaves three hosts joined for the next). Figures (seconds from the
+kill or the cut to the requeue and to the first resumed epoch) are printed: ``pytest -s``."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from api_schemas import keys
+from service.rules.preemptible import PREEMPTED_BY
+from tests.hosts.conftest import NODE_HOME, Head
+from tests.hosts.conftest import TLAB as TLAB_CLI
+from tests.hosts.netns import Host, Lab, available
+from tests.service.conftest import tiny
+from tests.service.scheduler.test_preemption import events
+
+WHY_NOT = available()
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),  # a lab starts Ray four times: minutes on a busy machine
+              pytest.mark.skipif(bool(WHY_NOT), reason=f"no hosts here: {WHY_NOT}")]
+
+LOST_WITHIN_S = 20.0  # a cut-off host is declared lost within this (Ray's health checks as tlab up sets them)
+GANG = {"workers": 2}  # 1 CPU each: one rank per 1-CPU host
+LONG = {"epochs": 100_000, "max_steps_per_epoch": 1}
+
+
+def view(c: httpx.Client, job: str) -> dict[str, Any]:
+    return dict(c.get(f"/v1/experiments/{job}").raise_for_status().json())
+
+
+def submit(c: httpx.Client, spec: dict[str, Any], name: str) -> str:
+    r = c.post("/v1/experiments", json={"spec": spec, "name": name})
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"])
+
+
+def wait(c: httpx.Client, job: str, ok: Any, what: str, timeout: float = 240) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while not ok(v := view(c, job)):
+        assert v["state"] != "failed", f"{job} failed while waiting for {what}: {v['failure_reason']}"
+        assert time.monotonic() < deadline, f"{job}: {what} not within {timeout:g} s; {v}"
+        time.sleep(0.2)
+    return v
+
+
+def epochs_of(head: Head, job: str) -> list[int]:
+    return [m["epoch"] for m in events(head.redis, job, "epoch")]
+
+
+def placed_hosts(head: Head, job: str) -> list[str]:
+    """The host names of the nodes the job's ranks were placed on."""
+    names = {n["id"]: n["hostname"] for n in head.nodes()}
+    return [names.get(node, node) for node in json.loads(head.redis.hget(keys.job(job), "placement") or "[]")]
+
+
+def end(c: httpx.Client, job: str) -> None:
+    c.post(f"/v1/experiments/{job}/cancel")
+    wait(c, job, lambda v: v["state"] in ("cancelled", "succeeded", "failed"), "the end", timeout=120)
+
+
+@pytest.fixture(scope="module")
+def hosts(lab: Lab) -> dict[str, Host]:
+    return {name: lab.host(name) for name in ("a", "b", "c")}
+
+
+@pytest.fixture(scope="module")
+def token(head: Head) -> str:
+    return head.join_token()
+
+
+def test_a_host_with_a_join_token_only_joins_and_the_next_gang_trains_across_two_hosts(
+        head: Head, hosts: dict[str, Host], token: str) -> None:
+    with head.client() as c:  # the admin's own token is no join token; a revoked join token joins nothing
+        body = {"hostname": "x", "address": "10.0.0.1"}
+        assert httpx.post(f"{head.url}/v1/nodes/join", json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {head.admin}"}).status_code == 401
+        revoked = c.post("/v1/join-tokens", json={"note": "to revoke"}).json()
+        assert c.delete(f"/v1/join-tokens/{revoked['token']['id']}").status_code == 204
+        assert httpx.post(f"{head.url}/v1/nodes/join", json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {revoked['secret']}"}).status_code == 401
+
+        head.join(hosts["a"], token)  # one at a time: a node starting beside another is slower to register
+        head.wait_alive([hosts["a"]])
+        head.join(hosts["b"], token)
+        ids = head.wait_alive([hosts["a"], hosts["b"]])
+        named = {n["hostname"]: n["address"] for n in head.nodes() if n["alive"]}
+        assert named[hosts["a"].hostname] == hosts["a"].address  # named by host name and address, not a Ray id
+
+        job = submit(c, tiny(training={"epochs": 4}, resources=GANG), "across")
+        done = wait(c, job, lambda v: v["state"] in ("succeeded", "failed", "cancelled"), "the end", timeout=300)
+        assert done["state"] == "succeeded", done
+    assert sorted(placed_hosts(head, job)) == sorted(ids), placed_hosts(head, job)  # one rank on each host
+    assert epochs_of(head, job) == [0, 1, 2, 3]
+
+
+def lose_a_host_mid_run(head: Head, hosts: dict[str, Host], how: str) -> tuple[Host, dict[str, float]]:
+    """A 2-rank gang on two of the three hosts; one of its hosts killed or cut off after 3 epochs. Returns that host
+    and the seconds from the loss to the node declared lost (the job stopped), to the job queued again, and to its
+    first epoch on the hosts left; the job is cancelled, every epoch once."""
+    with head.client() as c:
+        job = submit(c, tiny(training=LONG, resources=GANG), f"lose-{how}")
+        wait(c, job, lambda v: (v["progress"].get("epoch") or 0) >= 3, "3 epochs")
+        victim = next(h for h in hosts.values() if h.hostname in placed_hosts(head, job))
+        lost_at = time.monotonic()
+        victim.kill() if how == "kill" else victim.cut()
+        deadline = time.monotonic() + 120
+        while not (head.redis.hget(keys.job(job), PREEMPTED_BY) or "").startswith("the loss of node"):
+            assert time.monotonic() < deadline, f"{how}: the node's loss never declared; {view(c, job)}"
+            time.sleep(0.1)
+        declared = time.monotonic() - lost_at
+        wait(c, job, lambda v: v["state"] == "queued" or v["preemptions"] >= 1, "a requeue", timeout=120)
+        queued = time.monotonic() - lost_at
+        seen = len(epochs_of(head, job))
+        wait(c, job, lambda v: len(events(head.redis, job, "start")) >= 2 and len(epochs_of(head, job)) > seen,
+             "a resumed epoch", timeout=240)
+        resumed = time.monotonic() - lost_at
+        v = view(c, job)
+        assert victim.hostname in v["last_preemption"], v  # the loss names the host, not a Ray id
+        assert victim.hostname not in placed_hosts(head, job)
+        if how == "cut":
+            victim.heal()  # its old attempt may still be running there: it must not add epochs
+            time.sleep(5)
+        end(c, job)
+    epochs = epochs_of(head, job)
+    assert epochs == list(range(len(epochs))), epochs  # every epoch exactly once across the loss
+    starts = events(head.redis, job, "start")
+    assert len(starts) == 2 and starts[1]["resumed_from_epoch"] >= 1, starts  # from the bucket's checkpoint
+    figures = {"declared_lost_s": round(declared, 1), "requeued_s": round(queued, 1),
+               "first_resumed_epoch_s": round(resumed, 1)}
+    print(f"\nhost {how}: {figures} (epochs {len(epochs)}; {v['last_preemption']})")
+    return victim, figures
+
+
+def test_a_host_killed_mid_run_its_gang_resumes_on_the_hosts_left_every_epoch_once(
+        head: Head, hosts: dict[str, Host], token: str) -> None:
+    head.join(hosts["c"], token)
+    head.wait_alive(list(hosts.values()))
+    victim, _ = lose_a_host_mid_run(head, hosts, "kill")
+    assert not any(n["alive"] for n in head.nodes() if n["hostname"] == victim.hostname)  # kept, as dead
+    victim.boot()  # the machine comes back, and its admin joins it again
+    head.join(victim, token)
+    head.wait_alive([victim])
+
+
+def test_a_host_cut_off_mid_run_is_declared_lost_within_20_s_and_rejoins_once_healed(
+        head: Head, hosts: dict[str, Host]) -> None:
+    head.wait_alive(list(hosts.values()))
+    victim, figures = lose_a_host_mid_run(head, hosts, "cut")
+    assert figures["declared_lost_s"] <= LOST_WITHIN_S, figures
+    head.wait_alive([victim], timeout=180)  # its `tlab join` restarts the node Ray declared dead
+    leaving = head.logs / "leave.log"
+    out = victim.run([TLAB_CLI, "leave"], {"PATH": "/usr/bin:/bin", "TLAB_HOME": NODE_HOME}, leaving)
+    assert out.wait(timeout=90) == 0, leaving.read_text()
+    assert head.joins[victim.name].wait(timeout=30) == 0  # its `tlab join` stopped its node and exited
+    deadline = time.monotonic() + 60
+    while any(n["alive"] for n in head.nodes() if n["hostname"] == victim.hostname):
+        assert time.monotonic() < deadline, "the node that left is still alive"
+        time.sleep(0.5)
