@@ -118,18 +118,22 @@ def preflight_lines(pf: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def follow_one(c: Client, job_id: str) -> int:
-    """A live progress bar over epochs with the latest losses; exits 0 only if the job succeeded."""
+def follow_one(c: Client, job_id: str, trials: int = 1) -> int:
+    """A live progress bar over epochs with the latest losses; exits 0 only if the job succeeded. A sweep's
+    ``trials`` share one bar: every trial's epochs add up on it."""
     from tqdm import tqdm
 
     epochs = (c.get(job_id)["spec"].get("training") or {}).get("epochs")
-    bar = tqdm(total=epochs, desc=job_id, unit="epoch", dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(total=epochs * trials if epochs else None, desc=job_id, unit="epoch", dynamic_ncols=True,
+               file=sys.stderr)
+    done: dict[str, int] = {}  # epochs trained, per trial ("": an experiment's own)
     final = "unknown"
     try:
         for event in c.events(job_id):
             d = event.data
             if event.kind == "metric":
-                bar.n = int(d["epoch"]) + 1
+                done[str(d.get("trial") or "")] = int(d["epoch"]) + 1
+                bar.n = sum(done.values())
                 bar.set_postfix_str(f"train {fmt(d.get('train_loss'))} test {fmt(d.get('test_loss'))}"
                                     + (f" lr {fmt(d['lr'])}" if d.get("lr") is not None else ""))
             elif event.kind == "status" and d.get("kind") in ("budget", "hint") and d.get("message"):

@@ -44,6 +44,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             "max_concurrent_trials": args.max_concurrent, "searcher": args.searcher, "seed": args.seed,
             "grace_period": args.grace_period, "perturbation_interval": args.perturbation_interval,
             "name": args.name or "", "priority": args.priority, "tags": args.tag, **after_notify(args)}
+    from api_schemas.sweeps import SweepSubmit
     from service.cli.code_zip import with_code
 
     with client(args) as c:
@@ -52,7 +53,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"{job['id']}  {job['state']}  position {fmt(job.get('queue_position'))}", flush=True)
         if not args.follow:
             return 0
-        follow_one(c, job["id"])
+        follow_one(c, job["id"], trials=SweepSubmit.model_validate(body).trial_count())  # one bar for them all
         return show_sweep(c, job["id"])
 
 
@@ -63,7 +64,9 @@ def cmd_sweep_rerun(args: argparse.Namespace) -> int:
               f"({job.get('pending_reason') or 'queued'})", flush=True)
         if not args.follow:
             return 0
-        follow_one(c, job["id"])
+        trials = len(args.trial) if args.trial else sum(
+            t["state"] == "failed" for t in c.json("GET", f"/v1/sweeps/{args.id}")["trials"])
+        follow_one(c, job["id"], trials=max(1, trials))
         return show_sweep(c, job["id"])
 
 

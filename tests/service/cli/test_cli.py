@@ -310,3 +310,22 @@ def test_compare_uploads_the_code_for_every_trial(api_only, tmp_path: Path) -> N
     finally:
         proc.kill()
         proc.communicate()
+
+
+def test_a_sweeps_follow_is_one_bar_over_every_trials_epochs(api_only, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    """Two trials of 2 epochs: one bar to 4/4, not one that starts again with each trial."""
+    from service.cli.client import Client
+    from service.cli.jobs import follow_one
+
+    with Client(api_only.url, api_only.stack.admin_token) as c:
+        base = {"dataset": {"name": "digits"}, "model": {"kind": "mlp", "hidden": [8]}, "training": {"epochs": 2}}
+        sweep = c.json("POST", "/v1/sweeps", json={"base": base, "search_space": {"training.seed": {"grid": [0, 1]}}})
+        with redis.Redis.from_url(api_only.stack.redis_url) as r:  # as the trials' sinks write their epochs
+            for trial in ("t_a", "t_b"):
+                for epoch in (0, 1):
+                    r.xadd(keys.events(sweep["id"]), {"kind": "metric", "data": json.dumps(
+                        {"kind": "epoch", "trial": trial, "epoch": epoch, "train_loss": 1.0, "test_loss": 1.0})})
+        c.json("POST", f"/v1/sweeps/{sweep['id']}/cancel")
+        assert follow_one(c, sweep["id"], trials=2) == 1  # (cancelled)
+    bars = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "epoch" in line]
+    assert bars and "4/4" in bars[-1] and not any(" 2/2 " in b for b in bars), bars
