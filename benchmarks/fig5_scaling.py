@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from benchmarks.common import (
     Canary,
@@ -39,7 +39,8 @@ from benchmarks.common import (
     verdict,
     write_result,
 )
-from teleport import TeleportConfig, TeleportReport, symmetry_teleport_batch, teleport_batch
+from teleport import TeleportConfig, Teleporter, TeleportReport, symmetry_teleport_batch
+from teleport.geometry.eigh_route import EighRoutes
 
 INPUT_DIM = 784
 CLASSES = 10
@@ -59,8 +60,24 @@ MAX_SLOPE = 1.1
 WIDTH_FLOOR = (1024, 4.0)  # at this width null-space must be at least this many times faster
 
 
-Method = Callable[..., TeleportReport]
-METHODS: dict[str, Method] = {"symmetry": symmetry_teleport_batch, "nullspace": teleport_batch}
+Method = Callable[[nn.Module, list[tuple[Tensor, Tensor]], TeleportConfig, EighRoutes], list[TeleportReport]]
+
+
+def symmetry(m: nn.Module, batches: list[tuple[Tensor, Tensor]], config: TeleportConfig,
+             routes: EighRoutes) -> list[TeleportReport]:
+    return [symmetry_teleport_batch(m, F.cross_entropy, x, y, config) for x, y in batches]
+
+
+def nullspace(m: nn.Module, batches: list[tuple[Tensor, Tensor]], config: TeleportConfig,
+              routes: EighRoutes) -> list[TeleportReport]:
+    """The b batches by one teleporter of the model (what one batch teaches the next is kept), the eigh by ``routes``:
+    the run's, measured once per shape."""
+    teleporter = Teleporter(m, F.cross_entropy, config)
+    teleporter.routes = routes
+    return [teleporter.teleport(x, y) for x, y in batches]
+
+
+METHODS: dict[str, Method] = {"symmetry": symmetry, "nullspace": nullspace}
 
 
 def symmetry_exact(point: dict[str, int]) -> bool:
@@ -73,8 +90,10 @@ MAX_SPREAD, RETRIES = 1.5, 2  # re-measure when repeats or the canary are >1.5x 
 
 
 def measure(point: dict[str, int], warmup: int, repeats: int, canary: Canary | None = None,
-            seed: int = 0, retries: int = RETRIES) -> dict[str, Any]:
-    """Seconds of one teleport (b batches × t steps) by each method at one (t, d, n, l, b)."""
+            seed: int = 0, retries: int = RETRIES, routes: EighRoutes | None = None) -> dict[str, Any]:
+    """Seconds of one teleport (b batches × t steps) by each method at one (t, d, n, l, b); ``routes``: the null-space
+    teleports' eigh routes (the run's: new ones when None)."""
+    routes = EighRoutes() if routes is None else routes
     t, d, n, layers, b = (point[k] for k in FACTORS)
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
@@ -85,7 +104,7 @@ def measure(point: dict[str, int], warmup: int, repeats: int, canary: Canary | N
 
     def teleport_all(method: Method) -> Callable[[nn.Module], list[TeleportReport]]:
         def go(m: nn.Module) -> list[TeleportReport]:
-            return [method(m, F.cross_entropy, x, y, config) for x, y in batches]
+            return method(m, batches, config, routes)
 
         return go
 
@@ -124,6 +143,7 @@ def run(base: dict[str, int], sweeps: dict[str, list[int]], warmup: int, repeats
     tables: list[str] = []
     measured: dict[tuple[int, ...], dict[str, Any]] = {}
     canary = Canary()
+    routes = EighRoutes()  # the run's: a shape's eigh route measured once, by the first teleport that meets it
     for factor in sweeps:
         rows = []
         print(f"\n[{factor}: {NAMES[factor]}] base {base}", flush=True)
@@ -131,7 +151,7 @@ def run(base: dict[str, int], sweeps: dict[str, list[int]], warmup: int, repeats
             point = {**base, factor: value}
             key = tuple(point[k] for k in FACTORS)
             if key not in measured:  # the base point is in every sweep: measure it once
-                measured[key] = measure(point, warmup, repeats, canary, retries=retries)
+                measured[key] = measure(point, warmup, repeats, canary, retries=retries, routes=routes)
             rows.append(measured[key])
             r = rows[-1]
             print(f"  {factor}={value:<5d} symmetry {r['symmetry']['seconds']:.4f}s  nullspace "

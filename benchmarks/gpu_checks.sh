@@ -44,8 +44,8 @@ declare -A RC
 $PY -c "import torch; print(torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
 # issue 27: the ascent captured in a CUDA graph (teleport.ascent: auto on CUDA), first and in a process of its own: a
 # capture that fails may leave that process's CUDA state unusable (it did on an H200 before the side stream mend);
-# test_aim: a captured tick learns the host guard's aim at CAP (teleport.aim); test_judging_tick: the tick that only
-# judges a try has a graph of its own, and a batch of two ticks is captured on the model's second batch
+# test_aim: a captured tick learns the host guard's aim at CAP (teleport.ascent.rules); test_judging_tick: the tick
+# that only judges a try has a graph of its own, and a batch of two ticks is captured on the model's second batch
 part cuda_graph 100 $PY -m pytest -q -rfs -p no:cacheprovider tests/teleport/test_on_device.py \
     tests/teleport/test_graph_cache.py tests/teleport/test_aim.py tests/teleport/test_judging_tick.py \
     -k "cuda_graph or captured"
@@ -60,7 +60,7 @@ part gpu_share 90 $PY -m pytest -q -rfs -p no:cacheprovider tests/workers/train/
 # difference) side by side; the payoff runs the product's defaults (auto: the CUDA graph on CUDA, the exact HVP)
 part lm_payoff 210 $PY -m benchmarks.lm_payoff --device $DEV --wait 0 $QUICK
 # issue 27: the same LM trained first (300 AdamW steps on text): its R mostly need the eigh, on the device or on the
-# host's cores (teleport.eigh_route measures and chooses); the moving teleport by either route and as chosen
+# host's cores (teleport.geometry.eigh_route measures and chooses); the moving teleport by either route and as chosen
 part lm_trained 90 $PY -m benchmarks.lm_trained --device $DEV --wait 0 --threads 8 $QUICK
 part gpu_sharing 240 env RAY_USAGE_STATS_ENABLED=0 $PY -m benchmarks.service.gpu_sharing --device $DEV \
     --epochs "$([[ -n "$QUICK" ]] && echo 4 || echo 20)"  # issue 28: early, it needs the whole card to itself

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from teleport import ascent, nullspace, on_device
-from teleport.on_device import DeviceAscent
+from teleport import teleporter
+from teleport.ascent.device import Capturing, DeviceAscent
 
 
 @dataclass
@@ -49,7 +49,7 @@ def emulated_graphs() -> Iterator[Emulation]:
     """Inside, a teleport of ``ascent: cuda_graph`` runs the capture path on the CPU (see the module); the patched
     attributes are put back after, even when the block raises."""
     emulation = Emulation()
-    mode = ascent.ascent_mode
+    mode = teleporter.ascent_mode
 
     def capture(self: DeviceAscent, side: Any, full: bool = True) -> Replay:
         if full:
@@ -57,12 +57,12 @@ def emulated_graphs() -> Iterator[Emulation]:
         self.mode = "cuda_graph"
         return Replay(self, full, emulation)
 
-    def graph_on_cpu(config: Any, device: Any, comm: Any, model: Any = None) -> str:
-        return "cuda_graph" if config.ascent == "cuda_graph" else mode(config, device, comm, model)
+    def graph_on_cpu(config: Any, device: Any, comm: Any, cache: Any = None) -> str:
+        return "cuda_graph" if config.ascent == "cuda_graph" else mode(config, device, comm, cache)
 
-    patches = [(nullspace, "ascent_mode", graph_on_cpu), (ascent, "ascent_mode", graph_on_cpu),
-               (nullspace, "own_stream", lambda device, enabled: contextlib.nullcontext()),
-               (on_device, "_side_stream", lambda device: "side"),
+    patches = [(teleporter, "ascent_mode", graph_on_cpu),
+               (Capturing, "own_stream", lambda self, device, enabled: contextlib.nullcontext()),
+               (Capturing, "side_stream", lambda self, device: "side"),
                (DeviceAscent, "_on", staticmethod(lambda side, fn: fn())), (DeviceAscent, "_capture", capture)]
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     try:

@@ -4,13 +4,13 @@ Two parts, on the device given (``--device cpu|cuda``), side by side in one run:
 
 1. **Cost of one teleport** on a GPT-style LM (d = 512, 4 pre-norm ``nn.TransformerEncoderLayer`` blocks,
    8 heads, FF 4d, context 128, a char vocabulary of 256, token embedding tied to the head; ``--quick``:
-   d = 64, 2 blocks, context 32): a training step (AdamW, 32 sequences) against one ``teleport_batch`` on 2
+   d = 64, 2 blocks, context 32): a training step (AdamW, 32 sequences) against one teleport on 2
    sequences — with 8 ascent steps forced (CAP and loss_tol off: the most a teleport of 8 steps costs) and
    with the product's defaults (lr 0.2, CAP 5: where ‖∇L‖² already exceeds CAP no step is taken; decided by
    ``check_first``'s plain forward + backward, and, side by side, by the recorded evaluation without it). Per
    ascent step: kernel launches (the profiler's ``cudaLaunchKernel`` on CUDA; on the CPU the ops that run a
    kernel, as dispatched: no views, no allocations, backward ops included) and the
-   teleport's host reads (``teleport.objective.HOST_READS``), each as (T(8) − T(0)) / 8 — for each way of
+   teleport's host reads (its ``Teleporter``'s ``reads``), each as (T(8) − T(0)) / 8 — for each way of
    running the steps (``teleport.ascent``: the host guard, what ``auto`` runs, and the device ticks; on CUDA
    the ticks in a CUDA graph too, measured last) and each H·∇L (``teleport.hvp``: exact, difference); and
    where a batch's setup goes (``benchmarks.lm_setup``: the recorded evaluation, the bases, their eigh on the
@@ -50,10 +50,10 @@ from api_schemas.spec import SCALE_FREE
 from benchmarks.common import add_machine_args, print_table, quiet_machine, verdict, write_result
 from benchmarks.lm_payoff_runs import payoff
 from benchmarks.lm_setup import setup_phases
-from teleport import TeleportConfig, teleport_batch
-from teleport.ascent import ascent_mode
-from teleport.difference import ShiftScale
-from teleport.objective import HOST_READS
+from teleport import TeleportConfig, Teleporter
+from teleport.ascent.choose import ascent_mode
+from teleport.hvp.difference import ShiftScale
+from teleport.hvp.objective import HostReads
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")  # a graph: one launch
 ASCENTS = ("host", "device")  # ``TeleportConfig.ascent`` side by side; on CUDA "cuda_graph" too (auto's there)
@@ -125,20 +125,20 @@ class _Kernels(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _launches(fn: Any, device: torch.device) -> tuple[int, int]:
-    """(kernel launches: the profiler's launch events on CUDA, ``_Kernels`` on the CPU; teleport host reads) of one
-    call."""
+def _launches(fn: Any, device: torch.device, reads: HostReads) -> tuple[int, int]:
+    """(kernel launches: the profiler's launch events on CUDA, ``_Kernels`` on the CPU; the host reads ``reads``
+    counted meanwhile: the teleporter's whose teleport ``fn`` runs) of one call."""
     from torch.profiler import ProfilerActivity, profile
 
-    reads = HOST_READS[0]
+    before = reads.count
     if device.type != "cuda":
         with _Kernels() as kernels:
             fn()
-        return kernels.count, HOST_READS[0] - reads
+        return kernels.count, reads.count - before
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     launches = sum(e.count for e in prof.key_averages() if e.key in LAUNCHES)
-    return launches, HOST_READS[0] - reads
+    return launches, reads.count - before
 
 
 def teleport_cost(device: torch.device, quick: bool, repeats: int,
@@ -159,17 +159,21 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
         lm_loss(model(batch), batch).backward()
         opt.step()
 
-    def teleport(steps: int, ascent: str = "auto", hvp: str = "exact", net: nn.Module | None = None,
-                 x: Tensor | None = None, **kw: float) -> Any:
+    # every teleport of the model by one teleporter: what one teaches the next (the aim at CAP, the CUDA graph, a
+    # batch at CAP, the eigh routes) is kept from call to call, as a training loop's teleports keep it
+    teleporter = Teleporter(model, lm_loss)
+
+    def teleport(steps: int, ascent: str = "auto", hvp: str = "exact", x: Tensor | None = None, **kw: float) -> Any:
         config = TeleportConfig(steps=steps, ascent=ascent, hvp=hvp, **kw)
         x = tele if x is None else x
-        return teleport_batch(net or model, lm_loss, x, x, config)
+        return teleporter.teleport(x, x, config=config)
 
     def forced_cost(ascent: str, hvp: str = "exact") -> dict[str, Any]:
         fresh()  # every row from the same weights: a teleport moves them, and FORCED's steps double ‖∇L‖² and more
         forced_s, forced = _timed(lambda: teleport(8, ascent, hvp, **FORCED), device, repeats)
         zero_s, _ = _timed(lambda: teleport(0, ascent, hvp, **FORCED), device, repeats)  # evaluation and bases
-        (l0, r0), (l8, r8) = (_launches(lambda t=t: teleport(t, ascent, hvp, **FORCED), device) for t in (0, 8))
+        (l0, r0), (l8, r8) = (_launches(lambda t=t: teleport(t, ascent, hvp, **FORCED), device, teleporter.reads)
+                              for t in (0, 8))
         row = {"ran_as": forced.ascent, "teleport_8_steps_s": forced_s,
                "teleport_8_steps_in_train_steps": forced_s / step_s,
                "forced_steps_taken": forced.steps, "forced_drift": abs(forced.loss_after - forced.loss_before),
@@ -205,12 +209,13 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
     difference = {"direction_cosine": cosine(*directions(model, lm_loss, tele)), "by_ascent": by_difference}
     default_s, default = _timed(lambda: teleport(8), device, repeats)  # at CAP: decided by check_first's plain pass
     unchecked_s, _ = _timed(lambda: teleport(8, check_first=False), device, repeats)  # by the recorded evaluation
-    default_launches = [_launches(lambda c=c: teleport(8, check_first=c), device)[0] for c in (True, False)]
+    default_launches = [_launches(lambda c=c: teleport(8, check_first=c), device, teleporter.reads)[0]
+                        for c in (True, False)]
     # the product's defaults take no step here (‖∇L‖² over CAP): a teleport that moves the model, its steps its own
     # (each call starts where the last left the batch: ×2 each time, the same steps a call)
     free_s, free = _timed(lambda: teleport(8, **MOVING), device, repeats)
     fresh()  # the setup of the weights every row started from (a sharpened model's R may need eigenvalues)
-    setup = setup_phases(model, lm_loss, tele, step_s, lambda fn: _timed(fn, device, repeats))
+    setup = setup_phases(model, lm_loss, tele, step_s, lambda fn: _timed(fn, device, repeats), teleporter.routes)
     return {
         "model": {"d": d, "layers": layers, "context": ctx, "vocab": 256, "train_batch": 32, "teleport_batch": 2},
         "train_step_s": step_s, "teleport_default_s": default_s, "teleport_default_in_train_steps": default_s / step_s,
@@ -229,14 +234,14 @@ def teleport_cost(device: torch.device, quick: bool, repeats: int,
 def directions(model: nn.Module, loss_fn: Any, x: Tensor,
                scale: ShiftScale | None = None) -> tuple[list[Tensor], list[Tensor]]:
     """(exact, difference) π(H·∇L) of a teleport's first step on the batch x (targets x) at τ = 1; ``scale``: the
-    difference's learned shift factor (``teleport.difference.shift_scale``; None: its first shift, unlearned)."""
-    from teleport.ascent import ascent_direction, difference_direction
-    from teleport.blocks import build_blocks, moving_blocks
-    from teleport.capture import UseRecorder, trainable
-    from teleport.difference import shift_params, unshift
+    difference's learned shift factor (a ``Teleporter``'s ``shift``; None: its first shift, unlearned)."""
     from teleport.executors import SerialExecutor
-    from teleport.nullspace import layer_bases
-    from teleport.objective import objective, objective_tensors
+    from teleport.geometry.blocks import build_blocks, moving_blocks
+    from teleport.geometry.capture import UseRecorder, trainable
+    from teleport.geometry.layer_bases import layer_bases
+    from teleport.hvp.difference import shift_params, unshift
+    from teleport.hvp.direction import ascent_direction, difference_direction
+    from teleport.hvp.objective import objective, objective_tensors
 
     names, params = trainable(model)
     recorder = UseRecorder(names, params)

@@ -1,29 +1,32 @@
 """One teleport of a *trained* GPT-style LM (issue 27): where its bases go, and what the teleport costs.
 
-``benchmarks.lm_payoff``'s cost part teleports the LM at initialisation, where ``teleport.rank_certificate`` proves
-the full rank of most R (17 of 17 at d 512 on the CPU) and no eigh runs. A model in training is not like that: after
-50-300 AdamW steps on text most R are of lower rank at float32's tolerance, and their bases need the batched float64
-eigh of ``bases.spectra`` — on a GPU cuSOLVER's ``syevd`` one matrix after another (``teleport.eigh_route``). This
-benchmark trains ``lm_payoff.GPT`` on Python source (``--train-steps`` AdamW steps of 32 sequences), then, from those
-weights and side by side in one run:
+``benchmarks.lm_payoff``'s cost part teleports the LM at initialisation, where ``teleport.geometry.certificate``
+proves the full rank of most R (17 of 17 at d 512 on the CPU) and no eigh runs. A model in training is not like that:
+after 50-300 AdamW steps on text most R are of lower rank at float32's tolerance, and their bases need the batched
+float64 eigh of ``bases.spectra`` — on a GPU cuSOLVER's ``syevd`` one matrix after another
+(``teleport.geometry.eigh_route``). This benchmark trains ``lm_payoff.GPT`` on Python source (``--train-steps``
+AdamW steps of 32 sequences), then, from those weights and side by side in one run:
 
 - how many R the certificate proves (``proven_full_rank`` of ``representations``) and the setup's phases
   (``benchmarks.lm_setup``: the eigh of the unproven Grams on the device and by the host route, pooled);
 - the teleport that moves the LM (``api_schemas.spec.SCALE_FREE``, a new batch of the same shape each call, so a
   CUDA graph replays) in training steps, with the bases' eigh forced on the device, forced on the host, and as
-  ``teleport.eigh_route`` measures and chooses (the product's default); the route it chose;
+  the teleporter's ``eigh_route.EighRoutes`` measure and choose (the product's default); the route they chose;
 - the same teleport by each ``teleport.ascent`` (host guard, device ticks, on CUDA the CUDA graph), the eigh as chosen;
   on the CPU also by the CUDA graph's path with the capture emulated (``emulated_graph``): the kernels of a replayed
   batch, eager and in its graphs, what a GPU would launch one by one and replay;
 - ``in_turn``: 12 new batches teleported one after the other from the trained weights, the aim at CAP learned from
-  the batches before (``teleport.aim``, the default) and the first order's every time: back-offs, ‖∇L‖² gains and
-  training steps of each.
+  the batches before (``Teleporter.aim``, ``teleport.ascent.rules``: the default) and the first order's every time:
+  back-offs, ‖∇L‖² gains and training steps of each.
+
+Every teleport of the LM is by one ``Teleporter``, which keeps what one teaches the next (the aim at CAP, a CUDA
+graph, the eigh routes chosen), as a training loop's would.
 
 Sizes: ``--quick`` d 64, 2 blocks, context 32, 8 teleport sequences; else the issue's LM on either device, d 512,
 4 blocks, context 128, a training step of 32 sequences, the teleport batch 2 (256 rows), trained 150 steps on the CPU
 (~4 min on 2 cores), 300 on CUDA. (Until stop 52 the CPU's was d 256, context 64, 4 sequences: a teleport batch of
 1/8 of a training step's rows, not the issue's 1/16; its teleport took 1.42 training steps where the issue's LM's took
-0.49, both measured in stop 53 before the learned aim, ``teleport.aim``.)
+0.49, both measured in stop 53 before the learned aim, ``teleport.ascent.rules``.)
 
     python -m benchmarks.lm_trained [--quick] [--device cpu|cuda] [--train-steps K] [--threads T]
 """
@@ -42,7 +45,8 @@ from benchmarks.common import add_machine_args, print_table, quiet_machine, verd
 from benchmarks.graph_emulation import emulated_graphs
 from benchmarks.lm_payoff import GPT, MOVING, _Kernels, _launches, _timed, lm_loss
 from benchmarks.lm_setup import setup_phases
-from teleport import TeleportConfig, aim, eigh_route, graph_cache, teleport_batch
+from teleport import TeleportConfig, Teleporter
+from teleport.geometry.eigh_route import EighRoutes
 
 SOURCES = ("json.decoder", "json.encoder", "argparse", "dataclasses")  # standard-library text, on every machine
 ROUTES = ("device", "host", None)  # None: measured and chosen (the default)
@@ -93,35 +97,35 @@ def trained_cost(device: torch.device, quick: bool, repeats: int, train_steps: i
     tele = batch(size["teleport_batch"])
     batches = [batch(size["teleport_batch"]) for _ in range(3)]
     others = itertools.cycle(batches)
+    teleporter = Teleporter(model, lm_loss)
 
     def moving(ascent: str = "auto") -> Any:
         model.load_state_dict(trained)  # in place: every call from the trained weights
         x = next(others)
-        return teleport_batch(model, lm_loss, x, x, TeleportConfig(steps=8, ascent=ascent, **MOVING))
+        return teleporter.teleport(x, x, config=TeleportConfig(steps=8, ascent=ascent, **MOVING))
 
     def row(fn: Any) -> dict[str, Any]:
         seconds, report = _timed(fn, device, repeats)
-        launches, _ = _launches(fn, device)
+        launches, _ = _launches(fn, device, teleporter.reads)
         return {"seconds": seconds, "in_train_steps": seconds / step_s, "launches": launches, "steps": report.steps,
                 "backoffs": report.backoffs, "gain": report.grad_norm_sq_after / report.grad_norm_sq_before,
                 "ascent": report.ascent, "drift": abs(report.loss_after - report.loss_before)}
 
-    eigh_route.forget()
     by_route: dict[str, dict[str, Any]] = {}
     for route in ROUTES:
         others = itertools.cycle(batches)  # every route the same batches in the same order
-        with eigh_route.forced(route):
-            by_route[route or "chosen"] = row(moving)
-    chosen = eigh_route.chosen()
+        teleporter.routes = EighRoutes(forced=route)  # None, last: measured and chosen afresh, then kept
+        by_route[route or "chosen"] = row(moving)
+    chosen = teleporter.routes.report()
     # the same teleport by each way of running its steps (the eigh as chosen): the device ticks are the CUDA graph's
     # eager fallback, their judging tick without the double backward as in the graph (``on_device.DeviceAscent``)
     by_ascent = {ascent: row(lambda a=ascent: moving(a)) for ascent in ASCENTS[device.type]}
-    emulated = emulated_replay(model, lambda: moving("cuda_graph")) if device.type == "cpu" else None
-    in_turn = {name: batches_in_turn(model, trained, [batch(size["teleport_batch"]) for _ in range(TURNS)], learned,
-                                     step_s, device)
+    emulated = emulated_replay(teleporter, lambda: moving("cuda_graph")) if device.type == "cpu" else None
+    in_turn = {name: batches_in_turn(teleporter, trained, [batch(size["teleport_batch"]) for _ in range(TURNS)],
+                                     learned, step_s, device)
                for name, learned in (("first_order", False), ("learned", True))}
     model.load_state_dict(trained)
-    setup = setup_phases(model, lm_loss, tele, step_s, lambda fn: _timed(fn, device, repeats))
+    setup = setup_phases(model, lm_loss, tele, step_s, lambda fn: _timed(fn, device, repeats), teleporter.routes)
     return {"model": size | {"train_steps": steps}, "train_loss": {"first": first, "last": last},
             "train_step_s": step_s, "by_route": by_route, "by_ascent": by_ascent, "emulated_graph": emulated,
             "eigh_route_chosen": chosen,
@@ -129,10 +133,11 @@ def trained_cost(device: torch.device, quick: bool, repeats: int, train_steps: i
             "setup_phases": setup}
 
 
-def emulated_replay(model: torch.nn.Module, teleport: Any, warm_batches: int = EMULATED_WARM) -> dict[str, Any]:
-    """The moving teleport by the CUDA graph's path on the CPU, the capture emulated (``benchmarks.graph_emulation``):
-    after ``warm_batches`` (the warm-up, the captures), the kernels of one replayed batch — eager (its setup: the
-    recorded forward, the bases) and in its graphs — and the full and judging ticks it replayed."""
+def emulated_replay(teleporter: Teleporter, teleport: Any, warm_batches: int = EMULATED_WARM) -> dict[str, Any]:
+    """The moving teleport (``teleport``: by ``teleporter``) by the CUDA graph's path on the CPU, the capture emulated
+    (``benchmarks.graph_emulation``): after ``warm_batches`` (the warm-up, the captures), the kernels of one replayed
+    batch — eager (its setup: the recorded forward, the bases) and in its graphs — and the full and judging ticks it
+    replayed."""
     with emulated_graphs() as emulation:
         try:
             for _ in range(warm_batches):
@@ -141,7 +146,7 @@ def emulated_replay(model: torch.nn.Module, teleport: Any, warm_batches: int = E
             with _Kernels(inside=lambda: emulation.replaying) as kernels:
                 report = teleport()
         finally:
-            graph_cache.release(model)  # its "graphs" are the emulation's: no later teleport may replay them
+            teleporter.graphs.release()  # its "graphs" are the emulation's: no later teleport may replay them
     return {"eager_kernels": kernels.count - kernels.in_graph, "graph_kernels": kernels.in_graph,
             "full_ticks": emulation.replays[True] - before[True],
             "judging_ticks": emulation.replays[False] - before[False], "graph_replayed": report.graph_replayed,
@@ -149,18 +154,19 @@ def emulated_replay(model: torch.nn.Module, teleport: Any, warm_batches: int = E
             "gain": report.grad_norm_sq_after / report.grad_norm_sq_before}
 
 
-def batches_in_turn(model: torch.nn.Module, trained: dict[str, torch.Tensor], xs: list[torch.Tensor], learned: bool,
+def batches_in_turn(teleporter: Teleporter, trained: dict[str, torch.Tensor], xs: list[torch.Tensor], learned: bool,
                     step_s: float, device: torch.device) -> dict[str, Any]:
-    """The moving teleport of each batch of ``xs`` in turn, each from the trained weights, the aim at CAP learned
-    from the batches before (``teleport.aim``) or the first order's every time: back-offs, ‖∇L‖² gain and training
-    steps of each."""
-    aim.forget(model)
+    """The moving teleport of each batch of ``xs`` in turn by ``teleporter``, each from the trained weights, the aim
+    at CAP learned from the batches before (``Teleporter.aim``) or the first order's every time: back-offs, ‖∇L‖² gain
+    and training steps of each. Only the aim is forgotten (the rest the teleporter keeps, as a training loop's)."""
+    teleporter.aim = None
+    config = TeleportConfig(steps=8, **MOVING)
     rows = []
     for x in xs:
-        model.load_state_dict(trained)
+        teleporter.model.load_state_dict(trained)
         if not learned:
-            aim.forget(model)
-        seconds, report = _timed(lambda x=x: teleport_batch(model, lm_loss, x, x, TeleportConfig(steps=8, **MOVING)),
+            teleporter.aim = None
+        seconds, report = _timed(lambda x=x: teleporter.teleport(x, x, config=config),
                                  device, 1, warm=False)  # once: a warm-up would teach the aim this very batch
         rows.append({"backoffs": report.backoffs, "gain": report.grad_norm_sq_after / report.grad_norm_sq_before,
                      "in_train_steps": seconds / step_s})

@@ -10,7 +10,7 @@ Three models of the paper's kinds, n = 32 each:
 
 Measured side by side, interleaved: a plain training step without optimizer (``zero_grad``,
 forward, ``backward``; the transformer with the default SDPA kernel and, for reference, with the
-math kernel that teleport forces for its double backward), ``teleport_batch`` with ``steps=0``
+math kernel that teleport forces for its double backward), a ``Teleporter``'s teleport with ``steps=0``
 (capture R + the first objective + the bases: the per-batch overhead) and with ``steps=t``.
 
     amortized step      = T(steps=t) / t                    (bases included)
@@ -19,10 +19,10 @@ math kernel that teleport forces for its double backward), ``teleport_batch`` wi
 each divided by the fwd+bwd time. Floor (printed, not asserted; issue 18): step excl. bases ≤ 3× fwd+bwd.
 A second table splits a step into its parts, each timed alone: L and ∇L with their graph and
 ‖∇L‖², the direction π(H·∇L) (the second backward and π, as a step computes them: at τ = 1 a Linear's
-from its factors, ``teleport.factored``), and the rest; plus the per-batch bases.
+from its factors, ``teleport.hvp.factored``), and the rest; plus the per-batch bases.
 
 On a GPU (``--device cuda``) the training step is also timed under bf16 autocast ('f+b bf16', how a
-lab trains there); the teleport itself always runs in float32 with TF32 off (``teleport.precision``),
+lab trains there); the teleport itself always runs in float32 with TF32 off (``teleport.modes``),
 and the ratios stay against the float32 fwd+bwd, the same precision as the teleport.
 
     python -m benchmarks.step_cost [--quick] [--repeats R] [--threads K] [--device cpu|cuda]
@@ -50,7 +50,8 @@ from benchmarks.common import (
     verdict,
     write_result,
 )
-from teleport import SerialExecutor, TeleportConfig, TeleportReport, capture_inputs, teleport_batch
+from teleport import SerialExecutor, TeleportConfig, Teleporter, TeleportReport, capture_inputs
+from teleport.geometry.eigh_route import EighRoutes
 
 STEPS = 8
 LR = 1e-3  # small, so that with CAP and loss_tol disabled every step is accepted
@@ -118,7 +119,11 @@ def models(quick: bool, device: str = "cpu") -> dict[str, tuple[nn.Module, Tenso
 
 
 def measure(model: nn.Module, x: Tensor, y: Tensor, steps: int, warmup: int, repeats: int,
-            canary: Canary | None = None) -> dict[str, Any]:
+            canary: Canary | None = None, routes: EighRoutes | None = None) -> dict[str, Any]:
+    """``routes``: the eigh routes every teleport measured takes (one ``EighRoutes`` for the run: each teleport is of a
+    fresh copy of the model, by a teleporter of its own, and measures no route a teleport before it chose)."""
+    routes = EighRoutes() if routes is None else routes
+
     def fwd_bwd(m: nn.Module) -> float:
         m.zero_grad(set_to_none=True)
         loss = F.cross_entropy(m(x), y)
@@ -135,7 +140,13 @@ def measure(model: nn.Module, x: Tensor, y: Tensor, steps: int, warmup: int, rep
 
     def teleport(t: int) -> Callable[[nn.Module], TeleportReport]:
         config = TeleportConfig(steps=t, lr=LR, **NO_STOP)
-        return lambda m: teleport_batch(m, F.cross_entropy, x, y, config)
+
+        def one(m: nn.Module) -> TeleportReport:
+            teleporter = Teleporter(m, F.cross_entropy, config)
+            teleporter.routes = routes
+            return teleporter.teleport(x, y)
+
+        return one
 
     def fresh() -> nn.Module:
         return copy.deepcopy(model)
@@ -175,24 +186,26 @@ def measure(model: nn.Module, x: Tensor, y: Tensor, steps: int, warmup: int, rep
 
 
 def breakdown(model: nn.Module, x: Tensor, y: Tensor, warmup: int, repeats: int,
-              canary: Canary | None = None) -> dict[str, float]:
+              canary: Canary | None = None, routes: EighRoutes | None = None) -> dict[str, float]:
     """Seconds of the parts of one step, timed alone with the library's own pieces on a copy of the model.
 
     objective: L and ∇L with its graph and ‖∇L‖²; direction: π(H·∇L) on every layer a step moves, the
     second backward and π as a step at τ = 1 computes them (span-free Linear graphs, factored π, data-reading
-    layers left out); bases: capture's R → SVD/eigh per layer (once per batch, not per step).
+    layers left out); bases: capture's R → SVD/eigh per layer (once per batch, not per step), the eigh by
+    ``routes`` (``measure``'s).
     """
-    from teleport.ascent import project_blocks
-    from teleport.blocks import moving_blocks
-    from teleport.factored import factored_direction
-    from teleport.nullspace import layer_bases
-    from teleport.objective import objective, teleport_gradient_and
+    from teleport.geometry.blocks import moving_blocks
+    from teleport.geometry.layer_bases import layer_bases
+    from teleport.hvp.direction import project_blocks
+    from teleport.hvp.factored import factored_direction
+    from teleport.hvp.objective import objective, teleport_gradient_and
 
     m = copy.deepcopy(model).eval()
     params = [p for p in m.parameters() if p.requires_grad]
     with capture_inputs(m) as captured:
         first = objective(m, F.cross_entropy, x, y, params, span_free=True)  # as a step at τ = 1 does
-    layers = moving_blocks(layer_bases(captured, 1.0, SerialExecutor()), 1.0, "numerical_rank")  # what a step moves
+    layers = moving_blocks(layer_bases(captured, 1.0, SerialExecutor(), routes=routes), 1.0,
+                           "numerical_rank")  # what a step moves
     del first
 
     def direction(_: Any) -> list[Tensor]:
@@ -202,7 +215,7 @@ def breakdown(model: nn.Module, x: Tensor, y: Tensor, warmup: int, repeats: int,
     t = time_interleaved({
         "objective": (lambda _: objective(m, F.cross_entropy, x, y, params, span_free=True), None),
         "objective_direction": (direction, None),
-        "bases": (lambda _: layer_bases(captured, 1.0, SerialExecutor()), None),
+        "bases": (lambda _: layer_bases(captured, 1.0, SerialExecutor(), routes=routes), None),
     }, warmup=warmup, repeats=repeats, max_spread=MAX_SPREAD, retries=RETRIES, canary=canary)
     med = {k: v["median"] for k, v in t.items()}
     return {"objective": med["objective"], "direction": max(med["objective_direction"] - med["objective"], 0.0),
@@ -212,11 +225,12 @@ def breakdown(model: nn.Module, x: Tensor, y: Tensor, warmup: int, repeats: int,
 def run(quick: bool, steps: int, warmup: int, repeats: int, device: str = "cpu") -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     canary = Canary()
+    routes = EighRoutes()  # the run's: every teleport takes the routes measured by the first that met its Grams
     for name, (model, x, y) in models(quick, device).items():
         print(f"  {name}: {sum(p.numel() for p in model.parameters()):,} parameters, x {tuple(x.shape)} ...",
               flush=True)
-        rows[name] = measure(model, x, y, steps, warmup, repeats, canary)
-        parts = breakdown(model, x, y, warmup, repeats, canary)
+        rows[name] = measure(model, x, y, steps, warmup, repeats, canary, routes)
+        parts = breakdown(model, x, y, warmup, repeats, canary, routes)
         parts["rest"] = max(rows[name]["step_excl_bases_seconds"] - parts["objective"] - parts["direction"], 0.0)
         rows[name]["breakdown_seconds"] = parts
     def ms(r: dict[str, Any], case: str) -> str:

@@ -53,4 +53,15 @@ def compare_table(groups: dict[str, list[dict[str, Any]]], seeds: int, target: f
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:], *skipped_lines(groups)])
+
+
+def skipped_lines(groups: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Under the table, each group whose teleports stopped early because one made no move: in how many seeds, and
+    the first seed's reason (``teleport made no move at epoch 0 (...): the next teleports skipped``)."""
+    out = []
+    for label, runs in groups.items():
+        said = [s["teleport_skipped"] for s in runs if s.get("teleport_skipped")]
+        if said:
+            out.append(f"{label}: {said[0]} ({len(said)}/{len(runs)} seeds)")
+    return out

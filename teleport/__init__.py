@@ -1,40 +1,39 @@
-"""Teleportation with input null-space gradient projection (Wu, Dong, Aloui, Tarokh, ICML 2025).
+"""Teleportation with input null-space gradient projection (Wu, Dong, Aloui, Tarokh, ICML 2025), in pure PyTorch.
 
-Pure PyTorch. The paper's three steps live in one module each:
+Start with ``reference`` (Algorithm 1 as plainly as it can be written), then ``teleporter`` (the same algorithm, fast,
+with its state explicit); ``README.md`` has the map and the reading order.
 
-- ``capture`` / ``uses``: every use of every parameter in the forward pass and its input columns
-  (the representation matrices R of eqs. 9-11, per parameter, not per layer);
-- ``blocks``: rows of a weight that share their uses, and π on them;
-- ``bases``: SVD with the τ rule (eq. 3) and the projection π (eqs. 12-17);
-- ``nullspace``: projected gradient ascent on ½‖∇L‖² with CAP (eq. 5, Algorithm 1);
-- ``objective``: ½‖∇L‖² and its gradient H·∇L (one double backward), summed across ranks;
-
-plus ``symmetry``, the symmetry-teleport baseline of Zhao et al. for LeakyReLU MLPs.
+>>> teleporter = Teleporter(model, F.cross_entropy, TeleportConfig(steps=8, cap=5.0))
+>>> report = teleporter.teleport(x, y)  # the loss on (x, y) unchanged, ‖∇L‖² raised towards CAP
 """
 
-from teleport.bases import compute_basis
-from teleport.capture import UseRecorder, capture_inputs
+from teleport.config import TeleportConfig
 from teleport.executors import BasisExecutor, SerialExecutor, ThreadExecutor
-from teleport.nullspace import teleport_batch
-from teleport.objective import objective, teleport_gradient
-from teleport.projection import Basis, project
-from teleport.report import LayerReport, TeleportConfig, TeleportReport
+from teleport.geometry.bases import compute_basis
+from teleport.geometry.capture import UseRecorder, capture_inputs
+from teleport.geometry.projection import Basis, project
+from teleport.hvp.objective import objective, teleport_gradient
+from teleport.reference import reference_teleport
+from teleport.report import LayerReport, TeleportReport
 from teleport.symmetry import symmetry_teleport_batch
+from teleport.teleporter import Teleporter, teleport_batch
 
-__all__ = [
+__all__ = (
     "Basis",
     "BasisExecutor",
     "LayerReport",
     "SerialExecutor",
     "TeleportConfig",
     "TeleportReport",
+    "Teleporter",
     "ThreadExecutor",
     "UseRecorder",
     "capture_inputs",
     "compute_basis",
     "objective",
     "project",
+    "reference_teleport",
     "symmetry_teleport_batch",
     "teleport_batch",
     "teleport_gradient",
-]
+)

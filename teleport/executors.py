@@ -1,5 +1,5 @@
 """Who runs ``compute_basis`` over a teleport batch's representations: in turn, on a thread pool, or (workers) Ray
-tasks; ``teleport.nullspace.layer_bases`` batches them by shape instead when that pays (a GPU, the serial case)."""
+tasks; ``teleport.teleporter.layer_bases`` batches them by shape instead when that pays (a GPU, the serial case)."""
 
 from __future__ import annotations
 

@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from teleport.eval_mode import evaluating
-from teleport.guard import guarded_step
-from teleport.nullspace import heldout_loss
-from teleport.objective import LossFn, Objective, objective
-from teleport.report import LayerReport, TeleportConfig, TeleportReport
+from teleport.ascent.host import guarded_step
+from teleport.config import TeleportConfig
+from teleport.hvp.objective import LossFn, Objective, heldout_loss, objective
+from teleport.modes import evaluating
+from teleport.report import LayerReport, TeleportReport
 
 
 def _mlp_layers(model: nn.Module) -> tuple[list[nn.Linear], float]:
@@ -154,7 +154,7 @@ def symmetry_teleport_batch(
 
             # no ‖∇L‖² before the step: its path through the group is not smooth (a step of η 1e-3 on a digits-size
             # MLP can lower ‖∇L‖² however short it is made), so it is not held to an ascent, and an overshoot of CAP
-            # is halved (``guard._shorten``)
+            # is halved (``rules.shorten``)
             new, eta, tries, why = guarded_step(move, lambda b=base: _write(layers, b), evaluate, loss0, eta, config)
             backoffs += tries
             if new is None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from benchmarks.graph_emulation import emulated_graphs
-from teleport.on_device import DeviceAscent
+from teleport.ascent.device import DeviceAscent
 
 DEVICE = os.environ.get("TLAB_TEST_DEVICE", "")
 

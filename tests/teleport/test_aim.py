@@ -1,4 +1,4 @@
-"""A step aimed at CAP learns from the model's earlier aimed steps (``teleport.aim.AimScale``): a model whose
+"""A step aimed at CAP learns from the model's earlier aimed steps (``teleport.ascent.rules.AimScale``): a model whose
 ‖∇L‖² bends up steeply along the step overshoots CAP once, on its first batch, and lands under it at the first try
 after; the host guard and the device ticks learn the same factor."""
 
@@ -9,10 +9,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from torch import nn
 
-from teleport import TeleportConfig, teleport_batch
-from teleport.aim import AIM, M_MIN, AimScale, aim_on_device, aim_scale, aims_first
+from teleport import TeleportConfig, Teleporter
+from teleport.ascent.rules import AIM, M_MIN, AimScale, aim_on_device, aims_first
 from tests.teleport.families import CASES, Case
 
 pytestmark = pytest.mark.usefixtures("float64")
@@ -60,26 +59,29 @@ def _steep() -> Case:
     return CASES["tied_lm"]()
 
 
-def _batches(model: nn.Module, case: Case, config: TeleportConfig, n: int) -> list:
-    """n teleports of ``model`` from its weights as they are now, each on the case's batch."""
+def _batches(teleporter: Teleporter, case: Case, n: int) -> list:
+    """n teleports of the teleporter's model from its weights as they are now, each on the case's batch."""
+    model = teleporter.model
     start = copy.deepcopy(model.state_dict())
     reports = []
     for _ in range(n):
         model.load_state_dict(start)
-        reports.append(teleport_batch(model, case.loss_fn, case.x, case.y, config))
+        reports.append(teleporter.teleport(case.x, case.y))
     return reports
 
 
 def test_a_steep_model_overshoots_cap_on_its_first_batch_only() -> None:
     case = _steep()
-    reports = _batches(case.model, case, replace(SCALE_FREE, ascent="host"), 4)
+    teleporter = Teleporter(case.model, case.loss_fn, replace(SCALE_FREE, ascent="host"))
+    reports = _batches(teleporter, case, 4)
     assert [r.stop_reason for r in reports] == ["cap"] * 4
     assert reports[0].backoffs >= 1  # the first-order aim overshot CAP and was shortened
     assert [r.backoffs for r in reports[1:]] == [0, 0, 0]  # the learned aim lands under it at the first try
     for r in reports:
         assert 1.0 < r.grad_norm_sq_after / r.grad_norm_sq_before <= 2.0
         assert abs(r.loss_after - r.loss_before) <= 1e-9 * abs(r.loss_before)
-    assert float(aim_scale(case.model, next(case.model.parameters())).now) < 1.0
+    assert teleporter.aim is not None and float(teleporter.aim.now) < 1.0
+    assert teleporter.state_dict()["aim"]["now"] == float(teleporter.aim.now)  # saved with the teleporter
 
 
 @pytest.mark.parametrize("ascent", ["device", pytest.param("cuda_graph", marks=pytest.mark.skipif(
@@ -90,12 +92,13 @@ def test_the_device_ticks_learn_the_host_guards_factor(ascent: str) -> None:
     if ascent == "cuda_graph":
         case = Case(case.model.cuda(), case.x.cuda(), case.y.cuda(), case.moved, case.loss_fn)
     host, ticks = copy.deepcopy(case.model), copy.deepcopy(case.model)
-    by_host = _batches(host, case, replace(SCALE_FREE, ascent="host"), 3)
-    by_ticks = _batches(ticks, case, replace(SCALE_FREE, ascent=ascent), 3)
+    on_host = Teleporter(host, case.loss_fn, replace(SCALE_FREE, ascent="host"))
+    on_ticks = Teleporter(ticks, case.loss_fn, replace(SCALE_FREE, ascent=ascent))
+    by_host, by_ticks = _batches(on_host, case, 3), _batches(on_ticks, case, 3)
     assert all(r.ascent in ("device", "cuda_graph") for r in by_ticks)  # a graph once captured (batch 1's 3rd tick)
     assert [(r.steps, r.backoffs) for r in by_ticks] == [(r.steps, r.backoffs) for r in by_host]
-    m_host = float(aim_scale(host, next(host.parameters())).now)
-    m_ticks = float(aim_scale(ticks, next(ticks.parameters())).now)
+    assert on_host.aim is not None and on_ticks.aim is not None
+    m_host, m_ticks = float(on_host.aim.now), float(on_ticks.aim.now)
     assert m_ticks == pytest.approx(m_host, rel=1e-9) and m_host < 1.0
     for p, q in zip(host.parameters(), ticks.parameters(), strict=True):
         assert torch.allclose(p, q, rtol=1e-9, atol=1e-12)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from teleport import TeleportConfig, teleport_batch
+from teleport import TeleportConfig, Teleporter, teleport_batch
 from tests.teleport import families
 
 pytestmark = pytest.mark.usefixtures("float64")
@@ -88,9 +88,12 @@ def test_by_default_a_batch_is_checked_first_when_the_models_last_was_at_cap() -
     case = families.linear()
     loss_fn, seen = _modes_seen(case.loss_fn)
     at_cap, below = TeleportConfig(cap=1e-12), replace(families.OPEN, steps=1)
-    reasons = []
+    reasons, teleporter = [], Teleporter(case.model, loss_fn)  # the model's at-CAP memory is the teleporter's
     for config in (at_cap, at_cap, below, below, at_cap):
         seen.clear()
-        reasons.append(teleport_batch(case.model, loss_fn, case.x, case.y, config).stop_reason)
+        reasons.append(teleporter.teleport(case.x, case.y, config=config).stop_reason)
         reasons.append("recorded" if seen[0] else "checked")  # the first pass: the recorder on or not
     assert reasons == ["cap", "recorded", "cap", "checked", "steps", "checked", "steps", "recorded", "cap", "recorded"]
+    seen.clear()
+    teleport_batch(case.model, loss_fn, case.x, case.y, at_cap)  # a fresh teleporter remembers nothing
+    assert seen[0]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from teleport import TeleportConfig, teleport_batch
+from teleport import TeleportConfig, Teleporter, teleport_batch
 from tests.teleport.families import CASES, OPEN, Case
 from tests.teleport.test_uses import assert_exact
 
@@ -99,8 +99,8 @@ def test_bf16_autocast_training_with_a_float32_teleport_between_steps() -> None:
 
 @cuda
 def test_bases_on_cuda_match_the_cpu_svd_and_prove_the_cpus_full_ranks() -> None:
-    from teleport.bases import compute_bases, compute_basis, whole_spans
-    from teleport.projection import project
+    from teleport.geometry.bases import compute_bases, compute_basis, whole_spans
+    from teleport.geometry.projection import project
 
     torch.manual_seed(7)
     reps = [torch.randn(512, 256, dtype=torch.float32) for _ in range(3)] + [torch.randn(64, 300)]
@@ -118,7 +118,7 @@ def test_bases_on_cuda_match_the_cpu_svd_and_prove_the_cpus_full_ranks() -> None
 
 @cuda
 def test_the_squared_norm_on_cuda_is_one_multi_tensor_kernel_as_exact_as_the_dots() -> None:
-    from teleport.objective import squared_norm
+    from teleport.hvp.objective import squared_norm
 
     torch.manual_seed(5)
     grads = [torch.randn(1024, 1024), torch.randn(3000), torch.randn(64, 64, dtype=torch.float64)]
@@ -137,25 +137,23 @@ def test_an_ascent_step_on_cuda_syncs_the_host_at_most_once(ascent: str, hvp: st
     tries and teleport host reads beside them."""
     import warnings
 
-    from teleport.objective import HOST_READS
-
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 10)).cuda()
     x, y = torch.randn(16, 64, device="cuda"), torch.randint(0, 10, (16,), device="cuda")
 
     def syncs(steps: int) -> tuple[list[str], int, int]:
         config = TeleportConfig(steps=steps, lr=1e-4, cap=1e12, loss_tol=1e9, ascent=ascent, hvp=hvp)
-        reads = HOST_READS[0]
+        teleporter = Teleporter(copy.deepcopy(model), F.cross_entropy, config)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                report = teleport_batch(copy.deepcopy(model), F.cross_entropy, x, y, config)
+                report = teleporter.teleport(x, y)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         assert report.steps == steps
         where = [f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
-        return where, report.steps + report.backoffs, HOST_READS[0] - reads
+        return where, report.steps + report.backoffs, teleporter.reads.count
 
     syncs(1)  # the process's first teleport: a one-off sync of torch's own (torch/cuda/__init__.py on an H200, stop 50)
     (s8, tries8, reads8), (s4, tries4, reads4) = syncs(8), syncs(4)

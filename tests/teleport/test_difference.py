@@ -17,16 +17,25 @@ from torch import Tensor, nn
 
 from benchmarks import lm_payoff
 from benchmarks.lm_payoff import cosine, directions
-from teleport import TeleportConfig, teleport_batch
-from teleport.ascent import ascent_mode
-from teleport.capture import trainable
-from teleport.difference import difference_hvp, shift_params, shift_scale, unshift
-from teleport.objective import HOST_READS, objective, squared_norm
+from teleport import TeleportConfig, Teleporter, teleport_batch
+from teleport.ascent import device as device_module
+from teleport.ascent.choose import ascent_mode
+from teleport.geometry.capture import trainable
+from teleport.hvp import objective as objective_module
+from teleport.hvp.difference import ShiftScale, difference_hvp, shift_params, unshift
+from teleport.hvp.objective import objective, squared_norm
 from tests.teleport.families import CASES, OPEN, Case, lm_loss
-from tests.teleport.test_on_device import GUARDS, HOST_OPS, assert_same, both, mlp, ticks_recorded
+from tests.teleport.test_on_device import GUARDS, HOST_OPS, assert_same, both, both_teleporters, mlp, ticks_recorded
 from tests.teleport.test_uses import assert_exact
 
 DIFF = replace(OPEN, hvp="difference")
+
+
+def shift_scale(teleporter: Teleporter, like: Tensor) -> ShiftScale:
+    """The teleporter's ``ShiftScale`` on ``like``'s device (what its model's next difference starts from); a fresh
+    one where it has none there."""
+    scale = teleporter.shift
+    return scale if scale is not None and scale.now.device == like.device else ShiftScale(like.device)
 
 
 @pytest.mark.usefixtures("float64")
@@ -89,14 +98,16 @@ def test_a_sharpened_lms_shift_is_cut_until_the_direction_is_the_exact_ones_agai
     torch.manual_seed(0)
     model, x = lm_payoff.GPT(256, 64, 1, 32), torch.randint(0, 256, (2, 32))
     fresh = CASES["tied_lm"]()
-    teleport_batch(fresh.model, fresh.loss_fn, fresh.x, fresh.y, DIFF)
-    assert float(shift_scale(fresh.model, fresh.x).now) == 1.0
+    fresh_teleporter = Teleporter(fresh.model, fresh.loss_fn, DIFF)
+    fresh_teleporter.teleport(fresh.x, fresh.y)
+    assert float(shift_scale(fresh_teleporter, fresh.x).now) == 1.0
     before = objective(model, lm_loss, x, x, list(model.parameters()), graph=False).grad_norm_sq
     sharpen = TeleportConfig(steps=16, rise=3.0, cap=math.inf, cap_ratio=1e4, loss_tol=1e-2)
-    after = teleport_batch(model, lm_loss, x, x, sharpen).grad_norm_sq_after
+    teleporter = Teleporter(model, lm_loss, sharpen)
+    after = teleporter.teleport(x, x).grad_norm_sq_after
     assert after / before > 1e3
     assert 1 - cosine(*directions(model, lm_loss, x)) > 5e-3  # the fresh LM's shift
-    scale = shift_scale(model, x)
+    scale = shift_scale(teleporter, x)
     first = cosine(*directions(model, lm_loss, x, scale))
     assert float(scale.now) == 1.0 and float(scale.proposed) < 0.5  # kept once its direction starts a step
     scale.commit()
@@ -108,18 +119,20 @@ def test_the_parameters_end_in_their_own_storage_with_one_host_read_a_step() -> 
     torch.manual_seed(0)
     model, x = GPT(), torch.randint(0, 64, (2, 32))
     ptrs = [p.data_ptr() for p in model.parameters()]
+    teleporter = Teleporter(model, lm_loss, DIFF)
 
     def reads(steps: int) -> int:
-        before = HOST_READS[0]
-        report = teleport_batch(model, lm_loss, x, x, replace(DIFF, steps=steps, lr=1e-3, loss_tol=1e9))
+        before = teleporter.reads.count
+        report = teleporter.teleport(x, x, config=replace(DIFF, steps=steps, lr=1e-3, loss_tol=1e9))
         assert report.steps == steps and report.backoffs == 0
-        return HOST_READS[0] - before
+        return teleporter.reads.count - before
 
     assert reads(8) - reads(4) == 4
     assert [p.data_ptr() for p in model.parameters()] == ptrs
 
 
-def test_the_shift_is_undone_bit_for_bit_and_the_hvp_reads_nothing_on_the_host() -> None:
+def test_the_shift_is_undone_bit_for_bit_and_the_hvp_reads_nothing_on_the_host(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     model, x = GPT(), torch.randint(0, 64, (2, 32))
     names, params = trainable(model)
@@ -135,9 +148,12 @@ def test_the_shift_is_undone_bit_for_bit_and_the_hvp_reads_nothing_on_the_host()
         unshift(params, saved)
         return along
 
-    reads = HOST_READS[0]
+    reads: list[int] = []  # every host read a teleport counts (``host_floats``), counted or not
+    for module in (objective_module, device_module):
+        real = module.host_floats
+        monkeypatch.setattr(module, "host_floats", lambda *a, _f=real, **k: reads.append(1) or _f(*a, **k))
     hvp = difference_hvp(cur, params, params[:2], shifted)
-    assert HOST_READS[0] == reads and all(float(h.abs().max()) == 0 for h in hvp)  # ∇L at both points: 0
+    assert not reads and all(float(h.abs().max()) == 0 for h in hvp)  # ∇L at both points: 0
     assert not torch.equal(seen[0], before[0])
     assert [p.data_ptr() for p in params] == ptrs
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
@@ -194,13 +210,13 @@ def test_the_device_ticks_learn_the_host_guards_shift(device: str) -> None:
     sharpen = TeleportConfig(steps=16, rise=3.0, cap=math.inf, cap_ratio=1e4, loss_tol=1e-2)
     teleport_batch(model, lm_loss, x, x, sharpen)
     case = Case(model, x, x, [], lm_loss)
-    a, b, host, other = both(case, replace(DIFF, steps=6, rise=0.3, cap=math.inf, cap_ratio=4.0), device)
+    a, b, host, other = both_teleporters(case, replace(DIFF, steps=6, rise=0.3, cap=math.inf, cap_ratio=4.0), device)
     assert a.steps >= 2 and b.ascent == "device"
-    scales = [shift_scale(m, x) for m in (host, other)]
+    scales = [shift_scale(t, x) for t in (host, other)]
     assert float(scales[0].now) < 0.5 and float(scales[1].now) == pytest.approx(float(scales[0].now), rel=1e-6)
     # ‖∇L‖² ~1e6: the paths' rounding, grown — weights of O(0.1) 9e-9 apart on one CPU, 1.9e-9 with atol 1e-9 too
     # much for an AMD EPYC's (2026-12-03); the teleport moves them by up to 0.14
-    assert_same(a, b, host, other, rtol=1e-6, atol=1e-8)
+    assert_same(a, b, host.model, other.model, rtol=1e-6, atol=1e-8)
 
 
 def test_the_spec_reaches_the_algorithm() -> None:

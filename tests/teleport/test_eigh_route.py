@@ -1,4 +1,5 @@
-"""``teleport.eigh_route``: the bases' batched eigh on the device or on the host's cores, measured and chosen; either
+"""``teleport.geometry.eigh_route``: the bases' batched eigh on the device or on the host's cores, measured and
+chosen; either
 route gives the same bases, so a teleport stays exact whichever runs."""
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from teleport import TeleportConfig, eigh_route, teleport_batch
-from teleport.bases import compute_bases, whole_spans
-from teleport.blocks import build_blocks
-from teleport.capture import UseRecorder, trainable
-from teleport.eval_mode import evaluating
-from teleport.nullspace import representations
-from teleport.objective import objective
+from teleport import TeleportConfig, Teleporter
+from teleport.geometry import eigh_route
+from teleport.geometry.bases import compute_bases, whole_spans
+from teleport.geometry.blocks import build_blocks
+from teleport.geometry.capture import UseRecorder, trainable
+from teleport.geometry.eigh_route import EighRoutes
+from teleport.geometry.layer_bases import representations
+from teleport.hvp.objective import objective
+from teleport.modes import evaluating
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -27,9 +30,7 @@ def two_threads() -> Iterator[None]:
     """Two torch threads (the suite runs on one): the host route's pool has two, and a choice to make."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
-    eigh_route.forget()
     yield
-    eigh_route.forget()
     torch.set_num_threads(before)
 
 
@@ -74,7 +75,7 @@ def test_eigh_times_each_route_once_and_keeps_the_faster(monkeypatch: pytest.Mon
     calls: list[str] = []
 
     def counted(name: str, delay: float):
-        run = eigh_route.RUN[name]
+        run = getattr(eigh_route, f"on_{name}")
 
         def fn(g: Tensor) -> tuple[Tensor, Tensor]:
             calls.append(name)
@@ -82,28 +83,33 @@ def test_eigh_times_each_route_once_and_keeps_the_faster(monkeypatch: pytest.Mon
             return run(g)
         return fn
 
-    monkeypatch.setitem(eigh_route.RUN, "device", counted("device", 0.05))
-    monkeypatch.setitem(eigh_route.RUN, "host", counted("host", 0.0))
+    monkeypatch.setattr(eigh_route, "on_device", counted("device", 0.05))
+    monkeypatch.setattr(eigh_route, "on_host", counted("host", 0.0))
+    routes = EighRoutes()
     g = grams()
-    lam, _ = eigh_route.eigh(g)
+    lam, _ = routes.eigh(g)
     assert calls == ["device", "device", "host", "host"]  # each warm, then timed
-    (choice,) = eigh_route.chosen().values()
+    (choice,) = routes.report().values()
     assert choice["route"] == "host" and choice["seconds"]["device"] > choice["seconds"]["host"]
     calls.clear()
-    torch.testing.assert_close(eigh_route.eigh(g)[0], lam)
+    torch.testing.assert_close(routes.eigh(g)[0], lam)
     assert calls == ["host"]  # the choice is kept for this key
-    eigh_route.eigh(grams(b=2))
-    assert calls[1:] == ["device", "device", "host", "host"]  # another shape is measured on its own
+    kept = EighRoutes()
+    kept.load_state_dict(routes.state_dict())  # a resumed teleporter keeps it
+    torch.testing.assert_close(kept.eigh(g)[0], lam)
+    assert calls == ["host", "host"]
+    routes.eigh(grams(b=2))
+    assert calls[2:] == ["device", "device", "host", "host"]  # another shape is measured on its own
 
 
 def test_one_cpu_thread_is_one_route() -> None:
     torch.set_num_threads(1)
     g = grams()
-    torch.testing.assert_close(eigh_route.eigh(g)[0], torch.linalg.eigh(g)[0], rtol=0, atol=0)
-    assert eigh_route.chosen() == {}
+    routes = EighRoutes()
+    torch.testing.assert_close(routes.eigh(g)[0], torch.linalg.eigh(g)[0], rtol=0, atol=0)
+    assert routes.report() == {}
     with pytest.raises(ValueError, match="eigh route 'gpu'"):
-        with eigh_route.forced("gpu"):
-            pass
+        EighRoutes("gpu")
 
 
 def test_rank_deficient_bases_are_the_same_by_either_route() -> None:
@@ -112,8 +118,7 @@ def test_rank_deficient_bases_are_the_same_by_either_route() -> None:
     assert len(whole_spans(reps)) == 0 and len(reps) == 4  # every R by the eigh
     by = {}
     for route in eigh_route.ROUTES:
-        with eigh_route.forced(route):
-            by[route] = compute_bases(reps, 1.0)
+        by[route] = compute_bases(reps, 1.0, routes=EighRoutes(route))
     for dev, host in zip(by["device"], by["host"], strict=True):
         assert (dev.rank, dev.kept is None) == (host.rank, host.kept is None) and dev.rank == 4
         torch.testing.assert_close(host.kept @ host.kept.T, dev.kept @ dev.kept.T, rtol=0, atol=1e-12)
@@ -125,8 +130,7 @@ def test_a_teleport_by_the_host_route_is_exact_and_the_device_routes() -> None:
     moved = {}
     for route in eigh_route.ROUTES:
         net = copy.deepcopy(model)
-        with eigh_route.forced(route):
-            report = teleport_batch(net, nn.functional.cross_entropy, x, y, config)
+        report = Teleporter(net, nn.functional.cross_entropy, config, eigh_route=route).teleport(x, y)
         assert report.steps == 3 and report.grad_norm_sq_after > report.grad_norm_sq_before
         assert abs(report.loss_after - report.loss_before) <= 1e-9 * abs(report.loss_before)
         moved[route] = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
@@ -141,6 +145,7 @@ def test_the_host_route_of_cuda_grams_comes_back_to_the_gpu() -> None:
     assert vec_h.device == g.device and lam_h.device == g.device
     for j in range(g.shape[0]):
         torch.testing.assert_close(projector(vec_h[j], lam_h[j]), projector(vec_d[j], lam_d[j]), rtol=0, atol=1e-10)
-    eigh_route.eigh(g)
-    (choice,) = eigh_route.chosen().values()
+    routes = EighRoutes()
+    routes.eigh(g)
+    (choice,) = routes.report().values()
     assert choice["route"] in eigh_route.ROUTES and set(choice["seconds"]) == set(eigh_route.ROUTES)

@@ -1,4 +1,5 @@
-"""The device ascent's move on flat runs (``teleport.flat_move``) is the per-weight ``where`` move, bit for bit."""
+"""The device ascent's move on flat runs (``teleport.ascent.flat_move``) is the per-weight ``where`` move, bit for
+bit."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from teleport import flat_move
-from teleport.flat_move import FlatMove
+from teleport.ascent import flat_move
+from teleport.ascent.flat_move import FlatMove
 
 
 def _per_weight(w: list[Tensor], origin: list[Tensor], u: list[Tensor], start: Tensor, retry: Tensor,

@@ -1,4 +1,5 @@
-"""A captured tick serves later batches (``teleport.graph_cache``): the new batch's values reach every tensor it reads.
+"""A captured tick serves later batches (``teleport.ascent.graphs``): the new batch's values reach every tensor it
+reads.
 
 A CUDA graph replays its kernels on the tensors it was captured with. Without a GPU the capture is emulated: the
 "graph" of a tick is the captured ``DeviceAscent``'s own tick, called again on the same objects — it reads the same
@@ -13,6 +14,7 @@ import copy
 import gc
 import math
 import warnings
+import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -20,10 +22,11 @@ import pytest
 import torch
 from torch import Tensor
 
-from teleport import graph_cache, nullspace, teleport_batch
-from teleport.ascent import ascent_mode
-from teleport.objective import objective
-from teleport.on_device import DeviceAscent
+from teleport import Teleporter, teleport_batch, teleporter
+from teleport.ascent import graphs
+from teleport.ascent.choose import ascent_mode
+from teleport.ascent.device import DeviceAscent
+from teleport.hvp.objective import objective
 from tests.teleport.families import CASES, OPEN, Case
 from tests.teleport.test_on_device import assert_same, cuda, mlp
 
@@ -48,16 +51,17 @@ def other_batch(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def fresh_then(case: Case, batches: list[tuple[Tensor, Tensor]], config: Any) -> tuple[Any, Any]:
-    """A copy of the model teleported on each batch in turn with ``config``: (its last report, the model)."""
-    model = copy.deepcopy(case.model)
+    """A copy of the model teleported on each batch in turn with ``config`` by one teleporter: (its last report, the
+    model)."""
+    teleporter = Teleporter(copy.deepcopy(case.model), case.loss_fn, config)
     report = None
     for x, y in batches:
-        report = teleport_batch(model, case.loss_fn, x, y, config)
-    return report, model
+        report = teleporter.teleport(x, y)
+    return report, teleporter.model
 
 
 # each family, and how many captures its three batches need: one — a rank that follows the data (masks from the data)
-# keeps the bases' shapes (``graph_cache.fixed_widths``), a tied LM's looked-up rows are a masked row class
+# keeps the bases' shapes (``blocks.fixed_widths``), a tied LM's looked-up rows are a masked row class
 FAMILIES = {"mlp": 1, "transformer-decoder-batch_first=True": 1, "conv-conv2d_depthwise": 1, "shared_and_loop": 1,
             "tied_lm": 1, "attention-cross-batch_first=True-masks=True": 1}
 
@@ -82,19 +86,20 @@ def test_a_later_batch_replays_the_captured_tick_and_takes_a_fresh_teleports_ste
 def test_what_the_graph_depends_on_captures_anew(captures: list[DeviceAscent]) -> None:
     case = mlp()
     model = copy.deepcopy(case.model)
+    t = Teleporter(model, case.loss_fn, GRAPHED)
     x2, y2 = other_batch(case.x, case.y)
-    first = teleport_batch(model, case.loss_fn, case.x, case.y, GRAPHED)
-    second = teleport_batch(model, case.loss_fn, x2, y2, GRAPHED)
+    first = t.teleport(case.x, case.y)
+    second = t.teleport(x2, y2)
     assert len(captures) == 1 and (first.graph_replayed, second.graph_replayed) == (False, True)
-    teleport_batch(model, case.loss_fn, x2[:5], y2[:5], GRAPHED)  # another batch shape: new static inputs
+    t.teleport(x2[:5], y2[:5])  # another batch shape: new static inputs
     assert len(captures) == 2
-    teleport_batch(model, case.loss_fn, x2, y2, replace(GRAPHED, lr=0.05))  # another config
+    t.teleport(x2, y2, config=replace(GRAPHED, lr=0.05))  # another config
     assert len(captures) == 3
     weight = next(model.parameters())
     weight.data = weight.data.clone()  # a parameter in another storage than the graph reads
     expected, e_model = fresh_then(Case(copy.deepcopy(model), x2, y2, []), [(x2, y2)], replace(GRAPHED, lr=0.05,
                                                                                                 ascent="device"))
-    report = teleport_batch(model, case.loss_fn, x2, y2, replace(GRAPHED, lr=0.05))
+    report = t.teleport(x2, y2, config=replace(GRAPHED, lr=0.05))
     assert len(captures) == 4
     assert_same(expected, report, e_model, model, rtol=1e-9)
 
@@ -105,18 +110,19 @@ def test_batches_whose_shapes_keep_changing_drop_the_graph_and_auto_takes_the_ho
     capture, a memory pool) that no later batch replays. The ``CHURN``-th such batch in a row drops the graph, and
     ``auto`` runs the model's later batches by the host guard; a batch that replays starts the count again."""
     case = mlp()
-    model, gpu = copy.deepcopy(case.model), torch.device("cuda", 0)
+    t, gpu = Teleporter(copy.deepcopy(case.model), case.loss_fn, GRAPHED), torch.device("cuda", 0)
     auto = replace(GRAPHED, ascent="auto")
     x2, y2 = other_batch(case.x, case.y)
-    reports = [teleport_batch(model, case.loss_fn, x, y, GRAPHED) for x, y in ((case.x, case.y), (x2, y2))]
-    assert [r.graph_replayed for r in reports] == [False, True] and not graph_cache.churning(model)
-    for n in range(1, graph_cache.CHURN + 1):  # a batch one sample shorter each time
-        assert ascent_mode(auto, gpu, None, model) == "cuda_graph"
-        teleport_batch(model, case.loss_fn, case.x[:-n], case.y[:-n], GRAPHED)
-    assert len(captures) == 1 + graph_cache.CHURN
-    assert graph_cache.churning(model) and model not in graph_cache.ENTRIES  # its memory pool let go
-    assert ascent_mode(auto, gpu, None, model) == "host"
-    assert ascent_mode(auto, gpu, None, case.model) == "cuda_graph"  # another model's count is its own
+    reports = [t.teleport(x, y) for x, y in ((case.x, case.y), (x2, y2))]
+    assert [r.graph_replayed for r in reports] == [False, True] and not t.graphs.churning
+    for n in range(1, graphs.CHURN + 1):  # a batch one sample shorter each time
+        assert ascent_mode(auto, gpu, None, t.graphs) == "cuda_graph"
+        t.teleport(case.x[:-n], case.y[:-n])
+    assert len(captures) == 1 + graphs.CHURN
+    assert t.graphs.churning and t.graphs.entry is None  # its memory pool let go
+    assert ascent_mode(auto, gpu, None, t.graphs) == "host"
+    other = Teleporter(case.model, case.loss_fn, auto)
+    assert ascent_mode(auto, gpu, None, other.graphs) == "cuda_graph"  # another model's count is its own
 
 
 def test_a_replayed_batch_reads_its_start_in_its_first_tick(captures: list[DeviceAscent],
@@ -130,25 +136,26 @@ def test_a_replayed_batch_reads_its_start_in_its_first_tick(captures: list[Devic
     x2, y2 = other_batch(case.x, case.y)
     eager: list[str] = []
     for name in ("objective", "recorded_loss"):
-        real = getattr(nullspace, name)
-        monkeypatch.setattr(nullspace, name, lambda *a, _f=real, _n=name, **k: eager.append(_n) or _f(*a, **k))
+        real = getattr(teleporter, name)
+        monkeypatch.setattr(teleporter, name, lambda *a, _f=real, _n=name, **k: eager.append(_n) or _f(*a, **k))
     own_cap = replace(GRAPHED, cap=math.inf, cap_ratio=1.5)
-    first = teleport_batch(model, case.loss_fn, case.x, case.y, own_cap)
+    t = Teleporter(model, case.loss_fn, own_cap)
+    first = t.teleport(case.x, case.y)
     assert eager == ["objective"] and not first.graph_replayed
     eager.clear()
-    second = teleport_batch(model, case.loss_fn, x2, y2, own_cap)
+    second = t.teleport(x2, y2)
     assert eager == ["recorded_loss"] and second.graph_replayed and len(captures) == 1  # no eager gradient
     read = objective(model, case.loss_fn, x2, y2, list(model.parameters()), graph=False)
     expected, e_model = fresh_then(Case(copy.deepcopy(model), x2, y2, []), [(x2, y2)], replace(own_cap,
                                                                                             ascent="device"))
-    third = teleport_batch(model, case.loss_fn, x2, y2, own_cap)
+    third = t.teleport(x2, y2)
     assert (third.loss_before, third.grad_norm_sq_before) == pytest.approx((read.loss, read.grad_norm_sq), rel=1e-12)
     assert_same(expected, third, e_model, model, rtol=1e-9)
     assert third.grad_norm_sq_after <= 1.5 * third.grad_norm_sq_before  # the batch's own CAP, set on the device
-    at_cap = teleport_batch(model, case.loss_fn, x2, y2, replace(own_cap, cap=0.5 * third.grad_norm_sq_after))
+    at_cap = t.teleport(x2, y2, config=replace(own_cap, cap=0.5 * third.grad_norm_sq_after))
     assert (at_cap.steps, at_cap.stop_reason, at_cap.graph_replayed) == (0, "cap", True)
     assert at_cap.grad_norm_sq_before == pytest.approx(third.grad_norm_sq_after, rel=1e-12)
-    assert nullspace._AT_CAP[model]  # as a batch the host found at CAP: the next one checks first
+    assert t.at_cap  # as a batch the host found at CAP: the next one checks first
 
 
 def rank_batches() -> list[Tensor]:
@@ -166,10 +173,12 @@ def test_a_batch_of_another_rank_replays_the_same_graph(hvp: str, captures: list
     case = CASES["tied_lm"]()
     config = replace(GRAPHED, hvp=hvp)
     graphed, device = copy.deepcopy(case.model), copy.deepcopy(case.model)
+    on_graph = Teleporter(graphed, case.loss_fn, config)
+    on_device = Teleporter(device, case.loss_fn, replace(config, ascent="device"))
     ranks = []
     for tokens in rank_batches():
-        a = teleport_batch(device, case.loss_fn, tokens, tokens, replace(config, ascent="device"))
-        b = teleport_batch(graphed, case.loss_fn, tokens, tokens, config)
+        a = on_device.teleport(tokens, tokens)
+        b = on_graph.teleport(tokens, tokens)
         assert b.ascent == "cuda_graph" and b.steps > 0
         assert_same(a, b, device, graphed, *TOLERANCE[hvp])
         assert abs(b.loss_after - b.loss_before) <= 1e-9 * abs(b.loss_before)
@@ -183,9 +192,10 @@ def test_a_batch_the_budget_shortened_replays_the_same_graph(captures: list[Devi
     x2, y2 = other_batch(case.x, case.y)
     runs = [(case.x, case.y, 3), (x2, y2, 2), (case.x, case.y, 4)]  # the steps a budget left each batch
     graphed, device = copy.deepcopy(case.model), copy.deepcopy(case.model)
+    on_graph, on_device = Teleporter(graphed, case.loss_fn, GRAPHED), Teleporter(device, case.loss_fn, GRAPHED)
     for x, y, steps in runs:
-        a = teleport_batch(device, case.loss_fn, x, y, replace(GRAPHED, steps=steps, ascent="device"))
-        b = teleport_batch(graphed, case.loss_fn, x, y, replace(GRAPHED, steps=steps))
+        a = on_device.teleport(x, y, config=replace(GRAPHED, steps=steps, ascent="device"))
+        b = on_graph.teleport(x, y, config=replace(GRAPHED, steps=steps))
         assert b.steps == steps and b.ascent == "cuda_graph"
         assert_same(a, b, device, graphed, rtol=1e-9)
     assert len(captures) == 1
@@ -198,10 +208,12 @@ def test_batches_of_their_own_cap_replay_the_same_graph(captures: list[DeviceAsc
     x2, y2 = other_batch(case.x, case.y)
     config = replace(GRAPHED, steps=4, rise=0.5, cap_ratio=1.5)  # ×1.5 a batch: the third step passes it
     graphed, device = copy.deepcopy(case.model), copy.deepcopy(case.model)
+    on_graph = Teleporter(graphed, case.loss_fn, config)
+    on_device = Teleporter(device, case.loss_fn, replace(config, ascent="device"))
     caps = set()
     for x, y in [(case.x, case.y), (x2, y2), (case.x, case.y)]:
-        a = teleport_batch(device, case.loss_fn, x, y, replace(config, ascent="device"))
-        b = teleport_batch(graphed, case.loss_fn, x, y, config)
+        a = on_device.teleport(x, y)
+        b = on_graph.teleport(x, y)
         assert b.ascent == "cuda_graph" and b.stop_reason == "cap" and b.steps > 0
         assert b.grad_norm_sq_before < b.grad_norm_sq_after <= 1.5 * b.grad_norm_sq_before
         assert_same(a, b, device, graphed, rtol=1e-9)
@@ -210,18 +222,21 @@ def test_batches_of_their_own_cap_replay_the_same_graph(captures: list[DeviceAsc
 
 
 def test_the_captured_graph_dies_with_its_model(captures: list[DeviceAscent]) -> None:
+    """The graph is its model's teleporter's, nothing else's: both gone, it is freed (never kept at module level)."""
     case = mlp()
     model = copy.deepcopy(case.model)
-    teleport_batch(model, case.loss_fn, case.x, case.y, GRAPHED)
-    assert model in graph_cache.ENTRIES and graph_cache.ENTRIES[model].ascent is captures[0]
+    t = Teleporter(model, case.loss_fn, GRAPHED)
+    t.teleport(case.x, case.y)
+    assert t.graphs.entry is not None and t.graphs.entry.ascent is captures[0]
+    held = [weakref.ref(o) for o in (model, t.graphs.entry, captures[0])]
     captures.clear()
-    del model
+    del model, t
     gc.collect()
-    assert len(graph_cache.ENTRIES) == 0
-    other = copy.deepcopy(case.model)
-    teleport_batch(other, case.loss_fn, case.x, case.y, GRAPHED)
-    graph_cache.release(other)
-    assert other not in graph_cache.ENTRIES
+    assert all(ref() is None for ref in held)
+    other = Teleporter(copy.deepcopy(case.model), case.loss_fn, GRAPHED)
+    other.teleport(case.x, case.y)
+    other.graphs.release()
+    assert other.graphs.entry is None
 
 
 @cuda
@@ -278,19 +293,18 @@ def test_a_model_whose_capture_failed_keeps_no_graph(captures: list[DeviceAscent
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A later capture that fails (for another config, say) drops the model's graph: its next batches are not
     copied into the static inputs, and must not be replayed from it."""
-    from teleport.on_device import UNCAPTURABLE
-
     case = mlp()
     model = copy.deepcopy(case.model)
-    teleport_batch(model, case.loss_fn, case.x, case.y, GRAPHED)
-    assert graph_cache.ENTRIES[model].ascent is captures[0]
+    t = Teleporter(model, case.loss_fn, GRAPHED)
+    t.teleport(case.x, case.y)
+    assert t.graphs.entry is not None and t.graphs.entry.ascent is captures[0]
     monkeypatch.setattr(DeviceAscent, "_capture", lambda self, side, full=True: None)  # a capture that fails
     x2, y2 = other_batch(case.x, case.y)
-    report = teleport_batch(model, case.loss_fn, x2, y2, replace(GRAPHED, lr=0.05))
-    assert report.ascent == "device" and model in UNCAPTURABLE and model not in graph_cache.ENTRIES
+    report = t.teleport(x2, y2, config=replace(GRAPHED, lr=0.05))
+    assert report.ascent == "device" and t.graphs.capturing.failed and t.graphs.entry is None
     expected, e_model = fresh_then(Case(copy.deepcopy(model), x2, y2, []), [(x2, y2)], replace(GRAPHED,
                                                                                               ascent="device"))
-    report = teleport_batch(model, case.loss_fn, x2, y2, GRAPHED)  # the first graph's key again: eager ticks
+    report = t.teleport(x2, y2)  # the first graph's key again: eager ticks
     assert report.ascent == "device"
     assert_same(expected, report, e_model, model, rtol=1e-9)
 
@@ -337,7 +351,8 @@ def test_a_captured_teleport_differentiates_by_leaves_of_its_own(name: str, capt
 
     monkeypatch.setattr(torch.autograd, "grad", spy)
     x2, y2 = other_batch(case.x, case.y)
-    reports = [teleport_batch(model, case.loss_fn, x, y, GRAPHED) for x, y in ((case.x, case.y), (x2, y2))]
+    t = Teleporter(model, case.loss_fn, GRAPHED)
+    reports = [t.teleport(x, y) for x, y in ((case.x, case.y), (x2, y2))]
     monkeypatch.setattr(torch.autograd, "grad", grad)
     assert stale, "the training step's graph reaches no parameter"
     assert reached, "no graph of the captured teleport reached a leaf"

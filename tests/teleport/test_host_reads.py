@@ -1,8 +1,8 @@
 """One host read per ascent step of the host guard (what ``auto`` runs), counted at every place a value can leave
-the device — not only where ``teleport.objective.HOST_READS`` counts its own reads: a tensor turned into a Python
-number, bool or list (``item``, ``__bool__``, ``tolist``, ...), a boolean-mask index, and the ops that read values
-below Python (``nonzero``, ``masked_select``, ``_local_scalar_dense``, ...). On a GPU each is a sync; a step that
-adds one (a stray ``.item()``, an ``if`` on a tensor) fails here on the CPU, before a GPU ever runs it."""
+the device — not only where a teleporter's ``reads`` (``teleport.hvp.objective.HostReads``) counts its own: a tensor
+turned into a Python number, bool or list (``item``, ``__bool__``, ``tolist``, ...), a boolean-mask index, and the ops
+that read values below Python (``nonzero``, ``masked_select``, ``_local_scalar_dense``, ...). On a GPU each is a sync;
+a step that adds one (a stray ``.item()``, an ``if`` on a tensor) fails here on the CPU, before a GPU ever runs it."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from teleport import teleport_batch
-from teleport.objective import HOST_READS
+from teleport import Teleporter
 from tests.teleport import families
 from tests.teleport.test_on_device import HOST_OPS, _Ops
 
@@ -46,14 +45,14 @@ def _masks(index: Any) -> bool:
 
 
 def _reads(case: families.Case, steps: int) -> tuple[int, int, int, list[str]]:
-    """(the reads one teleport of ``steps`` makes, its tries (steps + back-offs), HOST_READS' count, the reads)."""
+    """(the reads one teleport of ``steps`` makes, its tries (steps + back-offs), its teleporter's count, the reads)."""
     config = replace(families.OPEN, steps=steps, ascent="host", check_first=False)
-    before = HOST_READS[0]
+    teleporter = Teleporter(copy.deepcopy(case.model), case.loss_fn, config)
     with _Python() as python, _Ops() as dispatched:
-        report = teleport_batch(copy.deepcopy(case.model), case.loss_fn, case.x, case.y, config)
+        report = teleporter.teleport(case.x, case.y)
     assert report.steps == steps, report.stop_reason
     reads = python.reads + [op for op in dispatched.seen if op.split(".")[0] in READING_OPS]
-    return len(reads), steps + report.backoffs, HOST_READS[0] - before, reads
+    return len(reads), steps + report.backoffs, teleporter.reads.count, reads
 
 
 @pytest.mark.parametrize("name", ["linear", "tied_lm", "transformer-encoder-batch_first=True",

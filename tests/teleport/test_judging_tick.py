@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from teleport import graph_cache, teleport_batch
-from teleport.on_device import DeviceAscent
+from teleport import Teleporter
+from teleport.ascent.device import DeviceAscent
 from tests.teleport.families import CASES, Case
 from tests.teleport.test_graph_cache import GRAPHED, TOLERANCE, other_batch
 from tests.teleport.test_on_device import assert_same, cuda, mlp
@@ -33,7 +33,8 @@ def test_a_scale_free_batch_replays_one_full_tick_and_one_judging_tick(captures:
     case = mlp()
     config = SCALE_FREE
     batches = [(case.x, case.y), other_batch(case.x, case.y), other_batch(*other_batch(case.x, case.y))]
-    graphed, device = copy.deepcopy(case.model), copy.deepcopy(case.model)
+    graphed = Teleporter(copy.deepcopy(case.model), case.loss_fn, config)
+    device = Teleporter(copy.deepcopy(case.model), case.loss_fn, replace(config, ascent="device"))
 
     def replayed() -> tuple[int, int]:  # (full, judging) ticks replayed so far from the model's graphs
         ascent = captures[0] if captures else None
@@ -41,12 +42,13 @@ def test_a_scale_free_batch_replays_one_full_tick_and_one_judging_tick(captures:
 
     judges, replays = [], []
     for x, y in batches * 2:
-        a = teleport_batch(device, case.loss_fn, x, y, replace(config, ascent="device"))
+        a = device.teleport(x, y)
         before = replayed()
-        b = teleport_batch(graphed, case.loss_fn, x, y, config)
+        b = graphed.teleport(x, y)
         assert b.ascent == "cuda_graph" and b.stop_reason == "cap" and b.steps == 1
-        assert_same(a, b, device, graphed, rtol=1e-9)
-        judges.append(graph_cache.ENTRIES[graphed].ascent.judge)
+        assert_same(a, b, device.model, graphed.model, rtol=1e-9)
+        assert graphed.graphs.entry is not None and graphed.graphs.entry.ascent is not None
+        judges.append(graphed.graphs.entry.ascent.judge)
         replays.append((*(n - m for n, m in zip(replayed(), before, strict=True)), b.backoffs))
     assert len(captures) == 1 and all(j is not None and not j.full for j in judges[2:])
     assert len({id(j) for j in judges[2:]}) == 1, "one judging tick's graph should serve the later batches"
@@ -60,13 +62,14 @@ def test_batches_of_two_ticks_are_captured_after_one_warm_up(captures: list[Devi
     case = mlp()
     config = TWO_TICKS
     x2, y2 = other_batch(case.x, case.y)
-    graphed, device = copy.deepcopy(case.model), copy.deepcopy(case.model)
+    graphed = Teleporter(copy.deepcopy(case.model), case.loss_fn, config)
+    device = Teleporter(copy.deepcopy(case.model), case.loss_fn, replace(config, ascent="device"))
     reports = []
     for x, y in [(case.x, case.y), (x2, y2)] * 2:
-        a = teleport_batch(device, case.loss_fn, x, y, replace(config, ascent="device"))
-        reports.append(b := teleport_batch(graphed, case.loss_fn, x, y, config))
+        a = device.teleport(x, y)
+        reports.append(b := graphed.teleport(x, y))
         assert (b.steps, b.backoffs, b.stop_reason) == (1, 0, "cap")
-        assert_same(a, b, device, graphed, rtol=1e-9)
+        assert_same(a, b, device.model, graphed.model, rtol=1e-9)
     assert len(captures) == 1 and [r.graph_replayed for r in reports] == [False, False, True, True]
 
 
@@ -77,13 +80,14 @@ def test_batches_of_one_step_are_captured_too(captures: list[DeviceAscent]) -> N
     case = mlp()
     config = replace(GRAPHED, steps=1)
     x2, y2 = other_batch(case.x, case.y)
-    graphed, device = copy.deepcopy(case.model), copy.deepcopy(case.model)
+    graphed = Teleporter(copy.deepcopy(case.model), case.loss_fn, config)
+    device = Teleporter(copy.deepcopy(case.model), case.loss_fn, replace(config, ascent="device"))
     reports = []
     for x, y in [(case.x, case.y), (x2, y2)] * 2:
-        a = teleport_batch(device, case.loss_fn, x, y, replace(config, ascent="device"))
-        reports.append(b := teleport_batch(graphed, case.loss_fn, x, y, config))
+        a = device.teleport(x, y)
+        reports.append(b := graphed.teleport(x, y))
         assert b.steps == 1
-        assert_same(a, b, device, graphed, rtol=1e-9)
+        assert_same(a, b, device.model, graphed.model, rtol=1e-9)
     assert len(captures) == 1 and [r.graph_replayed for r in reports] == [False, False, True, True]
     assert [r.ascent for r in reports] == ["device"] + ["cuda_graph"] * 3  # the first: the warm-up, eager
 
@@ -99,12 +103,14 @@ def test_a_judging_tick_that_cannot_be_captured_stays_eager(captures: list[Devic
 
     monkeypatch.setattr(DeviceAscent, "_capture", no_judge)
     case = mlp()
-    graphed, device = copy.deepcopy(case.model), copy.deepcopy(case.model)
+    graphed = Teleporter(copy.deepcopy(case.model), case.loss_fn, SCALE_FREE)
+    device = Teleporter(copy.deepcopy(case.model), case.loss_fn, replace(SCALE_FREE, ascent="device"))
     for x, y in [(case.x, case.y), other_batch(case.x, case.y)] * 2:
-        a = teleport_batch(device, case.loss_fn, x, y, replace(SCALE_FREE, ascent="device"))
-        b = teleport_batch(graphed, case.loss_fn, x, y, SCALE_FREE)
-        assert_same(a, b, device, graphed, rtol=1e-9)
-    ascent = graph_cache.ENTRIES[graphed].ascent
+        a = device.teleport(x, y)
+        b = graphed.teleport(x, y)
+        assert_same(a, b, device.model, graphed.model, rtol=1e-9)
+    assert graphed.graphs.entry is not None
+    ascent = graphed.graphs.entry.ascent
     assert (ascent.judge, ascent.judging, b.graph_replayed, len(captures)) == (None, "eager", True, 1)
 
 
@@ -129,12 +135,14 @@ def test_a_cuda_graph_judges_with_a_graph_of_its_own_on_cuda(name: str, hvp: str
 
     monkeypatch.setattr(DeviceAscent, "_capture", counted)
     chosen = replace(SCALE_FREE if config == "scale_free" else TWO_TICKS, hvp=hvp)
-    graphed, device = copy.deepcopy(case.model), copy.deepcopy(case.model)
+    graphed = Teleporter(copy.deepcopy(case.model), case.loss_fn, chosen)
+    device = Teleporter(copy.deepcopy(case.model), case.loss_fn, replace(chosen, ascent="device"))
     reports = []
     for x, y in [(x.cuda(), y.cuda()) for x, y in batches] * 2:
-        a = teleport_batch(device, case.loss_fn, x, y, replace(chosen, ascent="device"))
-        reports.append(b := teleport_batch(graphed, case.loss_fn, x, y, chosen))
-        assert_same(a, b, device, graphed, rtol=1e-7, atol=TOLERANCE[hvp][1])
+        a = device.teleport(x, y)
+        reports.append(b := graphed.teleport(x, y))
+        assert_same(a, b, device.model, graphed.model, rtol=1e-7, atol=TOLERANCE[hvp][1])
     assert all(ok for _, ok in made) and [full for full, _ in made].count(True) == 1, made
     assert reports[-1].ascent == "cuda_graph" and all(r.graph_replayed for r in reports[2:])
-    assert isinstance(graph_cache.ENTRIES[graphed].ascent.judge, torch.cuda.CUDAGraph)  # step 1 aimed, each batch
+    assert graphed.graphs.entry is not None and graphed.graphs.entry.ascent is not None
+    assert isinstance(graphed.graphs.entry.ascent.judge, torch.cuda.CUDAGraph)  # step 1 aimed, each batch

@@ -1,4 +1,4 @@
-"""The ascent decided on the device (``teleport.on_device``) takes the host guard's steps, reads nothing between
+"""The ascent decided on the device (``teleport.ascent.device``) takes the host guard's steps, reads nothing between
 kernels, and on CUDA replays them from a CUDA graph with the same result.
 
 On the CPU the ticks run eagerly (``ascent="device"``): that is also the fallback when a CUDA capture fails.
@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from teleport import TeleportConfig, TeleportReport, teleport_batch
-from teleport.ascent import ascent_mode
-from teleport.objective import HOST_READS
-from teleport.on_device import UNCAPTURABLE, DeviceAscent
+from teleport import TeleportConfig, Teleporter, TeleportReport, teleport_batch
+from teleport.ascent.choose import ascent_mode
+from teleport.ascent.device import DeviceAscent
+from teleport.ascent.graphs import GraphCache
 from tests.teleport.families import CASES, OPEN, Case, drawn_on_cpu
 
 pytestmark = pytest.mark.usefixtures("float64")
@@ -78,10 +78,16 @@ def row_slices() -> Case:
 def both(case: Case, config: TeleportConfig, device: str = "device") -> tuple[TeleportReport, TeleportReport,
                                                                               nn.Module, nn.Module]:
     """The host guard's and ``device``'s teleport of copies of one model."""
-    host, other = copy.deepcopy(case.model), copy.deepcopy(case.model)
-    a = teleport_batch(host, case.loss_fn, case.x, case.y, replace(config, ascent="host"))
-    b = teleport_batch(other, case.loss_fn, case.x, case.y, replace(config, ascent=device))
-    return a, b, host, other
+    a, b, host, other = both_teleporters(case, config, device)
+    return a, b, host.model, other.model
+
+
+def both_teleporters(case: Case, config: TeleportConfig, device: str = "device") -> tuple[
+        TeleportReport, TeleportReport, Teleporter, Teleporter]:
+    """``both``, with the teleporters of the two copies (what each learned, to teleport them again)."""
+    host = Teleporter(copy.deepcopy(case.model), case.loss_fn, replace(config, ascent="host"))
+    other = Teleporter(copy.deepcopy(case.model), case.loss_fn, replace(config, ascent=device))
+    return host.teleport(case.x, case.y), other.teleport(case.x, case.y), host, other
 
 
 def assert_same(a: TeleportReport, b: TeleportReport, host: nn.Module, other: nn.Module, rtol: float = 1e-9,
@@ -187,11 +193,10 @@ def test_one_host_read_per_step() -> None:
     case = mlp()
 
     def reads(steps: int) -> int:
-        before = HOST_READS[0]
-        report = teleport_batch(copy.deepcopy(case.model), case.loss_fn, case.x, case.y,
-                                replace(OPEN, steps=steps, ascent="device"))
+        teleporter = Teleporter(copy.deepcopy(case.model), case.loss_fn, replace(OPEN, steps=steps, ascent="device"))
+        report = teleporter.teleport(case.x, case.y)
         assert report.steps == steps and report.backoffs == 0
-        return HOST_READS[0] - before
+        return teleporter.reads.count
 
     assert reads(8) - reads(4) == 4
     assert reads(1) == reads(0) + 1  # the evaluation at the start is the host guard's: the first tick reads nothing
@@ -220,8 +225,8 @@ def test_a_tick_that_raises_leaves_the_last_accepted_weights(monkeypatch: pytest
 def test_auto_is_the_cuda_graph_on_cuda_and_the_host_guard_elsewhere() -> None:
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     ranks = SimpleNamespace(rank=0, world_size=2)  # ascent_mode reads only the world size
-    model, stubborn = nn.Linear(2, 2), nn.Linear(2, 2)
-    UNCAPTURABLE.add(stubborn)
+    model, stubborn = GraphCache(), GraphCache()  # the graph caches of two models' teleporters
+    stubborn.capturing.failed = True
     assert ascent_mode(OPEN, gpu, None) == ascent_mode(OPEN, gpu, None, model) == "cuda_graph"  # H200: 3.3x faster
     assert ascent_mode(OPEN, cpu, None, model) == "host"  # the faster on the CPU
     assert ascent_mode(OPEN, gpu, None, stubborn) == "host"  # no graph holds its tick: the faster eager ascent
@@ -271,11 +276,11 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly_with_a_warning() -> None
     config = replace(OPEN, steps=6)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        a, b, host, other = both(case, config, device="cuda_graph")
+        a, b, host, other = both_teleporters(case, config, device="cuda_graph")
     assert b.ascent == "device" and any("CUDA graph" in str(w.message) for w in caught)
-    assert_same(a, b, host, other, rtol=1e-7)
+    assert_same(a, b, host.model, other.model, rtol=1e-7)
     assert torch.randn(3, device="cuda").isfinite().all()  # the failed capture gave the CUDA generator back
     with warnings.catch_warnings(record=True) as again:  # the same model's next teleport does not try again
         warnings.simplefilter("always")
-        report = teleport_batch(other, case.loss_fn, case.x, case.y, replace(config, ascent="cuda_graph"))
+        report = other.teleport(case.x, case.y, config=replace(config, ascent="cuda_graph"))
     assert report.ascent == "device" and not any("CUDA graph" in str(w.message) for w in again)

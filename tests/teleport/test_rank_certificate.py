@@ -1,4 +1,4 @@
-"""A full rank proven without eigenvalues (``teleport.rank_certificate``, ``bases.whole_spans``): never where the
+"""A full rank proven without eigenvalues (``teleport.geometry.certificate``, ``bases.whole_spans``): never where the
 eigenvalues say otherwise, always where they say so by a wide margin, and the same bases as the SVD's."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ import pytest
 import torch
 from torch import Tensor
 
-from teleport import bases, compute_basis, project
-from teleport.bases import _decomposed, _relative_tol, compute_bases, whole_spans
-from teleport.rank_certificate import MARGIN
+from teleport import compute_basis, project
+from teleport.geometry import bases
+from teleport.geometry.bases import _decomposed, _relative_tol, compute_bases, whole_spans
+from teleport.geometry.certificate import MARGIN
 
 
 def _with_spectrum(d: int, n: int, sigma: Tensor, dtype: torch.dtype, seed: int) -> Tensor:
@@ -148,7 +149,7 @@ def _count_certificates(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_an_r_the_certificate_failed_goes_to_the_eigenvalues_until_its_retry(monkeypatch: pytest.MonkeyPatch) -> None:
     """With a model's ``Proofs``, an R the certificate did not prove skips it for ``RETRY`` batches and is tried
     again after them, an R it proved is tried every batch; the bases are the same as without the memory."""
-    from teleport.rank_certificate import RETRY, Proofs
+    from teleport.geometry.certificate import RETRY, Proofs
 
     torch.manual_seed(3)
     full = torch.randn(40, 12, dtype=torch.float64)
@@ -172,9 +173,9 @@ def test_an_r_the_certificate_failed_goes_to_the_eigenvalues_until_its_retry(mon
 
 
 def test_a_teleported_model_remembers_what_its_certificate_failed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``teleport_batch`` keeps each model's ``Proofs``: an MLP whose inputs are of low rank (every R unproven) puts
-    its R to the certificate on its first batch only; another model starts afresh."""
-    from teleport import TeleportConfig, teleport_batch
+    """A ``Teleporter`` keeps its model's ``Proofs`` (and saves them): an MLP whose inputs are of low rank (every R
+    unproven) puts its R to the certificate on its first batch only; another model starts afresh."""
+    from teleport import TeleportConfig, Teleporter
 
     torch.manual_seed(4)
     calls = _count_certificates(monkeypatch)
@@ -185,12 +186,17 @@ def test_a_teleported_model_remembers_what_its_certificate_failed(monkeypatch: p
     def mlp() -> torch.nn.Module:
         return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3))
 
-    first, second = mlp(), mlp()
+    first, second = (Teleporter(mlp(), torch.nn.functional.mse_loss, config) for _ in range(2))
     certified = []
-    for model in (first, first, first, second):
+    for teleporter in (first, first, first, second):
         before = len(calls)
-        report = teleport_batch(model, torch.nn.functional.mse_loss, x, y, config)
+        report = teleporter.teleport(x, y)
         assert report.steps == 2
         certified.append(sum(calls[before:]))
     # the first layer's R ([x | 1], rank 5 of 17) fails; the second's (N 32 < d 65) is proven, and tried every batch
     assert certified == [2, 1, 1, 2]
+    resumed = Teleporter(mlp(), torch.nn.functional.mse_loss, config)
+    resumed.load_state_dict(first.state_dict())
+    before = len(calls)
+    resumed.teleport(x, y)
+    assert sum(calls[before:]) == 1  # the memory came with the state

@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from teleport import TeleportConfig, teleport_batch
-from teleport.aim import aim_on_device
-from teleport.objective import LossFn
+from teleport.ascent.rules import aim_on_device
+from teleport.hvp.objective import LossFn
 from tests.teleport.families import CASES, OPEN, Case
 from tests.teleport.test_on_device import assert_same, both, mlp
 
@@ -102,10 +102,10 @@ def test_one_step_that_overshoots_cap_ratio_lands_near_it_the_chord_fell_far_sho
 
     curve = gain("host")
     assert gain("device") == pytest.approx(curve, rel=1e-9)
-    import teleport.ascent
+    from teleport.ascent import host
 
-    guarded = teleport.ascent.guarded_step  # without the slope: the secant from before to after alone
-    monkeypatch.setattr(teleport.ascent, "guarded_step", lambda *a, **k: guarded(*a, **(k | {"slope": None})))
+    guarded = host.guarded_step  # without the slope: the secant from before to after alone
+    monkeypatch.setattr(host, "guarded_step", lambda *a, **k: guarded(*a, **(k | {"slope": None})))
     assert 1.55 < curve <= 2.0 and gain("host") < curve - 0.1
 
 

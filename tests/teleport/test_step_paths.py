@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from teleport import SerialExecutor, TeleportConfig, capture_inputs, teleport_batch
-from teleport.ascent import project_blocks
-from teleport.blocks import linear_only, moving_blocks
-from teleport.buffers import StepBuffers
-from teleport.factored import factored_direction
-from teleport.nullspace import layer_bases
-from teleport.objective import objective, teleport_gradient, teleport_gradient_and
+from teleport.ascent.host import StepBuffers
+from teleport.geometry.blocks import linear_only, moving_blocks
+from teleport.geometry.layer_bases import layer_bases
+from teleport.hvp.direction import project_blocks
+from teleport.hvp.factored import factored_direction
+from teleport.hvp.objective import objective, teleport_gradient, teleport_gradient_and
 
 pytestmark = pytest.mark.usefixtures("float64")
 

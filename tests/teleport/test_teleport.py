@@ -20,10 +20,10 @@ from teleport import (
     symmetry_teleport_batch,
     teleport_batch,
 )
-from teleport.bases import _kept_together, _rank, _singular_vectors, compute_bases, spectra
-from teleport.nullspace import layer_bases
-from teleport.objective import objective, teleport_gradient
-from teleport.projection import project_split
+from teleport.geometry.bases import _kept_together, _rank, _singular_vectors, compute_bases, spectra
+from teleport.geometry.layer_bases import layer_bases
+from teleport.geometry.projection import project_split
+from teleport.hvp.objective import objective, teleport_gradient
 from workers.train import models
 
 pytestmark = pytest.mark.usefixtures("float64")

@@ -78,7 +78,7 @@ def step_advice(report: TeleportReport, tp: TeleportSpec) -> str:
     """One line on the preflight's teleport step (``report``, taken with no CAP) against the spec's ``teleport``:
     a ‖∇L‖² already over ``cap`` (teleport would take no step), a rise that ``teleport.steps`` such steps keep under
     ``SMALL_RISE`` (the step too small to matter, as the paper's η 0.2 is for an LM), else the rise itself."""
-    from workers.train.teleporting import SMALL_RISE, larger_steps
+    from workers.train.teleport_hints import SMALL_RISE, larger_steps
 
     before, after = report.grad_norm_sq_before, report.grad_norm_sq_after
     seen = f"‖∇L‖² {before:.3g} at the model's first weights"

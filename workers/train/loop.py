@@ -54,13 +54,8 @@ from workers.train.own_loop import run_own_loop
 from workers.train.shared import TrainingDiverged, diverged, param_count, summarize
 from workers.train.sinks import JsonlSink, MemorySink, MetricSink, SaySink, TeeSink
 from workers.train.stepping import Stepper, accumulated, epoch_length
-from workers.train.teleporting import (
-    TeleportDiverged,
-    Teleporter,
-    sample_batch,
-    schedule_hint,
-    to_device,
-)
+from workers.train.teleport_hints import schedule_hint
+from workers.train.teleporting import TeleportDiverged, TeleportRunner, sample_batch, to_device
 
 __all__ = ["TrainingDiverged", "evaluate", "param_count", "run_local", "sample_batch", "summarize", "to_device",
            "train"]
@@ -145,16 +140,14 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
     optimizer = build_optimizer(spec.optimizer, net.parameters())
     executor = basis_executor(tp) if tp.enabled and tp.method == "nullspace" else None
     teleport_epochs = set(tp.epochs) if tp.enabled else set()
-    sharded = ctx.comm is not None and tp.method == "nullspace"
-    if teleport_epochs and sharded and tp.batch_size < ctx.world_size:
-        raise ValueError(f"teleport.batch_size={tp.batch_size} is below resources.workers={ctx.world_size}: "
-                         "every rank needs a share of the teleport batch")
     # held-out samples: teleport keeps the loss on its own batch only, this shows the drift elsewhere
     g = torch.Generator().manual_seed(tr.seed)
     holdout_idx = torch.randperm(len(data.test), generator=g)[: min(tp.batch_size, len(data.test))]
     holdout = to_device(sample_batch(data.test, holdout_idx), ctx.device, dtype)
-    teleporter = Teleporter(tp, teleport_config(tp), model, loss_fn, data.train, ctx, dtype, tr.seed, holdout,
-                            executor, TeleportBudget(tp.budget, tr.epochs))
+    teleporter = TeleportRunner(tp, teleport_config(tp), ctx, dtype, TeleportBudget(tp.budget, tr.epochs), executor)
+    if teleport_epochs and teleporter.sharded and tp.batch_size < ctx.world_size:
+        raise ValueError(f"teleport.batch_size={tp.batch_size} is below resources.workers={ctx.world_size}: "
+                         "every rank needs a share of the teleport batch")
 
     start_epoch, history, seconds, tele_seconds, tele_batches = 0, [], 0.0, 0.0, 0
     if state is not None:
@@ -234,17 +227,18 @@ def _train(spec: ExperimentSpec, ctx: RunContext, progress: bool) -> dict[str, A
                total=tr.epochs, disable=None if show else True, dynamic_ncols=True)
     for epoch in bar:
         # -- teleport before the epoch: b batches of n random training samples, t ascent steps each
-        if epoch in teleport_epochs:
+        if epoch in teleport_epochs and teleporter.skipped is None:  # a teleport that could not move: none after
             if not history:  # the budget projects the run's length from one timed training step
-                teleporter.probe(net, tr.batch_size, epoch_batches)
+                teleporter.probe(net, loss_fn, data.train, tr.batch_size, epoch_batches)
             t_tele = time.perf_counter()
             try:
-                tele_batches += teleporter.before_epoch(epoch, tele_seconds, t_tele - t0 - tele_seconds,
-                                                        len(history))
+                ran = teleporter.run(epoch, model, loss_fn, teleporter.draw(data.train, tr.seed, epoch), tele_seconds,
+                                     t_tele - t0 - tele_seconds, len(history), holdout)
             except TeleportDiverged as e:
                 raise diverged(ctx, f"teleport batch {e.batch}", epoch, f"teleport batch loss is {e.loss}",
                                 tp.calmer) from None
-            if tp.reset_optimizer:
+            tele_batches += len(ran)
+            if tp.reset_optimizer and ran:  # the weights teleported: the optimizer's moments start afresh
                 reset_optimizer_state(optimizer)
             tele_seconds += time.perf_counter() - t_tele
 

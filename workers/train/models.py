@@ -1,7 +1,7 @@
 """Models built from a ``model`` spec and a dataset's shape: MLP, CNN, ResNet, Transformer.
 
 Teleport may move every weight these models use as a linear map (``nn.Linear``, ``nn.Conv2d``):
-``teleport.capture`` records each use of each parameter in the teleport forward, so
+``teleport.geometry.capture`` records each use of each parameter in the teleport forward, so
 ``nn.MultiheadAttention``'s packed projections, tied or shared weights would be moved as well
 (``tests/teleport/test_uses.py``). Attention here is four ``nn.Linear`` projections (q, k, v, o)
 around ``F.scaled_dot_product_attention``, so the teleport report names each one; teleport runs it

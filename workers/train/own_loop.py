@@ -18,7 +18,6 @@ that returns without reporting an epoch fails with a line saying to call ``ctx.r
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 import time
@@ -34,21 +33,15 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from api_schemas import ExperimentSpec
-from teleport import TeleportReport, teleport_batch
-from workers.train.budget import TeleportBudget, agree_across, cut_event
+from teleport import TeleportReport
+from workers.train.budget import TeleportBudget
 from workers.train.build import basis_executor, reset_optimizer_state, select_dtype, teleport_config
 from workers.train.context import RunContext
 from workers.train.failure import OURS
 from workers.train.gpu_share import gpu_memory
 from workers.train.shared import TrainingDiverged, diverged, param_count, summarize
-from workers.train.teleporting import (
-    IdleHints,
-    optimizer_name,
-    sample_batch,
-    schedule_hint,
-    teleport_record,
-    to_device,
-)
+from workers.train.teleport_hints import optimizer_name, schedule_hint
+from workers.train.teleporting import TeleportDiverged, TeleportRunner, to_device
 from workers.train.user_code import UserCodeError, definition, one_line, report, resolve
 
 FIELD = "training.entrypoint"
@@ -111,11 +104,10 @@ class OwnLoopContext:
         self._model: nn.Module | None = None
         self._sizes: dict[str, int] = {}
         self._started = False
-        self._executor: Any = None
-        self._budget = TeleportBudget(spec.teleport.budget, spec.training.epochs)  # from the first reported epoch
-        self._budget.work_units, self._budget.work_seconds = saved.get("teleport_work", (0.0, 0.0))
-        self.teleport_cuts = int(saved.get("teleport_cuts", 0))
-        self._hints = IdleHints()
+        tp = spec.teleport  # the one teleport driver of every run (``workers.train.teleporting``); budget from the
+        self._teleports = TeleportRunner(tp, teleport_config(tp), run, self.dtype,  # first reported epoch
+                                         TeleportBudget(tp.budget, spec.training.epochs))
+        self._teleports.restore(saved.get("teleport_runner"))
         self._told_schedule = self.start_epoch > 0  # the Adam hint (``schedule_hint``): once, at a run's start
 
     # ------------------------------------------------------------------------------------ where it runs
@@ -188,64 +180,31 @@ class OwnLoopContext:
         reports. ``optimizer``: its state is cleared after it when ``teleport.reset_optimizer``; ``holdout``:
         (x, y) whose loss drift the reports show."""
         tp, epoch = self.spec.teleport, self._epoch if epoch is None else epoch
-        if not tp.enabled or epoch not in tp.epochs:
+        if not tp.enabled or epoch not in tp.epochs or self._teleports.skipped is not None:
             return []
         if isinstance(batches, Dataset):
-            batches = self._draw(batches, epoch)
+            batches = self._teleports.draw(batches, self.spec.training.seed, epoch)
         self._start()
         if optimizer is not None and not self._told_schedule:
             self._told_schedule = True
             if hint := schedule_hint(optimizer_name(optimizer), tp, self.spec.training.epochs):
                 self.run.sink.emit(hint)
-        started, reports = time.perf_counter(), []
-        self._executor = self._executor or basis_executor(tp)
+        started, runner = time.perf_counter(), self._teleports
+        runner.executor = runner.executor or basis_executor(tp)
         held = None if holdout is None else to_device(holdout, self.device, self.dtype)
-        least = tp.steps
-        for i, batch in zip(range(tp.batches), batches, strict=False):
-            steps = self._budget_steps(time.perf_counter() - started)
-            if steps == 0:
-                break
-            calibrating = self._budget.calibrates(steps, tp.steps)
-            least = least if calibrating else min(least, steps)
-            x, y = to_device(batch, self.device, self.dtype)
-            config = dataclasses.replace(teleport_config(tp), steps=steps)
-            rep = teleport_batch(bare(model), loss_fn, x, y, config, executor=self._executor, holdout=held,
-                                 comm=self.run.comm)
-            self._budget.record(rep)
-            self.run.sink.emit(teleport_record(epoch, i, rep, calibrating))
-            if not math.isfinite(rep.loss_after):
-                raise diverged(self.run, f"teleport batch {i}", epoch, f"teleport batch loss is {rep.loss_after}",
-                                tp.calmer)
-            reports.append(rep)
+        last = self.history[-1] if self.history else {}
+        train = float(last.get("seconds", 0.0)) - float(last.get("teleport_seconds", 0.0))
+        try:
+            reports = runner.run(epoch, bare(model), loss_fn, batches, self.teleport_seconds, train,
+                                 len(self.history), held)
+        except TeleportDiverged as e:
+            raise diverged(self.run, f"teleport batch {e.batch}", epoch, f"teleport batch loss is {e.loss}",
+                           tp.calmer) from None
         self.teleport_batches += len(reports)
-        if hint := self._hints.after(epoch, reports, tp):
-            self.run.sink.emit(hint)
-        if len(reports) < tp.batches or least < tp.steps:
-            self.teleport_cuts += 1
-            self.run.sink.emit(cut_event(epoch, tp.budget or 0.0, (tp.batches, tp.steps),
-                                         (len(reports), least if reports else 0)))
-        if optimizer is not None and tp.reset_optimizer:
+        if optimizer is not None and tp.reset_optimizer and reports:
             reset_optimizer_state(optimizer)
         self.teleport_seconds += time.perf_counter() - started
         return reports
-
-    def _budget_steps(self, this_teleport: float) -> int:
-        """``teleport.steps``, or fewer (0: skip) when ``teleport.budget`` says so (``workers.train.budget``)."""
-        last = self.history[-1] if self.history else {}
-        train = float(last.get("seconds", 0.0)) - float(last.get("teleport_seconds", 0.0))
-        return self._budget.steps_for_batch(self.spec.teleport.steps, self.teleport_seconds + this_teleport,
-                                            train, len(self.history), agree_across(self.run))
-
-    def _draw(self, dataset: Dataset, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
-        """Our loop's teleport batches (``workers.train.loop.train``): the same draw on every rank, each its shard."""
-        tp, n = self.spec.teleport, len(dataset)  # type: ignore[arg-type]
-        if self.world_size > 1 and tp.batch_size < self.world_size:
-            raise ValueError(f"teleport.batch_size={tp.batch_size} is below resources.workers={self.world_size}: "
-                             "every rank needs a share of the teleport batch")
-        g = torch.Generator().manual_seed(self.spec.training.seed * 1_000_003 + epoch)
-        for _ in range(tp.batches):
-            idx = torch.randperm(n, generator=g)[: tp.batch_size]
-            yield sample_batch(dataset, idx[self.rank :: self.world_size])
 
     # ------------------------------------------------------------------------------------ report, checkpoint
 
@@ -292,8 +251,7 @@ class OwnLoopContext:
                  "model": weights, "own": {**state, "model": weights}, "history": self.history,
                  "seconds": self.history[-1]["seconds"] if self.history else 0.0,
                  "teleport_seconds": self.teleport_seconds, "teleport_batches": self.teleport_batches,
-                 "teleport_work": (self._budget.work_units, self._budget.work_seconds),
-                 "teleport_cuts": self.teleport_cuts}
+                 "teleport_runner": self._teleports.saved()}
         self.run.save(saved, self.summary())
         self._pending = None
 
@@ -315,7 +273,7 @@ class OwnLoopContext:
 
     def summary(self) -> dict[str, Any]:
         return {**summarize(self.history, self.spec.training.target_loss, self.teleport_batches),
-                "teleport_budget": self.spec.teleport.budget, "teleport_cuts": self.teleport_cuts}
+                **self._teleports.summary()}
 
     def _start(self) -> None:
         """The ``start`` event, once, before the first teleport or epoch event."""

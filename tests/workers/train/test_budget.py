@@ -160,7 +160,9 @@ def test_a_teleport_at_cap_on_every_batch_says_once_what_to_change(capsys: pytes
     sink = MemorySink()
     run_local(at_cap, tmp_path / "run", progress=True, sink=sink)
     tele = [r for r in sink.records if r["kind"] == "teleport"]
-    assert len(tele) == 6 and all(r["steps"] == 0 and r["stop_reason"] == "cap" for r in tele)
+    assert len(tele) == 1 and tele[0]["steps"] == 0 and tele[0]["stop_reason"] == "cap"  # the runner stopped there
+    (skipped,) = [r for r in sink.records if r.get("reason") == "no_move"]
+    assert skipped["message"].endswith("≥ cap 1e-06): the next teleports skipped")
     hints = [r for r in sink.records if r["kind"] == "hint"]
     assert [(h["epoch"], h["reason"]) for h in hints] == [(0, "cap")]
     low = min(r["grad_norm_sq_before"] for r in tele if r["epoch"] == 0)
@@ -168,7 +170,8 @@ def test_a_teleport_at_cap_on_every_batch_says_once_what_to_change(capsys: pytes
     assert "raise teleport.cap above" in hints[0]["message"]
     assert hints[0]["message"].endswith("to let teleport move, or set teleport.cap: null with teleport.cap_ratio: 2 "
                                         "(each batch stopped at 2x its own)")
-    assert f"hint: {hints[0]['message']}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"hint: {hints[0]['message']}" in err and f"budget: {skipped['message']}" in err
     records, _ = run(None)  # teleport that moves says nothing of the cap
     assert not [r for r in records if r["kind"] == "hint" and r["reason"] == "cap"]
 

@@ -35,6 +35,7 @@ function rows(s) {
   if (s.teleport_budget !== undefined && s.teleport_budget !== null) {
     out.push(["teleport budget", `${pct(s.teleport_budget)}; ${s.teleport_cuts ?? 0} teleport epochs cut short`]);
   }
+  if (s.teleport_skipped) out.push(["teleports stopped", s.teleport_skipped]);
   if (s.target_loss !== null && s.target_loss !== undefined) out.push(["to target loss", toTarget(s)]);
   return out;
 }

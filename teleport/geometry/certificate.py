@@ -1,4 +1,4 @@
-"""A full numerical rank proven without eigenvalues (issue 27), for the bases' default τ rule.
+"""A full numerical rank proven without eigenvalues, for the bases' default τ rule.
 
 At τ = 1 the ``numerical_rank`` rule keeps every direction of R whose σ² is above ``rel_tol``·σ²_max
 (``bases._relative_tol``). When even the smallest is above it, R keeps its whole span and its spectrum is not
@@ -88,7 +88,7 @@ ProofKey = tuple[int, tuple[int, ...], torch.dtype, torch.device]  # an R's plac
 
 
 class Proofs:
-    """What the certificate made of one model's R, batch after batch (``teleport.nullspace`` keeps one a model).
+    """What the certificate made of one model's R, batch after batch (a model's ``Teleporter`` keeps one).
 
     A model in training has R of lower rank (the GPT-style LM of ``benchmarks.lm_trained``: 0-2 of its 17 R proven
     after 150 AdamW steps, every batch alike), and a certificate that fails is all cost: 38 ms of that LM's 648 ms
@@ -100,6 +100,14 @@ class Proofs:
 
     def __init__(self) -> None:
         self._skip: dict[ProofKey, int] = {}  # an R not proven -> the batches left before it is tried again
+
+    def state_dict(self) -> list[list]:
+        return [[i, list(shape), str(dtype).removeprefix("torch."), str(device), left]
+                for (i, shape, dtype, device), left in self._skip.items()]
+
+    def load_state_dict(self, state: list[list]) -> None:
+        self._skip = {(i, tuple(shape), getattr(torch, dtype), torch.device(device)): left
+                      for i, shape, dtype, device, left in state}
 
     @staticmethod
     def key(i: int, rep: Tensor) -> ProofKey:

@@ -1,5 +1,5 @@
 """Step 2: bases of each layer's input space by SVD with the τ rule (paper eq. 3); π projects with them
-(``teleport.projection``).
+(``teleport.geometry.projection``).
 
 eq. 3:   k = min { k : ‖R_k‖²_F ≥ τ ‖R‖²_F },   ‖R_k‖²_F = σ_1² + ... + σ_k²
 
@@ -32,9 +32,9 @@ Three routes, all in float64, all returning the same subspace:
   again by CholeskyQR2 (two passes of U ← U L⁻ᵀ, L Lᵀ = UᵀU), since R V Σ⁻¹ loses orthogonality as
   ε·σ₁²/σ_k² for small kept σ_k; an R of rank N keeps its own span, CholeskyQR2 of R itself (no R V).
   The default for N < d: a GPU's thin SVD of (d, N) is cuSOLVER's unblocked QR (88 % of a GPT teleport's GPU
-  time on an H100, issue 27); on 1 CPU thread the eigh is 1.2-1.5x faster than the SVD (d = 512-2048, N = 256).
+  time on an H100); on 1 CPU thread the eigh is 1.2-1.5x faster than the SVD (d = 512-2048, N = 256).
   A GPU's eigh of N = 256 is no quick thing either (cuSOLVER's syevd, one matrix after another: 34 ms for the
-  GPT-style LM's 17 Grams on an H200), so ``teleport.eigh_route`` runs it on the device or on the host's cores,
+  GPT-style LM's 17 Grams on an H200), so ``teleport.geometry.eigh_route`` runs it on the device or on the host's cores,
   one Gram a thread, whichever it measured faster.
 - ``svd``: thin SVD of R (d, N), N < d — O(d N²): ask for it by name (``compute_basis(..., route="svd")``);
   the distributed path uses it for gathered columns.
@@ -43,7 +43,7 @@ and every σ² comes to the host in one copy, so the τ rule costs one host sync
 ``compute_bases`` then makes the kept vectors of equal (d, k) orthonormal in one batched CholeskyQR2 (the GPT-style
 LM's evaluation + bases: 776 -> 641 kernels, CPU count, ``benchmarks/lm_payoff``).
 At τ = 1 by the numerical rank (the default), before any of these: an R whose full rank
-``teleport.rank_certificate`` proves from a Cholesky factor keeps its whole span with no eigenvalue computed
+``teleport.geometry.certificate`` proves from a Cholesky factor keeps its whole span with no eigenvalue computed
 (``whole_spans``); the routes above decompose the others (of lower rank, as a rule).
 """
 
@@ -55,9 +55,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from teleport.eigh_route import eigh
-from teleport.projection import Basis
-from teleport.rank_certificate import Proofs, certify_full_rank, without_duplicates
+from teleport.geometry.certificate import Proofs, certify_full_rank, without_duplicates
+from teleport.geometry.eigh_route import EighRoutes, eigh
+from teleport.geometry.projection import Basis
 
 ONE_PASS = 1e-2  # CholeskyQR's first pass is enough when its ε₆₄·κ(G) is this far below the basis dtype's ε
 
@@ -154,7 +154,8 @@ def _batches_of(batches: list[Batch], chosen: list[int]) -> list[Batch]:
     return out
 
 
-def spectra(reps: Sequence[Tensor], batches: list[Batch] | None = None) -> list[Spectrum]:
+def spectra(reps: Sequence[Tensor], batches: list[Batch] | None = None,
+            routes: EighRoutes | None = None) -> list[Spectrum]:
     """The spectrum of every R by its shape's route (``gram`` when N ≥ d, else ``cols``), batched.
 
     R of one shape, dtype and device are stacked and decomposed by one batched eigh; every σ² then comes
@@ -166,7 +167,7 @@ def spectra(reps: Sequence[Tensor], batches: list[Batch] | None = None) -> list[
     """
     found: dict[int, tuple[Tensor, Tensor, str, Tensor | None, Tensor | None]] = {}
     for idx, stack, route, g in gram_batches(reps) if batches is None else batches:
-        lam, vecs = eigh(g)  # ascending; on the device or the host's cores, whichever was measured faster
+        lam, vecs = eigh(g, routes)  # ascending; on the device or the host's cores, whichever was measured faster
         lam, vecs = lam.flip(-1).clamp_min(0), vecs.flip(-1)
         if route == "cols":
             found.update((i, (lam[j], stack[j], route, g[j], vecs[j])) for j, i in enumerate(idx))
@@ -299,7 +300,7 @@ def compute_basis(rep: Tensor, tau: float = 1.0, rule: str = "numerical_rank", r
 
 
 def compute_bases(reps: Sequence[Tensor], tau: float, rule: str = "numerical_rank",
-                  proofs: Proofs | None = None) -> list[Basis]:
+                  proofs: Proofs | None = None, routes: EighRoutes | None = None) -> list[Basis]:
     """``compute_basis`` of every R, batched. At τ = 1 by the numerical rank (the default) an R whose full rank is
     proven keeps its whole span without a spectrum (``whole_spans``) — every R put to the certificate, or those
     ``proofs`` (the model's) finds worth it; the others (and every R under another rule) by ``spectra``: one eigh
@@ -315,13 +316,13 @@ def compute_bases(reps: Sequence[Tensor], tau: float, rule: str = "numerical_ran
             proofs.record(reps, tried, set(found))
     rest = [i for i in range(len(reps)) if i not in found]
     if rest:
-        found.update(zip(rest, _decomposed([reps[i] for i in rest], tau, rule, _batches_of(batches, rest)),
+        found.update(zip(rest, _decomposed([reps[i] for i in rest], tau, rule, _batches_of(batches, rest), routes),
                          strict=True))
     return [found[i] for i in range(len(reps))]
 
 
 def whole_spans(reps: Sequence[Tensor], batches: list[Batch] | None = None) -> dict[int, Basis]:
-    """The basis of every R whose full numerical rank ``rank_certificate`` proves, by its index: at N < d its own
+    """The basis of every R whose full numerical rank ``certificate`` proves, by its index: at N < d its own
     columns made orthonormal (CholeskyQR, its first pass a product with the certificate's L⁻¹; a column repeating an
     earlier one left out, a zero column in its place: ``without_duplicates``), at N ≥ d no free direction. One host
     read for all (the certificates); no eigenvalue is computed. ``batches``: ``gram_batches(reps)`` when already made.
@@ -369,9 +370,10 @@ def _spans(stack: Tensor, route: str, inverse: Tensor, duplicate: Tensor, chosen
     return [Basis(d, n - r, 1.0, u, None, route) for u, r in zip(kept.unbind(0), repeats, strict=True)]
 
 
-def _decomposed(reps: Sequence[Tensor], tau: float, rule: str, batches: list[Batch] | None = None) -> list[Basis]:
+def _decomposed(reps: Sequence[Tensor], tau: float, rule: str, batches: list[Batch] | None = None,
+                routes: EighRoutes | None = None) -> list[Basis]:
     """``compute_bases`` by the spectra (see there); ``batches``: ``gram_batches(reps)`` when already made."""
-    specs = spectra(reps, batches)
+    specs = spectra(reps, batches, routes)
     ranks = [_rank(spec, tau, rule) for spec in specs]
     specs = _singular_vectors(specs, ranks)
     kept = _kept_together(specs, ranks)

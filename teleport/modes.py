@@ -1,4 +1,7 @@
-"""Full float32 for the teleport: TensorFloat-32 off while it runs, whatever the caller's training uses.
+"""The modes a teleport computes in: the model in eval mode, float32 in full IEEE precision (no TF32).
+
+A teleport computes with its model in eval mode (no dropout, batch norm on its running statistics: the loss a
+teleport keeps is a function of the weights alone) and leaves every module in the mode it found it in.
 
 On Ampere and later GPUs cuDNN convolutions use TF32 by default (10-bit mantissa, ~1e-3 relative), and
 many training scripts turn it on for matmuls too. The null-space projection cancels most of the teleport
@@ -13,6 +16,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch import nn
 
 _BACKENDS = (torch.backends.cuda.matmul, torch.backends.cudnn.conv)
 
@@ -33,3 +37,18 @@ def ieee_float32() -> Iterator[None]:
 def in_dtypes(scalar: torch.Tensor, like: list[torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
     """A 0-d tensor in each dtype of ``like``, converted once (not once per tensor: a kernel each on a GPU)."""
     return {dtype: scalar.to(dtype) for dtype in {t.dtype for t in like}}
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """``model.eval()`` inside (no dropout, batch norm on its running statistics: the loss a teleport keeps is a
+    function of the weights alone); after, every module back in its own mode — not ``model.train(was)``, which puts
+    a batch norm that a training model keeps frozen (in eval mode, as fine-tuning does) back in training mode."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            if module.training != training:
+                module.training = training

@@ -1,4 +1,4 @@
-"""The device ascent's move in a few kernels a run of weights, not five a weight (``teleport.on_device``).
+"""The device ascent's move in a few kernels a run of weights, not five a weight (``teleport.ascent.device``).
 
 A tick moves every moving weight the same way: W₀ := W where a step starts, U := the new direction there, then
 W := W₀ + η·U for a try, W₀ when every try failed, else W as it is — each a ``torch.where`` on a 0-d condition.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from teleport.precision import in_dtypes
+from teleport.modes import in_dtypes
 
 CHUNK = 1 << 26  # elements in one run at most: the scratch buffers' size for a model with more moving weights
 

@@ -6,7 +6,7 @@ inside ``nn.MultiheadAttention``, GPT-2's ``Conv1D`` computing ``addmm(b, x, W)`
 to a *parameter*: an update is loss-preserving only if it is null for every use of it. A
 ``TorchFunctionMode`` sees every torch function the forward calls and records, per parameter:
 
-- each use as the matrix of a linear map (``teleport.uses``), with the rows it touches and its X;
+- each use as the matrix of a linear map (``teleport.geometry.uses``), with the rows it touches and its X;
 - each embedding lookup: the rows read on the batch, which stay fixed;
 - views of a parameter (slices, ``.T``, ``chunk``/``split``, casts) map back to the parameter's
   elements, so ``in_proj_weight[:E]`` is rows 0..E-1 of ``in_proj_weight``;
@@ -30,6 +30,7 @@ import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from teleport.uses import (
+from teleport.geometry.uses import (
     Index,
     Part,
     Unsupported,
@@ -63,12 +64,12 @@ VIEWS = frozenset({
 SAME_ELEMENTS = frozenset({"contiguous", "clone", "detach", "data", "to", "float", "double", "half", "bfloat16",
                            "type_as"})
 MATMULS = frozenset({"matmul", "mm", "bmm", "__matmul__", "__rmatmul__"})
-SIGNATURES = {  # positional names of the calls the recorder reads
+SIGNATURES = MappingProxyType({  # positional names of the calls the recorder reads
     "linear": ("input", "weight", "bias"),
     "addmm": ("input", "mat1", "mat2"),
     "conv": ("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
     "embedding": ("input", "weight", "padding_idx", "max_norm"),
-}
+})
 
 
 def _mha_seen_inside() -> Any:

@@ -1,5 +1,5 @@
 """π, the projection of a teleport gradient onto the null space of a layer's inputs (paper eqs. 12-17), and the
-``Basis`` it projects with (``teleport.bases`` computes it):
+``Basis`` it projects with (``teleport.geometry.bases`` computes it):
 
     π(G) = G − (G B) Bᵀ          (G laid out as (C_o, d), rows of R are d; B the kept span, orthonormal)
 

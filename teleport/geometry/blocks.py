@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from teleport.capture import Uses
-from teleport.projection import Basis, project_split
+from teleport.geometry.capture import Uses
+from teleport.geometry.projection import Basis, project_split
+from teleport.geometry.uses import Part, Unsupported, arange_index
 from teleport.report import LayerReport
-from teleport.uses import Part, Unsupported, arange_index
 
 
 @dataclass
@@ -31,7 +31,7 @@ class RowClass:
     """Layout rows read by exactly the same uses (None: all rows), and their basis once computed. ``mask``: the
     rows of a class that every use reads whole but an embedding lookup fixes some of (a tied LM's head): all rows
     are projected and the fixed ones zeroed — the same shapes whatever rows a batch looks up, so a captured tick
-    serves the next batch (``teleport.graph_cache``)."""
+    serves the next batch (``teleport.ascent.graphs``)."""
 
     rows: Tensor | None
     parts: list[Part]
@@ -89,7 +89,7 @@ class Block:
         w = self.matrix(self.weight.detach())
         if self.bias is None:
             return w.clone()
-        return torch.cat([w, self._bias_per_row(self.bias.detach())[:, None]], dim=1)
+        return torch.cat([w, self.bias_per_row(self.bias.detach())[:, None]], dim=1)
 
     def representation(self, cls: RowClass) -> Tensor:
         """R of one class: (C[+1], N), the columns of every use of its rows."""
@@ -106,7 +106,7 @@ class Block:
 
         ``inplace``: ``grads`` may be overwritten (fresh gradients nobody else holds)."""
         gw = self.matrix(grads[0])  # (rows, C)
-        gb = self._bias_per_row(grads[1]) if self.bias is not None else None
+        gb = self.bias_per_row(grads[1]) if self.bias is not None else None
         whole = len(self.classes) == 1 and self.classes[0].rows is None
         uw = None if whole else torch.zeros_like(gw)
         ub = None if whole or gb is None else torch.zeros_like(gb)
@@ -129,17 +129,17 @@ class Block:
         out = [self.unmatrix(uw)]
         if self.bias is not None:
             assert ub is not None
-            out.append(self._bias_from_rows(ub))
+            out.append(self.bias_from_rows(ub))
         return out
 
-    def _bias_per_row(self, gb: Tensor) -> Tensor:
+    def bias_per_row(self, gb: Tensor) -> Tensor:
         flat = gb.reshape(-1)
         if self.bias_rows is None:
             return flat
         valid = self.bias_rows >= 0
         return torch.where(valid, flat[self.bias_rows.clamp_min(0)], flat.new_zeros(()))
 
-    def _bias_from_rows(self, ub: Tensor) -> Tensor:
+    def bias_from_rows(self, ub: Tensor) -> Tensor:
         assert self.bias is not None
         if self.bias_rows is None:
             return ub.reshape(self.bias.shape)
@@ -184,7 +184,7 @@ def linear_only(blocks: list[Block]) -> dict[int, int | None]:
     """id(W) -> id(its bias) (None: no bias) of the blocks whose weight is used by F.linear alone, whole.
 
     The second backward may take such a weight's H·∇L through its backward alias alone, and leave
-    its bias at 0 (``teleport.spanfree``): exact τ = 1 only.
+    its bias at 0 (``teleport.hvp.spanfree``): exact τ = 1 only.
     """
     return {id(b.weight): None if b.bias is None else id(b.bias) for b in blocks
             if b.frozen is None and all(p.kind == "linear" and p.rows is None for p in b.parts)}
@@ -321,7 +321,7 @@ def partition(block: Block) -> list[RowClass]:
 
 def fixed_widths(blocks: list[Block]) -> None:
     """Every kept basis of the ``cols`` route (R with fewer columns N than inputs) padded with zero columns to N, so
-    that the tensors a captured tick reads keep their shapes when a batch's rank differs (``teleport.graph_cache``):
+    that the tensors a captured tick reads keep their shapes when a batch's rank differs (``teleport.ascent.graphs``):
     on an LM's teleport batch two equal input columns (the same token at the same position of two sequences, at
     block 0; the same first token, at every block) make the rank N − 1, N − 2, ... from batch to batch, and each
     rank captured anew. A zero column projects nothing (π(G) = G − (G K) Kᵀ), but moves the rounding: every way of

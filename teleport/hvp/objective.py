@@ -19,9 +19,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from teleport.capture import UseRecorder
 from teleport.distributed import Collective, all_reduce_list_
-from teleport.spanfree import SpanFreeLinear, backward_inputs, sum_or_zero
+from teleport.geometry.capture import UseRecorder
+from teleport.hvp.spanfree import SpanFreeLinear, backward_inputs, sum_or_zero
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -39,22 +39,22 @@ class Objective:
     grad_norm_sq: float
     local_grads: list[Tensor]
     global_grads: list[Tensor]
-    aliases: dict[int, Tensor] = field(default_factory=dict)  # id(W) -> W's backward alias (``teleport.spanfree``)
+    aliases: dict[int, Tensor] = field(default_factory=dict)  # id(W) -> W's backward alias (``teleport.hvp.spanfree``)
     whole: set[int] = field(default_factory=set)  # the weights whose F.linear uses all went through their alias
     factors: dict[int, list[tuple[Tensor, Tensor]]] = field(default_factory=dict)  # id(W) -> its uses' (δ, ∂L/∂X)
     fetched: list[float] = field(default_factory=list)  # the ``fetch`` scalars, read in the same host sync
     scalars: Tensor | None = None  # [‖∇L‖², L] on the weights' device, float64: what ``loss``/``grad_norm_sq`` read
 
 
-def objective(*args: Any, fetch: tuple[Tensor, ...] = (), **kwargs: Any) -> Objective:
+def objective(*args: Any, fetch: tuple[Tensor, ...] = (), reads: HostReads | None = None, **kwargs: Any) -> Objective:
     """L(W) and ‖∇_W L‖² over every trainable parameter, keeping the graph for H·∇L (unless ``graph`` is False).
 
     ``objective_tensors`` (its arguments), read: L, ‖∇L‖² and the scalars of ``fetch`` (e.g. the η a step
     took, decided on the device) reach the host in one copy, the only host sync of an evaluation
-    (``HOST_READS`` counts them).
+    (``reads`` counts them).
     """
     obj, scalars = objective_tensors(*args, **kwargs)
-    gn2, loss_value, *fetched = host_floats(torch.cat([scalars] + [t.reshape(1).double() for t in fetch]))
+    gn2, loss_value, *fetched = host_floats(torch.cat([scalars] + [t.reshape(1).double() for t in fetch]), reads)
     return replace(obj, loss=loss_value, grad_norm_sq=gn2, fetched=fetched)
 
 
@@ -72,13 +72,13 @@ def objective_tensors(
 ) -> tuple[Objective, Tensor]:
     """The objective on the device, nothing read: (its gradients with their graph, L and ‖∇L‖² still NaN;
     [‖∇L‖², L] as a float64 tensor on the weights' device). No host sync (single process), so a CUDA graph
-    can capture it (``teleport.on_device``).
+    can capture it (``teleport.ascent.device``).
 
     ``share`` is this rank's weight n_r / N in the whole batch's mean loss. Fused attention
     kernels (flash, memory-efficient) have no double backward: the math kernel of
     scaled_dot_product_attention is forced here. With a ``recorder``, the forward (and the loss, which
     may use parameters too) runs under it: every use of a parameter is recorded. With ``span_free``
-    (exact τ = 1 only) the graph leaves out what π removes from H·∇L (``teleport.spanfree``).
+    (exact τ = 1 only) the graph leaves out what π removes from H·∇L (``teleport.hvp.spanfree``).
     """
     fast = SpanFreeLinear() if span_free and graph else None
     local, global_grads, loss_sum = _gradients(model, loss_fn, x, y, params, comm, share, recorder, graph, fast)
@@ -89,21 +89,22 @@ def objective_tensors(
     return Objective(nan, nan, local, global_grads, fast.aliases, fast.whole(), fast.factors, scalars=scalars), scalars
 
 
-def recorded_loss(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, recorder: UseRecorder) -> Objective:
+def recorded_loss(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, recorder: UseRecorder,
+                  reads: HostReads | None = None) -> Objective:
     """L alone (read on the host: one sync), from a forward under ``recorder``: every use recorded as ``objective``
     records it (autograd on, so an input that depends on no weight is told apart; the graph dropped, no backward).
     ‖∇L‖² is NaN, no gradient computed: the start of a batch whose first tick, replayed from a CUDA graph, evaluates
-    L and ∇L itself (``teleport.nullspace``). Single process."""
+    L and ∇L itself (``teleport.teleporter``). Single process."""
     with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH), recorder:
         loss = loss_fn(model(x), y).detach()
-    (value,) = host_floats(loss.reshape(1).double())
+    (value,) = host_floats(loss.reshape(1).double(), reads)
     return Objective(value, math.nan, [], [])
 
 
 def gradients(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, params: list[Tensor],
               comm: Collective | None = None, share: float = 1.0) -> list[Tensor]:
     """∇L of the whole batch, detached, no graph kept, nothing else computed (no ‖∇L‖²): the second gradient of
-    ``teleport.difference``."""
+    ``teleport.hvp.difference``."""
     return _gradients(model, loss_fn, x, y, params, comm, share, None, False, None)[1]
 
 
@@ -123,13 +124,26 @@ def _gradients(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, params: 
     return local, total[:-1], total[-1]
 
 
-HOST_READS = [0]  # host reads of device values by the teleport (benchmarks/lm_payoff.py counts them per step)
+class HostReads:
+    """How many times a teleporter read device values on the host (``host_floats``): each a sync on a GPU."""
+
+    def __init__(self) -> None:
+        self.count = 0
 
 
-def host_floats(t: Tensor) -> list[float]:
-    """A 1-d tensor's values on the host: one device-to-host copy (a sync on a GPU), counted."""
-    HOST_READS[0] += 1
+def host_floats(t: Tensor, reads: HostReads | None = None) -> list[float]:
+    """A 1-d tensor's values on the host: one device-to-host copy (a sync on a GPU), counted in ``reads``."""
+    if reads is not None:
+        reads.count += 1
     return t.tolist()
+
+
+def heldout_loss(model: nn.Module, loss_fn: LossFn, holdout: tuple[Tensor, Tensor] | None) -> float | None:
+    """The loss on held-out data (free to drift, unlike the batch loss), or None without any."""
+    if holdout is None:
+        return None
+    with torch.no_grad():
+        return float(loss_fn(model(holdout[0]), holdout[1]).detach())
 
 
 def squared_norm(tensors: list[Tensor]) -> Tensor:
@@ -157,7 +171,7 @@ def teleport_gradient(obj: Objective, weights: list[Tensor], params: list[Tensor
     The backward of this rank's gradient graph against the global gradient gives w_r H_r·∇L;
     summed over ranks it is the whole batch's H·∇L. ``linear_only`` (id(W) -> id(its bias), from
     ``blocks.linear_only``, exact τ = 1 only) names the weights used by F.linear alone: with a backward
-    alias in ``obj``, their H·∇L is taken through the alias, their bias' is 0 (``teleport.spanfree``).
+    alias in ``obj``, their H·∇L is taken through the alias, their bias' is 0 (``teleport.hvp.spanfree``).
     """
     return teleport_gradient_and(obj, weights, [], comm, linear_only)[0]
 

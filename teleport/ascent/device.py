@@ -1,26 +1,10 @@
 """The ascent of one teleport decided on the device, in ticks that a CUDA graph captures and replays.
 
-Status (H200, torch 2.11, 2026-11-27): the eager ticks are correct but 1.5x slower than the host guard, and every
-capture failed ("operation would make the legacy stream depend on a capturing blocking stream": the evaluation
-the bases came from, made on the default stream, is alive during the capture), leaving the CUDA generator
-mid-capture so that later CUDA random draws raised. ``teleport.ascent: auto`` was therefore the host guard, and
-this module opt-in. Mended since:
-with ``cuda_graph`` the whole teleport — the first evaluation, the bases, every tick — runs on one side stream
-(``own_stream``), so the autograd nodes the capture meets (the weights' AccumulateGrad among them) were made on
-the capturing stream and autograd has no other stream to sync with; a failed capture puts the CUDA generator's
-state back as it was before ``capture_begin``; a training step's graph still held when a teleport starts (a
-loop's last loss) would keep the parameters' AccumulateGrad nodes of the default stream alive for the capture to
-meet, so a captured teleport differentiates by aliases of the parameters (``graph_cache.own_leaves``).
-Status (H200, 2026-11-29): with these mends the capture works — 47 of 48 capture tests pass, a replayed tick is 3
-launches, and 8 steps of the GPT-style LM cost 9.3 training steps against the host guard's 30.8
-(``docs/results.md``), and the char LM's 9 training runs with it reached the baseline's loss (Adam 0.73x): ``auto``
-is ``cuda_graph`` on one GPU since (``ascent.ascent_mode``).
-
-The host-guarded ascent (``ascent.Run``) reads L and ‖∇L‖² after every try and branches in Python:
+The host guard (``teleport.ascent.host``) reads L and ‖∇L‖² after every try and branches in Python:
 accept, shorten, stop. On a GPU each step is then thousands of small kernels launched one by one from
-Python (issue 27: 15,268 launches for one teleport of a GPT-style LM), and the GPU waits on the host.
+Python (15,268 launches for one teleport of a GPT-style LM on an H100), and the GPU waits on the host.
 
-Here the same guard (``guard.guarded_step``'s rules: finite, ≤ CAP, |L − L₀| ≤ loss_tol·|L₀|, an
+Here the same rules (``teleport.ascent.rules``: finite, ≤ CAP, |L − L₀| ≤ loss_tol·|L₀|, an
 ascent; a CAP overshoot shortened to land under it, else halving; η aimed at CAP) runs as arithmetic on 0-d
 device tensors.
 One *tick* evaluates the objective at the weights as they are, judges the try in flight, and moves:
@@ -32,10 +16,10 @@ and replayed, one launch a tick. The host reads one small status (``STATUS``: do
 flight, back-offs, the reason, L, ‖∇L‖², and both at the start) per tick, in one copy: one sync per step, as
 before, but no longer between kernels. The first tick takes step 1 from the evaluation the bases were built from
 — or, replayed from a graph, evaluates the start itself and sets L₀, ‖∇L‖²₀ and the batch's CAP (``_begin``).
-The weights are moved in place (W₀ is a copy, not a storage swap as in ``teleport.buffers``): a
+The weights are moved in place (W₀ is a copy, not a storage swap as in ``teleport.ascent.host``): a
 captured graph needs every address fixed.
 
-With ``teleport.hvp: difference`` a tick's U comes from ∇L at a shifted point (``teleport.difference``): one
+With ``teleport.hvp: difference`` a tick's U comes from ∇L at a shifted point (``teleport.hvp.difference``): one
 more plain forward + backward inside the tick, ε and the shift on the device, the shifted weights in storages
 from the allocator (the graph's own pool when captured), so the graph holds no double backward.
 
@@ -53,29 +37,26 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import torch
 from torch import Tensor
 
-from teleport.aim import AimScale, aim_on_device, aims_first
-from teleport.flat_move import FlatMove
-from teleport.guard import shorten_factor
-from teleport.objective import Objective, host_floats
-from teleport.report import TeleportConfig
+from teleport.ascent.flat_move import FlatMove
+from teleport.ascent.rules import AimScale, aim_on_device, aims_first, shorten_factor
+from teleport.config import TeleportConfig
+from teleport.hvp.direction import Direction
+from teleport.hvp.objective import HostReads, Objective, host_floats
 
 # a tick's verdict on the try it judged, and the reason a teleport stopped (``REASONS``)
 OK, CAP, NOT_FINITE, LOSS_TOL, NO_ASCENT = 1, 2, 3, 4, 5
-REASONS = {OK: "steps", CAP: "cap", NOT_FINITE: "not_finite", LOSS_TOL: "loss_tol", NO_ASCENT: "no_ascent"}
+REASONS = ("", "steps", "cap", "not_finite", "loss_tol", "no_ascent")  # by code
 WARMUP = 1  # eager ticks on a side stream before the capture (lazy inits: cuBLAS workspaces, autograd streams)
 
 STATUS = ("done", "steps", "pending", "capping", "backoffs", "reason", "loss", "grad_norm_sq", "loss0",
           "grad_norm_sq0")  # a tick's status, in order (L and ‖∇L‖² now, then at the start)
-UNCAPTURABLE: weakref.WeakSet[object] = weakref.WeakSet()  # models whose tick a CUDA graph could not hold
 Evaluate = Callable[[bool], tuple[Objective, Tensor]]  # graph? -> (the objective's gradients, [‖∇L‖², L])
-Direction = Callable[[Objective], list[Tensor]]  # π(H·∇L) of the moving weights
 
 
 def tick_constants(config: TeleportConfig) -> TeleportConfig:
@@ -85,45 +66,48 @@ def tick_constants(config: TeleportConfig) -> TeleportConfig:
     return replace(config, steps=0, cap=1.0)
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream the teleport runs on if it is not the device's default stream (``own_stream``), else the
-    teleports' own one: a capture cannot be made on the default stream."""
-    current = torch.cuda.current_stream(device)
-    return _teleport_stream(device) if current == torch.cuda.default_stream(device) else current
+class Capturing:
+    """What a model's device ticks keep from one teleport to the next: the side stream every captured teleport of it
+    runs on, per device, and whether its tick could not be captured (its later teleports then do not try again)."""
 
+    def __init__(self) -> None:
+        self.streams: dict[int, torch.cuda.Stream] = {}
+        self.failed = False
 
-_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the side stream every captured teleport runs on
+    def stream(self, device: torch.device) -> torch.cuda.Stream:
+        """One side stream per device for every captured teleport: what a captured tick keeps for later batches (its
+        static inputs, state, bases: ``teleport.ascent.graphs``) is allocated and used on one stream, as the caching
+        allocator expects of a tensor no ``record_stream`` names."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self.streams:
+            self.streams[index] = torch.cuda.Stream(index)
+        return self.streams[index]
 
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The stream the teleport runs on if it is not the device's default stream (``own_stream``), else the
+        teleports' own one: a capture cannot be made on the default stream."""
+        current = torch.cuda.current_stream(device)
+        return self.stream(device) if current == torch.cuda.default_stream(device) else current
 
-def _teleport_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for every captured teleport: what a captured tick keeps for later batches (its
-    static inputs, state, bases: ``teleport.graph_cache``) is allocated and used on one stream, as the caching
-    allocator expects of a tensor no ``record_stream`` names."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _STREAMS:
-        _STREAMS[index] = torch.cuda.Stream(index)
-    return _STREAMS[index]
-
-
-@contextlib.contextmanager
-def own_stream(device: torch.device, enabled: bool) -> Iterator[None]:
-    """Run the block on a side stream of ``device`` that waits for the caller's stream, and make the caller's stream
-    wait for it after (even when the block raises); nothing when not ``enabled``. A teleport to be captured runs
-    whole on it: the autograd nodes of its first evaluation (the weights' AccumulateGrad among them, shared by every
-    later graph) then belong to the capturing stream, and autograd syncs no other stream with it during the capture
-    — on the caller's default stream they made the H200's capture fail. The nodes die with the teleport's graphs,
-    so the training step after it makes its own on its stream."""
-    if not enabled:
-        yield
-        return
-    caller = torch.cuda.current_stream(device)
-    side = _teleport_stream(device)
-    side.wait_stream(caller)
-    try:
-        with torch.cuda.stream(side):
+    @contextlib.contextmanager
+    def own_stream(self, device: torch.device, enabled: bool) -> Iterator[None]:
+        """Run the block on a side stream of ``device`` that waits for the caller's stream, and make the caller's
+        stream wait for it after (even when the block raises); nothing when not ``enabled``. A teleport to be
+        captured runs whole on it: the autograd nodes of its first evaluation (the weights' AccumulateGrad among
+        them, shared by every later graph) then belong to the capturing stream, and autograd syncs no other stream
+        with it during the capture — on the caller's default stream they made the H200's capture fail. The nodes die
+        with the teleport's graphs, so the training step after it makes its own on its stream."""
+        if not enabled:
             yield
-    finally:
-        caller.wait_stream(side)
+            return
+        caller = torch.cuda.current_stream(device)
+        side = self.stream(device)
+        side.wait_stream(caller)
+        try:
+            with torch.cuda.stream(side):
+                yield
+        finally:
+            caller.wait_stream(side)
 
 
 class DeviceAscent:
@@ -136,7 +120,7 @@ class DeviceAscent:
         tick takes step 1's first try from it, evaluating nothing. ``commit``: told after each U whether it starts a
         step (``difference.ShiftScale.commit``: what a difference learned is kept only from the U the host guard
         would have computed too). ``aim``: the model's factor on the aim at CAP, learned from its aimed steps
-        (``teleport.aim``)."""
+        (``teleport.ascent.rules``)."""
         self.weights, self.evaluate, self.direction, self.config = weights, evaluate, direction, config
         self.commit, self.aim = commit, aim
         device = weights[0].device
@@ -162,11 +146,12 @@ class DeviceAscent:
         self.judge: torch.cuda.CUDAGraph | None = None  # the tick that only judges a try (``_judge``), once captured
         self.warmed = False  # ``run`` ran the full tick eagerly on a side stream: the warm-up of its capture
         self.judging = "cold"  # ``_judge``'s tick next to a graph: "warm" once run eagerly, "eager": its capture failed
+        self.capturing = Capturing()  # the side stream of its captures (``run`` sets the model's)
         self.reset(start)
 
     def reset(self, start: Objective, config: TeleportConfig | None = None) -> None:
         """Start a teleport batch from ``start`` (see ``__init__``), every state tensor set in place: a captured
-        tick replays on the same addresses for a later batch (``teleport.graph_cache``). ``config`` may change the
+        tick replays on the same addresses for a later batch (``teleport.ascent.graphs``). ``config`` may change the
         number of steps and CAP only: every other number of it is a constant of a captured tick (``tick_constants``)."""
         if config is not None:
             if tick_constants(config) != tick_constants(self.config):
@@ -191,7 +176,8 @@ class DeviceAscent:
         self.state = dict.fromkeys(STATUS, 0.0) | {"pending": 1.0, "capping": float(aimed)}
         self.mode = "device" if self.graph is None else "cuda_graph"
 
-    def run(self, graphs: bool, owner: object | None = None, warm: bool = False) -> str:
+    def run(self, graphs: bool, capturing: Capturing | None = None, warm: bool = False,
+            reads: HostReads | None = None) -> str:
         """Tick until done; with ``graphs`` (CUDA), after ``WARMUP`` eager ticks the full tick is captured and
         replayed, on the stream the teleport runs on when that is a side stream (``own_stream``), else the teleports'
         own side stream;
@@ -201,12 +187,15 @@ class DeviceAscent:
         Until a graph exists the ticks after the start are its warm-up and its capture whatever they judge (a judging
         tick's U is then computed and dropped: the graph is what the model's later batches replay from their first
         tick, a batch of one step included).
-        ``owner`` (the model): once its tick could not be captured, its later teleports do not try again. ``warm``:
-        an earlier batch ran the warm-up (``graph_cache.warmed``): capture at the first full tick after the start;
+        ``capturing`` (the model's): once its tick could not be captured, its later teleports do not try again; the
+        side stream its captures run on. ``reads``: counts the host reads (one a tick). ``warm``:
+        an earlier batch ran the warm-up (``GraphCache.warmed``): capture at the first full tick after the start;
         ``self.warmed`` says whether this run ran it."""
         graph = self.graph
-        graphs = graph is not None or (graphs and (owner is None or owner not in UNCAPTURABLE))
-        side = _side_stream(self.weights[0].device) if graphs and graph is None else None
+        capturing = capturing or self.capturing
+        self.capturing = capturing
+        graphs = graph is not None or (graphs and not capturing.failed)
+        side = capturing.side_stream(self.weights[0].device) if graphs and graph is None else None
         limit = self.config.steps * (self.config.max_backoff + 1) + 1  # every try of every step, and the first
         try:
             start, self.start = self.start, None
@@ -232,11 +221,11 @@ class DeviceAscent:
                 else:
                     graph, side = self._capture(side), None
                     self.graph = graph
-                    if graph is None and owner is not None:
-                        UNCAPTURABLE.add(owner)
+                    if graph is None:
+                        capturing.failed = True
                     graph.replay() if graph is not None else self.tick(True)
                 ticks += 1
-                self.state = dict(zip(STATUS, host_floats(self.status), strict=True))
+                self.state = dict(zip(STATUS, host_floats(self.status, reads), strict=True))
         except BaseException:
             self.abandon()
             raise
@@ -275,7 +264,7 @@ class DeviceAscent:
             aimed_eta, aimed, slope = aim_on_device(eta, gn_now, u_new, self.cap, c.rise, self.aim)
             factor = self._shorten(verdict, gn, gn_now)
             eta_try = torch.where(start, aimed_eta, torch.where(retry, self.eta_try * factor, self.eta_try))
-            self.flat.move(start, retry, exhausted, eta_try, u_new)  # W₀, U and W: ``teleport.flat_move``
+            self.flat.move(start, retry, exhausted, eta_try, u_new)  # W₀, U and W: ``teleport.ascent.flat_move``
             reason = torch.where(exhausted, verdict, self.reason)
             reason = torch.where(ended_cap | at_cap, CAP, torch.where(finished, OK, reason))
             reason = torch.where(broken, NOT_FINITE, reason)
@@ -298,7 +287,7 @@ class DeviceAscent:
         """The batch's first tick (``first``) sets what the start decides: L₀, ‖∇L‖²₀ and the batch's CAP
         (``TeleportConfig.for_batch``: min(CAP, cap_ratio·‖∇L‖²₀) where 0 < ‖∇L‖²₀ < ∞). A start read on the host
         (``reset``'s) gives the same numbers again; a start deferred to this tick (a replayed graph's batch,
-        ``teleport.nullspace``) gets them here, on the device."""
+        ``teleport.teleporter``) gets them here, on the device."""
         self.loss0.copy_(torch.where(first, loss, self.loss0))
         self.gn0.copy_(torch.where(first, gn, self.gn0))
         ratio = self.config.cap_ratio
@@ -308,7 +297,7 @@ class DeviceAscent:
         self.starting.copy_(self.starting & ~first)
 
     def _verdict(self, gn: Tensor, loss: Tensor) -> Tensor:
-        """``guard.step_verdict`` on the device: OK, or the first rule the try breaks."""
+        """``rules.step_verdict`` on the device: OK, or the first rule the try breaks."""
         c = self.config
         tol = c.loss_tol * self.loss0.abs().clamp_min(1e-12)
         code = torch.where(gn < self.gn, NO_ASCENT, OK)
@@ -317,7 +306,7 @@ class DeviceAscent:
         return torch.where(torch.isfinite(gn) & torch.isfinite(loss), code, NOT_FINITE)
 
     def _shorten(self, verdict: Tensor, after: Tensor, before: Tensor) -> Tensor:
-        """``guard._shorten`` on the device: ``shorten_factor`` for a CAP overshoot of the try in flight, else ½."""
+        """``rules.shorten`` on the device: ``shorten_factor`` for a CAP overshoot of the try in flight, else ½."""
         factor = shorten_factor(after, before, self.cap, self.slope * self.eta_try)
         return torch.where((verdict == CAP) & (after > before), factor, 0.5)
 
@@ -329,7 +318,7 @@ class DeviceAscent:
         capture will use (the warm-up of the plain backward), the next captures it, later ones replay it; a capture
         that fails leaves them eager (the full tick's graph is kept). Its memory pool is its own, as the full
         tick's is."""
-        side = _side_stream(self.weights[0].device)
+        side = self.capturing.side_stream(self.weights[0].device)
         if self.judge is None and self.judging == "warm":
             self.judge = self._capture(side, full=False)
             self.judging = "warm" if self.judge is not None else "eager"

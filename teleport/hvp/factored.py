@@ -1,6 +1,6 @@
 """π(H·∇L) of a weight used by F.linear alone, from its factors (exact τ = 1): no (out, in) H·∇L is formed.
 
-At exact τ = 1 what π keeps of a Linear's teleport gradient is (b) = Σ_uses δᵀ C (``teleport.spanfree``):
+At exact τ = 1 what π keeps of a Linear's teleport gradient is (b) = Σ_uses δᵀ C (``teleport.hvp.spanfree``):
 δ (N, out) is the use's ∂L/∂Z, C (N, in) the second backward's adjoint of its ∂L/∂X = δ W. π acts on
 the input side of each row of [W | b] (with R's basis K, (in + 1, k)), so
 
@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from teleport.blocks import Block, linear_only
+from teleport.geometry.blocks import Block, linear_only
 
 if TYPE_CHECKING:
     from teleport.distributed import Collective
-    from teleport.objective import Objective
+    from teleport.hvp.objective import Objective
 
 
 def factored_direction(obj: Objective, blocks: list[Block], comm: Collective | None, gradient_and: Callable[..., Any],

@@ -1,6 +1,6 @@
 """H·∇L without a double backward: a forward difference of two gradients (``teleport.hvp: difference``).
 
-The exact teleport gradient ∇(½‖∇L‖²) = H·∇L is one backward of ∇L's own graph (``teleport.objective``): the
+The exact teleport gradient ∇(½‖∇L‖²) = H·∇L is one backward of ∇L's own graph (``teleport.hvp.objective``): the
 gradient's graph is kept (``create_graph``) and differentiated again. Along v = ∇L,
 
     H·v ≈ (∇L(W + εv) − ∇L(W)) / ε
@@ -11,36 +11,34 @@ the moving ones (H·v's rows for the moving weights read all of v). The directio
 one is, so the loss on the teleport batch is unchanged exactly as before — π, not the HVP, keeps it — and the
 guard still accepts only steps that raise ‖∇L‖².
 
-ε: the shift's norm ε‖v‖ is ``REL`` · s · √u · (1 + ‖W‖) (u: the weights' machine epsilon; float32 and float64
-only), s ≤ 1 a factor the model learns (``shift_scale``). Truncation error grows with ε, rounding with 1/ε; the usual
-√u(1 + ‖W‖) (``REL`` = 1) was truncation-bound on the GPT-style LM (d = 128, float32: cosine 0.9979 to the float64
-direction; 0.99998 at 0.1, 0.999997 at 0.03) and on the test families (a teleport's move 2e-2 off the exact one at
-1, 3e-4 to 2e-3 at 0.03-0.1; float64: 2e-8 to 8e-8). No fixed ε holds as a model sharpens, though: once teleports
-have raised the GPT-style LM's ‖∇L‖² ~5,000x the shift is far too long (d 128, float32: cosine 0.67 to the exact
-direction; on an H200 −0.05 after a benchmark's teleports). The sign is δ = ‖∇L(W + εv) − ∇L(W)‖ / ‖∇L(W)‖ over
+ε: the shift's norm ε‖v‖ is ``REL`` · s · √u · (1 + ‖W‖) (u: the weights' machine epsilon; float32 and float64 only),
+s ≤ 1 a factor the model learns (``ShiftScale``, its ``Teleporter``'s). Truncation error grows with ε, rounding with
+1/ε; the usual √u(1 + ‖W‖) (``REL`` = 1) was truncation-bound on the GPT-style LM (d = 128, float32: cosine 0.9979 to
+the float64 direction; 0.99998 at 0.1, 0.999997 at 0.03) and on the test families (a teleport's move 2e-2 off the
+exact one at 1, 3e-4 to 2e-3 at 0.03-0.1; float64: 2e-8 to 8e-8). No fixed ε holds as a model sharpens, though: once
+teleports have raised the GPT-style LM's ‖∇L‖² ~5,000x the shift is far too long (d 128, float32: cosine 0.67 to the
+exact direction; on an H200 −0.05 after a benchmark's teleports). The sign is δ = ‖∇L(W + εv) − ∇L(W)‖ / ‖∇L(W)‖ over
 the moving weights, the gradient's relative change along the shift: 1e-3 on the fresh LM and ≤ 4e-3 on the test
-families (cosine 0.999998), 0.15 and 3.8 on the sharpened LM (0.995, 0.67); a shift cut to δ 4e-2 gave 0.99995
-there. Each difference measures its δ and, where it passes ``DELTA`` (30√u: 1e-2 in float32), shortens the next
-shift to land there (s back towards 1 as δ falls); the factor persists with the model, so a later teleport's first
-step starts from it. A model whose δ stays under ``DELTA`` keeps s = 1: the shifts above, bit for bit. All on the
-device, no host read.
+families (cosine 0.999998), 0.15 and 3.8 on the sharpened LM (0.995, 0.67); a shift cut to δ 4e-2 gave 0.99995 there.
+Each difference measures its δ and, where it passes ``DELTA`` (30√u: 1e-2 in float32), shortens the next shift to land
+there (s back towards 1 as δ falls); the factor persists with the model's ``Teleporter`` (and its checkpoint), so a
+later teleport's first step starts from it. A model whose δ stays under ``DELTA`` keeps s = 1: the shifts above, bit
+for bit. All on the device, no host read.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from teleport.objective import Objective
+from teleport.hvp.objective import Objective
 
-REL = 0.05  # ε‖v‖ = REL·s·√u·(1 + ‖W‖), s = ``shift_scale``'s factor
+REL = 0.05  # ε‖v‖ = REL·s·√u·(1 + ‖W‖), s = ``ShiftScale``'s factor
 DELTA = 30.0  # the gradient's largest relative change δ along a shift, in √u (float32: 1.0e-2)
 SCALE = (1e-3, 1.0)  # s's range; one difference may set it anywhere in it
-_SCALES: weakref.WeakKeyDictionary[object, ShiftScale] = weakref.WeakKeyDictionary()  # model -> its s
 Shifted = Callable[[list[Tensor], Tensor], list[Tensor]]  # (v, ε) -> ∇L at W + ε·v, every parameter, whole batch
 DTYPES = (torch.float32, torch.float64)
 
@@ -64,26 +62,26 @@ class ShiftScale:
         self.now = torch.ones((), dtype=torch.float64, device=device)
         self.proposed = self.now.clone()
 
+    def state_dict(self) -> dict[str, float]:
+        return {"now": float(self.now), "proposed": float(self.proposed)}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        with torch.no_grad():
+            self.now.fill_(state["now"])
+            self.proposed.fill_(state["proposed"])
+
     def commit(self, used: Tensor | None = None) -> None:
         """Keep the proposed s (where ``used``, a 0-d bool, is true; None: always)."""
         with torch.no_grad():
             self.now.copy_(self.proposed if used is None else torch.where(used, self.proposed, self.now))
 
 
-def shift_scale(model: object, like: Tensor) -> ShiftScale:
-    """The model's ``ShiftScale`` on ``like``'s device, kept with the model (a later teleport starts from it)."""
-    scale = _SCALES.get(model)
-    if scale is None or scale.now.device != like.device:
-        scale = _SCALES[model] = ShiftScale(like.device)
-    return scale
-
-
 def difference_hvp(obj: Objective, params: list[Tensor], weights: list[Tensor], shifted: Shifted,
                    scale: ShiftScale | None = None) -> list[Tensor]:
-    """H·∇L for ``weights`` (a subset of ``params``) from ∇L at W and at W + ε∇L, ε from ``scale`` (``shift_scale``:
+    """H·∇L for ``weights`` (a subset of ``params``) from ∇L at W and at W + ε∇L, ε from ``scale`` (``ShiftScale``:
     its s now; the next difference's s proposed from this one's δ; None: a factor of 1, not learned). No host read
     (ε, ‖∇L‖², ‖W‖ and δ stay on the device), so the device ticks and a CUDA graph can hold it
-    (``teleport.on_device``); the arithmetic is a few multi-tensor (``_foreach``) kernels, not one per parameter."""
+    (``teleport.ascent.device``); the arithmetic is a few multi-tensor (``_foreach``) kernels, not one per parameter."""
     grads = obj.global_grads
     assert obj.scalars is not None, "an objective from objective_tensors carries its [‖∇L‖², L]"
     root_u = math.sqrt(torch.finfo(params[0].dtype).eps)

@@ -80,7 +80,7 @@ class _Linear(torch.autograd.Function):
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 gb = g2.sum(0)
             sink = None if ctx.sink is None else ctx.sink()
-            if sink is not None and gx is not None:  # this use's factors of H·∇L (teleport.factored)
+            if sink is not None and gx is not None:  # this use's factors of H·∇L (teleport.hvp.factored)
                 sink.append((g2, gx))
         return gx, gw, gb, None
 
