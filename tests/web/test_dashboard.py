@@ -200,6 +200,20 @@ def test_sign_in_tables_errors_and_cancel_without_ray(api_only: Api, tab_factory
     assert "58.0 / 64.0" in node and "6 GiB" in node and "not known" in node, node
     assert "memory 58.0 GiB free of 64.0" in page.inner_text("#cluster-summary")
     assert "alive" in page.inner_text("#cluster-summary")
+    # a node with a long name and many shares still fits the 1280-px window (the tab's viewport): no sideways scroll
+    crowded = NodeView(id="f" * 56, hostname="gpunode" + "0123456789" * 5, address="10.20.30.40",
+                       alive=True, cpus_total=64, cpus_free=8, gpus_total=8, gpus_free=0, gpu_type="H100",
+                       memory_gb_total=512, memory_gb_free=100, jobs=[NodeShare(
+                           job=f"1a24b0b9203-cc05{i:02d}", workers=1, cpus=7, gpus=1.0, gpu_memory_mb=40960.5,
+                           memory_gb=50) for i in range(8)])
+    view = view.model_copy(update={"nodes": [*view.nodes, crowded]})
+    with redis.Redis.from_url(api_only.stack.redis_url or "") as r:
+        r.set(keys.cluster(), json.dumps({"view": view.model_dump(), "at": time.time()}))
+    page.wait_for_function("() => document.querySelectorAll('#nodes-body tr').length === 3", timeout=15_000)
+    wide = page.evaluate("() => [document.documentElement.scrollWidth, document.querySelector('table.cluster')"
+                         ".closest('.card').scrollWidth, document.querySelector('table.cluster').closest('.card')"
+                         ".clientWidth]")
+    assert wide[0] <= 1280 and wide[1] <= wide[2], wide
     page.click("#signout")
     page.wait_for_function("() => location.hash === '#/signin'")
     assert page.evaluate("localStorage.getItem('tlab.token')") is None

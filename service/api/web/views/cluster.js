@@ -35,7 +35,7 @@ const nodeRow = (n) => html`<tr><td class="mono" title="${n.id}">${nodeName(n)}$
 
 export async function clusterPage(page) {
   put(page.el, html`<section class="card"><h2>Cluster</h2><p id="cluster-summary"></p>
-    <table><thead><tr><th>node</th><th>alive</th><th>CPUs free / total</th><th></th><th>GPUs free / total</th><th></th>
+    <table class="cluster"><thead><tr><th>node</th><th>alive</th><th>CPUs free / total</th><th></th><th>GPUs free / total</th><th></th>
       <th title="Ray's memory resource: what resources.memory_gb reserves">memory GiB free / total</th><th></th><th>running jobs' shares</th></tr></thead><tbody id="nodes-body"></tbody></table>
     <h3>Running</h3><p id="running"></p></section>`);
   await page.every(POLL_MS, async () => {
