@@ -147,10 +147,14 @@ def test_cancel_keeps_the_record_and_delete_removes_it_with_its_files(api_only: 
 def test_the_schema_carries_the_patterns_and_content_types_the_server_checks(openapi: dict[str, Any]) -> None:
     from api_schemas.code import FACTORY_PATTERN, LOSS_PATTERN
     from service.api.events import STREAM_ID_PATTERN
+    from service.api.routes.logs import CURSOR_PATTERN
 
-    for path in ("/v1/experiments/{job_id}/events", "/v1/sweeps/{sweep_id}/events"):
+    # Last-Event-ID wherever it is read: a string of the pattern the route checks (never null: a header is absent)
+    for path, pattern in (("/v1/experiments/{job_id}/events", STREAM_ID_PATTERN),
+                          ("/v1/sweeps/{sweep_id}/events", STREAM_ID_PATTERN),
+                          ("/v1/experiments/{job_id}/logs/stream", CURSOR_PATTERN)):
         header = next(p for p in openapi["paths"][path]["get"]["parameters"] if p["name"] == "last-event-id")
-        assert header["schema"]["anyOf"][0]["pattern"] == STREAM_ID_PATTERN, header
+        assert header["schema"]["type"] == "string" and header["schema"]["pattern"] == pattern, header
     schemas = openapi["components"]["schemas"]
     assert schemas["CustomModel"]["properties"]["factory"]["pattern"] == FACTORY_PATTERN
     training = json.dumps(schemas["TrainingSpec"]["properties"])
