@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,7 @@ def load_spec(spec: Any, overrides: Mapping[str, Any] | None = None) -> dict[str
     if hasattr(spec, "model_dump"):
         data = spec.model_dump(mode="json")
     elif isinstance(spec, Mapping):
-        data = dict(spec)
+        data = copy.deepcopy(dict(spec))  # ``set`` never changes the caller's dict
     else:
         from api_schemas.spec_io import load_spec_data
 
