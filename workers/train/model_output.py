@@ -54,6 +54,7 @@ class CheckedLoss:
 
     def __init__(self, loss_fn: Callable[[Tensor, Tensor], Tensor], task: str) -> None:
         self.loss_fn, self.task, self.checked = loss_fn, task, False
+        self.__name__ = getattr(loss_fn, "__name__", type(loss_fn).__name__)  # the loss it is, as a log names it
 
     def __call__(self, out: Any, target: Tensor) -> Tensor:
         if not self.checked:
