@@ -122,13 +122,19 @@ def _skipped(epoch: int, reason: str, why: str) -> dict[str, Any]:
 
 
 def stuck_record(epoch: int, report: TeleportReport, tp: TeleportSpec) -> dict[str, Any] | None:
-    """The ``budget`` record of a teleport batch that could not take a step whatever its step size — already at CAP,
-    or no free direction — for which the runner skips the run's remaining teleports (the batches after it are drawn
-    from the same data on the same terms); None for any other batch."""
+    """The ``budget`` record of a teleport batch that could not take a step whatever its step size, else None:
+    already at CAP — the runner skips the epoch's other batches (the model is at CAP: their ‖∇L‖² is alike) and then
+    teleport epochs in doubling runs; the next epoch it tries stops at its first batch if still at CAP (one plain
+    forward + backward: the ``Teleporter`` checks first after a batch at CAP), and a model that trained back under
+    CAP teleports again; or no free direction
+    — the runner skips the run's remaining teleports (the batch size decides it, and it does not change)."""
     if report.steps or report.backoffs:
         return None
     if report.stop_reason == "cap":
-        return _skipped(epoch, "cap", f"‖∇L‖² {report.grad_norm_sq_before:.3g} ≥ cap {report_cap(report, tp):g}")
+        return {**_skipped(epoch, "cap", f"‖∇L‖² {report.grad_norm_sq_before:.3g} ≥ cap {report_cap(report, tp):g}"),
+                "message": f"teleport made no move at epoch {epoch} (‖∇L‖² {report.grad_norm_sq_before:.3g} ≥ cap "
+                           f"{report_cap(report, tp):g}): its next batches skipped, and teleport epochs skipped in "
+                           "doubling runs while the model stays at CAP"}
     if report.stop_reason == "no_free_directions":
         return _skipped(epoch, "no_free_directions",
                         f"no layer has a free direction at teleport.batch_size {tp.batch_size}")
@@ -138,7 +144,7 @@ def stuck_record(epoch: int, report: TeleportReport, tp: TeleportSpec) -> dict[s
 def refused_record(epoch: int, reports: list[TeleportReport]) -> dict[str, Any] | None:
     """The ``budget`` record of an epoch's teleport whose every batch refused every try (none moved): the runner skips
     the run's remaining teleports; None when a batch moved."""
-    if not reports or any(r.steps for r in reports):
+    if not reports or any(r.steps or not r.backoffs for r in reports):  # one moved, or one stopped before a try
         return None
     reason = reports[0].stop_reason
     return _skipped(epoch, reason, REFUSED.get(reason, f"every batch stopped: {reason}"))

@@ -5,10 +5,11 @@ of n training samples, t ascent steps each, within the run's wall-clock budget (
 without the interruption would have taken). Every record goes to the run's sink:
 
 - ``{"kind": "teleport", "epoch", "batch", **TeleportReport.to_dict()}`` per teleport batch;
-- ``{"kind": "budget", "epoch", "message", ...}`` when the budget shortened or skipped the epoch's teleport, and when
-  a teleport made no move for a reason that holds for the next ones (at CAP, no free direction, every try refused):
-  the run's later teleports are skipped then, not paid for (``teleport_hints.stuck_record``,
-  ``refused_record``).
+- ``{"kind": "budget", "epoch", "message", ...}`` when the budget shortened or skipped the epoch's teleport, and, once,
+  when a teleport made no move for a reason that holds for the next ones: at CAP, the epoch's other batches are
+  skipped and then teleport epochs in doubling runs while the model stays at CAP (``TeleportRunner._at_cap``); with
+  no free direction, or every try of an epoch refused, the run's later teleports are skipped
+  (``teleport_hints.stuck_record``, ``refused_record``).
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ class TeleportRunner:
     executor: BasisExecutor | None = None
     cuts: int = 0
     skipped: dict[str, Any] | None = None  # the no-move record after which the run's teleports stopped
+    idle: str | None = None  # the first no-move message of the run (said once)
+    idle_batches: int = 0  # planned teleport batches not run because one made no move
+    capped: int = 0  # teleport epochs in a row that ended at CAP
+    waiting: int = 0  # scheduled teleport epochs still to skip after the last one at CAP
     hints: IdleHints = dataclasses.field(default_factory=IdleHints)
     teleporter: Teleporter | None = None
     _state: dict[str, Any] | None = None  # a checkpoint's teleporter state, for the first teleporter made
@@ -128,6 +133,10 @@ class TeleportRunner:
         ``epochs_done`` epochs. Nothing once a teleport made no move (``skipped``)."""
         if self.skipped is not None:
             return []
+        if self.waiting > 0:  # the model was at CAP lately: this teleport epoch is skipped (see ``_at_cap``)
+            self.waiting -= 1
+            self.idle_batches += self.tp.batches
+            return []
         start, reports, least = time.perf_counter(), [], self.tp.steps
         for i, batch in zip(range(self.tp.batches), batches, strict=False):
             steps = self.budget.steps_for_batch(self.tp.steps, spent + time.perf_counter() - start, train_seconds,
@@ -144,11 +153,18 @@ class TeleportRunner:
             reports.append(report)
             least = least if calibrating else min(least, steps)
             if (stuck := stuck_record(epoch, report, self.tp)) is not None:
-                self._skip(stuck)
+                self.idle_batches += self.tp.batches - len(reports)
+                if stuck["stop_reason"] == "cap":  # this epoch's batches are at CAP too; a later epoch checks again
+                    self._at_cap(stuck)
+                else:
+                    self._skip(stuck)
                 break
         if self.skipped is None and (refused := refused_record(epoch, reports)) is not None:
             self._skip(refused)
-        if self.skipped is None and (len(reports) < self.tp.batches or least < self.tp.steps):
+        stopped = bool(reports) and stuck_record(epoch, reports[-1], self.tp) is not None
+        if reports and not stopped:
+            self.capped = 0  # the epoch ended below CAP: the next one teleports as planned
+        if self.skipped is None and not stopped and (len(reports) < self.tp.batches or least < self.tp.steps):
             self._say_cut(epoch, len(reports), least if reports else 0)
         if hint := self.hints.after(epoch, reports, self.tp):
             self.ctx.sink.emit(hint)
@@ -171,24 +187,42 @@ class TeleportRunner:
         """What a resumed run needs to go on with the same budget and the same teleports (kept in the checkpoint)."""
         teleporter = self.teleporter.state_dict() if self.teleporter is not None else self._state
         return {"work_units": self.budget.work_units, "work_seconds": self.budget.work_seconds, "cuts": self.cuts,
-                "skipped": self.skipped, "teleporter": teleporter}
+                "skipped": self.skipped, "idle": self.idle, "idle_batches": self.idle_batches,
+                "capped": self.capped, "waiting": self.waiting,
+                "teleporter": teleporter}
 
     def restore(self, saved: dict[str, Any] | None) -> None:
         if saved:
             self.budget.work_units, self.budget.work_seconds = saved["work_units"], saved["work_seconds"]
             self.cuts, self.skipped = int(saved["cuts"]), saved.get("skipped")
+            self.idle, self.idle_batches = saved.get("idle"), int(saved.get("idle_batches", 0))
+            self.capped, self.waiting = int(saved.get("capped", 0)), int(saved.get("waiting", 0))
             self._state = saved.get("teleporter")
 
     def summary(self) -> dict[str, Any]:
         """The budget's fields of the run's summary: the share allowed, how many epochs it cut short, and why the
         teleports stopped early when one made no move."""
-        return {"teleport_budget": self.budget.share, "teleport_cuts": self.cuts,
-                "teleport_skipped": None if self.skipped is None else self.skipped["message"]}
+        return {"teleport_budget": self.budget.share, "teleport_cuts": self.cuts, "teleport_skipped": self.idle,
+                "teleport_skipped_batches": self.idle_batches}
 
     def _skip(self, record: dict[str, Any]) -> None:
         """No later teleport of the run runs (``run`` returns at once): a teleport could not move (see the module)."""
         self.skipped = record
-        self.ctx.sink.emit(record)
+        self._say_idle(record)
+
+    def _at_cap(self, record: dict[str, Any]) -> None:
+        """The epoch's teleport stopped at a batch already at CAP: after the c-th such epoch in a row the next 2^c − 1
+        scheduled teleport epochs are skipped (1, 3, 7, ...), so a model that stays at CAP costs a few plain forward +
+        backward passes a run, and one that trained back under it teleports again."""
+        self.capped += 1
+        self.waiting = 2**self.capped - 1
+        self._say_idle(record)
+
+    def _say_idle(self, record: dict[str, Any]) -> None:
+        """The first no-move record of the run goes to its events; the summary keeps its message."""
+        if self.idle is None:
+            self.idle = record["message"]
+            self.ctx.sink.emit(record)
 
     def _say_cut(self, epoch: int, ran: int, least: int) -> None:
         self.cuts += 1

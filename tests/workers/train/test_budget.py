@@ -160,9 +160,9 @@ def test_a_teleport_at_cap_on_every_batch_says_once_what_to_change(capsys: pytes
     sink = MemorySink()
     run_local(at_cap, tmp_path / "run", progress=True, sink=sink)
     tele = [r for r in sink.records if r["kind"] == "teleport"]
-    assert len(tele) == 1 and tele[0]["steps"] == 0 and tele[0]["stop_reason"] == "cap"  # the runner stopped there
-    (skipped,) = [r for r in sink.records if r.get("reason") == "no_move"]
-    assert skipped["message"].endswith("≥ cap 1e-06): the next teleports skipped")
+    assert {r["batch"] for r in tele} == {0} and all(r["steps"] == 0 and r["stop_reason"] == "cap" for r in tele)
+    (skipped,) = [r for r in sink.records if r.get("reason") == "no_move"]  # each epoch stopped at its first batch
+    assert "≥ cap 1e-06): its next batches skipped" in skipped["message"]
     hints = [r for r in sink.records if r["kind"] == "hint"]
     assert [(h["epoch"], h["reason"]) for h in hints] == [(0, "cap")]
     low = min(r["grad_norm_sq_before"] for r in tele if r["epoch"] == 0)

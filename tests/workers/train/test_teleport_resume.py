@@ -82,22 +82,47 @@ def test_a_resumed_run_takes_the_teleports_of_the_run_without_the_interruption()
                           for x, y in zip(forgot.teleports(), after, strict=True))
 
 
-def test_a_teleport_that_cannot_move_stops_the_runs_teleports() -> None:
-    """Every batch's ‖∇L‖² starts above a CAP of 1e-6: the first teleport batch takes no step, the runner says so and
-    runs no other."""
+def test_a_teleport_at_cap_skips_its_epochs_other_batches_and_checks_first_after() -> None:
+    """Every batch's ‖∇L‖² starts above a CAP of 1e-6: epoch 0 stops at its first batch, epoch 1's teleport is skipped,
+    epoch 2 stops at its first batch again — decided by a plain forward + backward, the teleporter checks first after a
+    batch at CAP — and epoch 3 (of the next 3 to skip) is skipped; the run says so once."""
     run = Checkpoints()
     summary = train(spec(cap=1e-6, cap_ratio=None, rise=None), run)
-    assert len(run.teleports()) == 1 and run.teleports()[0]["steps"] == 0
+    assert [(r["epoch"], r["batch"], r["steps"]) for r in run.teleports()] == [(0, 0, 0), (2, 0, 0)]  # 1: skipped
     (said,) = [r for r in run.sink.records if r.get("reason") == "no_move"]
-    assert said["epoch"] == 0 and said["message"].startswith("teleport made no move at epoch 0 (‖∇L‖² ")
-    assert said["message"].endswith("≥ cap 1e-06): the next teleports skipped")
-    assert said["stop_reason"] == "cap"
-    assert summary["teleport_skipped"] == said["message"]
-    epochs = [r for r in run.sink.records if r["kind"] == "epoch"]
-    assert epochs[-1]["teleport_seconds"] == epochs[0]["teleport_seconds"]  # nothing spent after the first
+    assert said["epoch"] == 0 and said["stop_reason"] == "cap"
+    assert said["message"].startswith("teleport made no move at epoch 0 (‖∇L‖² ")
+    assert "≥ cap 1e-06): its next batches skipped, and teleport epochs skipped in doubling runs" in said["message"]
+    assert summary["teleport_skipped"] == said["message"] and summary["teleport_skipped_batches"] == 1 + 2 + 1 + 2
+    assert all(r["layers"] == [] for r in run.teleports()[1:])  # no basis built: checked first
     resumed = Checkpoints(resume=run.kept[1])
     assert train(spec(cap=1e-6, cap_ratio=None, rise=None), resumed)["teleport_skipped"] == said["message"]
-    assert resumed.teleports() == []  # the resumed run remembers it too
+    assert [r for r in resumed.sink.records if r.get("reason") == "no_move"] == []  # said once a run, resumed too
+
+
+def test_which_no_moves_stop_what() -> None:
+    """At CAP before a try: the epoch stops (a later one checks again); no free direction: the run stops; every try
+    of every batch of an epoch refused: the run stops; a batch that moved, or one refused beside one at CAP: nothing."""
+    from teleport import TeleportReport
+    from workers.train.teleport_hints import refused_record, stuck_record
+
+    tp = spec(cap=5.0, cap_ratio=None, rise=None).teleport
+
+    def rep(reason: str, steps: int = 0, backoffs: int = 0) -> TeleportReport:
+        return TeleportReport(1.0, 1.0, 11.2, 11.2, steps, backoffs, reason, 0.1)
+
+    said = stuck_record(0, rep("cap"), tp)["message"]
+    assert said.startswith("teleport made no move at epoch 0 (‖∇L‖² 11.2 ≥ cap 5)")
+    assert stuck_record(2, rep("no_free_directions"), tp)["message"] == (
+        "teleport made no move at epoch 2 (no layer has a free direction at teleport.batch_size 8): "
+        "the next teleports skipped")
+    assert stuck_record(0, rep("cap", backoffs=7), tp) is None  # tries overshot CAP: not at CAP before one
+    assert stuck_record(0, rep("cap", steps=1), tp) is None
+    assert refused_record(1, [rep("loss_tol", backoffs=7), rep("loss_tol", backoffs=7)])["message"] == (
+        "teleport made no move at epoch 1 (every try moved the batch loss past teleport.loss_tol): "
+        "the next teleports skipped")
+    assert refused_record(1, [rep("loss_tol", backoffs=7), rep("steps", steps=2)]) is None
+    assert refused_record(1, [rep("cap", backoffs=7), rep("cap")]) is None
 
 
 def test_an_epoch_whose_every_try_was_refused_stops_the_runs_teleports() -> None:
