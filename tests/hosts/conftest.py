@@ -38,6 +38,7 @@ class Head:
     admin: str
     redis: redis.Redis
     logs: Path
+    bucket: str = ""  # the TLAB_STORAGE URI: the durable copy a job resumes from
     joins: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def client(self) -> httpx.Client:
@@ -145,7 +146,7 @@ def head(lab: Lab, bucket: str) -> Iterator[Head]:
         reader = threading.Thread(target=drain, args=(proc, home / "up.out"), daemon=True)
         reader.start()
         r = redis.Redis.from_url(f"redis://:{password}@{lab.gateway}:{port}/0", decode_responses=True)
-        the_head = Head(url=url, admin=admin, redis=r, logs=home)
+        the_head = Head(url=url, admin=admin, redis=r, logs=home, bucket=bucket)
         deadline = time.monotonic() + 240  # the head's own node seen alive: Ray is up (a busy machine restarts it)
         while not any(n["alive"] for n in the_head.nodes()):
             assert time.monotonic() < deadline, "the head's Ray never came up: " + "; ".join(

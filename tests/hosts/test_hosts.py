@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from api_schemas import keys
+from objstore import Bucket
 from service.rules.preemptible import PREEMPTED_BY
 from tests.hosts.conftest import NODE_HOME, Head
 from tests.hosts.conftest import TLAB as TLAB_CLI
@@ -108,6 +109,8 @@ def lose_a_host_mid_run(head: Head, hosts: dict[str, Host], how: str) -> tuple[H
     with head.client() as c:
         job = submit(c, tiny(training=LONG, resources=GANG), f"lose-{how}")
         wait(c, job, lambda v: (v["progress"].get("epoch") or 0) >= 3, "3 epochs")
+        stored = Bucket(head.bucket)  # a checkpoint in the bucket first (one every TLAB_CHECKPOINT_EVERY_S, 2 s)
+        wait(c, job, lambda v: any(n.startswith("checkpoint_") for n in stored.ls(job)), "a checkpoint in the bucket")
         victim = next(h for h in hosts.values() if h.hostname in placed_hosts(head, job))
         lost_at = time.monotonic()
         victim.kill() if how == "kill" else victim.cut()
