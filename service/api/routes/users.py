@@ -9,7 +9,7 @@ from api_schemas.notify import WebhookSecret
 from service.api.deps import AdminUser, CurrentUser, StateDep, admin_user
 from service.api.responses import ADMIN, AUTHED, BODY, USER, error
 from service.api.strict import strict_json
-from service.core.errors import Forbidden, InvalidInput
+from service.core.errors import Forbidden, InvalidState
 from service.core.storage_lifecycle import GB, used_bytes
 
 router = APIRouter(prefix="/v1", tags=["users"], responses=AUTHED)
@@ -29,13 +29,13 @@ def list_users(st: StateDep, admin: AdminUser) -> list[UserPublic]:
     return st.store.users()
 
 
-@router.patch("/users/{name}", responses=ADMIN | USER | BODY,
+@router.patch("/users/{name}", responses=ADMIN | USER | BODY | {409: error("an admin asked to disable themself")},
               dependencies=[Depends(strict_json(UserUpdate, admin_user))])
 def update_user(name: str, body: UserUpdate, st: StateDep, admin: AdminUser) -> UserPublic:
     """Change a user's quotas (field by field), ``can_submit_code`` or ``disabled`` (admin only); a disabled
     user's tokens are refused at once, in every API process."""
     if name == admin.name and body.disabled:
-        raise InvalidInput("an admin cannot disable themself: ask another admin", field="disabled")
+        raise InvalidState("an admin cannot disable themself: ask another admin", field="disabled")  # (a state)
     return st.store.update_user(name, body)
 
 

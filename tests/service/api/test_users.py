@@ -174,3 +174,13 @@ def test_cli_rotate_set_disable_enable_and_bootstrap(api_only: Api, tmp_path: Pa
     strong = "tl_" + "k" * 40
     assert tlab("admin", "bootstrap", env={**env, "TLAB_ADMIN_TOKEN": strong}).returncode == 0
     assert status(api_only, api_only.stack.admin_token) == 401 and status(api_only, strong) == 200
+
+
+def test_an_admin_disabling_themself_is_a_state_conflict(api_only: Api) -> None:
+    """A valid body the caller's own state refuses: 409 with the error body every other error has."""
+    with api_only.client() as c:
+        me = c.get("/v1/me").json()["name"]
+        r = c.patch(f"/v1/users/{me}", json={"disabled": True})
+        assert r.status_code == 409 and r.json()["errors"] == [
+            {"field": "disabled", "message": "an admin cannot disable themself: ask another admin"}], r.text
+        assert c.get("/v1/me").status_code == 200
