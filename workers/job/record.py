@@ -18,21 +18,12 @@ from __future__ import annotations
 from typing import Any
 
 import redis
-from redis.backoff import ExponentialWithJitterBackoff
-from redis.retry import Retry
 
 from api_schemas import keys
 from api_schemas.redis_scripts import OVER_CAP, hset_job, hset_own, parse_caps
-from workers.job.fence import ended_error, pinned, record_keys
+from workers.job.fence import connect, ended_error, pinned, record_keys
 
 MARK = keys.JOB_RUN_MARK  # the copy's field naming its job: there once the scheduler wrote the copy
-
-
-def connect(url: str, **kw: Any) -> redis.Redis:
-    """A client that rides out a Redis restart: Redis is back in about a second, but a restarted Redis has lost the
-    job's ACL user until the scheduler's next tick makes it again, so a job's writer tries 15 times, waiting a random
-    part of 0.1 s doubling to 1 s (up to 12.5 s in all; redis-py's default 10 tries wait up to 5.3 s)."""
-    return redis.Redis.from_url(url, retry=Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.1), 15), **kw)
 
 
 def job_field(client: Any, job_id: str, field: str) -> Any:
