@@ -15,7 +15,7 @@ the inputs are averaged first, so every rank takes the same decision (a teleport
 The run's first teleport batch *calibrates*: it takes at most ``CALIBRATION_STEPS`` step, whatever the probe
 predicts. The probe's unit (a multiple of a forward + backward) is a guess that a GPU breaks: there an ascent
 step is launch-bound, ~5 forward + backward passes and not 3, and the first teleport loads kernels training
-never used (the H200's char LM spent 24 % of a 10 % budget on its first batch of 8 steps, issue 27). One step
+never used (the H200's char LM spent 24 % of a 10 % budget on its first batch of 8 steps). One step
 measures the unit at the cost of one step, and every later batch is sized from what was measured.
 """
 
