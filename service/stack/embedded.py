@@ -130,7 +130,7 @@ def node_health_env() -> dict[str, str]:
 
 # what a Ray node's environment keeps of the service's TLAB_* settings: those a job's processes read themselves
 JOB_SETTINGS = frozenset({"TLAB_GANG_TIMEOUT_S", "TLAB_MAX_LOG_MB", "TLAB_DEBUG", "TLAB_DATA", "TLAB_IN_DRIVER",
-                          "TLAB_TRIAL_RETRIES", HEAD_MARK})
+                          "TLAB_TRIAL_RETRIES", "TLAB_ATTEMPT_LEASE_S", HEAD_MARK})
 
 
 def job_safe(name: str) -> bool:

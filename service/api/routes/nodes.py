@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 # of the head's settings, those a joining node's Ray node passes to the job processes it starts (its environment)
 NODE_SETTINGS = ("TLAB_GANG_TIMEOUT_S", "TLAB_MAX_LOG_MB", "TLAB_DEBUG", "TLAB_DATA", "TLAB_IN_DRIVER",
-                 "TLAB_TRIAL_RETRIES", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
+                 "TLAB_TRIAL_RETRIES", "TLAB_ATTEMPT_LEASE_S", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
 
 
 @router.post("/join-tokens", status_code=201, responses=ADMIN | BODY,
