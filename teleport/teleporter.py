@@ -96,7 +96,7 @@ class Teleporter:
         """
         config = config or self.config
         mode = ascent_mode(config, x.device, self.comm, self.graphs)
-        captured = mode == "cuda_graph"
+        captured = mode == "cuda_graph" and not self.graphs.capturing.failed  # a model no graph holds: eager ticks
         with (torch.autocast(x.device.type, enabled=False), ieee_float32(),
               self.graphs.capturing.own_stream(x.device, captured), self.graphs.own_leaves(self.model, captured)):
             if captured:  # every evaluation reads the static inputs: the model's captured tick may serve this batch

@@ -250,11 +250,11 @@ async def follow(hub: Hub, job_id: str, last_id: str | None, heartbeat_s: float,
                 if any(f.get("kind") == "end" for _, f in good):
                     return
                 cursor = f"({page[-1][0]}"
-            if ended:  # a resume past the end (or a job deleted meanwhile): nothing live will come
+            if ended:  # a resume past the end: nothing live will come
                 return
             # the end is written with the ended state in one script: once the state says so, one more read has it
             state = await hub.r.hget(keys.job(job_id), "state")
-            ended = state is None or JobState(state) in TERMINAL
+            ended = state is not None and JobState(state) in TERMINAL  # no record (a bare stream): live events
             if not ended:
                 break
         await hub.listen(job_id)

@@ -105,15 +105,20 @@ def build(storage):
 
 
 def payload_uids() -> dict[int, int]:
-    """Every payload process on the host (``python -m workers.payload``, past its bwrap and setpriv): pid -> uid."""
+    """Every sandboxed payload process on the host (``python -m workers.payload`` whose parent is its bwrap, past its
+    setpriv): pid -> uid. A built-in job's payload runs unsandboxed, as its supervisor's uid (a test may run those as
+    root beside this one), and is not counted."""
     found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
+            ppid = next(x for x in status.splitlines() if x.startswith("PPid:")).split()[1]
+            parent = Path(f"/proc/{ppid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except (OSError, StopIteration):
             continue
-        if Path(argv[0].decode(errors="replace")).name.startswith("python") and b"workers.payload" in argv:
+        boxed = Path(parent).name == "bwrap"
+        if boxed and Path(argv[0].decode(errors="replace")).name.startswith("python") and b"workers.payload" in argv:
             found[int(pid)] = int(next(x for x in status.splitlines() if x.startswith("Uid:")).split()[1])
     return found
 

@@ -57,7 +57,7 @@ def test_patch_changes_quotas_flags_and_disables(api_only: Api) -> None:
         bad = admin.patch("/v1/users/carol", json={"quotas": {"nonsense": 1}})
         assert bad.status_code == 422 and bad.json()["errors"][0]["field"] == "quotas.nonsense", bad.text
         assert admin.patch("/v1/users/nobody", json={"disabled": True}).status_code == 404
-        assert admin.patch("/v1/users/admin", json={"disabled": True}).status_code == 422  # no self lock-out
+        assert admin.patch("/v1/users/admin", json={"disabled": True}).status_code == 409  # no self lock-out
         with api_only.client("carol") as c:
             assert c.get("/v1/me").json()["quotas"]["max_running_jobs"] == 7  # the cached login was refreshed
             assert c.patch("/v1/users/carol", json={"quotas": {"max_gpus": 100}}).status_code == 403
