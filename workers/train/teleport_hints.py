@@ -131,9 +131,9 @@ def stuck_record(epoch: int, report: TeleportReport, tp: TeleportSpec) -> dict[s
     if report.steps or report.backoffs:
         return None
     if report.stop_reason == "cap":
-        return {**_skipped(epoch, "cap", f"‖∇L‖² {report.grad_norm_sq_before:.3g} ≥ cap {report_cap(report, tp):g}"),
+        return {**_skipped(epoch, "cap", f"‖∇L‖² {report.grad_norm_sq_before:.3g} ≥ cap {report_cap(tp):g}"),
                 "message": f"teleport made no move at epoch {epoch} (‖∇L‖² {report.grad_norm_sq_before:.3g} ≥ cap "
-                           f"{report_cap(report, tp):g}): its next batches skipped, and teleport epochs skipped in "
+                           f"{report_cap(tp):g}): its next batches skipped, and teleport epochs skipped in "
                            "doubling runs while the model stays at CAP"}
     if report.stop_reason == "no_free_directions":
         return _skipped(epoch, "no_free_directions",
@@ -150,6 +150,6 @@ def refused_record(epoch: int, reports: list[TeleportReport]) -> dict[str, Any] 
     return _skipped(epoch, reason, REFUSED.get(reason, f"every batch stopped: {reason}"))
 
 
-def report_cap(report: TeleportReport, tp: TeleportSpec) -> float:
+def report_cap(tp: TeleportSpec) -> float:
     """The CAP a batch was held to: the spec's (∞ when none: a cap_ratio alone)."""
     return float("inf") if tp.cap is None else tp.cap

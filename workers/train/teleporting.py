@@ -137,7 +137,7 @@ class TeleportRunner:
             self.waiting -= 1
             self.idle_batches += self.tp.batches
             return []
-        start, reports, least = time.perf_counter(), [], self.tp.steps
+        start, reports, least, stopped = time.perf_counter(), [], self.tp.steps, False
         for i, batch in zip(range(self.tp.batches), batches, strict=False):
             steps = self.budget.steps_for_batch(self.tp.steps, spent + time.perf_counter() - start, train_seconds,
                                                 epochs_done, agree_across(self.ctx))
@@ -153,6 +153,7 @@ class TeleportRunner:
             reports.append(report)
             least = least if calibrating else min(least, steps)
             if (stuck := stuck_record(epoch, report, self.tp)) is not None:
+                stopped = True
                 self.idle_batches += self.tp.batches - len(reports)
                 if stuck["stop_reason"] == "cap":  # this epoch's batches are at CAP too; a later epoch checks again
                     self._at_cap(stuck)
@@ -161,7 +162,6 @@ class TeleportRunner:
                 break
         if self.skipped is None and (refused := refused_record(epoch, reports)) is not None:
             self._skip(refused)
-        stopped = bool(reports) and stuck_record(epoch, reports[-1], self.tp) is not None
         if reports and not stopped:
             self.capped = 0  # the epoch ended below CAP: the next one teleports as planned
         if self.skipped is None and not stopped and (len(reports) < self.tp.batches or least < self.tp.steps):
