@@ -189,6 +189,21 @@ def promote(staging: Path, out: Path, check: Callable[[], None]) -> list[str]:
         remove_staged(staging)
 
 
+PARTIAL_PREFIX = ".tmp-checkpoint_"  # a checkpoint being written: never matches ``checkpoint_*``, so never read
+
+
+def partial_prefix(attempt: int | None) -> str:
+    """The name a checkpoint being written starts with: an attempt's own (``.tmp-checkpoint_a<attempt>-``), so that
+    its supervisor can remove what its killed payload left half-written, and nothing of another attempt."""
+    return PARTIAL_PREFIX if attempt is None else f"{PARTIAL_PREFIX}a{int(attempt)}-"
+
+
+def remove_own_partials(run_dir: Path, attempt: int) -> None:
+    """Remove the half-written checkpoints ``attempt`` left in ``run_dir`` (its payload killed as it wrote one)."""
+    for partial in run_dir.glob(f"{partial_prefix(attempt)}*"):
+        remove_staged(partial)
+
+
 def remove_staged(staging: Path) -> None:
     """Delete a staging directory without following a link in it (what an ended attempt left, too)."""
     from api_schemas.gate import Refused, remove_tree

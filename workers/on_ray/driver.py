@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from api_schemas import ExperimentSpec
-from workers.job.artifacts import checkpoint_attempt, checkpoints, last_training_state
+from workers.job.artifacts import PARTIAL_PREFIX, checkpoint_attempt, checkpoints, last_training_state, partial_prefix
 from workers.job.bucket import pull_checkpoint, push_later
 from workers.job.fence import AttemptEnded
 from workers.job.redis_sink import RedisSink
@@ -54,7 +54,7 @@ from workers.train.gpu_share import device_report, oom_named
 from workers.train.sinks import MetricSink
 from workers.train.startup import mark
 
-TMP_PREFIX = ".tmp-checkpoint_"  # never matches ``checkpoint_*``: a half-written one is never read
+TMP_PREFIX = PARTIAL_PREFIX  # never matches ``checkpoint_*``: a half-written one is never read
 # errors that a retry from the checkpoint would only repeat: a bad spec, the user's code not importing, a refused
 # checkpoint, a failure already explained; anything else (a lost connection, a full disk, a CUDA error) is retried
 NOT_RETRIED: tuple[type[BaseException], ...] = (
@@ -189,7 +189,7 @@ class DriverContext(RunContext):
     def _write(self, entry: HeldCheckpoint) -> None:
         tmp: Path | None = None  # (a stop between mkdtemp's mkdir and its return leaves one to the next run's start)
         try:
-            tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=self.run_dir))
+            tmp = Path(tempfile.mkdtemp(prefix=partial_prefix(self.attempt), dir=self.run_dir))
             tmp.chmod(0o750)  # (mkdtemp's 0700) a child run, another uid of the jobs' group, may start from it
             write_checkpoint(entry.state, tmp, self.attempt)
             if self.fence is not None:  # an ended attempt's checkpoint is never renamed into place

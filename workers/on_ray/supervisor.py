@@ -34,7 +34,7 @@ from typing import Any
 from api_schemas import ExperimentSpec
 from api_schemas.reasons import killed_by, one_line
 from workers.job import job_user, sandbox
-from workers.job.artifacts import record_digests
+from workers.job.artifacts import record_digests, remove_own_partials
 from workers.job.fence import AttemptEnded, Keepalive, attempt_ended, attempt_fence, clear_staged, kill_tree, pinned
 from workers.job.fence import promote_export as promote_export_of
 from workers.job.logs import StderrTail
@@ -177,6 +177,8 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
         if fence is not None and orders.rank == 0 and orders.artifacts:
             promote_export_of(orders.job_id, Path(orders.artifacts), orders.attempt, fence)
     ended = attempt_ended(fence, keepalive)
+    if ended and orders.rank == 0 and orders.attempt is not None and orders.kind == "train":
+        remove_own_partials(Path(orders.storage) / orders.job_id, orders.attempt)  # killed mid-write: its own only
     if ended:  # whatever the payload said: nothing more of this attempt is written, nor retried
         return Outcome(error=ended, ended=True)
     if memory.error:  # killed over resources.memory_gb: the job's own failure, not retried

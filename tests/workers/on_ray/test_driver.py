@@ -15,7 +15,7 @@ import torch
 from api_schemas import keys
 from tests.workers.test_run_entrypoint import put_job
 from workers.job import harness
-from workers.job.artifacts import checkpoints
+from workers.job.artifacts import checkpoints, partial_prefix, remove_own_partials
 from workers.job.redis_sink import read_events
 from workers.on_ray.driver import TMP_PREFIX, DriverContext
 from workers.train.failure import JobFailed
@@ -72,6 +72,23 @@ def test_checkpoints_are_whole_newest_first_and_only_the_last_n_kept(
     ctx.flush()
     state = DriverContext(MemorySink(), run_dir).restore()
     assert state is not None and state["epoch"] == 5 and torch.equal(state["model"]["w"], torch.full((2,), 5.0))
+
+
+def test_an_ended_attempts_supervisor_removes_only_the_half_written_checkpoints_of_its_own_attempt(
+        tmp_path: Path) -> None:
+    run_dir = tmp_path / "job"
+    ctx = DriverContext(MemorySink(), run_dir, attempt=2)
+    ctx.save({"epoch": 1, "w": torch.ones(2)}, {"epochs": 1})
+    ctx.flush()
+    halves = {a: run_dir / f"{partial_prefix(a)}x" for a in (1, 2, 3)}  # three attempts, each killed mid-write
+    for half in halves.values():
+        half.mkdir()
+        (half / "checkpoint.pt").write_bytes(b"half")
+    (halves[2] / "link").symlink_to(tmp_path / "elsewhere")  # a link in it is removed, never followed
+    (tmp_path / "elsewhere").mkdir()
+    remove_own_partials(run_dir, 2)
+    assert not halves[2].exists() and halves[1].exists() and halves[3].exists()
+    assert (tmp_path / "elsewhere").is_dir() and len(checkpoints([run_dir])) == 1
 
 
 def test_a_checkpoint_written_in_the_background_holds_the_state_as_it_was_saved(
