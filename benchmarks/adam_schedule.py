@@ -1,4 +1,4 @@
-"""Teleport with Adam: which schedule pays in wall-clock seconds (issue 27).
+"""Teleport with Adam: which schedule pays in wall-clock seconds.
 
 The convergence benchmark's Adam row (digits, MLP [1024, 1024], lr 2e-4, target train loss 0.05, the paper's
 teleport: η_tele 0.2, CAP 5, n = 32, t = 8, b = 4) reaches the target in fewer epochs than the baseline but more

@@ -7,9 +7,9 @@ teleport batches (1,024 samples, 1.7 % of an MNIST epoch) become b = 4 (128 samp
 digits epoch); b = 32 here would teleport on 70 % of the data before every scheduled epoch.
 
 Per optimizer and seed, with and without teleport: epochs and wall seconds to reach a target
-train loss, the final loss, and teleport's share of the run's time. Floors from issue 2: with
+train loss, the final loss, and teleport's share of the run's time. Floors: with
 SGD teleport reaches the target in at most a third of the baseline's epochs, and takes at most
-10 % of the run's time. Floors from issue 18 (wall-clock payoff): teleport takes at most 15 % of
+10 % of the run's time. Wall-clock floors: teleport takes at most 15 % of
 the SGD time to target, and reaches the target in fewer seconds than the baseline with SGD,
 momentum and Adagrad (Adam reported).
 
@@ -44,7 +44,7 @@ from benchmarks.common import print_table, verdict, wait_for_quiet, write_result
 TARGETS = {"sgd": 2.0, "momentum": 0.5, "adagrad": 0.3, "adam": 0.05}
 TELEPORT = {"epochs": [0, 1, 2, 3, 4], "steps": 8, "batch_size": 32, "tau": 1.0,
             "budget": None}  # the paper's schedule as it is (at 100 epochs a 10 % budget would not bind anyway)
-# reported beside the MLP (issue 18), one seed each: the digits CNN preset (its CNN-table teleport rates and
+# reported beside the MLP, one seed each: the digits CNN preset (its CNN-table teleport rates and
 # 40 warm-up steps), and a 2-layer transformer (d = 64) reading each digit as 8 tokens of 8 pixels
 PRESET_TARGETS = {"cnn-sgd": 0.1, "transformer-sgd": 0.35}
 SEQUENCES = Path(tempfile.gettempdir()) / "teleport-bench-digits-seq.npz"
@@ -179,11 +179,11 @@ def run(cases: list[Case]) -> dict[str, Any]:
             "runs": {o: {k: v for k, v in g.items()} for o, g in runs.items()}}
 
 
-WALL_CLOCK = ("sgd", "momentum", "adagrad")  # issue 18: teleport must reach the target sooner in seconds
+WALL_CLOCK = ("sgd", "momentum", "adagrad")  # wall-clock floors: teleport must reach the target sooner in seconds
 
 
 def check_floors(table: dict[str, Any], epochs: int) -> dict[str, bool]:
-    """Issue 2's SGD floors (≤ 1/3 of the epochs, ≤ 10 % of the run) and issue 18's wall-clock floors:
+    """The SGD floors (≤ 1/3 of the epochs, ≤ 10 % of the run) and the wall-clock floors:
     teleport ≤ 15 % of the SGD time to target, and fewer seconds to target than the baseline with SGD,
     momentum and Adagrad (Adam reported)."""
     floors: dict[str, bool] = {}

@@ -1,4 +1,4 @@
-"""Float32 batch-loss drift and back-offs of teleport on the digits presets, for both readings of τ = 1 (issue 18).
+"""Float32 batch-loss drift and back-offs of teleport on the digits presets, for both readings of τ = 1.
 
 For the digits MLP preset (``digits/teleport``: MLP [256, 256], SGD) and the digits CNN preset
 (``digits/cnn``: CNN [16, 32], 40 warm-up steps), each with ``teleport.tau_rule`` = numerical_rank and
@@ -10,7 +10,7 @@ on ``training.device`` (auto: CUDA when one is visible). From the teleport repor
     back-off rate  = Σ backoffs / Σ (steps + backoffs)      (every try is an accepted step or a back-off)
     free directions per layer (min … max over the batches that built bases)
 
-Floor (issue 18, printed, never asserted): drift below 1e-4 on the MLP and CNN presets.
+Floor (printed, never asserted): drift below 1e-4 on the MLP and CNN presets.
 
     python -m benchmarks.float32_drift [--quick] [--seeds N] [--threads K]
 """
@@ -30,7 +30,7 @@ from benchmarks.common import print_table, verdict, write_result
 PRESETS = {"mlp": "digits/teleport", "cnn": "digits/cnn"}
 RULES = ("numerical_rank", "energy")
 SEEDS = 3
-FLOOR = 1e-4  # issue 18: float32 batch-loss drift on the MLP and CNN presets
+FLOOR = 1e-4  # float32 batch-loss drift on the MLP and CNN presets
 
 
 def case_spec(name: str, rule: str, seed: int, quick: bool) -> ExperimentSpec:

@@ -22,10 +22,10 @@ Two parts, on the device given (``--device cpu|cuda``), side by side in one run:
    own loop (``workers.train.loop.train``) with ``teleport.budget`` at its default: seconds to the baseline's
    final train loss as a ratio, and teleport's share of the run, for each of ``--seeds`` seeds (3; quick 1) and
    their median. ``--quick`` and the CPU default are small (CPU: d = 128, 2 layers, context 32, 6 epochs, 2
-   teleport batches of 2 sequences, 64 token columns < d); ``--size gpu`` is the issue's size (d = 256, 4
+   teleport batches of 2 sequences, 64 token columns < d); ``--size gpu`` is the full size (d = 256, 4
    layers, context 64, batch 64, 12 epochs, teleport before epochs 0-4, 8 batches × 8 steps).
 
-Floors (issue 27; printed, not asserted): one teleport ≤ 0.5 training steps on the CPU, ≤ 5 on CUDA; host
+Floors (printed, not asserted): one teleport ≤ 0.5 training steps on the CPU, ≤ 5 on CUDA; host
 reads per ascent step ≤ 1; on CUDA at the GPU size, teleport share ≤ 15 % and seconds to the baseline's loss
 ≤ 1.0x with Adam.
 
@@ -60,7 +60,7 @@ ASCENTS = ("host", "device")  # ``TeleportConfig.ascent`` side by side; on CUDA 
 FORCED = {"lr": 1e-6, "cap": 1e12, "loss_tol": 1e9}  # every step accepted: the most 8 steps can cost
 # ``api_schemas.spec.SCALE_FREE``: a teleport that moves the LM (its ‖∇L‖² doubled, then it stops), its steps its own
 MOVING = {**SCALE_FREE, "cap": math.inf}
-BEFORE_LAUNCHES = 15268 / 8  # kernel launches per ascent step on an H100 when issue 27 was filed (its floor: 1/5)
+BEFORE_LAUNCHES = 15268 / 8  # the earlier ascent's kernel launches per step on an H100 (the floor: 1/5 of it)
 
 
 class GPT(nn.Module):
@@ -357,8 +357,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"{c['scale_free_new_batch_in_train_steps']:.2f} ({c['scale_free_steps']} steps, the graph replayed "
                   f"{c['scale_free_graph_replayed']})")
     print(f"fewest launches per ascent step: {fewest[0]:.0f} ({fewest[1]}); on CUDA the floor is <= 1/5 of the "
-          f"{BEFORE_LAUNCHES:.0f} of issue 27's H100: " + ("n/a (CPU)" if floors["launches_per_step_le_fifth"] is None
-                                                            else verdict(floors["launches_per_step_le_fifth"])))
+          f"{BEFORE_LAUNCHES:.0f} of the earlier ascent on an H100: "
+          + ("n/a (CPU)" if floors["launches_per_step_le_fifth"] is None
+             else verdict(floors["launches_per_step_le_fifth"])))
     print(f"teleport.hvp difference: its first direction's cosine to the exact one "
           f"{cost['hvp_difference']['direction_cosine']:.6f}")
     print(f"per ascent step (the host guard: auto on the CPU): {cost['launches_per_step']:.0f} launches, "

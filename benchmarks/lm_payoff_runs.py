@@ -25,7 +25,7 @@ LM_TELEPORT = {"lr": 2.0, "cap": 1e4}  # where the default η 0.2 raises a char 
 @dataclass(frozen=True)
 class Row:
     """A payoff row: its optimizer; ``first_only``: teleport before epoch 0 only (what a run with Adam is told to do:
-    ``workers.train.teleporting``), else before epochs 0-4 (issue 27's runs); ``recipe``: the way LMs are trained
+    ``workers.train.teleporting``), else before epochs 0-4 (the paper's schedule); ``recipe``: the way LMs are trained
     (``RECIPE``: AdamW's weight decay, a warm-up, a cosine decay, a clip); ``teleport``: teleport fields set."""
 
     optimizer: str

@@ -1,4 +1,4 @@
-"""Where a teleport batch's setup goes before its first step (issue 27; part of ``benchmarks.lm_payoff``'s cost part).
+"""Where a teleport batch's setup goes before its first step (part of ``benchmarks.lm_payoff``'s cost part).
 
 Every teleport batch evaluates L and ∇L with every use of every weight recorded and computes its bases eagerly —
 also when a CUDA graph replays its steps (``teleport.ascent.graphs``) — so on a GPU this is the part of a teleport

@@ -1,4 +1,4 @@
-"""One teleport of a *trained* GPT-style LM (issue 27): where its bases go, and what the teleport costs.
+"""One teleport of a *trained* GPT-style LM: where its bases go, and what the teleport costs.
 
 ``benchmarks.lm_payoff``'s cost part teleports the LM at initialisation, where ``teleport.geometry.certificate``
 proves the full rank of most R (17 of 17 at d 512 on the CPU) and no eigh runs. A model in training is not like that:
@@ -22,11 +22,11 @@ AdamW steps of 32 sequences), then, from those weights and side by side in one r
 Every teleport of the LM is by one ``Teleporter``, which keeps what one teaches the next (the aim at CAP, a CUDA
 graph, the eigh routes chosen), as a training loop's would.
 
-Sizes: ``--quick`` d 64, 2 blocks, context 32, 8 teleport sequences; else the issue's LM on either device, d 512,
+Sizes: ``--quick`` d 64, 2 blocks, context 32, 8 teleport sequences; else the full LM on either device, d 512,
 4 blocks, context 128, a training step of 32 sequences, the teleport batch 2 (256 rows), trained 150 steps on the CPU
-(~4 min on 2 cores), 300 on CUDA. (Until stop 52 the CPU's was d 256, context 64, 4 sequences: a teleport batch of
-1/8 of a training step's rows, not the issue's 1/16; its teleport took 1.42 training steps where the issue's LM's took
-0.49, both measured in stop 53 before the learned aim, ``teleport.ascent.rules``.)
+(~4 min on 2 cores), 300 on CUDA. (Earlier the CPU's was d 256, context 64, 4 sequences: a teleport batch of
+1/8 of a training step's rows, not the full LM's 1/16; its teleport took 1.42 training steps where the full LM's took
+0.49, both measured before the learned aim, ``teleport.ascent.rules``.)
 
     python -m benchmarks.lm_trained [--quick] [--device cpu|cuda] [--train-steps K] [--threads T]
 """
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("its setup (training steps; benchmarks.lm_setup): " + ", ".join(
         f"{k} {v:.2f}" for k, v in setup["in_train_steps"].items()))
     ok = cost["by_route"]["chosen"]["in_train_steps"] <= floor
-    print(f"one teleport of the trained LM <= {floor:g} training steps (issue 27's floor, on a model in training): "
+    print(f"one teleport of the trained LM <= {floor:g} training steps (the floor, on a model in training): "
           f"{verdict(ok)}")
     result = {"quick": args.quick, "device": str(device), "threads": threads, "cost": cost,
               "floors": {"one_teleport_trained_le_floor": ok}}

@@ -4,8 +4,8 @@ Each layer's representation is R (d, N) with N = 256 columns (a 256-sample telep
 every layer takes the thin-SVD route. All routes run side by side in one process and one Ray
 cluster, taking turns within each repeat (medians of 5); the table reports seconds and each
 route's ratio to the best one. ``auto`` runs the threads route on one node, so their ratio is
-the measurement noise. The floor from
-issue 3: ``auto`` is never more than 1.1x the best route.
+the measurement noise. The floor:
+``auto`` is never more than 1.1x the best route.
 
     python -m benchmarks.parallel_bases [--quick]
 """

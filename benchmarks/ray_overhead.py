@@ -6,9 +6,9 @@ median of the epoch-to-epoch differences of the cumulative ``seconds`` in the ep
 wall time outside the epochs (Ray: cluster start, worker group, process group). The in-process and driver
 runs alternate (three rounds, medians over all) before Ray starts: the processes a stopped local Ray
 leaves behind for a few seconds took a core from whatever ran right after it (the driver run measured
-1.55x when it came after Ray, 1.04-1.11x before it). Floor from
-issue 3: Ray per-epoch time ≤ 1.15x the in-process one. A third runner is the loop a 1-worker service job
-runs (its Ray job's driver, ``workers.on_ray.driver``: a checkpoint and Redis events per epoch); floor from issue 15:
+1.55x when it came after Ray, 1.04-1.11x before it). Floor:
+Ray per-epoch time ≤ 1.15x the in-process one. A third runner is the loop a 1-worker service job
+runs (its Ray job's driver, ``workers.on_ray.driver``: a checkpoint and Redis events per epoch); its floor:
 ≤ 1.05x the in-process one.
 
     python -m benchmarks.ray_overhead [--quick]
@@ -91,7 +91,7 @@ def run(epochs: int, hidden: list[int], max_train: int | None, cpus: int = 2, ro
                 [[k, f"{v['per_epoch']:.4f}", f"{v['startup']:.2f}", f"{v['wall']:.2f}"] for k, v in results.items()])
     print(f"Ray Train / in-process per epoch: {ratio:.3f}x — floor ≤ 1.15x: {verdict(ratio <= 1.15)}")
     print(f"a service job's loop (its driver: checkpoint and Redis events each epoch) / in-process per epoch: "
-          f"{job_ratio:.3f}x — floor ≤ 1.05x (issue 15): {verdict(job_ratio <= 1.05)}")
+          f"{job_ratio:.3f}x — floor ≤ 1.05x: {verdict(job_ratio <= 1.05)}")
     return {"spec": spec.model_dump(mode="json"), "runs": results, "per_epoch_ratio": ratio,
             "job_per_epoch_ratio": job_ratio}
 

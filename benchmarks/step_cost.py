@@ -16,7 +16,7 @@ math kernel that teleport forces for its double backward), a ``Teleporter``'s te
     amortized step      = T(steps=t) / t                    (bases included)
     step excl. bases    = (T(steps=t) − T(steps=0)) / t
 
-each divided by the fwd+bwd time. Floor (printed, not asserted; issue 18): step excl. bases ≤ 3× fwd+bwd.
+each divided by the fwd+bwd time. Floor (printed, not asserted): step excl. bases ≤ 3× fwd+bwd.
 A second table splits a step into its parts, each timed alone: L and ∇L with their graph and
 ‖∇L‖², the direction π(H·∇L) (the second backward and π, as a step computes them: at τ = 1 a Linear's
 from its factors, ``teleport.hvp.factored``), and the rest; plus the per-batch bases.
@@ -56,7 +56,7 @@ from teleport.geometry.eigh_route import EighRoutes
 STEPS = 8
 LR = 1e-3  # small, so that with CAP and loss_tol disabled every step is accepted
 NO_STOP = {"cap": 1e12, "loss_tol": 1e9}
-FLOOR = 3.0  # issue 18 (was 5.0, issue 2)
+FLOOR = 3.0  # the step-cost floor
 MAX_SPREAD, RETRIES = 1.5, 2  # re-measure when repeats or the canary are >1.5x off
 CLASSES = 10
 

@@ -7,7 +7,7 @@ and submit over REST, as a user would.
    against the same spec run k times in-process (``tlab run --local``, one process each, one after
    another), submitted as k experiments one after another (each waited for), and the sweep again
    with two trials at once. Wall time from the first submit to the last end; the ratio sweep /
-   in-process is what a sweep costs beyond the training itself (issue 15's floor: ≤ 1.5 for k = 4,
+   in-process is what a sweep costs beyond the training itself (the floor: ≤ 1.5 for k = 4,
    10 epochs, one at a time), sweep / sequential is Tune's overhead over the experiments' route.
 2. Search: the paper's MNIST row on digits (MLP [1024, 1024], SGD η_prim = 2e-4, teleport before
    epochs 0-4 with n = 32, t = 8, b = 4; see benchmarks/convergence.py) — a 12-trial random search

@@ -2,7 +2,7 @@
 
 The device tool's machines (H100, H200) run Python 3.12 with torch, numpy, pytest and ~200 other packages
 (``image_packages.txt``, from the tool's KINDS.md), but not Ray, FastAPI, pydantic or Redis, and nothing can be
-fetched there. So ``gpu_checks.sh``'s service parts (issue 28: a 2 x 0.5 GPU gang and a 4-trial 0.25-GPU sweep
+fetched there. So ``gpu_checks.sh``'s service parts (a 2 x 0.5 GPU gang and a 4-trial 0.25-GPU sweep
 through ``tlab up``) never ran on a GPU: Ray's wheel alone is 79 MB, and a call carries 64 MiB, the working tree
 included. This builds ``.whl/`` (git-ignored), what the project needs and the image lacks:
 

@@ -2,7 +2,7 @@
 
 ``gpu_checks.sh`` leaves a result JSON per benchmark in its folder; each holds its floors, as ``{name: bool}``
 (lm_payoff, lm_trained, convergence) or as ``[{floor, value, limit, pass}]`` (step_cost, float32_drift).
-``gpu_sharing.json`` (in ``<gpu>/``) holds none: its floors are issue 28's done-when, read off the gang and the sweep.
+``gpu_sharing.json`` (in ``<gpu>/``) holds none: its floors are read off the gang and the sweep.
 This prints them all, PASS / FAIL / unmeasured, and writes ``floors.json`` beside them.
 
     python3 benchmarks/device/floors.py DIR
@@ -19,7 +19,7 @@ Row = dict[str, Any]  # {"source", "floor", "pass" (True, False, None: unmeasure
 
 
 def sharing_floors(result: dict[str, Any]) -> list[Row]:
-    """Issue 28's done-when: the 2 x 0.5 GPU gang and the 4-trial 0.25-GPU sweep succeed, every epoch once; the
+    """The shared-GPU floors: the 2 x 0.5 GPU gang and the 4-trial 0.25-GPU sweep succeed, every epoch once; the
     sweep's 4 trials at once on the card."""
     gang, sweep = result.get("gang") or {}, result.get("sweep") or {}
     return [

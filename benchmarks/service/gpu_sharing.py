@@ -1,4 +1,4 @@
-"""Shared GPUs through the service (issue 28), for a GPU machine: ``tlab up`` (Ray finds the GPUs), then over REST
+"""Shared GPUs through the service, for a GPU machine: ``tlab up`` (Ray finds the GPUs), then over REST
 
   [1] a gang of 2 workers x 0.5 GPU: two DDP ranks on one card, their process group on gloo;
   [2] a sweep of 4 trials x 0.25 GPU, all 4 at once on one card, each fenced to a quarter of its memory.

@@ -7,8 +7,8 @@ formed, dataset loaded, model built, first checkpoint written: ``workers.train.s
 event), between the stream's ``starting``, loop ``start`` and first ``metric`` events. One host: one clock.
 
 Side by side in one run (``MODES``): a stack whose scheduler sets ``TLAB_IN_DRIVER=0`` (every job a
-TorchTrainer, the path before issue 15) with 1-worker jobs, and a default stack (a 1-worker job trains in its
-Ray job's driver, ``workers.on_ray.driver``) with 1- and 2-worker jobs; each against the issue's floors."""
+TorchTrainer, the earlier path) with 1-worker jobs, and a default stack (a 1-worker job trains in its
+Ray job's driver, ``workers.on_ray.driver``) with 1- and 2-worker jobs; each against the floors (``FLOORS_S``)."""
 
 from __future__ import annotations
 
@@ -204,7 +204,7 @@ def _medians(jobs: list[dict[str, Any]]) -> dict[str, float | None]:
 
 # (label, the scheduler's extra environment, worker counts): the TorchTrainer path first, as it was before
 MODES = [("TorchTrainer (TLAB_IN_DRIVER=0)", {"TLAB_IN_DRIVER": "0"}, (1,)), ("default", {}, (1, 2))]
-FLOORS_S = {"1": 5.0, "2": 8.0}  # issue 15: submit -> first epoch, median, 1 and 2 workers
+FLOORS_S = {"1": 5.0, "2": 8.0}  # submit -> first epoch, median, 1 and 2 workers
 
 
 def bench_e2e(sizes: Sizes, home: Path) -> dict[str, Any]:

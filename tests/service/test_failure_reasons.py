@@ -66,7 +66,7 @@ def test_a_job_whose_dataset_is_missing_fails_with_one_short_line(stack: Stack) 
 
 @pytest.mark.slow
 def test_a_crafted_cifar_pickle_under_a_data_root_never_runs_on_the_worker(stack: Stack, tmp_path) -> None:  # noqa: ANN001
-    """Issue 19's payload on the real stack: a CIFAR batch whose unpickling would run ``touch`` sits under the
+    """The crafted-pickle payload on the real stack: a CIFAR batch whose unpickling would run ``touch`` sits under the
     data root; the job fails with the refusal in one line and the command never ran on the worker."""
     from tests.workers.train.test_safe_loading import Payload, cifar_bytes, write_cifar10
 

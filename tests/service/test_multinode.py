@@ -1,4 +1,4 @@
-"""Several nodes (issue 16): the service on a Ray head plus worker nodes started as a lab would (`ray start
+"""Several nodes: the service on a Ray head plus worker nodes started as a lab would (`ray start
 --address` on this machine, each with its own CPU), a 2-worker gang spread over two nodes, one node killed
 mid-run: the job is stopped and queued again, waits saying the cluster lacks the room, and resumes from its
 checkpoint on the node that joins next, with every epoch exactly once.

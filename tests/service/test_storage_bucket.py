@@ -1,4 +1,4 @@
-"""Storage on an S3-compatible bucket, end to end (issue 16, Artifacts): the real API, scheduler, Redis and Ray head
+"""Storage on an S3-compatible bucket, end to end: the real API, scheduler, Redis and Ray head
 with ``TLAB_STORAGE=s3://...`` (moto's S3 server, tests/s3.py). A job's checkpoints, artifacts and logs reach the
 bucket; with its local working copy deleted the API still lists and serves them; a preempted job whose local copy
 is gone resumes from the bucket's checkpoint with every epoch exactly once."""

@@ -356,8 +356,8 @@ def train(ctx):
 
 
 @pytest.mark.slow
-# the cause is "fixed" by a file the test writes on the host, which a sandboxed trial cannot see (issue 26: the
-# sandbox holds it in tests/service/test_sandbox.py); here the trials run as plain children
+# the cause is "fixed" by a file the test writes on the host, which a sandboxed trial cannot see (the
+# sandbox is held to that in tests/service/test_sandbox.py); here the trials run as plain children
 @pytest.mark.parametrize("stack_env", [{"TLAB_SANDBOX": "off"}])
 def test_a_failed_trial_is_rerun_inside_its_sweep(stack: Stack, tmp_path: Path) -> None:
     """One trial of two fails at epoch 1 (after epoch 0's checkpoint). With the cause fixed, ``failed`` reruns it

@@ -155,7 +155,7 @@ def test_an_ascent_step_on_cuda_syncs_the_host_at_most_once(ascent: str, hvp: st
         where = [f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
         return where, report.steps + report.backoffs, teleporter.reads.count
 
-    syncs(1)  # the process's first teleport: a one-off sync of torch's own (torch/cuda/__init__.py on an H200, stop 50)
+    syncs(1)  # the process's first teleport: a one-off sync of torch's own (torch/cuda/__init__.py on an H200)
     (s8, tries8, reads8), (s4, tries4, reads4) = syncs(8), syncs(4)
     assert len(s8) - len(s4) <= tries8 - tries4, \
         f"syncs 8 steps {s8}, 4 steps {s4}; tries {tries8}, {tries4}; teleport host reads {reads8}, {reads4}"

@@ -313,7 +313,7 @@ def _accumulators(roots: list[Any]) -> set[int]:
     """The leaf tensors whose AccumulateGrad nodes the autograd graphs of ``roots`` reach, by id (the caller keeps
     them alive: the parameters, a captured teleport's aliases). Every node visited is held until the walk ends: torch
     2.11 makes a node's Python object afresh at each access and frees it after, so ids were reused and the walk
-    stopped after two nodes (this test's failure on the H200, stop 50; 2.13 keeps them)."""
+    stopped after two nodes (this test's failure on an H200; 2.13 keeps them)."""
     held: list[Any] = []
     seen: set[int] = set()
     found: set[int] = set()

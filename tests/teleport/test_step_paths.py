@@ -1,4 +1,4 @@
-"""What a teleport step skips or reuses (issue 18's step cost) changes nothing but the time.
+"""What a teleport step skips or reuses (to cut its cost) changes nothing but the time.
 
 A weight that reads only the data has a teleport gradient inside its inputs' span at τ = 1, so it
 is not differentiated nor moved; the weights are stepped through a spare buffer instead of a copy,

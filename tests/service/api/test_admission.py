@@ -1,4 +1,4 @@
-"""Admission at submit over real HTTP, a real Redis and the real API process (issue 19): what can never run
+"""Admission at submit over real HTTP, a real Redis and the real API process: what can never run
 is refused with a 422 naming the field, data is read only under the data roots, and the limits hold."""
 
 from __future__ import annotations

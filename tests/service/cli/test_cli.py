@@ -181,7 +181,7 @@ def test_every_read_command_prints_json(api_only, tmp_path: Path) -> None:  # no
     assert {row.split()[1] for row in queue[1:]} == {job, sweep} and "1 x (1 CPU, 0 GPU)" in queue[1]
     cluster = tlab("cluster", env=env).stdout
     assert "no scheduler has reported" in cluster and "CPUs 0 free of 0" in cluster
-    assert "sandbox on" in cluster.splitlines()  # where a job's code runs (bwrap on this machine: issue 26)
+    assert "sandbox on" in cluster.splitlines()  # where a job's code runs (bwrap on this machine)
 
 
 def test_completion_scripts_name_the_commands() -> None:

@@ -1,4 +1,4 @@
-"""Fair share across a preemption (issue 16): the owner of a preempted job pays one start charge and the seconds
+"""Fair share across a preemption: the owner of a preempted job pays one start charge and the seconds
 its gang was held, never a second start charge nor the time it waited in the queue. The real Scheduler, store,
 policy and preemption on a real Redis, ticked at chosen times; the one part not real is Ray's Jobs API behind the
 scheduler's ``Launcher`` seam (``Jobs`` below). The same on real Ray: ``test_preemption.py``."""

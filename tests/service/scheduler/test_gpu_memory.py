@@ -1,4 +1,4 @@
-"""A GPU job's memory while it runs (issue 28): each epoch record carries its ranks' peak GPU memory so far
+"""A GPU job's memory while it runs: each epoch record carries its ranks' peak GPU memory so far
 (``workers.train.gpu_share.gpu_memory``), and the scheduler reads it from the job's stream for the cluster view;
 a job's page reads it as its progress. On a real Redis, written by the job's own sink; the CUDA numbers themselves
 are the GPU test's (tests/workers/train/test_gpu_share.py)."""

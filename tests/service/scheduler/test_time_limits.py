@@ -1,4 +1,4 @@
-"""Time limits (issue 16): a limit over the cluster's maximum or the user's quota is a 422 naming the field;
+"""Time limits: a limit over the cluster's maximum or the user's quota is a 422 naming the field;
 a running job that reaches its limit is stopped, ends failed with a reason naming the limit and its last
 epoch, and keeps its last checkpoint as an artifact."""
 

@@ -1,4 +1,4 @@
-"""A full storage volume loses no checkpoint (issue 29), on a 20 MiB tmpfs the test mounts (tests/conftest.py):
+"""A full storage volume loses no checkpoint, on a 20 MiB tmpfs the test mounts (tests/conftest.py):
 a checkpoint write that finds no space leaves the previous checkpoint whole and readable, no half-written one,
 and ends the run with one line that says so (never retried: the next try would meet the same full disk)."""
 

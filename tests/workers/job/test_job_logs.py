@@ -172,7 +172,7 @@ def test_a_follow_of_a_growing_file_sees_each_line(tmp_path: Path) -> None:
 @pytest.mark.parametrize("planted", ["logs", "logs/attempt-1", "logs/attempt-1/driver.log"])
 def test_a_link_a_job_planted_in_its_directory_is_never_followed_to_write_a_log(tmp_path: Path, planted: str) -> None:
     """A job's sandboxed code writes in its own directory; the process that keeps its log (root, maybe) must not
-    append through a link it planted there (issue 26): the capture refuses, and the target is untouched."""
+    append through a link it planted there: the capture refuses, and the target is untouched."""
     from workers.job.logs import capture
 
     outside = tmp_path / "outside"

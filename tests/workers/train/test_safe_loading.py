@@ -153,7 +153,7 @@ def test_a_symlinked_secret_is_named_by_line_never_quoted(tmp_path: Path) -> Non
     msg = one_line_naming(err.value, tmp_path / "electricity.txt")
     assert "line 3" in msg and "hunter2" not in msg and "root" not in msg.replace(str(tmp_path), "")
     passwd = Path("/etc/passwd")
-    if passwd.is_file():  # the issue's own case
+    if passwd.is_file():  # a real system file
         (tmp_path / "traffic.txt").symlink_to(passwd)
         with pytest.raises(DataFormatError, match="line 1 ") as err:
             load(name="traffic", root=str(tmp_path))
