@@ -17,6 +17,7 @@ in-process path (``run_in_driver``: tests, benchmarks), whose other ranks are sa
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -74,6 +75,28 @@ class GangContext(DriverContext):
         return state
 
 
+REACH_S = 15.0  # how long a rank tries to reach rank 0's store before it fails the try with one line
+
+
+def reach(host: str, port: int, rank: int, within_s: float | None = None) -> None:
+    """Fail in seconds, naming both ends, when this rank cannot open a connection to rank 0's store (a firewall, no
+    route between the hosts, an address only rank 0's host can use) instead of after ``TLAB_GANG_TIMEOUT_S``. The
+    store's socket listens before any other rank starts, so a connection opens at once where the network allows."""
+    within_s = REACH_S if within_s is None else within_s
+    deadline, err = time.monotonic() + within_s, ""
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(0.5, min(5.0, deadline - time.monotonic()))).close()
+            return
+        except OSError as e:
+            err = e.strerror or type(e).__name__
+        if time.monotonic() >= deadline:
+            raise ConnectionError(f"rank {rank} on {socket.gethostname()} cannot reach rank 0 at {host}:{port} "
+                                  f"within {within_s:g} s ({err}): the hosts must reach each other on their nodes' "
+                                  "addresses, on any port (a firewall between them?)")
+        time.sleep(0.2)
+
+
 def said(message: str) -> None:
     print(f"[tlab] {message}", file=sys.stderr, flush=True)  # the job's log
 
@@ -83,6 +106,7 @@ def join(host: str, port: int, rank: int, spec: ExperimentSpec, device: torch.de
     the backend its placement allows (``process_group_backend``: gloo where ranks may share a card); says which."""
     world, backend = spec.resources.workers, process_group_backend(spec.resources, device)
     if store is None:
+        reach(host, port, rank)
         store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout())
         store.set(f"joined/{rank}", "1")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout())
