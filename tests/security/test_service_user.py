@@ -66,7 +66,8 @@ def snapshot(up_pid: int) -> dict[int, tuple[str, list[int]]]:
     for p in psutil.process_iter():
         try:
             line = " ".join(p.cmdline())
-            if p in tree or environ(p).get(HEAD_MARK) in marks or "workers.payload" in line:
+            if p in tree or environ(p).get(HEAD_MARK) in marks or ("workers.payload" in line and any(
+                    environ(a).get(HEAD_MARK) in marks for a in p.parents())):  # (a sandbox clears the payload's env)
                 found[p.pid] = (line, uids(p.pid))
         except (psutil.NoSuchProcess, FileNotFoundError, StopIteration):
             continue
