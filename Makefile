@@ -10,7 +10,7 @@ export MKL_NUM_THREADS ?= 1
 export RAY_AUTH_MODE ?= disabled
 export TMPDIR ?= /tmp
 
-.PHONY: setup browser sandbox demo test test-hosts test-fast lint bench docs-ref device-carry clean
+.PHONY: setup browser sandbox demo test test-drills test-hosts test-fast lint bench docs-ref device-carry clean
 
 setup: $(STAMP)
 
@@ -46,7 +46,12 @@ TEST_WORKERS ?= 3
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_WORKERS)
 
 test: setup browser sandbox
-	$(PYTEST) --ignore=tests/hosts
+	$(PYTEST) --ignore=tests/hosts -m "not drill"
+
+# the drills: a Ray head, Redis, the scheduler, the API, a job's driver or a node killed or restarted mid-run, and
+# what survives it (every epoch once, nothing lost); each restarts Ray, so they run apart from `make test` (~12 min)
+test-drills: setup browser sandbox
+	$(PYTEST) --ignore=tests/hosts -m drill
 
 # real hosts on this machine (network namespaces, tests/hosts/): tlab up --listen, tlab join, a host killed and cut
 # off mid-run; needs root, skipped where namespaces cannot be made; one lab for the module, after `make test`

@@ -32,6 +32,7 @@ def driver_of(job: str) -> psutil.Process:
     raise AssertionError(f"no driver process of {job}")
 
 
+@pytest.mark.drill
 def test_kill9_of_a_one_worker_driver_is_retried_from_its_checkpoint(stack: Stack) -> None:
     spec = tiny(training={"epochs": EPOCHS, "batch_size": 2}, teleport={"enabled": False})  # ~0.4 s an epoch
     with Client(stack.url, stack.admin_token) as c:

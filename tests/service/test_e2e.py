@@ -133,6 +133,7 @@ def test_a_diverging_job_fails_with_its_reason(stack: Stack) -> None:
         assert view["state"] == "failed" and "diverged" in view["failure_reason"].lower(), view["failure_reason"]
 
 
+@pytest.mark.drill
 def test_kill9_scheduler_and_api_mid_run_loses_and_doubles_nothing(stack: Stack) -> None:
     url = stack.redis_url or ""
     with Client(stack.url, stack.admin_token) as c:
@@ -167,6 +168,7 @@ def test_kill9_scheduler_and_api_mid_run_loses_and_doubles_nothing(stack: Stack)
 RESTART_EPOCHS = 30
 
 
+@pytest.mark.drill
 def test_tlab_up_restart_mid_run_resumes_from_checkpoint(tmp_path: Path) -> None:
     """Stop the whole embedded stack (Redis, Ray, API, scheduler) mid-run and start it again with the
     same TLAB_HOME: the job goes back to the queue, resumes from its last checkpoint, and every

@@ -66,6 +66,7 @@ def wait_nodes(c: Client, n: int, timeout: float = 60) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.drill
 def test_a_node_killed_mid_run_the_gang_waits_then_resumes_every_epoch_once(one_cpu_head: Stack) -> None:
     stack = one_cpu_head
     r = redis.Redis.from_url(stack.redis_url or "", decode_responses=True)

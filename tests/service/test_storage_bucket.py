@@ -73,6 +73,7 @@ def test_a_jobs_files_live_in_the_bucket_and_are_served_from_it(stack: Stack) ->
         assert log.startswith("[tlab] driver of job") and "model.safetensors" in log
 
 
+@pytest.mark.drill
 def test_a_preempted_job_resumes_from_the_bucket_on_a_node_that_lost_its_copy(stack: Stack) -> None:
     wait_ray_idle(stack)
     r = redis.Redis.from_url(stack.redis_url or "", decode_responses=True)

@@ -215,6 +215,7 @@ def test_cancelling_a_sweep_stops_every_trial(stack: Stack) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.drill
 def test_a_sweep_cut_off_by_a_stack_restart_resumes_its_trials(tmp_path: Path) -> None:
     """Stop the whole stack (Redis, Ray, API, scheduler) while two trials train, start it again with the
     same home: the sweep is queued again, Tune restores its saved state, the same trials carry on from

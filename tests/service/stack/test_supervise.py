@@ -158,6 +158,7 @@ class Watch:
 
 
 @pytest.mark.slow
+@pytest.mark.drill
 def test_tlab_up_restarts_a_killed_scheduler_redis_and_ray_head_and_the_job_goes_on(
         up_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in {"TLAB_TICK_S": "0.2", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}.items():

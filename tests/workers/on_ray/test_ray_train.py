@@ -135,6 +135,7 @@ def test_distributed_teleport_in_ray_train_keeps_replicas_bit_identical(ray_loca
     assert torch.allclose(torch.tensor(m["params"], dtype=torch.float64), single, atol=1e-10)
 
 
+@pytest.mark.drill
 def test_killed_worker_resumes_from_checkpoint_with_every_epoch_once(
     ray_local: object, redis_server: str, tmp_path: Path
 ) -> None:
