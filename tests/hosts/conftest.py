@@ -39,6 +39,7 @@ class Head:
     redis: redis.Redis
     logs: Path
     bucket: str = ""  # the TLAB_STORAGE URI: the durable copy a job resumes from
+    up: int = 0  # ``tlab up``'s process id (in this namespace: the serving host's)
     joins: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def client(self) -> httpx.Client:
@@ -146,7 +147,7 @@ def head(lab: Lab, bucket: str) -> Iterator[Head]:
         reader = threading.Thread(target=drain, args=(proc, home / "up.out"), daemon=True)
         reader.start()
         r = redis.Redis.from_url(f"redis://:{password}@{lab.gateway}:{port}/0", decode_responses=True)
-        the_head = Head(url=url, admin=admin, redis=r, logs=home, bucket=bucket)
+        the_head = Head(url=url, admin=admin, redis=r, logs=home, bucket=bucket, up=proc.pid)
         deadline = time.monotonic() + 240  # the head's own node seen alive: Ray is up (a busy machine restarts it)
         while not any(n["alive"] for n in the_head.nodes()):
             assert time.monotonic() < deadline, "the head's Ray never came up: " + "; ".join(

@@ -103,6 +103,26 @@ class Host:
         self.procs.append(proc)
         return proc
 
+    def running(self, needle: bytes) -> list[int]:
+        """The processes of this host whose command line holds ``needle``: below its init (what was orphaned there)
+        and below the ``nsenter`` of each ``run`` (their ids in the serving host's namespace; psutil reads every
+        process's parent, where ``/proc/<pid>/task/<pid>/children`` lists only the main thread's children)."""
+        import psutil
+
+        found = []
+        for root in (p for p in (self.init, *self.procs) if p is not None and p.poll() is None):
+            try:
+                below = psutil.Process(root.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                continue
+            for proc in below:
+                try:
+                    if needle in b" ".join(a.encode() for a in proc.cmdline()):
+                        found.append(proc.pid)
+                except psutil.Error:  # ended meanwhile
+                    continue
+        return found
+
     def cut(self) -> None:
         """Its link down: alive, unreachable."""
         sh("ip", "link", "set", self.link, "down")

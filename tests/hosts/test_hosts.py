@@ -1,19 +1,26 @@
 """A cluster of real hosts (``tests.hosts.netns``: own address, host name, processes, /tmp and storage cache each; a
 host name that resolves to 127.0.1.1, as on Debian): ``tlab up --listen`` on the serving host, ``tlab join`` with
 nothing but a join token on the others. A 2-rank gang trains across two hosts; a host killed mid-run and a host cut
-off mid-run are declared lost, their job requeued and resumed from the bucket on what is left, every epoch once.
+off mid-run are declared lost, their job requeued and resumed from the bucket on what is left, every epoch once; a
+cut-off host healed after its job succeeded lands nothing (``tlab pull``'s files, the bucket, the stream unchanged);
+the serving host's Redis killed while a gang trains across two hosts; a 4-trial sweep spread over the hosts.
 
 The tests share one lab and run in order (each leaves three hosts joined for the next). Figures (seconds from the
 kill or the cut to the requeue and to the first resumed epoch) are printed: ``pytest -s``."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
+import redis
 
 from api_schemas import keys
 from objstore import Bucket
@@ -31,6 +38,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),  # a lab starts Ray fo
 LOST_WITHIN_S = 20.0  # a cut-off host is declared lost within this (Ray's health checks as tlab up sets them)
 GANG = {"workers": 2}  # 1 CPU each: one rank per 1-CPU host
 LONG = {"epochs": 100_000, "max_steps_per_epoch": 1}
+CUT_THEN_SUCCEED = {"epochs": 400, "max_steps_per_epoch": 1}  # outlasts the cut, ends once resumed
 
 
 def view(c: httpx.Client, job: str) -> dict[str, Any]:
@@ -167,3 +175,95 @@ def test_a_host_cut_off_mid_run_is_declared_lost_within_20_s_and_rejoins_once_he
     while any(n["alive"] for n in head.nodes() if n["hostname"] == victim.hostname):
         assert time.monotonic() < deadline, "the node that left is still alive"
         time.sleep(0.5)
+
+
+def pulled(head: Head, job: str, to: Path) -> dict[str, str]:
+    """``tlab pull`` of the job into ``to`` (it checks each file against the job's SHA256SUMS): name -> sha256."""
+    out = subprocess.run([TLAB_CLI, "--url", head.url, "--token", head.admin, "pull", job, "-o", str(to)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(to.iterdir()) if p.is_file()}
+
+
+def rejoin_any_left(head: Head, hosts: dict[str, Host], token: str) -> None:
+    """Every host joined and alive again (a test before may have made one leave)."""
+    for host in hosts.values():
+        if host.name not in head.joins or head.joins[host.name].poll() is not None:
+            head.join(host, token)
+    head.wait_alive(list(hosts.values()), timeout=180)
+
+
+def test_a_host_cut_off_whose_job_then_succeeded_lands_nothing_once_healed(
+        head: Head, hosts: dict[str, Host], token: str, tmp_path: Path) -> None:
+    rejoin_any_left(head, hosts, token)
+    with head.client() as c:
+        job = submit(c, tiny(training=CUT_THEN_SUCCEED, resources=GANG), "cut-then-succeed")
+        wait(c, job, lambda v: (v["progress"].get("epoch") or 0) >= 3, "3 epochs")
+        stored = Bucket(head.bucket)
+        wait(c, job, lambda v: any(n.startswith("checkpoint_") for n in stored.ls(job)), "a checkpoint in the bucket")
+        victim = next(h for h in hosts.values() if h.hostname in placed_hosts(head, job))
+        assert victim.running(b"workers.payload"), "no training process of its attempt on the host it was placed on"
+        victim.cut()
+        done = wait(c, job, lambda v: v["state"] in ("succeeded", "failed", "cancelled"), "the end", timeout=600)
+        assert done["state"] == "succeeded" and done["preemptions"] >= 1, done
+        assert victim.hostname not in placed_hosts(head, job)
+        before = pulled(head, job, tmp_path / "before")
+        objects, epochs = stored.ls(job), epochs_of(head, job)
+        summary = head.redis.hget(keys.job(job), "summary")
+
+        victim.heal()  # its old attempt still runs there, with a stale checkpoint and an export to make
+        deadline = time.monotonic() + 120
+        while victim.running(b"workers.payload"):  # it learns its attempt ended, and ends itself
+            assert time.monotonic() < deadline, "the cut-off attempt never ended itself once healed"
+            time.sleep(0.5)
+        time.sleep(3)  # anything it still had in flight has landed by now, or never will
+        after = pulled(head, job, tmp_path / "after")
+        assert after == before and {"model.safetensors", "checkpoint.pt", "SHA256SUMS"} <= set(after)
+        assert stored.ls(job) == objects  # no stale upload, no prune: the bucket is as the live attempt left it
+        assert epochs_of(head, job) == epochs == list(range(CUT_THEN_SUCCEED["epochs"]))
+        assert head.redis.hget(keys.job(job), "summary") == summary and view(c, job)["state"] == "succeeded"
+    assert json.loads((tmp_path / "after" / "summary.json").read_text())["epochs"] == CUT_THEN_SUCCEED["epochs"]
+
+
+def test_the_serving_hosts_redis_restarted_while_two_hosts_train_the_gang_goes_on(
+        head: Head, hosts: dict[str, Host], token: str) -> None:
+    rejoin_any_left(head, hosts, token)
+    with head.client() as c:
+        job = submit(c, tiny(training=LONG, resources=GANG), "redis-restart")
+        wait(c, job, lambda v: (v["progress"].get("epoch") or 0) >= 3, "3 epochs")
+        redis_server = next(p for p in psutil.Process(head.up).children(recursive=True) if p.name().startswith("redis"))
+        redis_server.kill()
+        deadline = time.monotonic() + 60
+        while True:  # tlab up starts it again, on the same port, with what it had saved
+            try:
+                head.redis.ping()
+                break
+            except redis.RedisError:
+                assert time.monotonic() < deadline, "Redis never came back"
+                time.sleep(0.2)
+        seen = len(epochs_of(head, job))
+        wait(c, job, lambda v: len(epochs_of(head, job)) >= seen + 5, "epochs after Redis came back", timeout=120)
+        v = view(c, job)
+        assert v["state"] == "running" and v["preemptions"] == 0, v  # the same attempt went on: nothing requeued
+        end(c, job)
+    epochs = epochs_of(head, job)
+    assert epochs == list(range(len(epochs))), epochs
+
+
+def test_a_4_trial_sweep_spreads_over_the_hosts(head: Head, hosts: dict[str, Host], token: str) -> None:
+    rejoin_any_left(head, hosts, token)
+    body = {"base": tiny(training={"epochs": 3}), "search_space": {"teleport.lr": {"grid": [0.01, 0.03, 0.1, 0.3]}},
+            "max_concurrent_trials": 3}
+    with head.client() as c:
+        r = c.post("/v1/sweeps", json=body)
+        assert r.status_code == 201, r.text
+        sweep = r.json()["id"]
+        deadline = time.monotonic() + 600
+        while (got := c.get(f"/v1/sweeps/{sweep}").json())["job"]["state"] not in ("succeeded", "failed", "cancelled"):
+            assert time.monotonic() < deadline, got
+            time.sleep(1)
+        logs = c.get(f"/v1/experiments/{sweep}/logs").text
+    assert got["job"]["state"] == "succeeded", (got["job"]["failure_reason"], logs[-3000:])
+    assert len(got["trials"]) == 4 and all(t["state"] == "succeeded" for t in got["trials"]), got["trials"]
+    ran_on = {h.hostname for h in hosts.values() if h.hostname in logs}
+    assert len(ran_on) >= 2, (ran_on, logs[-3000:])  # 1-CPU hosts: at most one trial on each at a time
