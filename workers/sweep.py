@@ -44,6 +44,7 @@ from workers.on_ray.supervisor import refuse_unsandboxed
 from workers.on_ray.sweep_rerun import marked_trials, resume_only, state_gone
 from workers.on_ray.trial import in_trial, trial_dirs, trial_resources
 from workers.on_ray.trial_bridge import supervise_trial
+from workers.on_ray.tune_storage import tune_storage
 from workers.train.context import keep_checkpoints
 from workers.train.failure import JobFailed, failure_reason
 
@@ -337,7 +338,8 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
         trainable = tune.with_resources(pbt_trainable(sweep, job_id, redis_url, storage) if sweep.scheduler == "pbt"
                                         else trial,
                                         {"cpu": 0, "memory": DRIVER_MEMORY})
-    path = os.path.join(storage, f"sweep-{job_id}")
+    name = f"sweep-{job_id}"
+    path, shared = os.path.join(storage, name), tune_storage(storage, name)  # (with a bucket: a copy of it here)
     rerun = marked_trials(client, job_id)
     restore = tune.Tuner.can_restore(path)
     if rerun and not restore:  # the rows say rerun, and there is no Tune state to resume them from
@@ -349,9 +351,12 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
         # (same name and storage path). A rerun (workers.on_ray.sweep_rerun): of the errored trials, the marked ones
         # only
         resumed = resume_only(path, rerun) if rerun else None
+        if resumed and shared.fs is not None:
+            shared.send_back(path, name)  # the state as rewritten, where Tune restores it from
         what = f"rerunning trials {', '.join(resumed)}" if resumed else "resuming the sweep"
         sink.emit({"kind": "log", "level": "info", "message": f"{what} from Tune's state in {path}"})
-        tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=not rerun)
+        tuner = tune.Tuner.restore(shared.at(name), trainable, resume_unfinished=True, resume_errored=not rerun,
+                                   storage_filesystem=shared.fs)
     else:
         # nothing to resume from: rows an earlier attempt left behind belong to trials that will not return
         client.delete(keys.trials(job_id))
@@ -364,7 +369,8 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
                                         reuse_actors=reuse_actors(sweep, own)),
             # a trial that fails past its TorchTrainer's own retries (the trial's actor or its restore went
             # wrong) runs once more from its last checkpoint before its row says failed
-            run_config=tune.RunConfig(name=f"sweep-{job_id}", storage_path=storage, callbacks=[table.callback],
+            run_config=tune.RunConfig(name=name, storage_path=shared.root, storage_filesystem=shared.fs,
+                                      callbacks=[table.callback],
                                       checkpoint_config=checkpoints, stop=trial_stop(sweep),
                                       failure_config=tune.FailureConfig(max_failures=trial_retries())),
         )
@@ -372,6 +378,7 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
     try:
         results = tuner.fit()
     finally:  # also when stopped (the sweep's own time limit): the best trial so far
+        shared.fetch(storage, name)
         row = export_best(job_id, sweep, storage)
     shutil.rmtree(os.path.join(storage, f"pbt-{job_id}"), ignore_errors=True)
     # Tune's best: its best value over every result of every trial, a rerun's too (the API's `best` reads the same
