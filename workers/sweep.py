@@ -351,8 +351,8 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
         # (same name and storage path). A rerun (workers.on_ray.sweep_rerun): of the errored trials, the marked ones
         # only
         resumed = resume_only(path, rerun) if rerun else None
-        if resumed and shared.fs is not None:
-            shared.send_back(path, name)  # the state as rewritten, where Tune restores it from
+        if resumed:
+            shared.send_back(name)  # the state as rewritten, where Tune restores it from (with a bucket)
         what = f"rerunning trials {', '.join(resumed)}" if resumed else "resuming the sweep"
         sink.emit({"kind": "log", "level": "info", "message": f"{what} from Tune's state in {path}"})
         tuner = tune.Tuner.restore(shared.at(name), trainable, resume_unfinished=True, resume_errored=not rerun,
@@ -378,7 +378,7 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
     try:
         results = tuner.fit()
     finally:  # also when stopped (the sweep's own time limit): the best trial so far
-        shared.fetch(storage, name)
+        shared.fetch(name)
         row = export_best(job_id, sweep, storage)
     shutil.rmtree(os.path.join(storage, f"pbt-{job_id}"), ignore_errors=True)
     # Tune's best: its best value over every result of every trial, a rerun's too (the API's `best` reads the same

@@ -54,7 +54,6 @@ from workers.train.gpu_share import device_report, oom_named
 from workers.train.sinks import MetricSink
 from workers.train.startup import mark
 
-TMP_PREFIX = PARTIAL_PREFIX  # never matches ``checkpoint_*``: a half-written one is never read
 # errors that a retry from the checkpoint would only repeat: a bad spec, the user's code not importing, a refused
 # checkpoint, a failure already explained; anything else (a lost connection, a full disk, a CUDA error) is retried
 NOT_RETRIED: tuple[type[BaseException], ...] = (
@@ -148,7 +147,7 @@ class DriverContext(RunContext):
 
     def drop_partial(self) -> None:
         """Remove half-written checkpoints (this process is the run directory's only writer)."""
-        for partial in self.run_dir.glob(f"{TMP_PREFIX}*"):
+        for partial in self.run_dir.glob(f"{PARTIAL_PREFIX}*"):
             shutil.rmtree(partial, ignore_errors=True)
 
     def save(self, state: dict[str, Any], metrics: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from objstore import Bucket
 from workers.job.bucket import bucket, pull_dir
 
 
@@ -18,28 +19,35 @@ class TuneStorage:
     host has); the driver reads the sweep's directory into its cache before it exports the best trial. Without a
     bucket, the storage directory itself (one host, or a filesystem the hosts share)."""
 
-    root: str
-    fs: Any = None  # pyarrow's filesystem of the bucket; None: a local or shared directory
+    storage: str  # the local storage directory (with a bucket: its cache)
+    bucket: Bucket | None = None
+
+    @property
+    def root(self) -> str:
+        return self.storage if self.bucket is None else self.bucket.path("")
+
+    @property
+    def fs(self) -> Any:
+        """The bucket's pyarrow filesystem, or None (a local or shared directory)."""
+        return None if self.bucket is None else self.bucket.fs
 
     def at(self, name: str) -> str:
-        return f"{self.root}/{name}" if self.fs is not None else os.path.join(self.root, name)
+        return os.path.join(self.storage, name) if self.bucket is None else self.bucket.path(name)
 
-    def fetch(self, storage: str, name: str) -> None:
+    def fetch(self, name: str) -> None:
         """Copy the bucket's ``name`` into the cache (nothing without a bucket)."""
-        if self.fs is not None:
-            pull_dir(storage, name)
+        if self.bucket is not None:
+            pull_dir(self.storage, name)
 
-    def send_back(self, local: str, name: str) -> None:
-        b = bucket()
-        if b is not None:
-            b.push(Path(local), name)
+    def send_back(self, name: str) -> None:
+        """Upload the cache's ``name`` to the bucket (a rerun's rewritten state; nothing without a bucket)."""
+        if self.bucket is not None:
+            self.bucket.push(Path(self.storage) / name, name)
 
 
 def tune_storage(storage: str, name: str) -> TuneStorage:
     """``TuneStorage`` for this sweep; with a bucket, what it holds of ``name`` copied here first (a restore and a
     rerun read Tune's state from the cache)."""
-    b = bucket()
-    if b is None:
-        return TuneStorage(storage)
-    pull_dir(storage, name)
-    return TuneStorage(b.path(""), b.fs)
+    shared = TuneStorage(storage, bucket())
+    shared.fetch(name)
+    return shared

@@ -14,8 +14,8 @@ import torch
 from api_schemas import ExperimentSpec
 from tests.conftest import fill
 from tests.service.conftest import tiny
-from workers.job.artifacts import checkpoints
-from workers.on_ray.driver import TMP_PREFIX, DriverContext, attempt, retried
+from workers.job.artifacts import PARTIAL_PREFIX, checkpoints
+from workers.on_ray.driver import DriverContext, attempt, retried
 from workers.train.context import read_checkpoint
 from workers.train.failure import JobFailed, failure_reason
 from workers.train.sinks import MemorySink
@@ -38,7 +38,7 @@ def test_a_write_into_a_full_volume_keeps_the_previous_checkpoint(small_volume: 
     assert "its last checkpoint (checkpoint_" in line and line.endswith("then continue it (`tlab continue`)")
     assert not retried(failed.value)  # the next try would meet the same full disk
     kept = checkpoints([run_dir])
-    assert len(kept) == 1 and not list(run_dir.glob(f"{TMP_PREFIX}*"))  # no half-written one either
+    assert len(kept) == 1 and not list(run_dir.glob(f"{PARTIAL_PREFIX}*"))  # no half-written one either
     state = read_checkpoint(kept[0])
     assert state["epoch"] == 1 and torch.equal(state["model"]["w"], weights)
 

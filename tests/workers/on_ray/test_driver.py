@@ -15,9 +15,9 @@ import torch
 from api_schemas import keys
 from tests.workers.test_run_entrypoint import put_job
 from workers.job import harness
-from workers.job.artifacts import checkpoints, partial_prefix, remove_own_partials
+from workers.job.artifacts import PARTIAL_PREFIX, checkpoints, partial_prefix, remove_own_partials
 from workers.job.redis_sink import read_events
-from workers.on_ray.driver import TMP_PREFIX, DriverContext
+from workers.on_ray.driver import DriverContext
 from workers.train.failure import JobFailed
 from workers.train.sinks import MemorySink
 
@@ -56,7 +56,7 @@ def test_checkpoints_are_whole_newest_first_and_only_the_last_n_kept(
     monkeypatch.setenv("TLAB_KEEP_CHECKPOINTS", "2")
     monkeypatch.setenv("TLAB_CHECKPOINT_EVERY_S", "0")  # every epoch's checkpoint written
     run_dir = tmp_path / "job"
-    half = run_dir / f"{TMP_PREFIX}killed"  # what a kill during a save leaves behind
+    half = run_dir / f"{PARTIAL_PREFIX}killed"  # what a kill during a save leaves behind
     half.mkdir(parents=True)
     (half / "checkpoint.pt").write_bytes(b"half a file")
     ctx = DriverContext(MemorySink(), run_dir)
