@@ -1,4 +1,5 @@
-# One Makefile. `make demo` and `make test` each set up .venv on a fresh machine (idempotently).
+# One Makefile. `make demo` and `make test` each set up .venv on a fresh machine (idempotently), with uv: pip took
+# ~4 min for what uv installs in ~1 min (its bytecode compiled, as pip does: this machine sets PYTHONDONTWRITEBYTECODE).
 SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
@@ -16,8 +17,10 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/pip || $(PY) -m venv --clear $(VENV)  # also mends a venv cut off half-made
-	@echo ">> installing teleport-lab and its dependencies into $(VENV) (first time: ~2 min)"
-	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[dev]"
+	@echo ">> installing teleport-lab and its dependencies into $(VENV) with uv (first time: ~1 min)"
+	$(BIN)/pip install --quiet --disable-pip-version-check "uv>=0.9,<1"
+	$(BIN)/uv pip install --python $(BIN)/python --quiet --compile-bytecode \
+	  $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) -e ".[dev]"
 	@touch $(STAMP)
 
 # Debian's chromium for the dashboard's browser tests (tests/web drives it with Playwright; Playwright's own
