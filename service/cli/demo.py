@@ -1,7 +1,7 @@
 """``tlab demo`` (what ``make demo`` runs): the lab's main flow, end to end on this machine, as a measurement.
 
 Starts the embedded stack (Redis, a Ray head, the API, the scheduler) and submits, through the REST API, the
-paper's MNIST/SGD row on digits with and without teleport, for 3 seeds: a seed's baseline and its teleport run
+paper's MNIST/SGD row on digits with and without teleport, for 5 seeds: a seed's baseline and its teleport run
 (tagged ``baseline:<id>``, so its page compares the two) side by side, one CPU each of the stack's two, so whatever
 else loads the machine loads both alike (one after the other, a busy minute fell on one run only: on a machine
 shared with test runs the seconds ratio then moved by 2x between seeds). Each run is followed live over SSE (a
@@ -12,7 +12,9 @@ wall-clock seconds first, with the spread over the seeds, writes ``demo.json`` b
 The setting is the paper's MNIST row (Table "Summary table for hyper-parameters": MLP [1024, 1024], SGD
 η_prim = 2e-4, η_tele = 0.2, CAP = 5, n = 32, t = 8, τ = 1, teleport before epochs 0-4) with one change digits
 needs: b = 4 teleport batches instead of 32 (digits has 1,438 training samples, MNIST 60,000), as the convergence
-benchmark runs it. 60 epochs of the paper's 100: the baseline reaches the target train loss 2.0 near epoch 42.
+benchmark runs it, for the paper's 100 epochs. The target train loss is 1.7: the baseline reaches it near epoch 80,
+teleport near epoch 35, so each run's seconds to the target add up over dozens of epochs (a target reached in the
+first 15 epochs, as 2.0 is with teleport, left the ratio at the mercy of a few epochs' timing).
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ from service.stack.embedded import Stack
 from service.stack.supervise import Supervisor, supervise_policy
 
 PRESET = "paper/mnist-sgd"
-TARGET_LOSS = 2.0  # the convergence benchmark's SGD target on digits
+TARGET_LOSS = 1.7  # reached late enough in both runs to be timed over many epochs
 BATCHES = 4  # teleport batches per scheduled epoch (the paper's 32 would teleport on 70 % of digits each time)
-EPOCHS = 60
-SEEDS = 3
+EPOCHS = 100  # the paper's
+SEEDS = 5  # 3 left the pooled ratio 5 % apart between demos; each seed's own ratio varies by ~15 %
 SETTING = (f"the paper's MNIST/SGD row on digits: MLP [1024, 1024], SGD lr 2e-4, teleport lr 0.2, CAP 5, n 32, "
            f"t 8, tau 1, {BATCHES} teleport batches before epochs 0-4; target train loss {TARGET_LOSS}")
 

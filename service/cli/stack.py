@@ -19,9 +19,10 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from service.cli.demo import main as demo
+    from service.cli import demo
 
-    return demo(Path(args.home) if args.home else Path("runs/demo"), args.epochs, args.seeds)
+    return demo.main(Path(args.home) if args.home else Path("runs/demo"), args.epochs or demo.EPOCHS,
+                     args.seeds or demo.SEEDS)
 
 
 def cmd_queue(args: argparse.Namespace) -> int:
@@ -131,11 +132,11 @@ def add_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("demo", help="start the embedded stack, run the paper's MNIST/SGD row on digits with and "
-                                    "without teleport through the API (3 seeds, ~20-40 s a run), follow each, plot "
+                                    "without teleport through the API (5 seeds, ~30-40 s a run), follow each, plot "
                                     "and compare")
     p.add_argument("--home", default=None, help="stack data folder (default: runs/demo)")
-    p.add_argument("--epochs", type=int, default=60, help="epochs per run (default: 60)")
-    p.add_argument("--seeds", type=int, default=3, help="seeds, each run with and without teleport (default: 3)")
+    p.add_argument("--epochs", type=int, default=None, help="epochs per run (default: the paper's 100)")
+    p.add_argument("--seeds", type=int, default=None, help="seeds, each run with and without teleport (default: 5)")
     p.set_defaults(func=cmd_demo)
 
     add_read_command(sub, "queue", "the queue in start order, with why each job waits", cmd_queue)
