@@ -11,7 +11,7 @@ export MKL_NUM_THREADS ?= 1
 export RAY_AUTH_MODE ?= disabled
 export TMPDIR ?= /tmp
 
-.PHONY: setup browser sandbox demo test test-drills test-hosts test-fast lint bench docs-ref device-carry clean
+.PHONY: setup browser sandbox demo test test-drills test-hosts test-bench test-fast lint bench docs-ref device-carry clean
 
 setup: $(STAMP)
 
@@ -49,7 +49,7 @@ TEST_WORKERS ?= 3
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_WORKERS)
 
 test: setup browser sandbox
-	$(PYTEST) --ignore=tests/hosts -m "not drill"
+	$(PYTEST) --ignore=tests/hosts --ignore=tests/benchmarks -m "not drill"
 
 # the drills: a Ray head, Redis, the scheduler, the API, a job's driver or a node killed or restarted mid-run, and
 # what survives it (every epoch once, nothing lost); each restarts Ray, so they run apart from `make test` (~6 min)
@@ -60,6 +60,10 @@ test-drills: setup browser sandbox
 # off mid-run; needs root, skipped where namespaces cannot be made; one lab for the module, after `make test`
 test-hosts: setup sandbox
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=5 tests/hosts
+
+# the benchmarks' own tests: each benchmark's --quick run and the shape of the JSON it writes (~5 min)
+test-bench: setup
+	$(PYTEST) tests/benchmarks
 
 test-fast: setup browser sandbox
 	$(PYTEST) -m "not slow"
