@@ -339,7 +339,8 @@ def run_sweep(job_id: str, redis_url: str, storage: str) -> dict[str, Any]:
                                         else trial,
                                         {"cpu": 0, "memory": DRIVER_MEMORY})
     name = f"sweep-{job_id}"
-    path, shared = os.path.join(storage, name), tune_storage(storage, name)  # (with a bucket: a copy of it here)
+    path = os.path.join(storage, name)
+    shared = tune_storage(storage, job_id, name)  # (with a bucket: a copy of it here)
     rerun = marked_trials(client, job_id)
     restore = tune.Tuner.can_restore(path)
     if rerun and not restore:  # the rows say rerun, and there is no Tune state to resume them from

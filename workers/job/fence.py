@@ -101,6 +101,11 @@ def pinned(job_id: str) -> int | None:
     return _pinned[job_id][0] if job_id in _pinned else None
 
 
+def pinned_at(job_id: str) -> tuple[int, str] | None:
+    """The attempt this process pinned for ``job_id`` and the Redis URL it checks it on (None: none pinned)."""
+    return _pinned.get(job_id)
+
+
 def connect(url: str, **kw: Any) -> redis.Redis:
     """A client that rides out a Redis restart: Redis is back in about a second, but a restarted Redis has lost the
     job's ACL user until the scheduler's next tick makes it again, so a job's writer tries 15 times, waiting a random
