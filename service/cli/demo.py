@@ -203,6 +203,11 @@ def write_figures(path: Path, epochs: int, pairs: list[Pair], views: dict[str, d
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": runs}, indent=1, default=str))
 
 
+def stack_env(seeds: int) -> dict[str, str]:
+    """The demo's stack settings: every run of the demo (two a seed) in its one plot."""
+    return {"TLAB_MAX_COMPARE": str(max(8, 2 * seeds))}
+
+
 def load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -219,7 +224,8 @@ def run(home: Path, epochs: int, seeds: int) -> int:
     print(f"{SETTING}; {epochs} epochs, {seeds} seed(s), a seed's two runs side by side", flush=True)
     print(f"starting the embedded stack in {home} (Redis, Ray head, API, scheduler) ...", flush=True)
     t0, load_before = time.monotonic(), load()
-    with Stack(home.resolve(), num_cpus=2) as stack, Client(stack.url, stack.admin_token) as c:
+    with Stack(home.resolve(), num_cpus=2, extra_env=stack_env(seeds)) as stack, \
+            Client(stack.url, stack.admin_token) as c:
         print(f"up in {time.monotonic() - t0:.0f} s at {stack.url}; submitting through the API", flush=True)
         watch = Supervised(stack)
         jobs: dict[str, str] = {}

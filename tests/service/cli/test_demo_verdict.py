@@ -3,7 +3,10 @@ clock is said first, seeds that disagree decide nothing, a missed target is coun
 
 from __future__ import annotations
 
-from service.cli.demo import seconds_ratio, verdict
+import pytest
+
+from service.cli.demo import SEEDS, seconds_ratio, stack_env, verdict
+from service.core.settings import Settings
 
 
 def seed(et: int, st: float, eb: int, sb: float, share: float = 0.05) -> tuple[dict, dict]:
@@ -36,3 +39,12 @@ def test_a_missed_target_is_counted() -> None:
     assert verdict([missed, seed(8, 1.0, 16, 2.0)]) == (
         "no verdict: teleport reached the target in 1 of 2 seeds, the baseline in 2; final train loss 1.9000 with "
         "teleport vs 2.0000 (teleport took 5 % of its runs)")
+
+
+@pytest.mark.parametrize("seeds", [1, SEEDS, 12])
+def test_the_demos_stack_plots_every_run_of_the_demo_in_one_figure(seeds: int,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its runs, two a seed, fit the one plot the API draws for it (TLAB_MAX_COMPARE, 8 by default)."""
+    for name, value in stack_env(seeds).items():
+        monkeypatch.setenv(name, value)
+    assert Settings().max_compare >= 2 * seeds
