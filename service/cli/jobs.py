@@ -89,8 +89,10 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"  parent    {job['parent']} (from its checkpoint after epoch {fmt(job.get('parent_epoch'))})")
     if job.get("children"):
         print(f"  children  {' '.join(job['children'])}")
-    for k, v in (job.get("summary") or {}).items():
-        print(f"  {k:<22}{fmt(v)}")
+    summary = job.get("summary") or {}
+    width = max((len(k) for k in summary), default=0) + 2  # the longest name still leaves a gap
+    for k, v in summary.items():
+        print(f"  {k:<{width}}{fmt(v)}")
     return 0
 
 

@@ -125,5 +125,5 @@ def cut_message(epoch: int, planned: tuple[int, int], done: tuple[int, int], sha
         return f"teleport at epoch {epoch} skipped: {budget}"
     what = f"{ran} batches" if ran < batches else f"batches of as few as {least_steps} steps"
     if ran < batches and least_steps < steps:
-        what += f", some of {least_steps} steps"
+        what += f", the shortest {least_steps} of its {steps} steps"
     return f"teleport at epoch {epoch} shortened to {what}: {budget}"

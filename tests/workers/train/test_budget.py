@@ -53,8 +53,8 @@ def test_the_cut_is_said_in_one_line() -> None:
     assert cut_message(0, (4, 8), (0, 8), 0.1) == "teleport at epoch 0 skipped: budget 10 %"
     assert cut_message(1, (4, 8), (4, 3), 0.25) == \
         "teleport at epoch 1 shortened to batches of as few as 3 steps: budget 25 %"
-    assert cut_message(1, (4, 8), (2, 3), 0.1) == "teleport at epoch 1 shortened to 2 batches, some of 3 steps: " \
-                                                  "budget 10 %"
+    assert cut_message(1, (4, 8), (2, 3), 0.1) == "teleport at epoch 1 shortened to 2 batches, the shortest 3 of " \
+                                                  "its 8 steps: budget 10 %"
 
 
 def spec(budget: float | None) -> Any:
