@@ -200,6 +200,8 @@ class NodeView(_Strict):
                                                            "here, and never more than Ray reports free); null: not "
                                                            "known")
     jobs: list[NodeShare] = Field(default_factory=list, description="the running jobs' shares of this node")
+    leaving: bool = Field(False, description="true: the node is leaving (`tlab leave`): nothing new starts there, and "
+                                             "its jobs move elsewhere")
 
 
 class ClusterView(_Strict):

@@ -207,3 +207,10 @@ def hub_wake(hub_id: str) -> str:
 def join_tokens() -> str:
     """Hash: join token id -> JSON {sha256 of the token, note, created_at}; a token not here is refused (revoked)."""
     return f"{PREFIX}:join_tokens"
+
+
+def nodes_leaving() -> str:
+    """Hash: the address of a node leaving the cluster (``tlab leave``) -> JSON {hostname, address, since, until}. The
+    scheduler places nothing there and stops the jobs placed there; an entry goes when a node joins again from that
+    address, or once ``until`` is past (service/core/nodes_leaving.py)."""
+    return f"{PREFIX}:nodes:leaving"

@@ -41,3 +41,22 @@ class JoinGrant(_Strict):
     ray_token: str = Field(description="the cluster's Ray auth token (RAY_AUTH_TOKEN on every Ray process)")
     env: dict[str, str] = Field(default_factory=dict, description="TLAB_* settings of the head's Ray node that "
                                                                   "its job processes read")
+
+
+class LeaveRequest(JoinRequest):
+    """A node leaving (``tlab leave``): the scheduler places nothing more on it and moves the jobs placed there."""
+
+    wait_s: float = Field(120.0, ge=0, le=86400, description="how long the node waits for its jobs to move before "
+                                                             "it stops its Ray node anyway")
+
+
+class LeaveStatus(_Strict):
+    """How a node's leave goes: the jobs still placed on it (their attempts stopping, to resume elsewhere from their
+    last checkpoint)."""
+
+    hostname: str
+    address: str
+    since: float = Field(description="when the node asked to leave (seconds since the epoch)")
+    until: float = Field(description="when the record of its leave goes (its wait, and some margin)")
+    jobs: list[str] = Field(default_factory=list, description="ids of the jobs still placed on the node (starting "
+                                                              "or running): it is free to stop once none is left")

@@ -53,6 +53,7 @@ def service_user_for(home: Path) -> Any:
 
 def cmd_join(args: argparse.Namespace) -> int:
     from service.stack.join import JoinRefused, join, run_node
+    from service.stack.leave import drain_timeout
 
     token = os.environ.get(TOKEN_ENV, "").strip()
     if args.token_file:
@@ -60,8 +61,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     home = node_home(args)
     try:
         node = join(home, args.head, token, args.address or "", args.num_cpus, args.num_gpus,
-                    service_user_for(home))
-    except (JoinRefused, ValueError) as err:  # (an AddressRefused is a ValueError)
+                    service_user_for(home), drain_timeout(args.drain_timeout))
+    except (JoinRefused, ValueError) as err:  # (an AddressRefused is a ValueError; a bad TLAB_DRAIN_TIMEOUT_S too)
         fail(str(err))
     return run_node(node)
 
@@ -96,10 +97,15 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--num-gpus", type=int, default=None, help="GPUs this node offers (default: those Ray finds)")
     p.add_argument("--home", default=None, help="this node's folder (default: TLAB_HOME, else ~/.tlab; its Ray "
                                                 "processes start in HOME/node)")
+    p.add_argument("--drain-timeout", type=float, metavar="SECONDS", default=None,
+                   help="when this node leaves (Ctrl-C, `tlab leave`), how long it waits for its jobs to move "
+                        "elsewhere before it stops anyway (default: TLAB_DRAIN_TIMEOUT_S, else 120)")
     p.set_defaults(func=cmd_join)
 
-    p = sub.add_parser("leave", help="take this machine's node out of the cluster (`tlab join` stops; its jobs "
-                                     "resume elsewhere from their last checkpoint)")
+    p = sub.add_parser("leave", help="take this machine's node out of the cluster: nothing new starts there, its "
+                                     "jobs move elsewhere (resuming from their last checkpoint), then `tlab join` "
+                                     "stops")
     p.add_argument("--home", default=None, help="the folder `tlab join` ran with (default: TLAB_HOME, else ~/.tlab)")
-    p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the node to stop")
+    p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the node to stop, beyond the time "
+                                                            "its jobs may take to move (`tlab join --drain-timeout`)")
     p.set_defaults(func=cmd_leave)

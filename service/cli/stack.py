@@ -41,9 +41,14 @@ def cmd_queue(args: argparse.Namespace) -> int:
 
 def _print_nodes(view: dict[str, Any]) -> None:
     rows = [("NODE", "ALIVE", "CPUS FREE/TOTAL", "GPUS FREE/TOTAL", "MEMORY GIB FREE/TOTAL", "GPU MODEL")]
-    rows += [(node_name(n), "yes" if n["alive"] else "DEAD", f"{n['cpus_free']:g}/{n['cpus_total']:g}",
+    rows += [(node_name(n), alive(n), f"{n['cpus_free']:g}/{n['cpus_total']:g}",
               f"{n['gpus_free']:g}/{n['gpus_total']:g}", _memory(n), n.get("gpu_type") or "-") for n in view["nodes"]]
     print_table(rows)
+
+
+def alive(node: dict[str, Any]) -> str:
+    """yes, LEAVING (``tlab leave``: nothing new starts there, its jobs move) or DEAD (Ray declared it dead)."""
+    return ("LEAVING" if node.get("leaving") else "yes") if node["alive"] else "DEAD"
 
 
 def node_name(node: dict[str, Any]) -> str:

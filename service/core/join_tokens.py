@@ -1,7 +1,8 @@
 """Join tokens (``tlab join-token``): made and revoked by an admin, checked when a machine joins
-(``POST /v1/nodes/join``). Only the token's sha256 is kept; a revoked token is gone from ``keys.join_tokens``, so
-the next join with it is refused. Revoking does not cut off a node already joined: ``tlab leave`` on it, or rotate
-the cluster's Ray token (``$TLAB_HOME/ray.token``) and restart."""
+(``POST /v1/nodes/join``) and when it leaves (``/v1/nodes/leave``). Only the token's sha256 is kept; a revoked
+token is gone from ``keys.join_tokens``, so the next join or leave with it is refused. Revoking does not cut off a
+node already joined: ``tlab leave`` on it (which then stops its node without moving its jobs first: they resume
+elsewhere once the node is seen gone), or rotate the cluster's Ray token (``$TLAB_HOME/ray.token``) and restart."""
 
 from __future__ import annotations
 
@@ -39,13 +40,15 @@ def revoke(r: redis.Redis, token_id: str) -> bool:
     return bool(r.hdel(keys.join_tokens(), token_id))
 
 
-def check(r: redis.Redis, secret: str) -> str:
-    """The id of the join token ``secret``, counted as used once more; 401 for an unknown or revoked one."""
+def check(r: redis.Redis, secret: str, counted: bool = True) -> str:
+    """The id of the join token ``secret``, counted as used once more (``counted``: a join); 401 for an unknown or
+    revoked one."""
     token_id = secret.removeprefix(PREFIX).partition(".")[0] if secret.startswith(PREFIX) else ""
     raw = r.hget(keys.join_tokens(), token_id) if token_id else None
     row = json.loads(raw) if raw else {}
     if not row or not hmac.compare_digest(str(row.get("sha256", "")), hash_token(secret)):
         raise Unauthorized("unknown or revoked join token: ask the admin for one (`tlab join-token` on the head)")
-    row["joins"] = int(row.get("joins", 0)) + 1
-    r.hset(keys.join_tokens(), token_id, json.dumps(row))
+    if counted:
+        row["joins"] = int(row.get("joins", 0)) + 1
+        r.hset(keys.join_tokens(), token_id, json.dumps(row))
     return token_id

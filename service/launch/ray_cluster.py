@@ -20,6 +20,9 @@ from api_schemas.spec import GIB, ray_memory
 from service.rules.policy import Node
 
 ACCELERATOR_PREFIX = "accelerator_type:"  # a Ray node's GPU model is a resource of this name (1 per node)
+# how Ray's State API words the end of a node stopped (`ray stop`, `tlab leave`) or drained on purpose
+# (ray.dashboard.utils.compose_state_message): such a node left the cluster; it is not lost
+LEFT = ("Expected termination", "Terminated due to preemption")
 
 
 @dataclass(frozen=True)
@@ -44,13 +47,14 @@ class ClusterSource(Protocol):
 
 class StaticCluster:
     """A fixed list of nodes, from JSON ``[{"id": "n1", "cpus": 8, "gpus": 2, "memory_gb": 64}, ...]`` (no
-    ``memory_gb``: not known, no limit)."""
+    ``memory_gb``: not known, no limit; ``hostname`` and ``address`` may name a node)."""
 
     def __init__(self, spec: str | list[dict]) -> None:
         items = json.loads(spec) if isinstance(spec, str) else spec
         self._nodes = [Node(id=str(n["id"]), cpus=float(n.get("cpus", 0)), gpus=float(n.get("gpus", 0)),
                             gpu_type=n.get("gpu_type"),
-                            memory_gb=None if n.get("memory_gb") is None else float(n["memory_gb"])) for n in items]
+                            memory_gb=None if n.get("memory_gb") is None else float(n["memory_gb"]),
+                            hostname=n.get("hostname"), address=n.get("address")) for n in items]
 
     def nodes(self) -> list[Node]:
         return list(self._nodes)
@@ -98,14 +102,15 @@ class RayNodes:
                         address=n.node_ip or None)
             if n.state == "ALIVE":
                 out.append(node)
-            else:
+            elif not (n.state_message or "").startswith(LEFT):  # stopped or drained on purpose: it left, not lost
                 dead[n.node_id] = node
         back = {(n.hostname, n.address) for n in out}
         self._lost = {k: v for k, v in dead.items() if (v.hostname, v.address) not in back}
         return out
 
     def lost(self) -> list[Node]:
-        """The nodes Ray declared dead at the last ``nodes``, but those whose host and address joined again."""
+        """The nodes Ray declared dead at the last ``nodes``, but those whose host and address joined again, and those
+        that left on purpose (``LEFT``: stopped, or drained as ``tlab leave`` drains a node)."""
         return list(self._lost.values())
 
     def usage(self) -> dict[str, Used]:

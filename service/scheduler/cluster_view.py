@@ -6,7 +6,7 @@ count below 1), and a GPU job's memory in use on that node as its ranks there la
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from api_schemas.jobs import ClusterView, NodeShare, NodeView
 from service.core.store import Store
@@ -50,9 +50,10 @@ def node_shares(node_id: str, active: list[ActiveJob], gpu_memory: Mapping[str, 
 
 
 def cluster_view(nodes: list[Node], active: list[ActiveJob], gpu_memory: Mapping[str, Sequence[float]] | None = None,
-                 lost: Sequence[Node] = ()) -> ClusterView:
+                 lost: Sequence[Node] = (), leaving: Collection[str] = ()) -> ClusterView:
     """The view the scheduler publishes each tick (``gpu_memory``: job -> its ranks' peak GPU MiB so far; ``lost``:
-    the nodes Ray declared dead, listed after the alive ones with nothing free)."""
+    the nodes Ray declared dead, listed after the alive ones with nothing free; ``leaving``: ids of the alive nodes
+    leaving, ``tlab leave``)."""
     gpu_memory = gpu_memory or {}
     free = free_resources(nodes, active)
     outside = held_outside(nodes, active)
@@ -60,7 +61,8 @@ def cluster_view(nodes: list[Node], active: list[ActiveJob], gpu_memory: Mapping
         nodes=[NodeView(id=n.id, alive=True, cpus_total=n.cpus, cpus_free=free[n.id][0], gpus_total=n.gpus,
                         gpus_free=free[n.id][1], gpu_type=n.gpu_type, memory_gb_total=n.memory_gb,
                         memory_gb_free=None if n.memory_gb is None else free[n.id][2],
-                        jobs=node_shares(n.id, active, gpu_memory), hostname=n.hostname, address=n.address)
+                        jobs=node_shares(n.id, active, gpu_memory), hostname=n.hostname, address=n.address,
+                        leaving=n.id in leaving)
                for n in nodes]
         + [NodeView(id=n.id, alive=False, cpus_total=n.cpus, cpus_free=0.0, gpus_total=n.gpus, gpus_free=0.0,
                     gpu_type=n.gpu_type, memory_gb_total=n.memory_gb, hostname=n.hostname, address=n.address)

@@ -35,6 +35,8 @@ from service.rules.preemptible import PREEMPTED_BY, PREEMPTED_PRIORITY, preempti
 
 log = logging.getLogger("tlab.scheduler")
 LOST_NODE = "lost-node"  # the PREEMPTED_PRIORITY of a job stopped because a node of its gang is gone
+LEAVING_NODE = "leaving-node"  # ... because a node of its gang is leaving (`tlab leave`: service.scheduler.leaving)
+NODE_GONE = (LOST_NODE, LEAVING_NODE)  # no preemptor: the cause is the whole reason, and no failure is counted
 SETTLE_S = 15.0  # after a preemption, Ray's report of what is in use may lag this long (its autoscaler: ~5 s)
 
 
@@ -46,8 +48,6 @@ def active_job(data: dict[str, str]) -> ActiveJob:
     """A starting/running job's gang and where it runs, from its hash."""
     return ActiveJob(data["id"], data["owner"], Demand.model_validate_json(data["demand"]),
                      tuple(json.loads(data.get("placement") or "[]")))
-
-
 
 
 def stopping(data: dict[str, str]) -> bool:
@@ -115,22 +115,29 @@ def evict_from_lost_nodes(store: Store, launcher: Stopper, nodes: list[policy.No
         if not lost or data is None or stopping(data):
             continue
         cause = f"the loss of node {(names or {}).get(lost[0]) or lost[0][:12]}"
-        log.info("%s: %s; stopping it to resume elsewhere", job.id, cause)
-        store.r.hset(keys.job(job.id), mapping={PREEMPTED_BY: cause, PREEMPTED_PRIORITY: LOST_NODE})
-        store.log_event(job.id, "info", f"{cause}: Ray no longer reports it alive; stopping this attempt to resume "
-                                        "from the last checkpoint where the gang fits", now)
+        evict(store, launcher, data, cause, LOST_NODE, "Ray no longer reports it alive", now)
         evicted.append(job.id)
-        try:
-            launcher.stop(data.get("ray_job_id", ""))
-        except Exception:  # Ray down or slow: the mark stays, and reconcile stops it on the next tick
-            log.exception("stopping %s after a node loss", job.id)
     return evicted
+
+
+def evict(store: Store, launcher: Stopper, data: dict[str, str], cause: str, marker: str, why: str,
+          now: float) -> None:
+    """Mark a job as preempted by ``cause`` (``marker``: one of ``NODE_GONE``), say so in its log (``why``: what
+    happened to the node), and stop its Ray job: once stopped it goes back to the queue (``requeue``)."""
+    log.info("%s: %s; stopping it to resume elsewhere", data["id"], cause)
+    store.r.hset(keys.job(data["id"]), mapping={PREEMPTED_BY: cause, PREEMPTED_PRIORITY: marker})
+    store.log_event(data["id"], "info", f"{cause}: {why}; stopping this attempt to resume from the last checkpoint "
+                                        "where the gang fits", now)
+    try:
+        launcher.stop(data.get("ray_job_id", ""))
+    except Exception:  # Ray down or slow: the mark stays, and reconcile stops it on the next tick
+        log.exception("stopping %s (%s)", data["id"], cause)
 
 
 def requeue(store: Store, data: dict[str, str], now: float) -> bool:
     """A preempted job whose Ray job stopped: back to the queue with its age, counted (module doc)."""
     by, priority = data.get(PREEMPTED_BY, ""), data.get(PREEMPTED_PRIORITY, "?")
-    cause = by if priority == LOST_NODE else f"preempted by {by} (priority {priority})"
+    cause = by if priority in NODE_GONE else f"preempted by {by} (priority {priority})"
     ran = float(data.get("ran_s") or 0) + max(0.0, now - float(data.get("started_at") or now))
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(now))
     reason = f"{cause}: queued again to resume from its last checkpoint"
@@ -141,9 +148,10 @@ def requeue(store: Store, data: dict[str, str], now: float) -> bool:
 
 
 def settling(data: dict[str, str], status: str | None) -> bool:
-    """A preempted job (or one stopped for a lost node) that Ray still runs or has let go: the preemption path
-    stops or requeues it. A lost node's job may also have failed by itself when its worker there died."""
-    ends = (*RAY_ACTIVE, "STOPPED", None, *(("FAILED",) if data.get(PREEMPTED_PRIORITY) == LOST_NODE else ()))
+    """A preempted job (or one stopped for a lost or leaving node) that Ray still runs or has let go: the preemption
+    path stops or requeues it. A lost or leaving node's job may also have failed by itself when its worker there died
+    (a leaving node stops its Ray node at the end of its wait)."""
+    ends = (*RAY_ACTIVE, "STOPPED", None, *(("FAILED",) if data.get(PREEMPTED_PRIORITY) in NODE_GONE else ()))
     return bool(data.get(PREEMPTED_BY)) and status in ends
 
 

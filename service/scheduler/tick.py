@@ -54,7 +54,7 @@ from service.rules.limits import (
     time_limit_reason,
 )
 from service.rules.policy import ActiveJob, Node, QueuedJob
-from service.scheduler import deaths
+from service.scheduler import deaths, leaving
 from service.scheduler import preempt as preempting
 from service.scheduler.cluster_view import cluster_view, gpu_memory
 from service.scheduler.notify import Sender
@@ -76,12 +76,6 @@ class Launcher(Protocol):
     def stop(self, submission_id: str) -> None: ...
 
 
-
-
-
-
-
-
 class Scheduler:
     def __init__(self, store: Store, settings: Settings, cluster: ClusterSource, launcher: Launcher,
                  acl: JobAcl | None = None, preflights: Preflights | None = None) -> None:
@@ -95,6 +89,7 @@ class Scheduler:
         self.requeued_at = 0.0  # when a preempted job last went back to the queue (service.scheduler.preempt.SETTLE_S)
         self.expired_at = 0.0  # when ended jobs were last looked at for TLAB_HISTORY_DAYS (service.core.retention)
         self.storage = StorageWatch(settings.storage_check_s)  # when each running job's files were last measured
+        self.leaving: set[str] = set()  # ids of the nodes leaving (`tlab leave`): planned without (leaving.py)
 
     # ---- reading Redis -----------------------------------------------------------------------
     def queued(self) -> list[QueuedJob]:
@@ -233,15 +228,16 @@ class Scheduler:
     def decide(self, now: float, nodes: list[Node] | None = None
                ) -> tuple[policy.Decision, list[Node], list[ActiveJob]]:
         nodes = self.nodes() if nodes is None else nodes
+        planned = [n for n in nodes if n.id not in self.leaving]  # a node leaving takes nothing new
         active = [self.as_active(d) for d in self.active()]
         quotas = {u.name: u.quotas for u in self.store.users()}
         usage = self.store.usage(now, self.settings.half_life_s)
         queued = self.queued()
         blocked, gone = dependencies.settle(self.store, queued, now)  # fails those whose dependency failed
-        queued, free_nodes = [q for q in queued if q.id not in gone], nodes
+        queued, free_nodes = [q for q in queued if q.id not in gone], planned
         if self.preflights:  # a job running user code waits until its preflight passed; the preflights' CPUs held
-            blocked = {**self.preflights.step(queued, nodes, active, now), **blocked}
-            free_nodes = self.preflights.hold(nodes)
+            blocked = {**self.preflights.step(queued, planned, active, now), **blocked}
+            free_nodes = self.preflights.hold(planned)
         full = storage_lifecycle.disk_reason(self.settings)  # TLAB_MIN_FREE_GB: nothing starts on a full disk
         blocked = {**{q.id: full for q in queued}, **blocked} if full else blocked
         decision = policy.decide(queued, active, free_nodes, usage, quotas, self.settings.start_charge_s,
@@ -275,7 +271,8 @@ class Scheduler:
                                       + policy.weight(job.demand) * self.settings.start_charge_s)
             active.append(ActiveJob(job.id, job.owner, job.demand, tuple(placement)))
         self.charge_running(active, now, charges)
-        preempting.preempt(self.store, self.launcher, self.settings, decision, nodes, active, now, self.requeued_at)
+        preempting.preempt(self.store, self.launcher, self.settings, decision,
+                           [n for n in nodes if n.id not in self.leaving], active, now, self.requeued_at)
         self.publish(decision, nodes, active, now)
         return decision
 
@@ -311,7 +308,7 @@ class Scheduler:
     def publish(self, decision: policy.Decision, nodes: list[Node], active: list[ActiveJob], now: float) -> None:
         """Queue positions and reasons, and the cluster view, for the API to show."""
         view = cluster_view(nodes, active, gpu_memory(self.store, active),  # per node: totals, free, each job's share
-                            self.lost())
+                            self.lost(), self.leaving)
         pipe = self.store.r.pipeline(transaction=True)
         pipe.delete(keys.queue_view())
         if decision.order:
@@ -321,12 +318,18 @@ class Scheduler:
         pipe.set(keys.cluster(), json.dumps({"view": view.model_dump(), "at": now}))
         pipe.execute()
 
+    def evict(self, nodes: list[Node], now: float) -> None:
+        """Stop the jobs placed on a node leaving (``leaving.py``) or lost (``preempt.py``): they resume elsewhere."""
+        active = [self.as_active(d) for d in self.active()]
+        self.leaving = leaving.evict_from_leaving_nodes(self.store, self.launcher, nodes, active, now)
+        preempting.evict_from_lost_nodes(self.store, self.launcher, nodes, active, now,
+                                         {n.id: n.label for n in self.lost()})
+
     def tick(self) -> None:
         now = time.time()
         # before reconcile: a job whose driver died with its node may already show FAILED in Ray this tick
         nodes = self.nodes()
-        preempting.evict_from_lost_nodes(self.store, self.launcher, nodes, [self.as_active(d) for d in self.active()],
-                                         now, {n.id: n.label for n in self.lost()})
+        self.evict(nodes, now)
         self.reconcile(now)
         if now - self.expired_at >= retention.EXPIRE_EVERY_S:  # TLAB_HISTORY_DAYS: old ended jobs go, with their files
             self.expired_at = now

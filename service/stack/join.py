@@ -5,8 +5,9 @@ address, the cluster's Ray token and the settings its job processes read (``POST
 runs ``ray start --address ... --block`` as ``tlab up`` runs its head: with this project's interpreter, as the
 service user when run as root, from a directory of its own (``$TLAB_HOME/node``: the sandbox binds the node's
 starting directory, and ``/`` would bind everything), speaking from the address it reaches the head from (never a
-loopback one), and restarted when it dies (``service.stack.supervise``). Ctrl-C, SIGTERM or ``tlab leave`` stop it;
-the jobs it ran resume elsewhere from their last checkpoint.
+loopback one), and restarted when it dies (``service.stack.supervise``). Ctrl-C, SIGTERM or ``tlab leave`` take it
+out: it first has its jobs moved (``service.stack.leave``: they resume elsewhere from their last checkpoint), then
+stops its Ray node.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -26,6 +28,7 @@ import httpx
 
 from service.stack.addresses import is_loopback, node_address, resolve
 from service.stack.embedded import HEAD_MARK, Stack, write_private
+from service.stack.leave import DRAIN_TIMEOUT_S, LEFT, OUT, Leaving, detail, said
 from service.stack.ports import free_port
 from service.stack.service_user import head_env
 
@@ -54,11 +57,7 @@ def ask_to_join(head: str, token: str, address: str) -> dict[str, object]:
         raise JoinRefused(f"cannot reach the API at {api_url(head)} ({err}): is `tlab up --listen` running there, "
                           "and its port open to this machine?") from err
     if r.status_code != 200:
-        try:
-            detail = r.json().get("detail") or r.text
-        except ValueError:
-            detail = r.text
-        raise JoinRefused(f"the head refused to let this machine join ({r.status_code}): {detail}")
+        raise JoinRefused(f"the head refused to let this machine join ({r.status_code}): {detail(r)}")
     return dict(r.json())
 
 
@@ -91,10 +90,14 @@ class JoinedNode(Stack):
     as it restarts ``tlab up``'s head)."""
 
     def __init__(self, home: Path, grant: dict[str, object], address: str, num_cpus: int | None = None,
-                 num_gpus: int | None = None, service_user: object = None) -> None:
+                 num_gpus: int | None = None, service_user: object = None, head: str = "", token: str = "",
+                 drain_s: float = DRAIN_TIMEOUT_S) -> None:
         super().__init__(home, num_cpus=num_cpus, num_gpus=num_gpus, ray_token=str(grant["ray_token"]),
                          service_user=service_user, listen=address)  # type: ignore[arg-type]
         self.gcs = str(grant["ray_address"])
+        self.api, self.token = api_url(head), token  # where and with what it leaves (service.stack.leave)
+        self.hostname = socket.gethostname()
+        self.drain_s = drain_s  # how long it waits for its jobs to move when it leaves
         self.node_env = {str(k): str(v) for k, v in dict(grant.get("env") or {}).items()}  # type: ignore[call-overload]
         self.node_dir = home / "node"
 
@@ -124,7 +127,8 @@ class JoinedNode(Stack):
             os.chown(self.node_dir, self.service_user.uid, self.service_user.gid)
         self._spawn("ray", argv, env, ray=True, user=self.service_user, cwd=cwd)
         write_private(self.node_dir / "joined.json", json.dumps({
-            "pid": os.getpid(), "gcs": self.gcs, "address": self.address, "temp": self.ray_temp}) + "\n")
+            "pid": os.getpid(), "gcs": self.gcs, "address": self.address, "temp": self.ray_temp,
+            "drain_s": self.drain_s}) + "\n")
 
     def stop(self) -> None:
         super().stop()
@@ -132,7 +136,7 @@ class JoinedNode(Stack):
 
 
 def join(home: Path, head: str, token: str, given_address: str = "", num_cpus: int | None = None,
-         num_gpus: int | None = None, service_user: object = None) -> JoinedNode:
+         num_gpus: int | None = None, service_user: object = None, drain_s: float = DRAIN_TIMEOUT_S) -> JoinedNode:
     """A ``JoinedNode`` for the cluster at ``head``, its address and the head's reach checked (not started)."""
     if not token:
         raise JoinRefused("no join token: set TLAB_JOIN_TOKEN (the admin prints one with `tlab join-token`)")
@@ -140,27 +144,47 @@ def join(home: Path, head: str, token: str, given_address: str = "", num_cpus: i
     address = node_address(host, given_address)
     grant = ask_to_join(head, token, address)
     check_reach(str(grant["ray_address"]), address)
-    return JoinedNode(home, grant, address, num_cpus, num_gpus, service_user)
+    return JoinedNode(home, grant, address, num_cpus, num_gpus, service_user, head, token, drain_s)
 
 
-def leave(home: Path, wait_s: float = LEAVE_WAIT_S) -> str:
-    """Stop the node ``tlab join`` runs from ``home`` (SIGTERM to it: it stops its Ray node, whose jobs resume
-    elsewhere from their last checkpoint); what happened, in one line."""
+def leave(home: Path, wait_s: float = LEAVE_WAIT_S, say: Callable[[str], None] | None = None) -> str:
+    """Take out the node ``tlab join`` runs from ``home``: SIGTERM to it, and wait while it has its jobs moved (for
+    its drain timeout at most) and stops its Ray node (``wait_s`` more), showing what it says
+    (``service.stack.leave``); what happened, in one line."""
     marker = home / "node" / "joined.json"
     if not marker.exists():
         raise JoinRefused(f"no node joined from {home} here (no {marker}): was `tlab join` run with this TLAB_HOME?")
-    pid = int(json.loads(marker.read_text())["pid"])
+    joined = json.loads(marker.read_text())
+    pid, drain_s = int(joined["pid"]), float(joined.get("drain_s") or 0)
+    for stale in (LEFT, OUT):  # what an earlier leave said
+        (home / "node" / stale).unlink(missing_ok=True)
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         marker.unlink(missing_ok=True)
         return f"the node's `tlab join` (pid {pid}) had already stopped"
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and marker.exists():
+    deadline = time.monotonic() + drain_s + wait_s
+    shown, progress = 0, home / "node" / OUT
+    while True:
+        stopped = not marker.exists()
+        shown = show_new_lines(progress, shown, say)
+        if stopped or time.monotonic() >= deadline:
+            break
         time.sleep(0.2)
-    if marker.exists():
-        raise JoinRefused(f"`tlab join` (pid {pid}) did not stop within {wait_s:g} s: `kill -INT {pid}`")
-    return "this node left the cluster; its jobs resume elsewhere from their last checkpoint"
+    if not stopped:
+        raise JoinRefused(f"`tlab join` (pid {pid}) did not stop within {drain_s + wait_s:g} s: `kill -INT {pid}`")
+    return said(home / "node") or "this node left the cluster"
+
+
+def show_new_lines(path: Path, shown: int, say: Callable[[str], None] | None) -> int:
+    """Print the lines of ``path`` after the first ``shown`` (what the leaving node says); how many there are now."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return shown
+    for line in lines[shown:]:
+        (say or (lambda x: print(x, file=sys.stderr, flush=True)))(line)
+    return max(shown, len(lines))
 
 
 def run_node(node: JoinedNode) -> int:
@@ -180,8 +204,10 @@ def run_node(node: JoinedNode) -> int:
         ports = " ".join(str(p) for p in node.ray_ports.values())
         print(f"joined the Ray head at {node.gcs} as {socket.gethostname()} ({node.address}); this node's Ray ports: "
               f"{ports} (open them to the other machines); Ray's logs: {node.ray_temp}. Ctrl-C or `tlab leave` takes "
-              "this node out.", flush=True)
+              "this node out, its jobs moved first.", flush=True)
         crash_loop = supervisor.run(stopping)
+        if not crash_loop:
+            Leaving(node).run()  # its jobs moved first
     except Interrupted:
         pass
     except subprocess.SubprocessError as err:

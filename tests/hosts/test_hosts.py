@@ -2,17 +2,20 @@
 host name that resolves to 127.0.1.1, as on Debian): ``tlab up --listen`` on the serving host, ``tlab join`` with
 nothing but a join token on the others. A 2-rank gang trains across two hosts; a host killed mid-run and a host cut
 off mid-run are declared lost, their job requeued and resumed from the bucket on what is left, every epoch once; a
-cut-off host healed after its job succeeded lands nothing (``tlab pull``'s files, the bucket, the stream unchanged);
-the serving host's Redis killed while a gang trains across two hosts; a 4-trial sweep spread over the hosts.
+host that leaves mid-run (``tlab leave``) has its job moved first, which resumes on another host, every epoch once,
+nothing declared lost; a cut-off host healed after its job succeeded lands nothing (``tlab pull``'s files, the
+bucket, the stream unchanged); the serving host's Redis killed while a gang trains across two hosts; a 4-trial
+sweep spread over the hosts.
 
 The tests share one lab and run in order (each leaves three hosts joined for the next). Figures (seconds from the
-kill or the cut to the requeue and to the first resumed epoch) are printed: ``pytest -s``."""
+kill, the cut or the leave to the requeue and to the first resumed epoch) are printed: ``pytest -s``."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -110,15 +113,41 @@ def test_a_host_with_a_join_token_only_joins_and_the_next_gang_trains_across_two
     assert epochs_of(head, job) == [0, 1, 2, 3]
 
 
+def running_with_a_checkpoint(c: httpx.Client, head: Head, spec: dict[str, Any], name: str) -> str:
+    """A job of ``spec`` submitted, once it ran 3 epochs and has a checkpoint in the bucket (one every
+    TLAB_CHECKPOINT_EVERY_S, 2 s)."""
+    job = submit(c, spec, name)
+    wait(c, job, lambda v: (v["progress"].get("epoch") or 0) >= 3, "3 epochs")
+    stored = Bucket(head.bucket)
+    wait(c, job, lambda v: any(n.startswith("checkpoint_") for n in stored.ls(job)), "a checkpoint in the bucket")
+    return job
+
+
+def requeued_and_resumed(c: httpx.Client, head: Head, job: str, since: float) -> tuple[float, float]:
+    """Seconds from ``since`` to the job queued again, and to its first epoch once started again."""
+    wait(c, job, lambda v: v["state"] == "queued" or v["preemptions"] >= 1, "a requeue", timeout=120)
+    queued = time.monotonic() - since
+    seen = len(epochs_of(head, job))
+    wait(c, job, lambda v: len(events(head.redis, job, "start")) >= 2 and len(epochs_of(head, job)) > seen,
+         "a resumed epoch", timeout=240)
+    return queued, time.monotonic() - since
+
+
+def resumed_every_epoch_once(head: Head, job: str) -> list[int]:
+    """The job's epochs, each once across its requeue, its second start resumed from the bucket's checkpoint."""
+    epochs = epochs_of(head, job)
+    assert epochs == list(range(len(epochs))), epochs
+    starts = events(head.redis, job, "start")
+    assert len(starts) == 2 and starts[1]["resumed_from_epoch"] >= 1, starts
+    return epochs
+
+
 def lose_a_host_mid_run(head: Head, hosts: dict[str, Host], how: str) -> tuple[Host, dict[str, float]]:
     """A 2-rank gang on two of the three hosts; one of its hosts killed or cut off after 3 epochs. Returns that host
     and the seconds from the loss to the node declared lost (the job stopped), to the job queued again, and to its
     first epoch on the hosts left; the job is cancelled, every epoch once."""
     with head.client() as c:
-        job = submit(c, tiny(training=LONG, resources=GANG), f"lose-{how}")
-        wait(c, job, lambda v: (v["progress"].get("epoch") or 0) >= 3, "3 epochs")
-        stored = Bucket(head.bucket)  # a checkpoint in the bucket first (one every TLAB_CHECKPOINT_EVERY_S, 2 s)
-        wait(c, job, lambda v: any(n.startswith("checkpoint_") for n in stored.ls(job)), "a checkpoint in the bucket")
+        job = running_with_a_checkpoint(c, head, tiny(training=LONG, resources=GANG), f"lose-{how}")
         victim = next(h for h in hosts.values() if h.hostname in placed_hosts(head, job))
         lost_at = time.monotonic()
         victim.kill() if how == "kill" else victim.cut()
@@ -127,12 +156,7 @@ def lose_a_host_mid_run(head: Head, hosts: dict[str, Host], how: str) -> tuple[H
             assert time.monotonic() < deadline, f"{how}: the node's loss never declared; {view(c, job)}"
             time.sleep(0.1)
         declared = time.monotonic() - lost_at
-        wait(c, job, lambda v: v["state"] == "queued" or v["preemptions"] >= 1, "a requeue", timeout=120)
-        queued = time.monotonic() - lost_at
-        seen = len(epochs_of(head, job))
-        wait(c, job, lambda v: len(events(head.redis, job, "start")) >= 2 and len(epochs_of(head, job)) > seen,
-             "a resumed epoch", timeout=240)
-        resumed = time.monotonic() - lost_at
+        queued, resumed = requeued_and_resumed(c, head, job, lost_at)
         v = view(c, job)
         assert victim.hostname in v["last_preemption"], v  # the loss names the host, not a Ray id
         assert victim.hostname not in placed_hosts(head, job)
@@ -140,10 +164,7 @@ def lose_a_host_mid_run(head: Head, hosts: dict[str, Host], how: str) -> tuple[H
             victim.heal()  # its old attempt may still be running there: it must not add epochs
             time.sleep(5)
         end(c, job)
-    epochs = epochs_of(head, job)
-    assert epochs == list(range(len(epochs))), epochs  # every epoch exactly once across the loss
-    starts = events(head.redis, job, "start")
-    assert len(starts) == 2 and starts[1]["resumed_from_epoch"] >= 1, starts  # from the bucket's checkpoint
+    epochs = resumed_every_epoch_once(head, job)
     figures = {"declared_lost_s": round(declared, 1), "requeued_s": round(queued, 1),
                "first_resumed_epoch_s": round(resumed, 1)}
     print(f"\nhost {how}: {figures} (epochs {len(epochs)}; {v['last_preemption']})")
@@ -177,6 +198,42 @@ def test_a_host_cut_off_mid_run_is_declared_lost_within_20_s_and_rejoins_once_he
         time.sleep(0.5)
 
 
+def test_a_host_that_leaves_mid_run_has_its_job_moved_which_resumes_elsewhere_every_epoch_once(
+        head: Head, hosts: dict[str, Host], token: str) -> None:
+    rejoin_any_left(head, hosts, token)
+    with head.client() as c:
+        job = running_with_a_checkpoint(c, head, tiny(training=LONG), "leave")  # 1 worker: its driver trains
+        victim = next(h for h in hosts.values() if h.hostname in placed_hosts(head, job))
+        leaving = head.logs / "leave-drain.log"
+        asked_at = time.monotonic()
+        out = victim.run([TLAB_CLI, "leave"], {"PATH": "/usr/bin:/bin", "TLAB_HOME": NODE_HOME}, leaving)
+        ended: list[float] = []  # when `tlab leave` returned (timed beside the job's requeue and resume)
+        waiter = threading.Thread(target=lambda: (out.wait(timeout=240), ended.append(time.monotonic())), daemon=True)
+        waiter.start()
+        queued, resumed = requeued_and_resumed(c, head, job, asked_at)
+        waiter.join(timeout=240)
+        assert out.poll() == 0 and ended, leaving.read_text()
+        left = ended[0] - asked_at
+        assert head.joins[victim.name].wait(timeout=30) == 0  # its `tlab join` stopped its node and exited
+        said = leaving.read_text()
+        assert f"moved ({job})" in said, said  # `tlab leave` says what moved
+        v = view(c, job)
+        assert f"the node {victim.hostname} ({victim.address}) leaving" in v["last_preemption"], v
+        assert v["preemptions"] == 1 and victim.hostname not in placed_hosts(head, job)
+        logs = [m["message"] for m in events(head.redis, job, "log")]
+        assert any(f"{victim.hostname} ({victim.address}) leaving: its admin took it out" in m for m in logs), logs
+        assert not any("the loss of node" in m for m in logs), logs  # nothing was declared lost
+        deadline = time.monotonic() + 60
+        while any(n["hostname"] == victim.hostname for n in head.nodes()):  # it left: neither alive nor dead
+            assert time.monotonic() < deadline, head.nodes()
+            time.sleep(0.5)
+        end(c, job)
+    epochs = resumed_every_epoch_once(head, job)
+    figures = {"requeued_s": round(queued, 1), "first_resumed_epoch_s": round(resumed, 1),
+               "tlab_leave_done_s": round(left, 1)}
+    print(f"\nhost leaves: {figures} (epochs {len(epochs)}; {v['last_preemption']})\n{said}")
+
+
 def pulled(head: Head, job: str, to: Path) -> dict[str, str]:
     """``tlab pull`` of the job into ``to`` (it checks each file against the job's SHA256SUMS): name -> sha256."""
     out = subprocess.run([TLAB_CLI, "--url", head.url, "--token", head.admin, "pull", job, "-o", str(to)],
@@ -186,10 +243,12 @@ def pulled(head: Head, job: str, to: Path) -> dict[str, str]:
 
 
 def rejoin_any_left(head: Head, hosts: dict[str, Host], token: str) -> None:
-    """Every host joined and alive again (a test before may have made one leave)."""
+    """Every host joined and alive again (a test before may have made one leave; run alone, none joined yet): one at
+    a time, as a node starting beside another is slower to register."""
     for host in hosts.values():
         if host.name not in head.joins or head.joins[host.name].poll() is not None:
             head.join(host, token)
+            head.wait_alive([host], timeout=180)
     head.wait_alive(list(hosts.values()), timeout=180)
 
 

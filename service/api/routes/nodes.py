@@ -1,4 +1,5 @@
-"""Machines joining the cluster: join tokens (admin only), and the join itself (``tlab join``, with a join token)."""
+"""Machines joining the cluster: join tokens (admin only), the join itself (``tlab join``, with a join token), and
+the leave (``tlab leave``, with the token the node joined with: service.core.nodes_leaving)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,21 @@ import os
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Query
 
-from api_schemas.nodes import JoinGrant, JoinRequest, JoinTokenCreate, JoinTokenCreated, JoinTokenView
+from api_schemas.nodes import (
+    JoinGrant,
+    JoinRequest,
+    JoinTokenCreate,
+    JoinTokenCreated,
+    JoinTokenView,
+    LeaveRequest,
+    LeaveStatus,
+)
 from service.api.deps import AdminUser, Credentials, StateDep, admin_user
 from service.api.responses import ADMIN, AUTHED, BODY, error
 from service.api.strict import strict_json
-from service.core import join_tokens
+from service.core import join_tokens, nodes_leaving
 from service.core.errors import InvalidState, UserNotFound
 
 router = APIRouter(prefix="/v1", tags=["nodes"], responses=AUTHED)
@@ -54,6 +63,14 @@ def join_token(st: StateDep, creds: Credentials) -> str:
 JoinToken = Annotated[str, Depends(join_token)]
 
 
+def node_token(st: StateDep, creds: Credentials) -> str:
+    """The bearer token as a join token, not counted as a join: a node leaving (401 as ``join_token``)."""
+    return join_tokens.check(st.store.r, creds.credentials if creds else "", counted=False)
+
+
+NodeToken = Annotated[str, Depends(node_token)]
+
+
 @router.post("/nodes/join", responses=BODY | {409: error("this service lets no node join (tlab up --listen)")},
              dependencies=[Depends(strict_json(JoinRequest, join_token))])
 def join(body: JoinRequest, st: StateDep, token_id: JoinToken) -> JoinGrant:
@@ -63,5 +80,27 @@ def join(body: JoinRequest, st: StateDep, token_id: JoinToken) -> JoinGrant:
         raise InvalidState("this service lets no node join: start it with `tlab up --listen ADDR` (or set "
                            "TLAB_JOIN_ADDRESS to the Ray head's host:port)", field="ray_address")
     log.warning("node %s (%s) joins with join token %s", body.hostname, body.address, token_id)
+    nodes_leaving.clear(st.store.r, body.address)  # back: whatever left from this address before is gone
     return JoinGrant(ray_address=address, ray_token=ray_token,
                      env={k: os.environ[k] for k in NODE_SETTINGS if os.environ.get(k)})
+
+
+@router.post("/nodes/leave", responses=BODY, dependencies=[Depends(strict_json(LeaveRequest, node_token))])
+def leave(body: LeaveRequest, st: StateDep, token_id: NodeToken) -> LeaveStatus:
+    """Take a node out (`tlab leave`, with a join token): nothing more starts there, and the jobs placed there stop to
+    resume elsewhere from their last checkpoint; the answer lists those still there."""
+    now = time.time()
+    if body.address not in nodes_leaving.current(st.store.r, now):
+        log.warning("node %s (%s) leaves, with join token %s", body.hostname, body.address, token_id)
+    marked = nodes_leaving.mark(st.store.r, body.hostname, body.address, body.wait_s, now)
+    return nodes_leaving.status(st.store, body.address, now) or marked
+
+
+@router.get("/nodes/leave", responses={404: error("no node is leaving from that address")})
+def leaving(st: StateDep, token_id: NodeToken,
+            address: Annotated[str, Query(max_length=64, pattern=r"^[0-9A-Fa-f.:]+$")]) -> LeaveStatus:
+    """How a node's leave goes (with a join token): the jobs still placed on it."""
+    found = nodes_leaving.status(st.store, address, time.time())
+    if found is None:
+        raise UserNotFound(f"no node is leaving from {address}: `tlab leave` on it", field="address")
+    return found

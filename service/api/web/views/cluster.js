@@ -26,7 +26,8 @@ const share = (s) => s.job === null // another user's job: its share, without it
 
 const nodeName = (n) => (n.hostname && n.address ? `${n.hostname} (${n.address})` : n.hostname || n.address || n.id.slice(0, 12));
 const nodeRow = (n) => html`<tr><td class="mono" title="${n.id}">${nodeName(n)}${n.gpu_type ? html` <span class="muted">${n.gpu_type}</span>` : ""}</td>
-  <td>${n.alive ? "yes" : html`<span class="badge state-failed">dead</span>`}</td>
+  <td>${!n.alive ? html`<span class="badge state-failed">dead</span>`
+    : n.leaving ? html`<span class="badge state-queued" title="tlab leave: nothing new starts here; its jobs move">leaving</span>` : "yes"}</td>
   <td>${num(n.cpus_free)} / ${num(n.cpus_total)}</td><td>${meter(n.cpus_free, n.cpus_total)}</td>
   <td>${num(n.gpus_free)} / ${num(n.gpus_total)}</td><td>${n.gpus_total ? meter(n.gpus_free, n.gpus_total) : ""}</td>
   ${n.memory_gb_total == null ? html`<td class="muted">not known</td><td></td>`
