@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import sys
 import threading
@@ -212,7 +213,12 @@ def load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(home: Path, epochs: int = EPOCHS, seeds: int = SEEDS) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)  # a kill stops the demo's stack, as Ctrl-C does
     try:
         return run(home, epochs, seeds)
     except StackDied as err:

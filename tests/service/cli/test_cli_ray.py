@@ -126,3 +126,46 @@ def test_run_local_with_overrides_writes_the_outputs(tmp_path: Path) -> None:
     summary = json.loads((out_dir / "summary.json").read_text())
     assert summary["spec"]["model"]["hidden"] == [16] and summary["spec"]["dataset"]["max_train"] == 200
     assert (out_dir / "curves.png").stat().st_size > 10_000
+
+
+@pytest.mark.drill
+def test_a_demo_killed_mid_run_stops_its_whole_stack(tmp_path: Path) -> None:
+    """`kill` (SIGTERM) of a running `tlab demo` stops what it started, as Ctrl-C does: no Redis, Ray, API, scheduler
+    or job of its stack is left running."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    from tests.service.cli.tlab_process import TLAB
+
+    home = tmp_path / "demo"
+    with (tmp_path / "demo.log").open("w") as log:
+        demo = subprocess.Popen([TLAB, "demo", "--home", str(home), "--seeds", "1"], stdout=log, stderr=log,
+                                env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    deadline = time.monotonic() + 180
+    while " epoch 2/" not in (tmp_path / "demo.log").read_text():  # its runs are training
+        assert demo.poll() is None and time.monotonic() < deadline, (tmp_path / "demo.log").read_text()[-2000:]
+        time.sleep(0.5)
+    started = {p.pid for p in psutil.Process(demo.pid).children(recursive=True)}
+    assert started
+    demo.send_signal(signal.SIGTERM)
+    assert demo.wait(timeout=120) != 0
+
+    def left() -> list[str]:
+        out = []
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                if p.info["pid"] in started or str(home) in " ".join(p.info["cmdline"] or []) or \
+                        p.environ().get("TLAB_HOME") == str(home):
+                    out.append(" ".join(p.info["cmdline"] or [])[:120])
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return out
+
+    deadline = time.monotonic() + 30  # (Ray's workers end a moment after their raylet)
+    while (still := left()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not still, still
