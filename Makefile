@@ -61,7 +61,7 @@ test-drills: setup browser sandbox
 test-hosts: setup sandbox
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=5 tests/hosts
 
-# the benchmarks' own tests: each benchmark's --quick run and the shape of the JSON it writes (~5 min)
+# the benchmarks' own tests: each benchmark's --quick run and the shape of the JSON it writes (~1.5 min)
 test-bench: setup
 	$(PYTEST) tests/benchmarks
 
