@@ -12,11 +12,10 @@ import json
 import redis
 
 from api_schemas import keys
-from api_schemas.jobs import ClusterView, JobState
+from api_schemas.jobs import ACTIVE, ClusterView
 from api_schemas.nodes import LeaveStatus
 from service.core.store import Store
 
-ACTIVE = (JobState.STARTING.value, JobState.RUNNING.value)
 KEEP_S = 300.0  # a record outlives the node's own wait by this much (the node stops its Ray node by then)
 
 

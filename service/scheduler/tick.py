@@ -225,10 +225,14 @@ class Scheduler:
         """The nodes Ray declared dead as of the last ``nodes`` (``RayNodes.lost``; none for a static cluster)."""
         return list(getattr(self.cluster, "lost", list)())
 
+    def planned(self, nodes: list[Node]) -> list[Node]:
+        """The nodes to plan with: all but those leaving (a node leaving takes nothing new)."""
+        return [n for n in nodes if n.id not in self.leaving]
+
     def decide(self, now: float, nodes: list[Node] | None = None
                ) -> tuple[policy.Decision, list[Node], list[ActiveJob]]:
         nodes = self.nodes() if nodes is None else nodes
-        planned = [n for n in nodes if n.id not in self.leaving]  # a node leaving takes nothing new
+        planned = self.planned(nodes)
         active = [self.as_active(d) for d in self.active()]
         quotas = {u.name: u.quotas for u in self.store.users()}
         usage = self.store.usage(now, self.settings.half_life_s)
@@ -271,8 +275,8 @@ class Scheduler:
                                       + policy.weight(job.demand) * self.settings.start_charge_s)
             active.append(ActiveJob(job.id, job.owner, job.demand, tuple(placement)))
         self.charge_running(active, now, charges)
-        preempting.preempt(self.store, self.launcher, self.settings, decision,
-                           [n for n in nodes if n.id not in self.leaving], active, now, self.requeued_at)
+        preempting.preempt(self.store, self.launcher, self.settings, decision, self.planned(nodes), active, now,
+                           self.requeued_at)
         self.publish(decision, nodes, active, now)
         return decision
 

@@ -98,7 +98,8 @@ def unpin(job_id: str) -> None:
 
 def pinned(job_id: str) -> int | None:
     """The attempt this process pinned for ``job_id`` (None: none; its writes are not fenced)."""
-    return _pinned[job_id][0] if job_id in _pinned else None
+    pin = pinned_at(job_id)
+    return None if pin is None else pin[0]
 
 
 def pinned_at(job_id: str) -> tuple[int, str] | None:
