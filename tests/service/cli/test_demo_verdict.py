@@ -1,11 +1,12 @@
 """tlab demo's verdict: seconds first (the one that counts), pooled over the seeds with their range; a loss on the
-clock is said first, seeds that disagree decide nothing, a missed target is counted."""
+clock is said first, seeds that disagree decide nothing, a missed target is counted; the steady seconds count the
+median epoch and teleport's own seconds."""
 
 from __future__ import annotations
 
 import pytest
 
-from service.cli.demo import SEEDS, seconds_ratio, stack_env, verdict
+from service.cli.demo import SEEDS, STEADY, seconds_ratio, stack_env, steady_seconds, training_seconds, verdict
 from service.core.settings import Settings
 
 
@@ -48,3 +49,43 @@ def test_the_demos_stack_plots_every_run_of_the_demo_in_one_figure(seeds: int,
     for name, value in stack_env(seeds).items():
         monkeypatch.setenv(name, value)
     assert Settings().max_compare >= 2 * seeds
+
+
+def points(epochs: list[float], teleports: dict[int, float]) -> list[dict]:
+    """A run's epoch points as the API gives them: cumulative seconds and teleport seconds."""
+    out, clock, tele = [], 0.0, 0.0
+    for i, train in enumerate(epochs):
+        tele += teleports.get(i, 0.0)
+        clock += train + teleports.get(i, 0.0)
+        out.append({"epoch": i, "seconds": clock, "teleport_seconds": tele})
+    return out
+
+
+def test_steady_seconds_count_the_median_epoch_and_teleports_own_seconds() -> None:
+    """A stretched epoch (a busy minute) moves the raw clock, not the steady count; teleport's seconds count in
+    full; a run that missed the target gets none."""
+    with_t = {"epochs_to_target": 3, "seconds_to_target": 0.0}
+    without = {"epochs_to_target": 5, "seconds_to_target": 0.0}
+    missed = {"epochs_to_target": None, "seconds_to_target": None}
+    runs = [(with_t, points([0.3, 0.3, 0.3, 0.3], {0: 0.5, 1: 0.25})),
+            (without, points([0.3, 3.0, 0.3, 0.3, 0.3, 0.3], {})),
+            (missed, points([9.0, 9.0], {}))]
+    assert steady_seconds(runs) == pytest.approx(0.3)
+    assert with_t[STEADY] == pytest.approx(3 * 0.3 + 0.75) and without[STEADY] == pytest.approx(5 * 0.3)
+    assert STEADY not in missed
+    assert training_seconds(runs[0][1]) == pytest.approx([0.3, 0.3, 0.3, 0.3])
+
+
+def test_the_steady_verdict_says_how_it_counted_and_what_the_clock_said() -> None:
+    pairs = [seed(14, 6.0, 42, 18.0), seed(15, 7.0, 43, 17.0)]
+    for (t, b), (st, sb) in zip(pairs, [(4.5, 12.6), (4.8, 12.9)], strict=True):
+        t[STEADY], b[STEADY] = st, sb
+    assert seconds_ratio(pairs) == pytest.approx(9.3 / 25.5)
+    assert seconds_ratio(pairs, "seconds_to_target") == pytest.approx(13.0 / 35.0)
+    said = verdict(pairs, 0.3)
+    assert said.startswith("teleport won on wall-clock: 2.74x fewer seconds to the target (over 2 seeds: "
+                           "0.36-0.37x the baseline's)"), said
+    assert said.endswith("seconds counted as epochs x the median epoch, 0.300 s, + teleport's own seconds; the raw "
+                         "clock said 0.37x, 0.33-0.41x)"), said
+    assert verdict(pairs).startswith("teleport won on wall-clock: 2.69x fewer seconds")  # no median: the raw clock
+    assert "raw clock" not in verdict(pairs)
