@@ -5,7 +5,8 @@ address, the cluster's Ray token and the settings its job processes read (``POST
 runs ``ray start --address ... --block`` as ``tlab up`` runs its head: with this project's interpreter, as the
 service user when run as root, from a directory of its own (``$TLAB_HOME/node``: the sandbox binds the node's
 starting directory, and ``/`` would bind everything), speaking from the address it reaches the head from (never a
-loopback one), and restarted when it dies (``service.stack.supervise``). Ctrl-C, SIGTERM or ``tlab leave`` take it
+loopback one), and restarted when it dies (``service.stack.supervise``); it has joined, or is back, once the head's
+GCS lists its node alive (``service.stack.ray_registered``). Ctrl-C, SIGTERM or ``tlab leave`` take it
 out: it first has its jobs moved (``service.stack.leave``: they resume elsewhere from their last checkpoint), then
 stops its Ray node.
 """
@@ -27,12 +28,13 @@ from urllib.parse import urlparse
 import httpx
 
 from service.stack.addresses import is_loopback, node_address, resolve
-from service.stack.embedded import HEAD_MARK, Stack, write_private
+from service.stack.embedded import HEAD_MARK, Stack, wait_for, write_private
 from service.stack.leave import DRAIN_TIMEOUT_S, LEFT, OUT, Leaving, detail, said
 from service.stack.ports import free_port
 from service.stack.service_user import head_env
 
 GCS_CONNECT_S = 5.0
+REGISTER_S = 60.0  # a node's raylet must be listed alive by the head's GCS within this of its start
 LEAVE_WAIT_S = 60.0
 # a node's ports, chosen once and kept across restarts (firewall rules can name them); given, not left to Ray: a
 # raylet whose agents pick their own ports waits 15 s for their port files, and dies on a busy machine
@@ -42,6 +44,10 @@ NODE_PORTS = ("--node-manager-port", "--object-manager-port", "--metrics-export-
 
 class JoinRefused(RuntimeError):
     """The head refused the token, cannot be reached, or this machine's address cannot serve as a node's."""
+
+
+class NotRegistered(subprocess.SubprocessError):
+    """``ray start`` runs, but the head's GCS never listed its node alive."""
 
 
 def api_url(head: str) -> str:
@@ -106,7 +112,31 @@ class JoinedNode(Stack):
         self.node_dir.mkdir(parents=True, exist_ok=True, mode=0o755)  # where its Ray processes start
         self.open_to_service_user()
         self.start_ray()
+        self.wait_registered()
         return self
+
+    def restart(self, name: str) -> None:
+        """As ``Stack.restart``; Ray is back once the head's GCS lists its node (else the restart failed: the
+        supervisor counts one more death and tries again, or ends in its crash-loop message)."""
+        super().restart(name)
+        if name == "ray":
+            self.wait_registered()
+
+    def wait_registered(self) -> None:
+        """Until the head's GCS lists this node alive (``service.stack.ray_registered``, in a process of its own);
+        ``NotRegistered`` when it does not within ``REGISTER_S``, ``Interrupted`` on Ctrl-C, a ``RuntimeError`` when
+        ``ray start`` exits meanwhile."""
+        argv = [sys.executable, "-m", "service.stack.ray_registered", self.gcs, str(self.ray_temp), str(REGISTER_S)]
+        probe = subprocess.Popen(argv, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_for(lambda: probe.poll() is not None, "Ray's node", REGISTER_S + GCS_CONNECT_S + 30,
+                     self.procs.get("ray"), self.logs / "ray.log", self.stopping)
+        finally:
+            if probe.poll() is None:
+                probe.kill()
+            said = (probe.communicate()[0] or "").strip().splitlines()
+        if probe.returncode != 0:
+            raise NotRegistered(said[-1] if said else f"the registration check ended with code {probe.returncode}")
 
     def start_ray(self) -> None:
         self.ray_temp = tempfile.mkdtemp(prefix="tln", dir="/tmp")  # Ray's socket paths are length-limited
@@ -210,7 +240,7 @@ def run_node(node: JoinedNode) -> int:
             Leaving(node).run()  # its jobs moved first
     except Interrupted:
         pass
-    except subprocess.SubprocessError as err:
+    except (subprocess.SubprocessError, RuntimeError) as err:  # Ray would not start, or its node never registered
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 1
     finally:

@@ -70,10 +70,28 @@ class Head:
             alive = {n["hostname"]: n["id"] for n in self.nodes() if n["alive"]}
             if all(h.hostname in alive for h in hosts):
                 return {h.hostname: alive[h.hostname] for h in hosts}
-            logs = {h.name: (self.logs / f"join-{h.name}.log") for h in hosts}
             assert time.monotonic() < deadline, f"hosts never alive: {alive}; " + "; ".join(
-                f"{k}: {p.read_text()[-600:] if p.exists() else ''}" for k, p in logs.items())
+                self.said(h) for h in hosts if h.hostname not in alive)
             time.sleep(0.5)
+
+    def said(self, host: Host) -> str:
+        """What a host's node said: its ``tlab join``'s output, its Ray node's log, its raylet's last lines, and what
+        the head's GCS said of its address (a failure's only record: the lab's files go with it)."""
+        def tail(path: Path, n: int = 800) -> str:
+            try:
+                return path.read_text(errors="replace")[-n:]
+            except OSError as err:
+                return f"({err})"
+
+        root = Path(f"/proc/{host.init_pid()}/root") if host.init and host.init.poll() is None else None
+        parts = [f"{host.name}: join: {tail(self.logs / f'join-{host.name}.log')}"]
+        if root is not None:
+            parts.append(f"ray.log: {tail(root / NODE_HOME.lstrip('/') / 'logs' / 'ray.log')}")
+            parts += [f"{p}: {tail(p)}" for p in sorted((root / "tmp").glob("tln*/session_latest/logs/raylet.out"))]
+        for gcs in sorted(Path("/tmp").glob("tlr*/session_latest/logs/gcs_server.out")):
+            lines = [ln for ln in tail(gcs, 400_000).splitlines() if host.address in ln]
+            parts.append(f"{gcs} on {host.address}: " + "\n".join(lines[-8:]))
+        return "\n".join(parts)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -329,3 +331,35 @@ def test_a_4_trial_sweep_spreads_over_the_hosts(head: Head, hosts: dict[str, Hos
                   for t in got["trials"]]  # "[tlab] trial-<id> of job <sweep>, attempt 1: pid N on <host>"
     ran_on = {h.hostname for h in hosts.values() for line in firsts if line.endswith(f" on {h.hostname}")}
     assert len(ran_on) >= 2, firsts  # 1-CPU hosts, three trials at a time: spread over the hosts
+
+
+def test_a_joined_nodes_raylet_that_dies_is_back_once_the_head_lists_it_again(
+        head: Head, hosts: dict[str, Host], token: str) -> None:
+    rejoin_any_left(head, hosts, token)
+    host = hosts["a"]
+    before = head.wait_alive([host])[host.hostname]
+    said = head.logs / f"join-{host.name}.log"
+    lines = len(said.read_text().splitlines())
+    raylets = [p for p in (psutil.Process(pid) for pid in host.running(b"raylet"))
+               if p.name() == "raylet" and p.status() != psutil.STATUS_ZOMBIE]
+    assert raylets, "no raylet on the host"
+    for p in raylets:
+        p.kill()
+    deadline = time.monotonic() + 120
+    while True:  # `tlab join` restarts Ray, and says it is back only once the head's GCS lists the new node alive
+        new = [line for line in said.read_text().splitlines()[lines:] if line.startswith("ray is back")]
+        if new:
+            break
+        assert time.monotonic() < deadline, head.said(host)
+        time.sleep(0.2)
+    joined = json.loads((Path(f"/proc/{host.init_pid()}/root") / NODE_HOME.lstrip("/") / "node" / "joined.json")
+                        .read_text())  # the restarted node's GCS and temp dir: asked of the GCS at once, no waiting
+    ray_token = (head.logs / "home" / "ray.token").read_text().strip()
+    listed = subprocess.run([sys.executable, "-m", "service.stack.ray_registered", joined["gcs"], joined["temp"], "0"],
+                            env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": ray_token},
+                            capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    deadline = time.monotonic() + 30  # the service's view of the cluster: the scheduler's, a tick behind the GCS
+    while not {n["id"] for n in head.nodes() if n["hostname"] == host.hostname and n["alive"]} - {before}:
+        assert time.monotonic() < deadline, head.said(host)
+        time.sleep(0.2)
