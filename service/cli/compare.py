@@ -30,10 +30,12 @@ def study_body(spec: dict[str, Any], seeds: int, max_concurrent: int, name: str)
 
 def wait_for(c: Client, sweep_id: str, trials: int, epochs: int, poll_s: float = 1.0,
              progress: bool = True) -> dict[str, Any]:
-    """Poll the sweep until it ends: a bar over every trial's epochs, a line per trial state change."""
+    """Poll the sweep until it ends: a bar over every trial's epochs (on a terminal only: no cursor codes in a pipe
+    or a log), a line per trial state change."""
     from tqdm import tqdm
 
-    bar = tqdm(total=trials * epochs, unit="epoch", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(total=trials * epochs, unit="epoch", disable=not (progress and sys.stderr.isatty()), file=sys.stderr,
+               dynamic_ncols=True)
     states: dict[str, str] = {}
     try:
         while True:
@@ -60,6 +62,7 @@ def cmd_compare(args: argparse.Namespace, spec: dict[str, Any], client: Client) 
         raise SystemExit("error: --seeds must be at least 1")
     out = Path(args.out) if args.out else Path("runs") / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
     name = args.name or f"compare {args.preset or Path(args.spec).stem} × {args.seeds} seeds"
+    started = time.monotonic()
     with client as c:
         job = c.json("POST", "/v1/sweeps", json=study_body(spec, args.seeds, args.max_concurrent, name))
         sweep_id = job["id"]
@@ -77,7 +80,8 @@ def cmd_compare(args: argparse.Namespace, spec: dict[str, Any], client: Client) 
         print(json.dumps(study, indent=2))
     else:
         print(study["table"])
-        print(f"wrote {out / 'compare.png'}, {out / 'compare.json'}")
+        took = time.monotonic() - started
+        print(f"wrote {out / 'compare.png'}, {out / 'compare.json'} (the study took {took:.0f} s)")
     if state != "succeeded":
         reason = view["job"].get("failure_reason") or state
         print(f"error: sweep {sweep_id} {state}: {reason}", file=sys.stderr)

@@ -121,23 +121,31 @@ def preflight_lines(pf: dict[str, Any] | None) -> list[str]:
 
 
 def follow_one(c: Client, job_id: str, trials: int = 1) -> int:
-    """A live progress bar over epochs with the latest losses; exits 0 only if the job succeeded. A sweep's
-    ``trials`` share one bar: every trial's epochs add up on it."""
+    """A live progress bar over epochs with the latest losses (on a terminal; into a pipe or a log, one plain line
+    per epoch instead, no cursor codes); exits 0 only if the job succeeded. A sweep's ``trials`` share one bar:
+    every trial's epochs add up on it."""
     from tqdm import tqdm
 
     epochs = (c.get(job_id)["spec"].get("training") or {}).get("epochs")
+    tty = sys.stderr.isatty()
     bar = tqdm(total=epochs * trials if epochs else None, desc=job_id, unit="epoch", dynamic_ncols=True,
-               file=sys.stderr)
+               file=sys.stderr, disable=not tty)
     done: dict[str, int] = {}  # epochs trained, per trial ("": an experiment's own)
     final = "unknown"
     try:
         for event in c.events(job_id):
             d = event.data
             if event.kind == "metric":
-                done[str(d.get("trial") or "")] = int(d["epoch"]) + 1
+                trial = str(d.get("trial") or "")
+                done[trial] = int(d["epoch"]) + 1
                 bar.n = sum(done.values())
-                bar.set_postfix_str(f"train {fmt(d.get('train_loss'))} test {fmt(d.get('test_loss'))}"
-                                    + (f" lr {fmt(d['lr'])}" if d.get("lr") is not None else ""))
+                losses = (f"train {fmt(d.get('train_loss'))} test {fmt(d.get('test_loss'))}"
+                          + (f" lr {fmt(d['lr'])}" if d.get("lr") is not None else ""))
+                bar.set_postfix_str(losses)
+                if not tty:  # a sweep's line says its trial's epoch and where the whole sweep is
+                    where = f" trial {trial} epoch {done[trial]}/{epochs or '?'} ({bar.n}/{bar.total or '?'} in all)" \
+                        if trial else f" epoch {done[trial]}/{epochs or '?'}"
+                    print(f"{job_id}{where} {losses}", file=sys.stderr, flush=True)
             elif event.kind == "status" and d.get("kind") in ("budget", "hint") and d.get("message"):
                 bar.write(f"{job_id}: {d['kind']}: {d['message']}", file=sys.stderr)  # the run's own advice
             elif event.kind == "status" and "at" in d:

@@ -312,8 +312,11 @@ def test_compare_uploads_the_code_for_every_trial(api_only, tmp_path: Path) -> N
         proc.communicate()
 
 
-def test_a_sweeps_follow_is_one_bar_over_every_trials_epochs(api_only, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
-    """Two trials of 2 epochs: one bar to 4/4, not one that starts again with each trial."""
+@pytest.mark.parametrize("tty", [True, False])
+def test_a_sweeps_follow_is_one_bar_over_every_trials_epochs(api_only, capsys: pytest.CaptureFixture[str],  # noqa: ANN001
+                                                             monkeypatch: pytest.MonkeyPatch, tty: bool) -> None:
+    """Two trials of 2 epochs: one bar to 4/4, not one that starts again with each trial; into a pipe, a plain line
+    per epoch that says where the whole sweep is, no carriage returns."""
     from service.cli.client import Client
     from service.cli.jobs import follow_one
 
@@ -326,6 +329,13 @@ def test_a_sweeps_follow_is_one_bar_over_every_trials_epochs(api_only, capsys: p
                     r.xadd(keys.events(sweep["id"]), {"kind": "metric", "data": json.dumps(
                         {"kind": "epoch", "trial": trial, "epoch": epoch, "train_loss": 1.0, "test_loss": 1.0})})
         c.json("POST", f"/v1/sweeps/{sweep['id']}/cancel")
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
         assert follow_one(c, sweep["id"], trials=2) == 1  # (cancelled)
-    bars = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "epoch" in line]
-    assert bars and "4/4" in bars[-1] and not any(" 2/2 " in b for b in bars), bars
+    err = capsys.readouterr().err
+    bars = [line for line in err.replace("\r", "\n").splitlines() if "epoch" in line]
+    if tty:
+        assert bars and "4/4" in bars[-1] and not any(" 2/2 " in b for b in bars), bars
+    else:
+        assert "\r" not in err and [b.split(" (")[1].split()[0] for b in bars] == ["1/4", "2/4", "3/4", "4/4"], bars
+        assert [b.split(" trial ")[1].split(" (")[0] for b in bars] == [
+            "t_a epoch 1/2", "t_a epoch 2/2", "t_b epoch 1/2", "t_b epoch 2/2"], bars

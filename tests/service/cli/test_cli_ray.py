@@ -44,6 +44,10 @@ def test_submit_follow_runs_to_the_end(stack, tmp_path: Path) -> None:  # noqa: 
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1].endswith("succeeded") and "3/3" in out.stderr
     assert "running" in out.stderr  # the status changes, as they happened
+    # into a pipe: one plain line per epoch, no progress bar redrawn with carriage returns
+    assert "\r" not in out.stderr and "\x1b[" not in out.stderr, out.stderr
+    assert [line.split(" epoch ")[1].split()[0] for line in out.stderr.splitlines() if " epoch " in line] == [
+        "1/3", "2/3", "3/3"], out.stderr
 
 
 @pytest.mark.slow
