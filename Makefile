@@ -52,7 +52,7 @@ test: setup browser sandbox
 	$(PYTEST) --ignore=tests/hosts --ignore=tests/benchmarks -m "not drill"
 
 # the drills: a Ray head, Redis, the scheduler, the API, a job's driver or a node killed or restarted mid-run, and
-# what survives it (every epoch once, nothing lost); each restarts Ray, so they run apart from `make test` (~6 min)
+# what survives it (every epoch once, nothing lost); each restarts Ray, so they run apart from `make test` (~8 min)
 test-drills: setup browser sandbox
 	$(PYTEST) --ignore=tests/hosts -m drill
 

@@ -32,7 +32,7 @@ RAY_CHAIN_A = frozenset({  # bare local Ray clusters (ray_local, ray.init(), `tl
     "tests/workers/on_ray/test_trial.py", "tests/workers/on_ray/test_gang.py", "tests/service/test_multinode.py",
     "tests/service/launch/test_job_acl.py", "tests/service/test_e2e.py", "tests/service/test_code_packages.py",
     "tests/service/test_sandbox.py", "tests/security/test_job_uid.py", "tests/service/test_tracking.py",
-    "tests/service/test_teleport_kill9.py",
+    "tests/service/test_teleport_kill9.py", "tests/service/api/test_artifacts.py",
 })
 RAY_CHAIN_B = frozenset({  # stacks on the session head, and `tlab up` stacks of their own
     "tests/benchmarks/test_service_bench.py", "tests/benchmarks/test_sweep_bench.py",
@@ -41,7 +41,7 @@ RAY_CHAIN_B = frozenset({  # stacks on the session head, and `tlab up` stacks of
     "tests/service/scheduler/test_time_limits.py", "tests/service/stack/test_up_security.py",
     "tests/service/test_storage_bucket.py", "tests/web/test_dashboard.py", "tests/service/test_sweeps.py",
     "tests/service/scheduler/test_preemption.py", "tests/service/stack/test_supervise.py",
-    "tests/service/test_lineage.py", "tests/service/api/test_artifacts.py", "tests/service/test_driver_death.py",
+    "tests/service/test_lineage.py", "tests/service/test_driver_death.py",
     "tests/service/test_storage_full.py", "tests/security/test_trial_gate.py", "tests/security/test_service_user.py",
     "tests/service/test_notebook.py",
     "tests/hosts/test_hosts.py",

@@ -146,7 +146,7 @@ def test_tlab_compare_runs_the_study_as_a_sweep_with_a_table_and_two_bands(
         shares = [r["teleport_share"] for r in g["runs"]]
         assert all(s > 0 for s in shares) if label.endswith("True") else all(s == 0 for s in shares), shares
         assert label in printed  # the table: one row per group
-    assert "epochs to 0.5" in printed and "± " in printed
+    assert "epochs to 0.5" in printed and "± " in printed and "(the study took " in printed
     px = colour_pixels((out / "compare.png").read_bytes())
     # a band can be thin: seeds that barely differ give a small std
     assert px["blue line"] > 300 and px["orange line"] > 300, px
@@ -267,7 +267,7 @@ def test_a_sweep_cut_off_by_a_stack_restart_resumes_its_trials(tmp_path: Path) -
 def test_optuna_searcher_samples_the_space(stack: Stack) -> None:
     body = {"base": tiny(training={"epochs": 3}, resources={"cpus_per_worker": 0.9}), "searcher": "optuna", "seed": 7,
             "search_space": {"teleport.lr": {"loguniform": [0.01, 1]}, "optimizer.name": {"choice": ["sgd", "adam"]}},
-            "num_samples": 3, "max_concurrent_trials": 2}
+            "num_samples": 2, "max_concurrent_trials": 2}  # one wave of trials on the 2-CPU head
     wait_ray_idle(stack)  # its trials run two at a time on the whole head
     with Client(stack.url, stack.admin_token) as c:
         sweep = c.json("POST", "/v1/sweeps", json=body)["id"]
@@ -275,9 +275,9 @@ def test_optuna_searcher_samples_the_space(stack: Stack) -> None:
         view = c.json("GET", f"/v1/sweeps/{sweep}")
         assert view["job"]["state"] == "succeeded", view["job"]
         trials = view["trials"]
-        assert len(trials) == 3 and all(t["state"] == "succeeded" and t["epochs"] == 3 for t in trials), trials
+        assert len(trials) == 2 and all(t["state"] == "succeeded" and t["epochs"] == 3 for t in trials), trials
         lrs = [t["config"]["teleport.lr"] for t in trials]
-        assert len(set(lrs)) == 3 and all(0.01 <= lr <= 1 for lr in lrs), lrs
+        assert len(set(lrs)) == 2 and all(0.01 <= lr <= 1 for lr in lrs), lrs
         assert {t["config"]["optimizer.name"] for t in trials} <= {"sgd", "adam"}
         assert view["best"]["trial"] == view["job"]["summary"]["best_trial"]
 

@@ -80,6 +80,7 @@ def tensorboard_steps(stack: Stack, job: str, out: Path) -> dict[str, list[int]]
     return {tag: [s.step for s in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+@pytest.mark.drill
 def test_every_epoch_once_in_tensorboard_and_mlflow_after_kill9_and_resume(stack: Stack, mlflow_server: str,
                                                                            tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient

@@ -181,6 +181,7 @@ def test_a_stopped_driver_is_not_retried_and_exports_its_artifacts(
 
 
 @pytest.mark.slow
+@pytest.mark.drill
 def test_a_driver_killed_mid_run_resumes_from_its_checkpoint_with_every_epoch_once(
     redis_server: str, tmp_path: Path, job_env: None
 ) -> None:

@@ -87,6 +87,7 @@ def test_a_good_package_passes_its_preflight_then_trains(stack: Stack, tmp_path:
         assert any(m.startswith("preflight passed") for m in messages)
 
 
+@pytest.mark.drill
 def test_a_preflight_in_flight_survives_a_scheduler_restart_and_a_cancel_stops_it(stack: Stack,
                                                                                   tmp_path: Path) -> None:
     with Client(stack.url, stack.admin_token) as c:

@@ -78,6 +78,7 @@ def ended(driver: subprocess.Popen, log: Path) -> str:
 KILL_EPOCHS = 30
 
 
+@pytest.mark.drill
 def test_a_killed_rank_fails_the_try_and_the_gang_resumes_every_epoch_once(
     ray_local: Any, redis_server: str, tmp_path: Path
 ) -> None:
