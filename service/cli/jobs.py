@@ -142,10 +142,11 @@ def follow_one(c: Client, job_id: str, trials: int = 1) -> int:
                 losses = (f"train {fmt(d.get('train_loss'))} test {fmt(d.get('test_loss'))}"
                           + (f" lr {fmt(d['lr'])}" if d.get("lr") is not None else ""))
                 bar.set_postfix_str(losses)
-                if not tty:  # a sweep's line says its trial's epoch and where the whole sweep is
-                    where = f" trial {trial} epoch {done[trial]}/{epochs or '?'} ({bar.n}/{bar.total or '?'} in all)" \
-                        if trial else f" epoch {done[trial]}/{epochs or '?'}"
-                    print(f"{job_id}{where} {losses}", file=sys.stderr, flush=True)
+                if not tty:
+                    where = f"epoch {done[trial]}/{epochs or '?'}"
+                    if trial:  # a sweep's line: the trial's epoch, and where the whole sweep is
+                        where = f"trial {trial} {where} ({bar.n}/{bar.total or '?'} in all)"
+                    print(f"{job_id} {where} {losses}", file=sys.stderr, flush=True)
             elif event.kind == "status" and d.get("kind") in ("budget", "hint") and d.get("message"):
                 bar.write(f"{job_id}: {d['kind']}: {d['message']}", file=sys.stderr)  # the run's own advice
             elif event.kind == "status" and "at" in d:

@@ -83,12 +83,20 @@ class Head:
             except OSError as err:
                 return f"({err})"
 
-        root = Path(f"/proc/{host.init_pid()}/root") if host.init and host.init.poll() is None else None
+        def written(path: Path) -> float:
+            try:
+                return path.stat().st_mtime
+            except OSError:  # a stack of another run, just removed
+                return 0.0
+
+        pid = host.init_pid() if host.init and host.init.poll() is None else None
         parts = [f"{host.name}: join: {tail(self.logs / f'join-{host.name}.log')}"]
-        if root is not None:
+        if pid is not None:  # the host's own /tmp, through its init's root
+            root = Path(f"/proc/{pid}/root")
             parts.append(f"ray.log: {tail(root / NODE_HOME.lstrip('/') / 'logs' / 'ray.log')}")
             parts += [f"{p}: {tail(p)}" for p in sorted((root / "tmp").glob("tln*/session_latest/logs/raylet.out"))]
-        for gcs in sorted(Path("/tmp").glob("tlr*/session_latest/logs/gcs_server.out")):
+        heads = sorted(Path("/tmp").glob("tlr*/session_latest/logs/gcs_server.out"), key=written)
+        for gcs in heads[-1:]:  # the lab's head: the GCS that wrote last
             lines = [ln for ln in tail(gcs, 400_000).splitlines() if host.address in ln]
             parts.append(f"{gcs} on {host.address}: " + "\n".join(lines[-8:]))
         return "\n".join(parts)
