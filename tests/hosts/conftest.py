@@ -94,7 +94,8 @@ class Head:
         if pid is not None:  # the host's own /tmp, through its init's root
             root = Path(f"/proc/{pid}/root")
             parts.append(f"ray.log: {tail(root / NODE_HOME.lstrip('/') / 'logs' / 'ray.log')}")
-            parts += [f"{p}: {tail(p)}" for p in sorted((root / "tmp").glob("tln*/session_latest/logs/raylet.out"))]
+            # session_* itself: session_latest links to a path in the host's /tmp, which is not ours
+            parts += [f"{p}: {tail(p)}" for p in sorted((root / "tmp").glob("tln*/session_2*/logs/raylet.out"))]
         heads = sorted(Path("/tmp").glob("tlr*/session_latest/logs/gcs_server.out"), key=written)
         for gcs in heads[-1:]:  # the lab's head: the GCS that wrote last
             lines = [ln for ln in tail(gcs, 400_000).splitlines() if host.address in ln]
