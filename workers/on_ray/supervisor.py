@@ -20,6 +20,7 @@ only after the check passed (``workers.job.artifacts.promote``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -156,8 +157,12 @@ def run_payload(orders: Orders, argv: list[str], env: dict[str, str], ranks: Ran
         os.close(fd)
     try:
         assert proc.stdin is not None
-        proc.stdin.write(json.dumps({**asdict(orders), "redis_url": ""}).encode())  # (no Redis login for it)
-        proc.stdin.close()
+        try:
+            proc.stdin.write(json.dumps({**asdict(orders), "redis_url": ""}).encode())  # (no Redis login for it)
+            proc.stdin.close()
+        except BrokenPipeError:  # it ended before it read its orders (it never started): how it ended says why
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
         if relay is not None and lines is not None and answers is not None:
             relayed(relay, lines, answers)
         rank_ended = wait(proc, ranks, orders)
