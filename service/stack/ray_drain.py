@@ -22,19 +22,30 @@ def node_id(alive: list, address: str, temp: str) -> str | None:
     return mine[0].node_id.hex() if mine else None
 
 
+def alive_nodes(gcs: object) -> list:
+    """The nodes Ray's GCS (a ``GcsClient``) lists alive, as ``GcsNodeInfo``."""
+    from ray.core.generated.gcs_pb2 import GcsNodeInfo
+
+    return list(gcs.get_all_node_info(  # type: ignore[attr-defined]
+        timeout=GCS_TIMEOUT_S, state_filter=GcsNodeInfo.GcsNodeState.ALIVE).values())
+
+
+def named(nodes: list) -> str:
+    """Nodes as a line says them: address (temp dir), ..."""
+    return ", ".join(f"{n.node_manager_address} ({n.temp_dir})" for n in nodes)
+
+
 def main(argv: list[str]) -> int:
     gcs_address, address, temp, deadline_s, message = argv
     import ray._raylet
     from ray.core.generated import autoscaler_pb2
-    from ray.core.generated.gcs_pb2 import GcsNodeInfo
 
     gcs = ray._raylet.GcsClient(address=gcs_address)
-    alive = list(gcs.get_all_node_info(timeout=GCS_TIMEOUT_S, state_filter=GcsNodeInfo.GcsNodeState.ALIVE).values())
+    alive = alive_nodes(gcs)
     found = node_id(alive, address, temp)
     if found is None:
-        seen = ", ".join(f"{n.node_manager_address} ({n.temp_dir})" for n in alive)
-        print(f"Ray lists no alive node of this machine at {address} (its temp dir {temp}) but {seen}: nothing to "
-              "drain")
+        print(f"Ray lists no alive node of this machine at {address} (its temp dir {temp}) but {named(alive)}: "
+              "nothing to drain")
         return 1
     deadline_ms = int(time.time() * 1000) + int(deadline_s) * 1000
     accepted, refusal = gcs.drain_node(found, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),

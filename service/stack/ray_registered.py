@@ -12,26 +12,26 @@ from __future__ import annotations
 import sys
 import time
 
+from service.stack.ray_drain import alive_nodes, named
+
 POLL_S = 0.5
-GCS_TIMEOUT_S = 10
 
 
 def main(argv: list[str]) -> int:
     gcs_address, temp, timeout_s = argv[0], argv[1], float(argv[2])
     import ray._raylet
-    from ray.core.generated.gcs_pb2 import GcsNodeInfo
 
     deadline = time.monotonic() + timeout_s
     gcs = ray._raylet.GcsClient(address=gcs_address)
     seen, error = "", ""
     while True:
         try:
-            alive = gcs.get_all_node_info(timeout=GCS_TIMEOUT_S, state_filter=GcsNodeInfo.GcsNodeState.ALIVE).values()
+            alive = alive_nodes(gcs)
             mine = [n for n in alive if n.temp_dir == temp]
             if mine:
                 print(f"Ray lists this node alive: {mine[0].node_id.hex()[:12]}")
                 return 0
-            seen, error = ", ".join(f"{n.node_manager_address} ({n.temp_dir})" for n in alive), ""
+            seen, error = named(alive), ""
         except Exception as err:  # the GCS did not answer this time (a head restarting): asked again
             error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         if time.monotonic() >= deadline:

@@ -33,7 +33,7 @@ from service.rules.preemptible import PREEMPTED_BY
 from tests.hosts.conftest import NODE_HOME, Head
 from tests.hosts.conftest import TLAB as TLAB_CLI
 from tests.hosts.netns import Host, Lab, available
-from tests.service.conftest import tiny
+from tests.service.conftest import tiny, wait_for
 from tests.service.scheduler.test_preemption import events
 
 WHY_NOT = available()
@@ -173,6 +173,11 @@ def lose_a_host_mid_run(head: Head, hosts: dict[str, Host], how: str) -> tuple[H
     return victim, figures
 
 
+def leave(host: Host, log: Path) -> subprocess.Popen:
+    """``tlab leave`` run on ``host`` as its admin would, from the node's home, its output to ``log``."""
+    return host.run([TLAB_CLI, "leave"], {"PATH": "/usr/bin:/bin", "TLAB_HOME": NODE_HOME}, log)
+
+
 def test_a_host_killed_mid_run_its_gang_resumes_on_the_hosts_left_every_epoch_once(
         head: Head, hosts: dict[str, Host], token: str) -> None:
     head.join(hosts["c"], token)
@@ -191,13 +196,11 @@ def test_a_host_cut_off_mid_run_is_declared_lost_within_20_s_and_rejoins_once_he
     assert figures["declared_lost_s"] <= LOST_WITHIN_S, figures
     head.wait_alive([victim], timeout=180)  # its `tlab join` restarts the node Ray declared dead
     leaving = head.logs / "leave.log"
-    out = victim.run([TLAB_CLI, "leave"], {"PATH": "/usr/bin:/bin", "TLAB_HOME": NODE_HOME}, leaving)
+    out = leave(victim, leaving)
     assert out.wait(timeout=90) == 0, leaving.read_text()
     assert head.joins[victim.name].wait(timeout=30) == 0  # its `tlab join` stopped its node and exited
-    deadline = time.monotonic() + 60
-    while any(n["alive"] for n in head.nodes() if n["hostname"] == victim.hostname):
-        assert time.monotonic() < deadline, "the node that left is still alive"
-        time.sleep(0.5)
+    wait_for(lambda: not any(n["alive"] for n in head.nodes() if n["hostname"] == victim.hostname), 60,
+             "the node that left is still alive")
 
 
 def test_a_host_that_leaves_mid_run_has_its_job_moved_which_resumes_elsewhere_every_epoch_once(
@@ -208,7 +211,7 @@ def test_a_host_that_leaves_mid_run_has_its_job_moved_which_resumes_elsewhere_ev
         victim = next(h for h in hosts.values() if h.hostname in placed_hosts(head, job))
         leaving = head.logs / "leave-drain.log"
         asked_at = time.monotonic()
-        out = victim.run([TLAB_CLI, "leave"], {"PATH": "/usr/bin:/bin", "TLAB_HOME": NODE_HOME}, leaving)
+        out = leave(victim, leaving)
         ended: list[float] = []  # when `tlab leave` returned (timed beside the job's requeue and resume)
         waiter = threading.Thread(target=lambda: (out.wait(timeout=240), ended.append(time.monotonic())), daemon=True)
         waiter.start()
@@ -225,10 +228,8 @@ def test_a_host_that_leaves_mid_run_has_its_job_moved_which_resumes_elsewhere_ev
         logs = [m["message"] for m in events(head.redis, job, "log")]
         assert any(f"{victim.hostname} ({victim.address}) leaving: its admin took it out" in m for m in logs), logs
         assert not any("the loss of node" in m for m in logs), logs  # nothing was declared lost
-        deadline = time.monotonic() + 60
-        while any(n["hostname"] == victim.hostname for n in head.nodes()):  # it left: neither alive nor dead
-            assert time.monotonic() < deadline, head.nodes()
-            time.sleep(0.5)
+        wait_for(lambda: not any(n["hostname"] == victim.hostname for n in head.nodes()), 60,  # neither alive nor dead
+                 "the node that left is still listed")
         end(c, job)
     epochs = resumed_every_epoch_once(head, job)
     figures = {"requeued_s": round(queued, 1), "first_resumed_epoch_s": round(resumed, 1),
