@@ -7,9 +7,11 @@ AWS environment variables (set for the session, so the processes a test starts i
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -17,15 +19,23 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "tlab-test", "AWS_SECRET_ACCESS_KEY": "tlab-
                "AWS_DEFAULT_REGION": "us-east-1"}
 
 
+def moto_server(address: str) -> Any:
+    """Moto's S3 server on ``address`` and a free port, started; its request log (a werkzeug line per request, which
+    pytest would print with every failure and bury its message under) kept to warnings."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    server = ThreadedMotoServer(ip_address=address, port=0, verbose=False)
+    server.start()
+    return server
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """``host:port`` of moto's S3 server, up for the session."""
-    from moto.server import ThreadedMotoServer
-
     saved = {k: os.environ.get(k) for k in CREDENTIALS}
     os.environ.update(CREDENTIALS)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
+    server = moto_server("127.0.0.1")
     host, port = server.get_host_and_port()
     try:
         yield f"{host}:{port}"

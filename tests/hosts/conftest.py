@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from tests.hosts.netns import Host, Lab
-from tests.s3 import CREDENTIALS, make_bucket
+from tests.s3 import CREDENTIALS, make_bucket, moto_server
 from tests.service.conftest import service_user_env
 
 TLAB = str(Path(sys.executable).parent / "tlab")
@@ -90,7 +90,7 @@ class Head:
                 return 0.0
 
         pid = host.init_pid() if host.init and host.init.poll() is None else None
-        parts = [f"{host.name}: join: {tail(self.logs / f'join-{host.name}.log')}"]
+        parts = [f"{host.name}: join: {tail(self.logs / f'join-{host.name}.log', 3000)}", host.network()]
         if pid is not None:  # the host's own /tmp, through its init's root
             root = Path(f"/proc/{pid}/root")
             parts.append(f"ray.log: {tail(root / NODE_HOME.lstrip('/') / 'logs' / 'ray.log')}")
@@ -115,12 +115,9 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
 @pytest.fixture(scope="module")
 def bucket(lab: Lab) -> Iterator[str]:
     """A fresh bucket on an S3 server on the serving host's address: the durable copy every host reads."""
-    from moto.server import ThreadedMotoServer
-
     saved = {k: os.environ.get(k) for k in CREDENTIALS}
     os.environ.update(CREDENTIALS)
-    server = ThreadedMotoServer(ip_address=lab.gateway, port=0, verbose=False)
-    server.start()
+    server = moto_server(lab.gateway)
     host, port = server.get_host_and_port()
     name = f"tlab-{uuid.uuid4().hex[:12]}"
     make_bucket(f"{host}:{port}", name)

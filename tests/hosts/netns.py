@@ -5,7 +5,8 @@ this process's own namespace, on the bridge's address; the project's files (the 
 the same on every host, as when a lab installs it on each machine.
 
 ``Lab.host(name)`` boots one; ``Host.run`` starts a process in it; ``Host.cut``/``heal`` take its link down and up
-(its processes keep running); ``Host.kill`` kills every process on it at once (its PID namespace's init).
+(its processes keep running), ``Host.cut_off`` for a block; ``Host.kill`` kills every process on it at once (its
+PID namespace's init).
 ``Lab.close`` removes every namespace, link and bridge it made, whatever state the test left them in.
 
 Needs root and ``ip``, ``unshare``, ``nsenter`` (util-linux); ``available()`` says why not where not."""
@@ -17,6 +18,8 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 HOSTS_FILE = "127.0.0.1 localhost\n127.0.1.1 {name}\n"  # a Debian host: its own name resolves to loopback
@@ -128,7 +131,27 @@ class Host:
         sh("ip", "link", "set", self.link, "down")
 
     def heal(self) -> None:
+        """Its link up again (nothing changes if it was up)."""
         sh("ip", "link", "set", self.link, "up")
+
+    @contextmanager
+    def cut_off(self) -> Iterator[None]:
+        """Cut for the block; healed when it ends, whether or not the test's checks held (a host left cut would
+        fail every later test of the lab with another test's fault)."""
+        self.cut()
+        try:
+            yield
+        finally:
+            self.heal()
+
+    def network(self) -> str:
+        """Its link as the bridge sees it, and its own addresses and neighbours (a failure's record)."""
+        said = []
+        for argv in (["ip", "-br", "link", "show", self.link], ["ip", "-n", self.ns, "-br", "addr"],
+                     ["ip", "-n", self.ns, "neigh"]):
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+            said.append(f"$ {' '.join(argv)}\n{(out.stdout + out.stderr).strip()}")
+        return "\n".join(said)
 
     def kill(self) -> None:
         """Every process on the host at once (its PID namespace ends with its init)."""

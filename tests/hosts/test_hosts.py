@@ -12,6 +12,7 @@ kill, the cut or the leave to the requeue and to the first resumed epoch) are pr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -152,18 +153,19 @@ def lose_a_host_mid_run(head: Head, hosts: dict[str, Host], how: str) -> tuple[H
         job = running_with_a_checkpoint(c, head, tiny(training=LONG, resources=GANG), f"lose-{how}")
         victim = next(h for h in hosts.values() if h.hostname in placed_hosts(head, job))
         lost_at = time.monotonic()
-        victim.kill() if how == "kill" else victim.cut()
-        deadline = time.monotonic() + 120
-        while not (head.redis.hget(keys.job(job), PREEMPTED_BY) or "").startswith("the loss of node"):
-            assert time.monotonic() < deadline, f"{how}: the node's loss never declared; {view(c, job)}"
-            time.sleep(0.1)
-        declared = time.monotonic() - lost_at
-        queued, resumed = requeued_and_resumed(c, head, job, lost_at)
-        v = view(c, job)
-        assert victim.hostname in v["last_preemption"], v  # the loss names the host, not a Ray id
-        assert victim.hostname not in placed_hosts(head, job)
-        if how == "cut":
-            victim.heal()  # its old attempt may still be running there: it must not add epochs
+        with contextlib.nullcontext() if how == "kill" else victim.cut_off():
+            if how == "kill":
+                victim.kill()
+            deadline = time.monotonic() + 120
+            while not (head.redis.hget(keys.job(job), PREEMPTED_BY) or "").startswith("the loss of node"):
+                assert time.monotonic() < deadline, f"{how}: the node's loss never declared; {view(c, job)}"
+                time.sleep(0.1)
+            declared = time.monotonic() - lost_at
+            queued, resumed = requeued_and_resumed(c, head, job, lost_at)
+            v = view(c, job)
+            assert victim.hostname in v["last_preemption"], v  # the loss names the host, not a Ray id
+            assert victim.hostname not in placed_hosts(head, job)
+        if how == "cut":  # healed: its old attempt may still be running there, and must not add epochs
             time.sleep(5)
         end(c, job)
     epochs = resumed_every_epoch_once(head, job)
@@ -246,20 +248,18 @@ def pulled(head: Head, job: str, to: Path) -> dict[str, str]:
 
 
 def rejoin_any_left(head: Head, hosts: dict[str, Host], token: str) -> None:
-    """Every host joined and alive again (a test before may have made one leave; run alone, none joined yet): one at
-    a time, as a node starting beside another is slower to register. A host whose `tlab join` runs but whose node
-    the head does not list within 3 minutes is said in full (the test output is the only record), rebooted and joined
+    """Every host healed, joined and alive again (a test before may have made one leave, or failed while it was cut;
+    run alone, none joined yet): one at a time, as a node starting beside another is slower to register. A host the
+    head does not list within 3 minutes is said in full (the test output is the only record), rebooted and joined
     again, as its admin would: one host's fault is the test's that caused it, not every later test's."""
     for host in hosts.values():
+        host.heal()
         if host.name not in head.joins or head.joins[host.name].poll() is not None:
             head.join(host, token)
+        try:
             head.wait_alive([host], timeout=180)
-    try:
-        head.wait_alive(list(hosts.values()), timeout=180)
-    except AssertionError:
-        alive = {n["hostname"] for n in head.nodes() if n["alive"]}
-        for host in (h for h in hosts.values() if h.hostname not in alive):
-            print(f"\nhost {host.name} not alive with its `tlab join` running; rebooted and joined again. It said:\n"
+        except AssertionError:
+            print(f"\nhost {host.name} not alive 3 minutes after its `tlab join`; rebooted and joined again. It said:\n"
                   f"{head.said(host)}", flush=True)
             host.kill()  # every process on it, its `tlab join` too
             host.boot()
@@ -277,15 +277,14 @@ def test_a_host_cut_off_whose_job_then_succeeded_lands_nothing_once_healed(
         wait(c, job, lambda v: any(n.startswith("checkpoint_") for n in stored.ls(job)), "a checkpoint in the bucket")
         victim = next(h for h in hosts.values() if h.hostname in placed_hosts(head, job))
         assert victim.running(b"workers.payload"), "no training process of its attempt on the host it was placed on"
-        victim.cut()
-        done = wait(c, job, lambda v: v["state"] in ("succeeded", "failed", "cancelled"), "the end", timeout=600)
-        assert done["state"] == "succeeded" and done["preemptions"] >= 1, done
-        assert victim.hostname not in placed_hosts(head, job)
-        before = pulled(head, job, tmp_path / "before")
-        objects, epochs = stored.ls(job), epochs_of(head, job)
-        summary = head.redis.hget(keys.job(job), "summary")
-
-        victim.heal()  # its old attempt still runs there, with a stale checkpoint and an export to make
+        with victim.cut_off():
+            done = wait(c, job, lambda v: v["state"] in ("succeeded", "failed", "cancelled"), "the end", timeout=600)
+            assert done["state"] == "succeeded" and done["preemptions"] >= 1, done
+            assert victim.hostname not in placed_hosts(head, job)
+            before = pulled(head, job, tmp_path / "before")
+            objects, epochs = stored.ls(job), epochs_of(head, job)
+            summary = head.redis.hget(keys.job(job), "summary")
+        # healed: its old attempt still runs there, with a stale checkpoint and an export to make
         deadline = time.monotonic() + 120
         # it learns its attempt ended and ends itself: its training processes, and rank 0's driver (the only writer
         # of a gang's files and records) when that was on the host
