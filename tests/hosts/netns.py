@@ -2,7 +2,8 @@
 namespace), process space (PID namespace, its own /proc), and private /tmp, /dev/shm and /etc/hosts (mount
 namespace: a Ray node's temp dir, a node's storage cache, Debian's ``127.0.1.1 <name>`` line). The serving host is
 this process's own namespace, on the bridge's address; the project's files (the checkout, its interpreter) are
-the same on every host, as when a lab installs it on each machine.
+the same on every host, as when a lab installs it on each machine (a checkout under /tmp too: bound back into each
+host's own /tmp).
 
 ``Lab.host(name)`` boots one; ``Host.run`` starts a process in it; ``Host.cut``/``heal`` take its link down and up
 (its processes keep running), ``Host.cut_off`` for a block; ``Host.kill`` kills every process on it at once (its
@@ -17,11 +18,13 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+CHECKOUT = Path(__file__).resolve().parents[2]
 HOSTS_FILE = "127.0.0.1 localhost\n127.0.1.1 {name}\n"  # a Debian host: its own name resolves to loopback
 
 
@@ -75,8 +78,14 @@ class Host:
             sh("ip", "-n", self.ns, "route", "add", "default", "via", self.lab.gateway)
         self.files.mkdir(parents=True, exist_ok=True)
         (self.files / "hosts").write_text(HOSTS_FILE.format(name=self.hostname))
-        setup = (f"hostname {self.hostname} && mount --bind {self.files / 'hosts'} /etc/hosts && "
-                 "mount -t tmpfs -o mode=1777 tmpfs /tmp && mount -t tmpfs -o mode=1777 tmpfs /dev/shm && "
+        # the checkout (and its interpreter) under /tmp, as a fresh clone may be: opened before the host's own /tmp
+        # hides it, and bound back at its path inside that /tmp
+        kept = [p for p in (CHECKOUT, Path(sys.prefix).resolve()) if p.is_relative_to("/tmp")]
+        kept = [p for p in kept if not any(p != q and p.is_relative_to(q) for q in kept)]
+        opened = "".join(f"exec {3 + i}<{p} && " for i, p in enumerate(kept))
+        bound = "".join(f"mkdir -p {p} && mount --bind /proc/self/fd/{3 + i} {p} && " for i, p in enumerate(kept))
+        setup = (f"{opened}hostname {self.hostname} && mount --bind {self.files / 'hosts'} /etc/hosts && "
+                 f"mount -t tmpfs -o mode=1777 tmpfs /tmp && {bound}mount -t tmpfs -o mode=1777 tmpfs /dev/shm && "
                  "exec sleep infinity")
         self.init = subprocess.Popen(["ip", "netns", "exec", self.ns, "unshare", "--uts", "--mount", "--pid",
                                       "--fork", "--kill-child", "--mount-proc", "sh", "-c", setup])
