@@ -83,7 +83,8 @@ class Host:
         kept = [p for p in (CHECKOUT, Path(sys.prefix).resolve()) if p.is_relative_to("/tmp")]
         kept = [p for p in kept if not any(p != q and p.is_relative_to(q) for q in kept)]
         opened = "".join(f"exec {3 + i}<{p} && " for i, p in enumerate(kept))
-        bound = "".join(f"mkdir -p {p} && mount --bind /proc/self/fd/{3 + i} {p} && " for i, p in enumerate(kept))
+        bound = "".join(f"mkdir -p {p} && mount --no-canonicalize --bind /proc/self/fd/{3 + i} {p} && "  # the fd's
+                        for i, p in enumerate(kept))  # own folder, not its path's in the new /tmp
         setup = (f"{opened}hostname {self.hostname} && mount --bind {self.files / 'hosts'} /etc/hosts && "
                  f"mount -t tmpfs -o mode=1777 tmpfs /tmp && {bound}mount -t tmpfs -o mode=1777 tmpfs /dev/shm && "
                  "exec sleep infinity")
