@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +52,26 @@ def view(c: httpx.Client, job: str) -> dict[str, Any]:
     return dict(c.get(f"/v1/experiments/{job}").raise_for_status().json())
 
 
+STARTED: list[str] = []  # what the running test submitted: experiments/<id>, sweeps/<id>
+
+
 def submit(c: httpx.Client, spec: dict[str, Any], name: str) -> str:
     r = c.post("/v1/experiments", json={"spec": spec, "name": name})
     assert r.status_code == 201, r.text
-    return str(r.json()["id"])
+    job = str(r.json()["id"])
+    STARTED.append(f"experiments/{job}")
+    return job
+
+
+@pytest.fixture(autouse=True)
+def cancel_what_it_started(head: Head) -> Iterator[None]:
+    """Whatever a test submitted is cancelled when it ends, its checks held or not (a cancel of an ended job is a
+    no-op): a job of 100,000 epochs left running would hold a host through every later test."""
+    yield
+    with head.client() as c:
+        for path in STARTED:
+            c.post(f"/v1/{path}/cancel")
+    STARTED.clear()
 
 
 def wait(c: httpx.Client, job: str, ok: Any, what: str, timeout: float = 240) -> dict[str, Any]:
@@ -332,6 +349,7 @@ def test_a_4_trial_sweep_spreads_over_the_hosts(head: Head, hosts: dict[str, Hos
         r = c.post("/v1/sweeps", json=body)
         assert r.status_code == 201, r.text
         sweep = r.json()["id"]
+        STARTED.append(f"sweeps/{sweep}")
         deadline = time.monotonic() + 600
         while (got := c.get(f"/v1/sweeps/{sweep}").json())["job"]["state"] not in ("succeeded", "failed", "cancelled"):
             assert time.monotonic() < deadline, got
