@@ -41,6 +41,31 @@ class Used:
                    memory_gb=None if not memory else float(memory[0]) / GIB)
 
 
+@dataclass(frozen=True)
+class NodeRecord:
+    """One node as Ray's State API lists it: alive, or dead and whether it ``left`` on purpose (``LEFT``)."""
+
+    node: Node
+    alive: bool
+    left: bool = False
+    started_ms: int = 0
+
+
+def lost_of(records: Sequence[NodeRecord]) -> list[Node]:
+    """The dead nodes that are lost: not those that left on purpose (stopped, or drained as ``tlab leave`` drains a
+    node), nor those whose host (name and address) is alive again or joined again after them, whatever became of
+    that later node: a host lost, rebooted, joined again and then taken out with ``tlab leave`` is out, not lost."""
+    def host(r: NodeRecord) -> tuple[str | None, str | None]:
+        return r.node.hostname, r.node.address
+
+    back = {host(r) for r in records if r.alive}
+    latest: dict[tuple[str | None, str | None], int] = {}
+    for r in records:
+        latest[host(r)] = max(latest.get(host(r), r.started_ms), r.started_ms)
+    return [r.node for r in records if not r.alive and not r.left and host(r) not in back
+            and r.started_ms >= latest[host(r)]]
+
+
 class ClusterSource(Protocol):
     def nodes(self) -> list[Node]: ...
 
@@ -89,8 +114,7 @@ class RayNodes:
         from ray.util.state import list_nodes
 
         used = self.usage()
-        out: list[Node] = []
-        dead: dict[str, Node] = {}
+        records: list[NodeRecord] = []
         for n in list_nodes(address=self.address, detail=True, raise_on_missing_output=False):
             res = n.resources_total or {}
             memory = res.get("memory")  # bytes of Ray's logical memory resource: what entrypoint_memory holds
@@ -100,17 +124,13 @@ class RayNodes:
                         memory_gb=None if memory is None else float(memory) / GIB, memory_used_gb=u.memory_gb,
                         hostname=n.node_name if n.node_name and n.node_name != n.node_ip else None,
                         address=n.node_ip or None)
-            if n.state == "ALIVE":
-                out.append(node)
-            elif not (n.state_message or "").startswith(LEFT):  # stopped or drained on purpose: it left, not lost
-                dead[n.node_id] = node
-        back = {(n.hostname, n.address) for n in out}
-        self._lost = {k: v for k, v in dead.items() if (v.hostname, v.address) not in back}
-        return out
+            records.append(NodeRecord(node, n.state == "ALIVE", (n.state_message or "").startswith(LEFT),
+                                      int(n.start_time_ms or 0)))
+        self._lost = {n.id: n for n in lost_of(records)}
+        return [r.node for r in records if r.alive]
 
     def lost(self) -> list[Node]:
-        """The nodes Ray declared dead at the last ``nodes``, but those whose host and address joined again, and those
-        that left on purpose (``LEFT``: stopped, or drained as ``tlab leave`` drains a node)."""
+        """The nodes Ray declared dead at the last ``nodes`` that are still lost (``lost_of``)."""
         return list(self._lost.values())
 
     def usage(self) -> dict[str, Used]:
