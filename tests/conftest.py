@@ -42,7 +42,7 @@ RAY_CHAIN_B = frozenset({  # stacks on the session head, and `tlab up` stacks of
     "tests/service/test_storage_bucket.py", "tests/web/test_dashboard.py", "tests/service/test_sweeps.py",
     "tests/service/scheduler/test_preemption.py", "tests/service/stack/test_supervise.py",
     "tests/service/test_lineage.py", "tests/service/test_driver_death.py",
-    "tests/service/test_storage_full.py", "tests/security/test_trial_gate.py", "tests/security/test_service_user.py",
+    "tests/service/test_storage_full.py", "tests/security/test_trial_gate.py", "tests/security/test_tlab_up.py",
     "tests/service/test_notebook.py",
     "tests/hosts/test_hosts.py",
 })
