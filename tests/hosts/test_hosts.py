@@ -170,9 +170,9 @@ def lose_a_host_mid_run(head: Head, hosts: dict[str, Host], how: str) -> tuple[H
         job = running_with_a_checkpoint(c, head, tiny(training=LONG, resources=GANG), f"lose-{how}")
         victim = next(h for h in hosts.values() if h.hostname in placed_hosts(head, job))
         lost_at = time.monotonic()
-        with contextlib.nullcontext() if how == "kill" else victim.cut_off():
-            if how == "kill":
-                victim.kill()
+        if how == "kill":
+            victim.kill()
+        with victim.cut_off() if how == "cut" else contextlib.nullcontext():
             deadline = time.monotonic() + 120
             while not (head.redis.hget(keys.job(job), PREEMPTED_BY) or "").startswith("the loss of node"):
                 assert time.monotonic() < deadline, f"{how}: the node's loss never declared; {view(c, job)}"
