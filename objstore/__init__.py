@@ -127,19 +127,25 @@ class Bucket:
             name = path.relative_to(local_dir).as_posix()
             if path.is_symlink() or not path.is_file() or any(p.startswith(skip) for p in name.split("/")):
                 continue
-            st, key = path.stat(), f"{self.path(join(rel, name))} {path}"
-            if _pushed.get(key) == (st.st_size, st.st_mtime_ns):
-                continue
-            if key not in _pushed:  # a fresh process: compare with the bucket's copy
-                remote = self.ls(rel) if remote is None else remote
-                theirs = remote.get(name)
-                # the same file, or one older than the bucket's (a file this host pulled earlier keeps the bucket's
-                # time then): not sent, so it never replaces what another host wrote since, whatever the sizes
-                same = theirs is not None and theirs.size == st.st_size and st.st_mtime <= theirs.mtime + MTIME_SLACK_S
-                if same or (theirs is not None and st.st_mtime < theirs.mtime):
-                    _pushed[key] = (st.st_size, st.st_mtime_ns)
+            try:
+                st, key = path.stat(), f"{self.path(join(rel, name))} {path}"
+                if _pushed.get(key) == (st.st_size, st.st_mtime_ns):
                     continue
-            self.upload(path, join(rel, name))
+                if key not in _pushed:  # a fresh process: compare with the bucket's copy
+                    remote = self.ls(rel) if remote is None else remote
+                    theirs = remote.get(name)
+                    # the same file, or one older than the bucket's (a file this host pulled earlier keeps the
+                    # bucket's time then): not sent, so it never replaces what another host wrote since
+                    same = (theirs is not None and theirs.size == st.st_size
+                            and st.st_mtime <= theirs.mtime + MTIME_SLACK_S)
+                    if same or (theirs is not None and st.st_mtime < theirs.mtime):
+                        _pushed[key] = (st.st_size, st.st_mtime_ns)
+                        continue
+                self.upload(path, join(rel, name))
+            except FileNotFoundError:
+                if path.exists():  # not this file's: the bucket's side
+                    raise
+                continue  # removed since the listing (a checkpoint its run rotated out meanwhile): nothing to send
             _pushed[key] = (st.st_size, st.st_mtime_ns)
             sent.append(name)
         return sent

@@ -47,6 +47,25 @@ def test_push_sends_new_and_changed_files_and_pull_brings_them_back(s3_uri: str,
         assert f.read() == b"alpha, longer"
 
 
+def test_a_file_removed_while_a_push_runs_is_left_out_and_the_rest_is_sent(s3_uri: str, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run rotates its checkpoints while its background push runs: a folder listed, then removed before its
+    upload, is nothing to send, not a failed push (which would hold the bucket's copy back for RETRY_S)."""
+    b = Bucket(s3_uri)
+    src = tmp_path / "src"
+    tree(src, {"checkpoint_1/checkpoint.pt": b"old", "checkpoint_1/meta.json": b"{}",
+               "checkpoint_2/checkpoint.pt": b"new", "checkpoint_2/meta.json": b"{}"})
+    upload = Bucket.upload
+
+    def rotating(self: Bucket, path: Path, rel: str) -> None:
+        shutil.rmtree(src / "checkpoint_1", ignore_errors=True)  # the run's rotation, right after the listing
+        upload(self, path, rel)
+
+    monkeypatch.setattr(Bucket, "upload", rotating)
+    assert b.push(src, "job") == ["checkpoint_2/checkpoint.pt", "checkpoint_2/meta.json"]
+    assert sorted(b.ls("job")) == ["checkpoint_2/checkpoint.pt", "checkpoint_2/meta.json"]
+
+
 def test_a_log_is_replaced_only_by_a_longer_copy(s3_uri: str, tmp_path: Path) -> None:
     b = Bucket(s3_uri)
     tree(tmp_path / "remote", {"driver.log": b"line 1\nline 2\n"})
