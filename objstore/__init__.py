@@ -118,7 +118,8 @@ class Bucket:
              remote: dict[str, Remote] | None = None) -> list[str]:
         """Upload the files under ``local_dir`` that are new or changed since the bucket's copy to ``rel``;
         names (relative) of what was uploaded. Symlinks and names with a part starting with one of ``skip``
-        (hidden, half-written files) are left out. ``remote``: ``ls(rel)`` if the caller has it."""
+        (hidden, half-written files) are left out, and so is a file removed since the listing (a checkpoint its run
+        rotated out meanwhile). ``remote``: ``ls(rel)`` if the caller has it."""
         local_dir = Path(local_dir)
         if not local_dir.is_dir():
             return []
