@@ -61,7 +61,7 @@ def lost_of(records: Sequence[NodeRecord]) -> list[Node]:
     back = {host(r) for r in records if r.alive}
     latest: dict[tuple[str | None, str | None], int] = {}
     for r in records:
-        latest[host(r)] = max(latest.get(host(r), r.started_ms), r.started_ms)
+        latest[host(r)] = max(latest.get(host(r), 0), r.started_ms)
     return [r.node for r in records if not r.alive and not r.left and host(r) not in back
             and r.started_ms >= latest[host(r)]]
 

@@ -220,7 +220,7 @@ def test_a_host_cut_off_mid_run_is_declared_lost_within_20_s_and_rejoins_once_he
     assert head.joins[victim.name].wait(timeout=30) == 0  # its `tlab join` stopped its node and exited
     # out, not lost: neither its node that left nor the one cut off before it rejoined is listed
     wait_for(lambda: not any(n["hostname"] == victim.hostname for n in head.nodes()), 60,
-             "the host that was cut off, joined again and left is still listed")
+             lambda: f"the host that was cut off, joined again and left is still listed: {head.nodes()}")
 
 
 def test_a_host_that_leaves_mid_run_has_its_job_moved_which_resumes_elsewhere_every_epoch_once(
@@ -249,7 +249,7 @@ def test_a_host_that_leaves_mid_run_has_its_job_moved_which_resumes_elsewhere_ev
         assert any(f"{victim.hostname} ({victim.address}) leaving: its admin took it out" in m for m in logs), logs
         assert not any("the loss of node" in m for m in logs), logs  # nothing was declared lost
         wait_for(lambda: not any(n["hostname"] == victim.hostname for n in head.nodes()), 60,  # neither alive nor dead
-                 "the node that left is still listed")
+                 lambda: f"the node that left is still listed: {head.nodes()}")
         end(c, job)
     epochs = resumed_every_epoch_once(head, job)
     figures = {"requeued_s": round(queued, 1), "first_resumed_epoch_s": round(resumed, 1),

@@ -135,11 +135,11 @@ def ray_holders(stack: Stack) -> dict[str, list[dict]]:
     return {"ray_jobs": jobs, "cpu_actors": actors, "placement_groups": groups}
 
 
-def wait_for(ok: Callable[[], bool], timeout_s: float, what: str = "timed out") -> None:
-    """Block until ``ok()``; fails with ``what`` after ``timeout_s``."""
+def wait_for(ok: Callable[[], bool], timeout_s: float, what: str | Callable[[], str] = "timed out") -> None:
+    """Block until ``ok()``; fails with ``what`` after ``timeout_s`` (a callable: asked then, to say the state)."""
     deadline = time.monotonic() + timeout_s
     while not ok():
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, what() if callable(what) else what
         time.sleep(0.2)
 
 

@@ -286,7 +286,7 @@ def test_optuna_searcher_samples_the_space(stack: Stack) -> None:
 def test_pbt_moves_the_bottom_trial_onto_the_top_trials_checkpoint(stack: Stack) -> None:
     # two trials, one whose optimizer barely moves (lr 1e-5): at a perturbation round it is the bottom
     # trial, so PBT copies the other's checkpoint and config (the grid value too) and goes on from there
-    body = {"base": tiny(training={"epochs": 4}, teleport={"enabled": True, "epochs": [0, 2], "batches": 1},
+    body = {"base": tiny(training={"epochs": 6}, teleport={"enabled": True, "epochs": [0, 2, 4], "batches": 1},
                          resources={"cpus_per_worker": 0.9}),
             "scheduler": "pbt", "perturbation_interval": 2, "seed": 3, "max_concurrent_trials": 2,
             "search_space": {"optimizer.lr": {"grid": [1e-5, 0.3]}, "teleport.lr": {"loguniform": [0.01, 0.5]}}}
@@ -300,7 +300,7 @@ def test_pbt_moves_the_bottom_trial_onto_the_top_trials_checkpoint(stack: Stack)
     trials = {t["trial"]: t for t in view["trials"]}
     starts_seen = [(e.data["trial"], e.data["resumed_from_epoch"]) for e in events if e.data.get("kind") == "start"]
     rows = json.dumps(trials, indent=1) + f"\nstarts {starts_seen}\n" + logs[-8000:]  # whole: pytest shortens a dict
-    assert len(trials) == 2 and all(t["state"] == "succeeded" and t["epochs"] == 4 for t in trials.values()), rows
+    assert len(trials) == 2 and all(t["state"] == "succeeded" and t["epochs"] == 6 for t in trials.values()), rows
     assert all(t["config"]["optimizer.lr"] == 0.3 for t in trials.values()), rows  # copied with the checkpoint
     epochs: dict[str, dict[int, list[float]]] = {}
     starts: dict[str, list[int]] = {}
@@ -310,19 +310,19 @@ def test_pbt_moves_the_bottom_trial_onto_the_top_trials_checkpoint(stack: Stack)
         if e.data.get("kind") == "start":
             starts.setdefault(e.data["trial"], []).append(e.data["resumed_from_epoch"])
     for tid in trials:
-        assert sorted(epochs[tid]) == list(range(4)), epochs  # every epoch of every trial arrived, once
+        assert sorted(epochs[tid]) == list(range(6)), epochs  # every epoch of every trial arrived, once
         assert all(len(v) == 1 for v in epochs[tid].values()), epochs
-        assert starts[tid][0] == 0 and starts[tid] == sorted(starts[tid]) and starts[tid][-1] == 2, starts
+        assert starts[tid][0] == 0 and starts[tid] == sorted(starts[tid]) and starts[tid][-1] == 4, starts
     # the moved trial went on from the top trial's weights: after the move its loss is far below its own
     # slow start, at the level the lr-0.3 trial had reached
     slow = max(trials, key=lambda t: epochs[t][1][0])  # the lr-1e-5 trial, before the first round
     other = next(t for t in trials if t != slow)
     assert trials[slow]["perturbed"] >= 1, trials  # it was the bottom trial at epoch 2 and was moved
-    # a round at epoch 2 only: a move at the end (epoch 4) would relabel a finished trial's row with a config its
-    # results never trained under, and restart it for nothing
-    assert all(t["perturbed"] <= 1 for t in trials.values()), trials
-    assert epochs[slow][3][0] < 0.5 * epochs[slow][0][0], epochs[slow]
-    assert epochs[slow][3][0] < 2 * epochs[other][3][0], (epochs[slow], epochs[other])
+    # rounds at epochs 2 and 4 only: a move at the end (epoch 6) would relabel a finished trial's row with a
+    # config its results never trained under, and restart it for nothing
+    assert all(t["perturbed"] <= 2 for t in trials.values()), trials
+    assert epochs[slow][5][0] < 0.5 * epochs[slow][0][0], epochs[slow]
+    assert epochs[slow][5][0] < 2 * epochs[other][5][0], (epochs[slow], epochs[other])
     # storage keeps at most one training run per trial (the last interval's) besides Tune's copies, and
     # no leftover copy of an exploited checkpoint
     storage = stack.home / "storage"
