@@ -11,7 +11,7 @@ export MKL_NUM_THREADS ?= 1
 export RAY_AUTH_MODE ?= disabled
 export TMPDIR ?= /tmp
 
-.PHONY: setup browser sandbox demo test test-drills test-hosts test-bench test-fast lint bench docs-ref device-carry clean
+.PHONY: setup browser sandbox demo test test-sweeps test-drills test-hosts test-bench test-fast lint bench docs-ref device-carry clean
 
 setup: $(STAMP)
 
@@ -49,7 +49,13 @@ TEST_WORKERS ?= 3
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_WORKERS)
 
 test: setup browser sandbox
-	$(PYTEST) --ignore=tests/hosts --ignore=tests/benchmarks -m "not drill"
+	$(PYTEST) --ignore=tests/hosts --ignore=tests/benchmarks -m "not drill and not sweeps"
+
+# the sweeps through Ray Tune's searchers and schedulers (ASHA, Optuna, PBT, `tlab compare`), a sweep cancelled, a
+# failed trial rerun: each takes the whole head for several trials at once, every trial a process importing torch
+# (~6 min); apart from `make test` (a real sweep still runs there: a code package's, the dashboard's, the notebook's)
+test-sweeps: setup browser sandbox
+	$(PYTEST) --ignore=tests/hosts --ignore=tests/benchmarks -m "sweeps and not drill"
 
 # the drills: a Ray head, Redis, the scheduler, the API, a job's driver or a node killed or restarted mid-run, and
 # what survives it (every epoch once, nothing lost); each restarts Ray, so they run apart from `make test` (~8 min)

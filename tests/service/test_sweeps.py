@@ -1,4 +1,6 @@
-"""Sweeps through the REST API: search-space validation (no Ray), and a real Ray Tune ASHA sweep."""
+"""Sweeps through the REST API: search-space validation (no Ray), then each searcher and scheduler on a real Ray Tune
+sweep (ASHA, Optuna, PBT, ``tlab compare``'s study), a sweep cancelled, a failed trial rerun: those are marked
+``sweeps`` and run in ``make test-sweeps`` (each takes the whole head for several trials at once)."""
 
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ def test_bad_search_spaces_are_refused_naming_the_path(api_only: Api) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.sweeps
 def test_asha_sweep_over_teleport_lr_runs_through_the_api(stack: Stack) -> None:
     # teleport.budget off: each trial teleports as its spec says, however loaded the machine (a budget cuts by time)
     base = tiny(training={"epochs": 6}, resources={"cpus_per_worker": 0.9},  # two trials at once on the 2-CPU head
@@ -115,6 +118,7 @@ def colour_pixels(png: bytes) -> dict[str, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.sweeps
 def test_tlab_compare_runs_the_study_as_a_sweep_with_a_table_and_two_bands(
         stack: Stack, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`tlab compare --seeds 2` through the service: a teleport on/off × seed sweep, the study table (mean ±
@@ -171,6 +175,7 @@ def test_colour_check_tells_one_band_from_two() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.sweeps
 def test_cancelling_a_sweep_stops_every_trial(stack: Stack) -> None:
     import time
 
@@ -264,6 +269,7 @@ def test_a_sweep_cut_off_by_a_stack_restart_resumes_its_trials(tmp_path: Path) -
 
 
 @pytest.mark.slow
+@pytest.mark.sweeps
 def test_optuna_searcher_samples_the_space(stack: Stack) -> None:
     body = {"base": tiny(training={"epochs": 3}, resources={"cpus_per_worker": 0.9}), "searcher": "optuna", "seed": 7,
             "search_space": {"teleport.lr": {"loguniform": [0.01, 1]}, "optimizer.name": {"choice": ["sgd", "adam"]}},
@@ -283,6 +289,7 @@ def test_optuna_searcher_samples_the_space(stack: Stack) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.sweeps
 def test_pbt_moves_the_bottom_trial_onto_the_top_trials_checkpoint(stack: Stack) -> None:
     # two trials, one whose optimizer barely moves (lr 1e-5): at a perturbation round it is the bottom
     # trial, so PBT copies the other's checkpoint and config (the grid value too) and goes on from there
@@ -357,6 +364,7 @@ def train(ctx):
 
 
 @pytest.mark.slow
+@pytest.mark.sweeps
 # the cause is "fixed" by a file the test writes on the host, which a sandboxed trial cannot see (the
 # sandbox is held to that in tests/service/test_sandbox.py); here the trials run as plain children
 @pytest.mark.parametrize("stack_env", [{"TLAB_SANDBOX": "off"}])
