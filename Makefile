@@ -53,7 +53,8 @@ test: setup browser sandbox
 
 # the sweeps through Ray Tune's searchers and schedulers (ASHA, Optuna, PBT, `tlab compare`), a sweep cancelled, a
 # failed trial rerun: each takes the whole head for several trials at once, every trial a process importing torch
-# (~6 min); apart from `make test` (a real sweep still runs there: a code package's, the dashboard's, the notebook's)
+# (~4.5 min alone); apart from `make test`, where real sweeps still run (a code package's, the dashboard's, the
+# notebook's)
 test-sweeps: setup browser sandbox
 	$(PYTEST) --ignore=tests/hosts --ignore=tests/benchmarks -m "sweeps and not drill"
 
