@@ -55,7 +55,7 @@ test: setup browser sandbox
 # failed trial rerun: each takes the whole head for several trials at once, every trial a process importing torch
 # (~4.5 min alone); apart from `make test`, where real sweeps still run (a code package's, the dashboard's, the
 # notebook's)
-test-sweeps: setup browser sandbox
+test-sweeps: setup sandbox
 	$(PYTEST) --ignore=tests/hosts --ignore=tests/benchmarks -m "sweeps and not drill"
 
 # the drills: a Ray head, Redis, the scheduler, the API, a job's driver or a node killed or restarted mid-run, and

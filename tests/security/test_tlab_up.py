@@ -237,10 +237,7 @@ def job_environment(url: str, token: str, pkg: Path) -> dict:
         spec = {**tiny(training={"epochs": 1}), "model": {"kind": "custom", "factory": "probe.model:build"},
                 "code": {"package": upload(c, str(pkg))["package"]}}
         job = c.submit(spec, name="probe")["id"]
-        deadline = time.monotonic() + 150
-        while (view := c.get(job))["state"] not in ("succeeded", "failed", "cancelled"):
-            assert time.monotonic() < deadline, view
-            time.sleep(0.5)
+        view = wait_end(c, job, timeout=150)
         assert view["state"] == "succeeded", view.get("failure_reason")
         line = next(x for x in c.logs(job).splitlines() if x.startswith("PROBE "))
     return {**json.loads(line.removeprefix("PROBE ")), "job": job}
