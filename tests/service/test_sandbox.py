@@ -118,8 +118,9 @@ def attack(c: Client, package: str, args: dict, **resources: object) -> tuple[st
     assert [p["epoch"] for p in c.json("GET", f"/v1/experiments/{job}/metrics")["points"]] == [0, 1]
     ranks = int(resources.get("workers", 1))  # type: ignore[call-overload]
     logs = [c.logs(job, rank=str(r)) for r in range(ranks)]
-    found = [json.loads(next(x for x in log.splitlines() if x.startswith("ATTACK ")).removeprefix("ATTACK "))
-             for log in logs]
+    attacks = [[x for x in log.splitlines() if "ATTACK " in x] for log in logs]
+    assert [len(a) for a in attacks] == [1] * ranks, attacks  # each rank's log holds its own lines, no other rank's
+    found = [json.loads(a[0].removeprefix("ATTACK ")) for a in attacks]
     return job, found
 
 

@@ -56,8 +56,8 @@ class Ranks:
         import ray
 
         self.start_from = start_from
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
+        if not ray.is_initialized():  # each rank keeps its own log: rank 0's (this driver's) holds its lines only
+            ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
         self.world, self.host = spec.resources.workers, ray.util.get_node_ip_address()
         self.sock = socket.create_server((self.host, 0))
         self.port = int(self.sock.getsockname()[1])
