@@ -209,6 +209,13 @@ def join_tokens() -> str:
     return f"{PREFIX}:join_tokens"
 
 
+def nodes_joined() -> str:
+    """Hash: the address a node joined from -> the id of the join token it joined with; only that token may join
+    again from there or take that node out (``tlab leave``). An entry goes when its token is revoked
+    (service/core/join_tokens.py)."""
+    return f"{PREFIX}:nodes:joined"
+
+
 def nodes_leaving() -> str:
     """Hash: the address of a node leaving the cluster (``tlab leave``) -> JSON {hostname, address, since, until}. The
     scheduler places nothing there and stops the jobs placed there; an entry goes when a node joins again from that

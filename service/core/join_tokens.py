@@ -2,7 +2,11 @@
 (``POST /v1/nodes/join``) and when it leaves (``/v1/nodes/leave``). Only the token's sha256 is kept; a revoked
 token is gone from ``keys.join_tokens``, so the next join or leave with it is refused. Revoking does not cut off a
 node already joined: ``tlab leave`` on it (which then stops its node without moving its jobs first: they resume
-elsewhere once the node is seen gone), or rotate the cluster's Ray token (``$TLAB_HOME/ray.token``) and restart."""
+elsewhere once the node is seen gone), or rotate the cluster's Ray token (``$TLAB_HOME/ray.token``) and restart.
+
+An address a node joined from is bound to the token it joined with (``keys.nodes_joined``): the join from an address
+is the claim on it, and another token joins nothing from there and takes nothing out from there (one token's
+machine cannot take another's node, or the head, out of the cluster). Revoking a token frees its addresses."""
 
 from __future__ import annotations
 
@@ -37,18 +41,41 @@ def listed(r: redis.Redis) -> list[JoinTokenView]:
 
 
 def revoke(r: redis.Redis, token_id: str) -> bool:
+    """Revoke the token; the addresses its nodes joined from are free to join from again (with another token)."""
+    freed = [address for address, holder in r.hgetall(keys.nodes_joined()).items() if holder == token_id]
+    if freed:
+        r.hdel(keys.nodes_joined(), *freed)
     return bool(r.hdel(keys.join_tokens(), token_id))
 
 
-def check(r: redis.Redis, secret: str, counted: bool = True) -> str:
-    """The id of the join token ``secret``, counted as used once more (``counted``: a join); 401 for an unknown or
-    revoked one."""
+def bind(r: redis.Redis, address: str, token_id: str) -> str | None:
+    """Bind ``address`` to ``token_id`` at a join: None when it is (now) that token's, else the id of the token that
+    holds it."""
+    if r.hsetnx(keys.nodes_joined(), address, token_id):
+        return None
+    holder = r.hget(keys.nodes_joined(), address)
+    return None if holder == token_id else holder
+
+
+def holder(r: redis.Redis, address: str) -> str | None:
+    """The id of the join token a node joined from ``address`` with (None: no node joined from there)."""
+    return r.hget(keys.nodes_joined(), address)
+
+
+def check(r: redis.Redis, secret: str) -> str:
+    """The id of the join token ``secret``; 401 for an unknown or revoked one."""
     token_id = secret.removeprefix(PREFIX).partition(".")[0] if secret.startswith(PREFIX) else ""
     raw = r.hget(keys.join_tokens(), token_id) if token_id else None
     row = json.loads(raw) if raw else {}
     if not row or not hmac.compare_digest(str(row.get("sha256", "")), hash_token(secret)):
         raise Unauthorized("unknown or revoked join token: ask the admin for one (`tlab join-token` on the head)")
-    if counted:
+    return token_id
+
+
+def counted(r: redis.Redis, token_id: str) -> None:
+    """One more join granted with the token (its ``joins``; nothing if it was revoked meanwhile)."""
+    raw = r.hget(keys.join_tokens(), token_id)
+    if raw:
+        row = json.loads(raw)
         row["joins"] = int(row.get("joins", 0)) + 1
         r.hset(keys.join_tokens(), token_id, json.dumps(row))
-    return token_id

@@ -48,11 +48,12 @@ def clear(r: redis.Redis, address: str) -> None:
     r.hdel(keys.nodes_leaving(), address)
 
 
-def node_ids(r: redis.Redis, address: str) -> set[str]:
-    """The Ray node ids at ``address`` in the scheduler's last view of the cluster (alive or not)."""
+def node_ids(r: redis.Redis, address: str, alive_only: bool = False) -> set[str]:
+    """The Ray node ids at ``address`` in the scheduler's last view of the cluster (alive or not, unless
+    ``alive_only``)."""
     raw = r.get(keys.cluster())
     view = ClusterView.model_validate(json.loads(raw)["view"]) if raw else None
-    return {n.id for n in view.nodes if n.address == address} if view else set()
+    return {n.id for n in view.nodes if n.address == address and (n.alive or not alive_only)} if view else set()
 
 
 def jobs_on(store: Store, ids: set[str]) -> list[str]:

@@ -125,6 +125,10 @@ def test_a_host_with_a_join_token_only_joins_and_the_next_gang_trains_across_two
         ids = head.wait_alive([hosts["a"], hosts["b"]])
         named = {n["hostname"]: n["address"] for n in head.nodes() if n["alive"]}
         assert named[hosts["a"].hostname] == hosts["a"].address  # named by host name and address, not a Ray id
+        other = {"Authorization": f"Bearer {head.join_token()}"}  # another machine's: it takes host a's node nowhere
+        host_a = {"hostname": hosts["a"].hostname, "address": hosts["a"].address}
+        assert httpx.post(f"{head.url}/v1/nodes/leave", json=host_a, headers=other, timeout=30).status_code == 403
+        assert httpx.post(f"{head.url}/v1/nodes/join", json=host_a, headers=other, timeout=30).status_code == 409
 
         job = submit(c, tiny(training={"epochs": 4}, resources=GANG), "across")
         done = wait(c, job, lambda v: v["state"] in ("succeeded", "failed", "cancelled"), "the end", timeout=300)

@@ -1,5 +1,6 @@
 """Machines joining the cluster: join tokens (admin only), the join itself (``tlab join``, with a join token), and
-the leave (``tlab leave``, with the token the node joined with: service.core.nodes_leaving)."""
+the leave (``tlab leave``, with the token the node joined with: service.core.nodes_leaving). The address a node
+joins from is bound to its token (service.core.join_tokens): a token acts on the nodes it joined, no other."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from service.api.deps import AdminUser, Credentials, StateDep, admin_user
 from service.api.responses import ADMIN, AUTHED, BODY, error
 from service.api.strict import strict_json
 from service.core import join_tokens, nodes_leaving
-from service.core.errors import InvalidState, UserNotFound
+from service.core.errors import Forbidden, InvalidState, UserNotFound
 
 router = APIRouter(prefix="/v1", tags=["nodes"], responses=AUTHED)
 log = logging.getLogger(__name__)
@@ -55,40 +56,54 @@ def revoke_join_token(token_id: str, st: StateDep, admin: AdminUser) -> None:
         raise UserNotFound(f"no join token {token_id!r}: `tlab join-token --list` shows them", field="token_id")
 
 
-def join_token(st: StateDep, creds: Credentials) -> str:
+def node_token(st: StateDep, creds: Credentials) -> str:
     """The bearer token as a join token: its id (401 for an unknown or revoked one, or a user's token)."""
     return join_tokens.check(st.store.r, creds.credentials if creds else "")
-
-
-JoinToken = Annotated[str, Depends(join_token)]
-
-
-def node_token(st: StateDep, creds: Credentials) -> str:
-    """The bearer token as a join token, not counted as a join: a node leaving (401 as ``join_token``)."""
-    return join_tokens.check(st.store.r, creds.credentials if creds else "", counted=False)
 
 
 NodeToken = Annotated[str, Depends(node_token)]
 
 
-@router.post("/nodes/join", responses=BODY | {409: error("this service lets no node join (tlab up --listen)")},
-             dependencies=[Depends(strict_json(JoinRequest, join_token))])
-def join(body: JoinRequest, st: StateDep, token_id: JoinToken) -> JoinGrant:
-    """What a machine with a join token (the bearer token here, never a user's) needs to join as a Ray node."""
+@router.post("/nodes/join", responses=BODY | {409: error("this service lets no node join (tlab up --listen), or "
+                                                         "`address` is another join token's or the head's")},
+             dependencies=[Depends(strict_json(JoinRequest, node_token))])
+def join(body: JoinRequest, st: StateDep, token_id: NodeToken) -> JoinGrant:
+    """What a machine with a join token (the bearer token here, never a user's) needs to join as a Ray node. The
+    address it joins from is bound to its token: no other token joins from there or takes that node out."""
     address, ray_token = st.settings.join_address, os.environ.get("RAY_AUTH_TOKEN", "")
     if not address:
         raise InvalidState("this service lets no node join: start it with `tlab up --listen ADDR` (or set "
                            "TLAB_JOIN_ADDRESS to the Ray head's host:port)", field="ray_address")
+    if join_tokens.holder(st.store.r, body.address) is None and nodes_leaving.node_ids(st.store.r, body.address,
+                                                                                       alive_only=True):
+        raise InvalidState(f"a node that joined with no join token (the head's) is alive at {body.address}: a "
+                           "machine joins from its own address", field="address")
+    taken = join_tokens.bind(st.store.r, body.address, token_id)
+    if taken is not None:
+        raise InvalidState(f"a node joined from {body.address} with join token {taken}: join from there with that "
+                           f"token, or have the admin revoke it (`tlab join-token --revoke {taken}`)", field="address")
+    join_tokens.counted(st.store.r, token_id)
     log.warning("node %s (%s) joins with join token %s", body.hostname, body.address, token_id)
     nodes_leaving.clear(st.store.r, body.address)  # back: whatever left from this address before is gone
     return JoinGrant(ray_address=address, ray_token=ray_token,
                      env={k: os.environ[k] for k in NODE_SETTINGS if os.environ.get(k)})
 
 
-@router.post("/nodes/leave", responses=BODY, dependencies=[Depends(strict_json(LeaveRequest, node_token))])
+def joined_with(st: StateDep, token_id: str, address: str) -> None:
+    """Return when the node at ``address`` joined with the join token ``token_id``; 403 otherwise."""
+    holder = join_tokens.holder(st.store.r, address)
+    if holder != token_id:
+        said = "no node joined from there" if holder is None else "its node joined with another join token"
+        raise Forbidden(f"this join token takes no node at {address} out ({said}): `tlab leave` on the node, which "
+                        "uses the token it joined with", field="address")
+
+
+@router.post("/nodes/leave", responses=BODY | {403: error("the node at `address` did not join with this token")},
+             dependencies=[Depends(strict_json(LeaveRequest, node_token))])
 def leave(body: LeaveRequest, st: StateDep, token_id: NodeToken) -> LeaveStatus:
-    """Take a node out (`tlab leave`, with a join token): nothing more starts there, and the jobs placed there stop to
-    resume elsewhere from their last checkpoint; the answer lists those still there."""
+    """Take a node out (`tlab leave`, with the join token it joined with): nothing more starts there, and the jobs
+    placed there stop to resume elsewhere from their last checkpoint; the answer lists those still there."""
+    joined_with(st, token_id, body.address)
     now = time.time()
     if body.address not in nodes_leaving.current(st.store.r, now):
         log.warning("node %s (%s) leaves, with join token %s", body.hostname, body.address, token_id)
@@ -96,10 +111,12 @@ def leave(body: LeaveRequest, st: StateDep, token_id: NodeToken) -> LeaveStatus:
     return nodes_leaving.status(st.store, body.address, now) or marked
 
 
-@router.get("/nodes/leave", responses={404: error("no node is leaving from that address")})
+@router.get("/nodes/leave", responses={403: error("the node at `address` did not join with this token"),
+                                       404: error("no node is leaving from that address")})
 def leaving(st: StateDep, token_id: NodeToken,
             address: Annotated[str, Query(max_length=64, pattern=r"^[0-9A-Fa-f.:]+$")]) -> LeaveStatus:
-    """How a node's leave goes (with a join token): the jobs still placed on it."""
+    """How a node's leave goes (with the join token it joined with): the jobs still placed on it."""
+    joined_with(st, token_id, address)
     found = nodes_leaving.status(st.store, address, time.time())
     if found is None:
         raise UserNotFound(f"no node is leaving from {address}: `tlab leave` on it", field="address")

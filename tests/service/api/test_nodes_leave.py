@@ -1,7 +1,8 @@
 """``/v1/nodes/leave`` (``tlab leave``) over real HTTP on a real Redis (the API alone: what the scheduler does with a
-leaving node is ``tests/service/scheduler/test_leaving_nodes.py``, and on real hosts ``tests/hosts``): only a join
-token not revoked may take a node out, and asking is no join; the answer lists the jobs still placed on the node; a
-node joining again from that address clears its leave."""
+leaving node is ``tests/service/scheduler/test_leaving_nodes.py``, and on real hosts ``tests/hosts``): only the join
+token not revoked that a node joined with may take it out, and asking is no join; another token joins nothing from
+its address, nor from the head's; the answer lists the jobs still placed on the node; a node joining again from that
+address clears its leave; a revoked token's addresses are free again."""
 
 from __future__ import annotations
 
@@ -58,13 +59,28 @@ def test_only_a_join_token_takes_a_node_out_and_the_answer_lists_its_jobs(api_on
                 assert c.get("/v1/nodes/leave", params={"address": NODE["address"]},
                              headers=headers).status_code == 401, headers
             assert store.r.hgetall(keys.nodes_leaving()) == {}  # nothing recorded by a refusal
+            refused = c.post("/v1/nodes/leave", json=NODE, headers=bearer(secret))
+            assert refused.status_code == 403 and refused.json()["errors"][0]["field"] == "address"  # none joined
+            assert c.post("/v1/nodes/join", json=NODE, headers=bearer(secret)).status_code == 200  # the node joins
 
             ours = running_on(store, "f" * 56)
             running_on(store, "e" * 56)  # on another node
+            head = {"hostname": "cpu-1", "address": "10.0.0.11"}  # as the head's node: joined with no join token
             publish(store.r, [NodeView(id="f" * 56, alive=True, cpus_total=1, cpus_free=0, gpus_total=0, gpus_free=0,
                                        **NODE),
                               NodeView(id="e" * 56, alive=True, cpus_total=1, cpus_free=0, gpus_total=0, gpus_free=0,
-                                       hostname="cpu-1", address="10.0.0.11")])
+                                       **head)])
+            # another machine's join token takes nothing of this node's, nor the head's: no leave, no question about
+            # its leave, no join from its address (which would clear a leave)
+            other = admin.post("/v1/join-tokens", json={"note": "another machine"}).json()["secret"]
+            assert c.post("/v1/nodes/leave", json=NODE, headers=bearer(other)).status_code == 403
+            assert c.post("/v1/nodes/leave", json=head, headers=bearer(other)).status_code == 403
+            assert c.get("/v1/nodes/leave", params={"address": NODE["address"]},
+                         headers=bearer(other)).status_code == 403
+            for taken in (NODE, head):
+                r = c.post("/v1/nodes/join", json=taken, headers=bearer(other))
+                assert r.status_code == 409 and r.json()["errors"][0]["field"] == "address", r.text
+            assert store.r.hgetall(keys.nodes_leaving()) == {}
             bad = c.post("/v1/nodes/leave", json={**NODE, "wait_s": "60"}, headers=bearer(secret))
             assert bad.status_code == 422 and bad.json()["errors"][0]["field"] == "wait_s"
             r = c.post("/v1/nodes/leave", json={**NODE, "wait_s": 60}, headers=bearer(secret))
@@ -83,9 +99,18 @@ def test_only_a_join_token_takes_a_node_out_and_the_answer_lists_its_jobs(api_on
             assert ask("10.0.0.13").status_code == 200 and ask("10.0.0.13").json()["jobs"] == [ours]
             assert store.transition(ours, JobState.QUEUED, expect=[JobState.RUNNING], now=110.0)  # moved
             assert ask("10.0.0.13").json()["jobs"] == []
-            assert ask("10.0.0.11").status_code == 404 and ask("10.0.0.13;x").status_code == 422
+            assert ask("10.0.0.11").status_code == 403 and ask("10.0.0.13;x").status_code == 422  # not its node
 
             assert c.post("/v1/nodes/join", json=NODE, headers=bearer(secret)).status_code == 200  # back
             assert ask("10.0.0.13").status_code == 404
-        tokens = {t["id"]: t["joins"] for t in admin.get("/v1/join-tokens").json()}
-    assert list(tokens.values()) == [1]  # the join counted, the leaves and their questions not
+            tokens = {t["note"]: t["joins"] for t in admin.get("/v1/join-tokens").json()}
+            assert tokens == {"nodes": 2, "another machine": 0}  # the joins counted; refusals, leaves, questions not
+
+            # the token revoked: its node's address is free for another token's machine, and it takes nothing out
+            assert admin.delete(f"/v1/join-tokens/{secret.removeprefix('tlj_').partition('.')[0]}").status_code == 204
+            assert c.post("/v1/nodes/leave", json=NODE, headers=bearer(secret)).status_code == 401
+            assert c.post("/v1/nodes/join", json=NODE, headers=bearer(other)).status_code == 409  # its node is alive
+            publish(store.r, [NodeView(id="f" * 56, alive=False, cpus_total=1, cpus_free=0, gpus_total=0, gpus_free=0,
+                                       **NODE)])  # its `tlab join` stopped
+            assert c.post("/v1/nodes/join", json=NODE, headers=bearer(other)).status_code == 200
+            assert c.post("/v1/nodes/leave", json=NODE, headers=bearer(other)).status_code == 200
