@@ -22,6 +22,7 @@ from service.core.errors import Unauthorized
 from service.core.store import hash_token
 
 PREFIX = "tlj_"  # a join token is told apart from a user's (tl_) at a glance
+MAX_ADDRESSES = 1024  # addresses one join token may have joined from (each kept until the token is revoked)
 
 
 def create(r: redis.Redis, note: str, now: float) -> tuple[JoinTokenView, str]:
@@ -49,11 +50,16 @@ def revoke(r: redis.Redis, token_id: str) -> bool:
 
 
 def bind(r: redis.Redis, address: str, token_id: str) -> str | None:
-    """Bind ``address`` to ``token_id`` at a join: None when it is (now) that token's, else the id of the token that
-    holds it."""
+    """Bind ``address`` to ``token_id`` at a join: None when it is (now) that token's; else the id of the token that
+    holds it, or ``token_id`` itself when it holds ``MAX_ADDRESSES`` others already."""
+    holder = r.hget(keys.nodes_joined(), address)
+    if holder is not None:
+        return None if holder == token_id else holder
+    if list(r.hvals(keys.nodes_joined())).count(token_id) >= MAX_ADDRESSES:
+        return token_id
     if r.hsetnx(keys.nodes_joined(), address, token_id):
         return None
-    holder = r.hget(keys.nodes_joined(), address)
+    holder = r.hget(keys.nodes_joined(), address)  # another join from there won the race
     return None if holder == token_id else holder
 
 

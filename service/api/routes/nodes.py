@@ -74,11 +74,15 @@ def join(body: JoinRequest, st: StateDep, token_id: NodeToken) -> JoinGrant:
     if not address:
         raise InvalidState("this service lets no node join: start it with `tlab up --listen ADDR` (or set "
                            "TLAB_JOIN_ADDRESS to the Ray head's host:port)", field="ray_address")
-    if join_tokens.holder(st.store.r, body.address) is None and nodes_leaving.node_ids(st.store.r, body.address,
-                                                                                       alive_only=True):
-        raise InvalidState(f"a node that joined with no join token (the head's) is alive at {body.address}: a "
-                           "machine joins from its own address", field="address")
+    head = address.rpartition(":")[0].strip("[]")
+    if body.address == head or join_tokens.holder(st.store.r, body.address) is None and nodes_leaving.node_ids(
+            st.store.r, body.address, alive_only=True):
+        raise InvalidState(f"a node that joined with no join token (the head's) is at {body.address}: a machine "
+                           "joins from its own address", field="address")
     taken = join_tokens.bind(st.store.r, body.address, token_id)
+    if taken == token_id:
+        raise InvalidState(f"join token {token_id} joined {join_tokens.MAX_ADDRESSES} addresses already: ask the "
+                           "admin for another", field="address")
     if taken is not None:
         raise InvalidState(f"a node joined from {body.address} with join token {taken}: join from there with that "
                            f"token, or have the admin revoke it (`tlab join-token --revoke {taken}`)", field="address")

@@ -14,6 +14,7 @@ import redis
 
 from api_schemas import keys
 from api_schemas.jobs import ClusterView, ExperimentSubmit, JobState, NodeView
+from service.core import join_tokens
 from service.core.store import Store
 from tests.service.conftest import Api, tiny
 
@@ -77,7 +78,8 @@ def test_only_a_join_token_takes_a_node_out_and_the_answer_lists_its_jobs(api_on
             assert c.post("/v1/nodes/leave", json=head, headers=bearer(other)).status_code == 403
             assert c.get("/v1/nodes/leave", params={"address": NODE["address"]},
                          headers=bearer(other)).status_code == 403
-            for taken in (NODE, head):
+            gcs = {"hostname": "head", "address": "10.0.0.1"}  # the Ray head's own address (TLAB_JOIN_ADDRESS)
+            for taken in (NODE, head, gcs):
                 r = c.post("/v1/nodes/join", json=taken, headers=bearer(other))
                 assert r.status_code == 409 and r.json()["errors"][0]["field"] == "address", r.text
             assert store.r.hgetall(keys.nodes_leaving()) == {}
@@ -114,3 +116,16 @@ def test_only_a_join_token_takes_a_node_out_and_the_answer_lists_its_jobs(api_on
                                        **NODE)])  # its `tlab join` stopped
             assert c.post("/v1/nodes/join", json=NODE, headers=bearer(other)).status_code == 200
             assert c.post("/v1/nodes/leave", json=NODE, headers=bearer(other)).status_code == 200
+
+
+def test_a_join_token_binds_so_many_addresses_at_most(redis_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    r = Store.from_url(redis_server).r
+    r.delete(keys.nodes_joined())
+    monkeypatch.setattr(join_tokens, "MAX_ADDRESSES", 2)
+    assert [join_tokens.bind(r, a, "t1") for a in ("10.0.0.21", "10.0.0.22")] == [None, None]
+    assert join_tokens.bind(r, "10.0.0.21", "t1") is None  # joining again from its own address
+    assert join_tokens.bind(r, "10.0.0.23", "t1") == "t1"  # a third address: refused, nothing kept
+    assert join_tokens.bind(r, "10.0.0.21", "t2") == "t1"  # another token's
+    assert join_tokens.bind(r, "10.0.0.23", "t2") is None
+    assert join_tokens.revoke(r, "t1") is False  # (no such token row here) yet its addresses are freed
+    assert r.hgetall(keys.nodes_joined()) == {"10.0.0.23": "t2"}
