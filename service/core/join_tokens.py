@@ -18,7 +18,7 @@ import redis
 
 from api_schemas import keys
 from api_schemas.nodes import JoinTokenView
-from service.core.errors import Unauthorized
+from service.core.errors import InvalidState, Unauthorized
 from service.core.store import hash_token
 
 PREFIX = "tlj_"  # a join token is told apart from a user's (tl_) at a glance
@@ -49,18 +49,18 @@ def revoke(r: redis.Redis, token_id: str) -> bool:
     return bool(r.hdel(keys.join_tokens(), token_id))
 
 
-def bind(r: redis.Redis, address: str, token_id: str) -> str | None:
-    """Bind ``address`` to ``token_id`` at a join: None when it is (now) that token's; else the id of the token that
-    holds it, or ``token_id`` itself when it holds ``MAX_ADDRESSES`` others already."""
+def bind(r: redis.Redis, address: str, token_id: str) -> None:
+    """Bind ``address`` to ``token_id`` at a join (already its: nothing); 409 naming ``address`` when another token
+    holds it, or when ``token_id`` holds ``MAX_ADDRESSES`` others already."""
     holder = r.hget(keys.nodes_joined(), address)
-    if holder is not None:
-        return None if holder == token_id else holder
-    if list(r.hvals(keys.nodes_joined())).count(token_id) >= MAX_ADDRESSES:
-        return token_id
-    if r.hsetnx(keys.nodes_joined(), address, token_id):
-        return None
-    holder = r.hget(keys.nodes_joined(), address)  # another join from there won the race
-    return None if holder == token_id else holder
+    if holder is None and list(r.hvals(keys.nodes_joined())).count(token_id) >= MAX_ADDRESSES:
+        raise InvalidState(f"join token {token_id} joined {MAX_ADDRESSES} addresses already: ask the admin for "
+                           "another", field="address")
+    if holder is None and not r.hsetnx(keys.nodes_joined(), address, token_id):
+        holder = r.hget(keys.nodes_joined(), address)  # another join from there won the race
+    if holder not in (None, token_id):
+        raise InvalidState(f"a node joined from {address} with join token {holder}: join from there with that "
+                           f"token, or have the admin revoke it (`tlab join-token --revoke {holder}`)", field="address")
 
 
 def holder(r: redis.Redis, address: str) -> str | None:

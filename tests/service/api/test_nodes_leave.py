@@ -15,6 +15,7 @@ import redis
 from api_schemas import keys
 from api_schemas.jobs import ClusterView, ExperimentSubmit, JobState, NodeView
 from service.core import join_tokens
+from service.core.errors import InvalidState
 from service.core.store import Store
 from tests.service.conftest import Api, tiny
 
@@ -50,7 +51,8 @@ def test_only_a_join_token_takes_a_node_out_and_the_answer_lists_its_jobs(api_on
     store = Store.from_url(redis_server)
     user = api_only.add_user("ann")
     with api_only.client() as admin:
-        secret = admin.post("/v1/join-tokens", json={"note": "nodes"}).json()["secret"]
+        made = admin.post("/v1/join-tokens", json={"note": "nodes"}).json()
+        secret = made["secret"]
         revoked = admin.post("/v1/join-tokens", json={"note": "to revoke"}).json()
         assert admin.delete(f"/v1/join-tokens/{revoked['token']['id']}").status_code == 204
         with httpx.Client(base_url=api_only.url, timeout=30) as c:
@@ -109,7 +111,7 @@ def test_only_a_join_token_takes_a_node_out_and_the_answer_lists_its_jobs(api_on
             assert tokens == {"nodes": 2, "another machine": 0}  # the joins counted; refusals, leaves, questions not
 
             # the token revoked: its node's address is free for another token's machine, and it takes nothing out
-            assert admin.delete(f"/v1/join-tokens/{secret.removeprefix('tlj_').partition('.')[0]}").status_code == 204
+            assert admin.delete(f"/v1/join-tokens/{made['token']['id']}").status_code == 204
             assert c.post("/v1/nodes/leave", json=NODE, headers=bearer(secret)).status_code == 401
             assert c.post("/v1/nodes/join", json=NODE, headers=bearer(other)).status_code == 409  # its node is alive
             publish(store.r, [NodeView(id="f" * 56, alive=False, cpus_total=1, cpus_free=0, gpus_total=0, gpus_free=0,
@@ -122,10 +124,13 @@ def test_a_join_token_binds_so_many_addresses_at_most(redis_server: str, monkeyp
     r = Store.from_url(redis_server).r
     r.delete(keys.nodes_joined())
     monkeypatch.setattr(join_tokens, "MAX_ADDRESSES", 2)
-    assert [join_tokens.bind(r, a, "t1") for a in ("10.0.0.21", "10.0.0.22")] == [None, None]
-    assert join_tokens.bind(r, "10.0.0.21", "t1") is None  # joining again from its own address
-    assert join_tokens.bind(r, "10.0.0.23", "t1") == "t1"  # a third address: refused, nothing kept
-    assert join_tokens.bind(r, "10.0.0.21", "t2") == "t1"  # another token's
-    assert join_tokens.bind(r, "10.0.0.23", "t2") is None
+    for address in ("10.0.0.21", "10.0.0.22", "10.0.0.21"):  # the last: joining again from its own address
+        join_tokens.bind(r, address, "t1")
+    with pytest.raises(InvalidState, match="joined 2 addresses already") as third:  # refused, nothing kept
+        join_tokens.bind(r, "10.0.0.23", "t1")
+    with pytest.raises(InvalidState, match="with join token t1") as taken:  # another token's
+        join_tokens.bind(r, "10.0.0.21", "t2")
+    assert third.value.field == taken.value.field == "address"
+    join_tokens.bind(r, "10.0.0.23", "t2")
     assert join_tokens.revoke(r, "t1") is False  # (no such token row here) yet its addresses are freed
     assert r.hgetall(keys.nodes_joined()) == {"10.0.0.23": "t2"}
